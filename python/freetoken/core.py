@@ -1,0 +1,85 @@
+"""Plain data shared by every stage: what a request asks for, and what one step returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings. No torch here: it crosses process boundaries."""
+
+    temperature: float = 1.0
+    top_k: int = -1  # <= 0 disables
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop_strs: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    # Number of alternatives per position; None means no logprobs at all (0 = sampled token only).
+    logprobs: int | None = None
+    # Vocabulary mask; a masked row that asks for logprobs gets them renormalised over these ids.
+    allowed_token_ids: list[int] | None = None
+    return_tokens_as_token_ids: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        # top_k == 1 keeps only the argmax, whatever the temperature or top_p.
+        return self.temperature <= 0.0 or self.top_k == 1
+
+
+@dataclass
+class TokenLogprob:
+    """Logprob data of one sampled position.
+
+    `logprob` and `top_*` come from the raw distribution, or from the distribution renormalised
+    over `allowed_token_ids` when the request set them. `rank` is 1-based.
+    """
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class Req:
+    """A request inside the engine process: its ids, its KV slots and how far it has got."""
+
+    uid: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    # KV slot of every token whose KV is in the pool, in sequence order.
+    slots: list[int] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    finished: bool = False
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_computed(self) -> int:
+        return len(self.slots)
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+@dataclass
+class Batch:
+    """One forward: each request contributes `new_ids` (a prefill chunk or one decode token).
+
+    `logit_reqs` are the requests that sample this step (a chunked prefill that has not reached
+    its last prompt token does not). They keep the order of `reqs`, and the model returns one
+    logit row per entry, in that order.
+    """
+
+    reqs: list[Req]
+    new_ids: list[list[int]]
+    logit_reqs: list[Req]

@@ -1,0 +1,47 @@
+"""A preallocated KV pool addressed by token slots (page size 1, as mini-sglang).
+
+A request owns a list of slots; the prefix cache can hand the same slots to several requests,
+so slots are reference-counted and return to the free list only when nobody holds them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        # One extra row past the last slot: padding tokens write their K/V there.
+        self.scratch_slot = num_slots
+        shape = (num_slots + 1, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._refs = [0] * num_slots
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def refs(self, slot: int) -> int:
+        return self._refs[slot]
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise MemoryError(f"KV pool exhausted: {n} slots asked, {len(self._free)} free")
+        slots = [self._free.pop() for _ in range(n)]
+        for s in slots:
+            self._refs[s] = 1
+        return slots
+
+    def retain(self, slots: list[int]) -> None:
+        for s in slots:
+            self._refs[s] += 1
+
+    def release(self, slots: list[int]) -> None:
+        for s in slots:
+            self._refs[s] -= 1
+            if self._refs[s] == 0:
+                self._free.append(s)

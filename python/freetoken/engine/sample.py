@@ -1,0 +1,225 @@
+"""Turns one step's logits into token ids (and optional logprobs) for a batch of requests.
+
+Order of operations, per row (mirrors vLLM's v1 sampler, "raw_logprobs" mode):
+
+1. Cast the logits to fp32.
+2. Raw logprobs = log_softmax(logits), for rows that want logprobs and have no allowed_token_ids.
+3. allowed_token_ids mask: logits outside the allowed set become -inf (other rows untouched).
+4. Masked rows that want logprobs: log_softmax of the *masked* logits, i.e. renormalised over the
+   allowed ids. Steps 2 and 4 are one batched log_softmax taken after the mask, since the mask is
+   the identity on unmasked rows.
+5. Greedy rows (params.is_greedy): exact argmax of the masked logits.
+6. Random rows: divide by temperature, then min_p (drop tokens with prob < min_p * max prob), then
+   top-k (ties with the k-th value are kept), then top-p (smallest set whose cumulative prob
+   >= top_p; the top token is always kept), then an exponential race: argmax(probs / Exp(1)),
+   with the noise of row i drawn from generators[i] only, so seeded rows do not depend on
+   their batch neighbours or row position.
+7. Logprobs from the distribution of step 2/4: the sampled token's logprob, its rank
+   (1 + number of tokens with a strictly greater logprob) and the top-K sorted descending,
+   K = params.logprobs. Temperature, min_p, top-k and top-p never change logprobs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from freetoken.core import SamplingParams, TokenLogprob
+
+_NEG_INF = float("-inf")
+# top-k/top-p look at this many largest logits first (a topk, not a vocabulary sort); a top-p row
+# whose cut lies further out (flat distribution, no top_k) triggers a full-vocabulary retry.
+TOP_P_CANDIDATES = 1024
+
+
+@dataclass
+class BatchSamplingArgs:
+    """Per-row tensors built once by `Sampler.prepare`; a None field means nobody uses it.
+
+    Random-stage tensors (temperature .. top_p) are aligned with `rand_rows`, not with the batch.
+    """
+
+    batch_size: int
+    greedy_rows: torch.Tensor | None  # [G] long; None: no greedy row
+    rand_rows: torch.Tensor | None  # [R] long; None: every row is greedy
+    rand_generators: list[torch.Generator]  # aligned with rand_rows
+    temperature: torch.Tensor | None  # [R, 1]; None when all random rows use 1.0
+    log_min_p: torch.Tensor | None  # [R, 1]; -inf disables the row
+    top_k: torch.Tensor | None  # [R, 1] long, V disables the row; also built when top_p is
+    top_k_max: int  # largest enabled top_k, on the host so topk sizes need no device sync
+    top_p: torch.Tensor | None  # [R, 1]; 2.0 disables the row
+    mask: torch.Tensor | None  # [B, V] bool, True = banned; None: no row is masked
+    lp_rows: torch.Tensor | None  # [L] long rows that want logprobs; None: nobody does
+    lp_k: list[int]  # K per row of lp_rows
+    lp_masked: list[bool]  # per row of lp_rows: drop -inf entries from its top-K
+
+
+class SampleOutput(NamedTuple):
+    token_ids: list[int]  # one per row
+    logprobs: list[TokenLogprob | None]  # None for rows with params.logprobs is None
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device | str = "cpu") -> None:
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+
+    def _rows(self, rows: list[int]) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
+
+    def _col(self, values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device).unsqueeze(1)
+
+    def prepare(
+        self, params: list[SamplingParams], generators: list[torch.Generator]
+    ) -> BatchSamplingArgs:
+        assert len(params) == len(generators), "one generator per row"
+        V, B = self.vocab_size, len(params)
+        greedy = [i for i, p in enumerate(params) if p.is_greedy]
+        rand = [i for i, p in enumerate(params) if not p.is_greedy]
+        rp = [params[i] for i in rand]
+
+        # Each random-stage tensor exists only if at least one random row changes something.
+        temperature = log_min_p = top_k = top_p = None
+        ks = [p.top_k if 0 < p.top_k < V else V for p in rp]
+        if any(p.temperature != 1.0 for p in rp):
+            temperature = self._col([p.temperature for p in rp], torch.float32)
+        if any(p.min_p > 0.0 for p in rp):
+            log_min_p = self._col([math.log(p.min_p) if p.min_p > 0 else _NEG_INF for p in rp],
+                                  torch.float32)
+        use_top_p = any(p.top_p < 1.0 for p in rp)
+        if use_top_p or any(k < V for k in ks):
+            top_k = self._col(ks, torch.long)
+        if use_top_p:
+            # top_p >= 1 becomes 2: cumsum rounding near 1.0 can then never cut such a row's tail.
+            top_p = self._col([p.top_p if p.top_p < 1.0 else 2.0 for p in rp], torch.float32)
+
+        mask = None
+        masked = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+        if masked:
+            # One index_put for all masked rows: start banned, then free the allowed ids.
+            mask = torch.zeros(B, V, dtype=torch.bool, device=self.device)
+            mask[masked] = True
+            ids = [params[i].allowed_token_ids or [] for i in masked]
+            r = [i for i, row_ids in zip(masked, ids) for _ in row_ids]
+            mask[self._rows(r), self._rows([t for row_ids in ids for t in row_ids])] = False
+
+        lp = [i for i, p in enumerate(params) if p.logprobs is not None]
+        return BatchSamplingArgs(
+            batch_size=B,
+            greedy_rows=self._rows(greedy) if greedy else None,
+            rand_rows=self._rows(rand) if rand else None,
+            rand_generators=[generators[i] for i in rand],
+            temperature=temperature,
+            log_min_p=log_min_p,
+            top_k=top_k,
+            top_k_max=max([k for k in ks if k < V], default=1),
+            top_p=top_p,
+            mask=mask,
+            lp_rows=self._rows(lp) if lp else None,
+            lp_k=[min(int(params[i].logprobs or 0), V) for i in lp],
+            lp_masked=[params[i].allowed_token_ids is not None for i in lp],
+        )
+
+    def sample(self, logits: torch.Tensor, args: BatchSamplingArgs) -> SampleOutput:
+        assert logits.shape == (args.batch_size, self.vocab_size), logits.shape
+        x = logits.float()
+        if args.mask is not None:
+            x = x.masked_fill(args.mask, _NEG_INF)  # out of place: never edit the caller's logits
+
+        if args.rand_rows is None:  # all greedy: argmax only, no softmax
+            tokens = x.argmax(dim=-1)
+        elif args.greedy_rows is None:  # all random
+            tokens = self._sample_random(x, args)
+        else:
+            tokens = torch.empty(args.batch_size, dtype=torch.long, device=x.device)
+            tokens[args.greedy_rows] = x[args.greedy_rows].argmax(dim=-1)
+            tokens[args.rand_rows] = self._sample_random(x[args.rand_rows], args)
+
+        token_ids: list[int] = tokens.tolist()
+        logprobs: list[TokenLogprob | None] = [None] * args.batch_size
+        if args.lp_rows is not None:
+            for row, lp in zip(args.lp_rows.tolist(), self._logprobs(x, tokens, args)):
+                logprobs[row] = lp
+        return SampleOutput(token_ids, logprobs)
+
+    def _sample_random(self, x: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
+        """Sample the random rows; `x` holds exactly those rows and is not modified."""
+        x = x / args.temperature if args.temperature is not None else x.clone()
+        if args.log_min_p is not None:
+            # prob_i < min_p * prob_max  <=>  x_i < x_max + log(min_p): no softmax needed.
+            x.masked_fill_(x < x.amax(dim=-1, keepdim=True) + args.log_min_p, _NEG_INF)
+        if args.top_k is not None:
+            self._top_k_top_p(x, args)
+        probs = x.softmax(dim=-1)
+        # Exponential race: argmax(p / E), E ~ Exp(1), is one multinomial draw without a device
+        # sync. Each row draws its V uniforms from its own generator, so a seeded row's stream does
+        # not depend on the rest of the batch. E = -log(u) (cheaper than exponential_); the clamp
+        # keeps E > 0 even if u == 1, since p/0 or 0/0 would corrupt the argmax.
+        q = torch.empty_like(probs)
+        for j, g in enumerate(args.rand_generators):
+            q[j].uniform_(generator=g)
+        return probs.div_(q.log_().neg_().clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+
+    def _top_k_top_p(self, x: torch.Tensor, args: BatchSamplingArgs) -> None:
+        """Cut x in place to each row's top-k set, then its top-p set, without a vocabulary sort.
+
+        Both cuts work on the c largest logits (topk, sorted). A row keeps every logit >= its last
+        kept candidate, so ties with the cut survive.
+        """
+        assert args.top_k is not None
+        V = x.shape[1]
+        c = min(V, args.top_k_max if args.top_p is None else max(args.top_k_max, TOP_P_CANDIDATES))
+        while True:
+            v = x.topk(c, dim=-1).values
+            n = args.top_k.clamp(max=c)  # kept prefix length
+            uncut = args.top_k > c  # the row's top-k set may reach past the candidates
+            if args.top_p is None:
+                break
+            pos = torch.arange(c, device=x.device)
+            # Normaliser of the top-k set: its candidates when they hold it all, else the row.
+            lse = torch.where(uncut, x.logsumexp(-1, keepdim=True),
+                              v.masked_fill(pos >= n, _NEG_INF).logsumexp(-1, keepdim=True))
+            p = (v - lse).exp()
+            # Keep a token while the mass strictly before it is below top_p; the top one always.
+            kept = ((p.cumsum(dim=-1) - p) < args.top_p) & (pos < n)
+            kept[:, 0] = True
+            n = kept.sum(dim=-1, keepdim=True)
+            uncut &= n == c
+            if c == V or not bool((uncut & (args.top_p <= 1.0)).any()):
+                break
+            c = V  # some top-p cut lies beyond the candidates: retry on the whole vocabulary
+        thr = v.gather(1, n - 1).masked_fill_(uncut, _NEG_INF)
+        x.masked_fill_(x < thr, _NEG_INF)
+
+    def _logprobs(
+        self, x: torch.Tensor, tokens: torch.Tensor, args: BatchSamplingArgs
+    ) -> list[TokenLogprob]:
+        """One batched log_softmax / gather / topk over the rows that want logprobs."""
+        assert args.lp_rows is not None
+        if len(args.lp_k) == args.batch_size:
+            sub, tok = x, tokens
+        else:
+            sub, tok = x[args.lp_rows], tokens[args.lp_rows]
+        lp = sub.log_softmax(dim=-1)  # masked rows: renormalised over the allowed ids
+        tok_lp = lp.gather(1, tok.unsqueeze(1))
+        ranks = ((lp > tok_lp).sum(dim=-1) + 1).tolist()
+        tok_ids, tok_lps = tok.tolist(), tok_lp.squeeze(1).tolist()
+        k_max = max(args.lp_k)
+        top_v: list[list[float]] = [[] for _ in args.lp_k]
+        top_i: list[list[int]] = [[] for _ in args.lp_k]
+        if k_max > 0:
+            v, i = lp.topk(k_max, dim=-1)
+            top_v, top_i = v.tolist(), i.tolist()
+
+        out = []
+        for j, (k, masked) in enumerate(zip(args.lp_k, args.lp_masked)):
+            vals, ids = top_v[j][:k], top_i[j][:k]
+            if masked:  # fewer allowed ids than K: the tail is banned (-inf) ids, drop it
+                n = sum(1 for val in vals if val != _NEG_INF)
+                vals, ids = vals[:n], ids[:n]
+            out.append(TokenLogprob(tok_ids[j], tok_lps[j], ranks[j], ids, vals))
+        return out

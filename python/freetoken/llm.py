@@ -1,0 +1,85 @@
+"""Offline API: the same scheduler, engine and sampler as the server, in this process."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+
+from freetoken.core import SamplingParams, TokenLogprob
+from freetoken.engine.engine import Engine
+from freetoken.message import DetokenizeMsg, UserMsg
+from freetoken.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype
+from freetoken.scheduler.scheduler import Scheduler, SchedulerConfig
+from freetoken.tokenizer.detokenize import IncrementalDetokenizer  # noqa
+
+
+def build_scheduler(
+    loaded: LoadedModel,
+    dtype: str = "auto",
+    device: str = "auto",
+    kv_slots: int = 65536,
+    max_model_len: int | None = None,
+    max_running_requests: int = 64,
+    max_prefill_tokens: int = 2048,
+    prefix_cache: bool = True,
+) -> Scheduler:
+    dev = resolve_device(device)
+    engine = Engine(loaded.model, kv_slots, dev, resolve_dtype(dtype, dev))
+    config = SchedulerConfig(
+        max_model_len=min(max_model_len or loaded.max_model_len, loaded.max_model_len),
+        eos_token_ids=tuple(loaded.eos_token_ids),
+        max_running_requests=max_running_requests,
+        max_prefill_tokens=max_prefill_tokens,
+        prefix_cache=prefix_cache,
+    )
+    return Scheduler(engine, config)
+
+
+@dataclass
+class GenerationOutput:
+    prompt_ids: list[int]
+    token_ids: list[int]  # every sampled id, the ending EOS / stop id included
+    text: str
+    finish_reason: str | None
+    logprobs: list[TokenLogprob | None]
+    error: str | None = None
+
+
+class LLM:
+    def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto", **kw):
+        self.loaded = load_model(model, dtype=dtype, device=device)
+        self.tokenizer = self.loaded.tokenizer
+        self.scheduler = build_scheduler(self.loaded, dtype=dtype, device=device, **kw)
+        self._uids = itertools.count()
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[GenerationOutput]:
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        outputs: dict[int, GenerationOutput] = {}
+        for prompt, p in zip(prompts, params_list):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            uid = next(self._uids)
+            outputs[uid] = GenerationOutput(ids, [], "", None, [])
+            for msg in self.scheduler.add(UserMsg(uid, ids, replace(p))):
+                self._collect(outputs[uid], msg)
+        pending = {uid for uid, o in outputs.items() if o.finish_reason is None}
+        while pending:
+            for msg in self.scheduler.step():
+                self._collect(outputs[msg.uid], msg)
+                if msg.finished:
+                    pending.discard(msg.uid)
+        for o, p in zip(outputs.values(), params_list):
+            shown = o.token_ids[:-1] if o.finish_reason == "stop" else o.token_ids
+            detok = IncrementalDetokenizer(self.tokenizer, stop_strs=p.stop_strs)
+            o.text = detok.step(shown, finished=True).text
+        return list(outputs.values())
+
+    @staticmethod
+    def _collect(out: GenerationOutput, msg: DetokenizeMsg) -> None:
+        out.token_ids += msg.token_ids
+        out.logprobs += msg.logprobs
+        if msg.finished:
+            out.finish_reason, out.error = msg.finish_reason, msg.error

@@ -1,0 +1,78 @@
+"""uid-keyed messages between the frontend (HTTP, tokenizer, detokenizer) and the engine.
+
+They are plain dataclasses pickled over ZMQ; the engine side speaks token ids only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from freetoken.core import SamplingParams, TokenLogprob
+
+
+@dataclass
+class TokenizeMsg:
+    """API → frontend tokenizer. `text` is a prompt string, chat messages, or token ids."""
+
+    uid: int
+    text: str | list[dict] | list[int]
+    sampling_params: SamplingParams
+    chat_template_kwargs: dict | None = None
+    tools: list[dict] | None = None
+
+
+@dataclass
+class UserMsg:
+    """Frontend → engine: a tokenized request."""
+
+    uid: int
+    input_ids: list[int]
+    sampling_params: SamplingParams
+
+
+@dataclass
+class AbortMsg:
+    uid: int
+
+
+@dataclass
+class ExitMsg:
+    pass
+
+
+@dataclass
+class DetokenizeMsg:
+    """Engine → frontend: what one step produced for one request.
+
+    `matched_stop` is the EOS / stop token id that ended the turn; it is counted as a completion
+    token but never shown. `prompt_tokens` is set once, on the request's first message.
+    """
+
+    uid: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    matched_stop: int | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+    error_code: str | None = None
+
+
+@dataclass
+class UserReply:
+    """Frontend → API handler: released text and the tokens (with logprobs) behind it."""
+
+    uid: int
+    incremental_output: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    prompt_tokens_delta: int = 0
+    completion_tokens_delta: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+    error_code: str | None = None
+    matched_stop: int | str | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)

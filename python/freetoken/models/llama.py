@@ -1,0 +1,201 @@
+"""Llama / Qwen2 / Qwen3 decoder over the engine's KV pool.
+
+Module names mirror transformers' so a transformers state dict loads as it is. The three
+families differ only in q/k/v bias (Qwen2) and per-head q/k RMSNorm (Qwen3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from freetoken.core import Batch
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> ModelConfig:
+        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        if rope.get("rope_type", "default") not in ("default", None):
+            raise ValueError(f"rope_type {rope['rope_type']!r} is not supported")
+        heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
+            qk_norm=arch == "Qwen3ForCausalLM",
+        )
+
+
+@dataclass
+class SeqAttention:
+    """Where one request's queries sit in the step's tokens, and which pool slots it reads."""
+
+    start: int
+    length: int
+    kv_slots: torch.Tensor  # [L] slots of every key the request attends to, new ones included
+    mask: torch.Tensor | None  # [q, L] bool for a chunk after cached context; None = plain causal
+
+
+@dataclass
+class ForwardContext:
+    """Tensors the engine builds once per step for every layer.
+
+    Attention runs request by request: a batched, padded call changes a row's low bits with
+    its neighbours' lengths, and greedy results must not depend on what else is in the batch.
+    """
+
+    input_ids: torch.Tensor  # [T] (padded to a multiple of 4)
+    positions: torch.Tensor  # [T]
+    out_slots: torch.Tensor  # [T] pool slot that receives each token's K/V
+    seqs: list[SeqAttention]
+    logit_rows: torch.Tensor  # [R] rows of T whose hidden state produces logits
+    k_cache: list[torch.Tensor]  # per layer [num_slots + 1, kv_heads, head_dim]
+    v_cache: list[torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 as transformers does, so bf16 runs stay close to the reference.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        h, d, kvh = cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, kvh * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, kvh * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, ctx: ForwardContext) -> torch.Tensor:
+        cfg, t = self.cfg, x.shape[0]
+        q = self.q_proj(x).view(t, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(x).view(t, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(x).view(t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        k_cache, v_cache = ctx.k_cache[self.layer], ctx.v_cache[self.layer]
+        k_cache[ctx.out_slots] = k.to(k_cache.dtype)
+        v_cache[ctx.out_slots] = v.to(v_cache.dtype)
+        out = torch.zeros_like(q)  # padding rows past the requests' tokens stay zero
+        for seq in ctx.seqs:
+            rows = slice(seq.start, seq.start + seq.length)
+            out[rows] = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1),
+                k_cache[seq.kv_slots].transpose(0, 1),
+                v_cache[seq.kv_slots].transpose(0, 1),
+                attn_mask=seq.mask,
+                is_causal=seq.mask is None and seq.length > 1,
+                enable_gqa=True,
+            ).transpose(0, 1)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    def forward(self, batch: Batch, ctx: ForwardContext) -> torch.Tensor:
+        x = self.model.embed_tokens(ctx.input_ids)
+        # Rotary angles in fp32 whatever the weights' dtype, as transformers computes them.
+        dim = self.cfg.head_dim
+        exponent = torch.arange(0, dim, 2, dtype=torch.float32, device=ctx.positions.device) / dim
+        inv_freq = 1.0 / (self.cfg.rope_theta**exponent)
+        freqs = ctx.positions.float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, dim], broadcast over heads
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, ctx)
+        # Only rows that sample need the norm and the LM head (the scoring fast path).
+        x = self.model.norm(x[ctx.logit_rows])
+        return self.lm_head(x).float()

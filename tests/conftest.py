@@ -1,0 +1,59 @@
+"""Session-wide fixtures: paths of the tiny model folders, built once and cached.
+
+Each folder lives under ~/.cache/freetoken/test-models/<name>-<content hash> (root overridable
+with $FREETOKEN_TEST_MODELS), so only the first run after a change to the builders pays for a
+build; see tests/fixtures/build_models.py.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+_TESTS = Path(__file__).resolve().parent
+# `fixtures` is importable as tests/ is on the path (pytest's rootdir-less "prepend" import
+# mode puts it there for tests/fixtures/ too); freetoken works without PYTHONPATH=python.
+for _p in (str(_TESTS), str(_TESTS.parent / "python")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from fixtures import build_models as bm  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_path() -> Path:
+    """Qwen3ForCausalLM (random, 2 layers) on the real Qwen3.5 vocabulary and chat template."""
+    return bm.cached("tiny-qwen3", bm.build_tiny_qwen3)
+
+
+@pytest.fixture(scope="session")
+def tiny_harmony_path() -> Path:
+    """LlamaForCausalLM (random, 2 layers) with a Harmony (gpt_oss) tokenizer and template."""
+    return bm.cached("tiny-gpt-oss-harmony", bm.build_tiny_harmony)
+
+
+@pytest.fixture(scope="session")
+def make_scripted_model() -> Callable[..., Path]:
+    """`make_scripted_model(outputs, **opts)` -> cached folder of `bm.build_scripted`."""
+
+    def make(outputs: list[dict[str, Any]], **opts: Any) -> Path:
+        return bm.cached("scripted-qwen3", bm.build_scripted, outputs, **opts)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def scripted_model_path(make_scripted_model: Callable[..., Path]) -> Path:
+    """ScriptedForCausalLM with bm.DEFAULT_SCRIPT; alternatives </think> 8.0, "\\n\\n" 6.0."""
+    return make_scripted_model(bm.DEFAULT_SCRIPT, alternatives=bm.DEFAULT_ALTERNATIVES)
+
+
+@pytest.fixture(scope="session")
+def qwen35_tokenizer(tiny_qwen3_path: Path) -> Any:
+    """The Qwen3.5 tokenizer of the fixtures, loaded once (a load takes about 2 s)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_qwen3_path))

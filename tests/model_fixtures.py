@@ -1,0 +1,48 @@
+"""Models shared by the engine, scheduler and offline-API tests, loaded once per process."""
+
+from __future__ import annotations
+
+import functools
+import shutil
+from pathlib import Path
+
+import torch
+
+from freetoken.models.loader import cache_root, load_model
+
+
+@functools.lru_cache(maxsize=None)
+def default_model():
+    return load_model(None, dtype="float32", device="cpu")
+
+
+@functools.lru_cache(maxsize=None)
+def hf_reference(folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_qwen3_folder() -> Path:
+    """A randomly initialised Qwen3 (q/k norm, untied head) on the default model's tokenizer."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    folder = cache_root() / "test-models" / "tiny-random-qwen3-v1"
+    if (folder / "model.safetensors").is_file():
+        return folder
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+        max_position_embeddings=512, rope_theta=10000.0,
+    )
+    model = Qwen3ForCausalLM(cfg)
+    tmp = folder.with_name(folder.name + ".tmp")
+    model.save_pretrained(tmp)
+    src = default_model().folder
+    for name in src.iterdir():
+        if name.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(name, tmp / name.name)
+    tmp.replace(folder)
+    return folder

@@ -1,0 +1,136 @@
+"""Continuous batching on the default model: invariance, late joiners, aborts, a full pool."""
+
+from __future__ import annotations
+
+from freetoken.core import SamplingParams
+from freetoken.llm import build_scheduler
+from freetoken.message import UserMsg
+from tests.model_fixtures import default_model
+
+PROMPTS = [
+    "Hi",
+    "The quick brown fox",
+    "Write a haiku about the sea and the wind over the waves",
+    "1, 2, 3,",
+    "In 1492, Columbus sailed across the Atlantic Ocean and reached",
+    "Translate to French: good morning",
+    "What is the square root of 144? The answer is",
+    "A list of fruits: apple, banana,",
+]
+
+
+def _greedy(max_tokens=12):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2, ignore_eos=True)
+
+
+def _run(scheduler, until_done=True):
+    out: dict[int, list] = {}
+    while scheduler.has_work:
+        for msg in scheduler.step():
+            out.setdefault(msg.uid, []).extend(zip(msg.token_ids, msg.logprobs))
+    return out
+
+
+def _ids(prompt):
+    return default_model().tokenizer.encode(prompt)
+
+
+def test_batched_greedy_equals_each_alone():
+    loaded = default_model()
+    alone = {}
+    for uid, prompt in enumerate(PROMPTS):
+        scheduler = build_scheduler(loaded, kv_slots=1024, prefix_cache=False)
+        scheduler.add(UserMsg(uid, _ids(prompt), _greedy()))
+        alone.update(_run(scheduler))
+    scheduler = build_scheduler(loaded, kv_slots=1024, prefix_cache=False)
+    for uid, prompt in enumerate(PROMPTS):
+        scheduler.add(UserMsg(uid, _ids(prompt), _greedy()))
+    together = _run(scheduler)
+    for uid in alone:
+        assert [t for t, _ in together[uid]] == [t for t, _ in alone[uid]]
+        for (_, a), (_, b) in zip(together[uid], alone[uid]):
+            assert abs(a.logprob - b.logprob) <= 1e-5
+            assert max(abs(x - y) for x, y in zip(a.top_logprobs, b.top_logprobs)) <= 1e-5
+
+
+def test_request_joining_mid_decode_matches_alone():
+    loaded = default_model()
+    scheduler = build_scheduler(loaded, kv_slots=1024)
+    scheduler.add(UserMsg(0, _ids(PROMPTS[4]), _greedy(20)))
+    out: dict[int, list] = {}
+    for _ in range(5):
+        for msg in scheduler.step():
+            out.setdefault(msg.uid, []).append(msg.token_ids[0])
+    scheduler.add(UserMsg(1, _ids(PROMPTS[2]), _greedy(8)))
+    for uid, pairs in _run(scheduler).items():
+        out.setdefault(uid, []).extend(t for t, _ in pairs)
+    alone = build_scheduler(loaded, kv_slots=1024)
+    alone.add(UserMsg(1, _ids(PROMPTS[2]), _greedy(8)))
+    assert out[1] == [t for t, _ in _run(alone)[1]]
+    assert len(out[0]) == 20
+
+
+def test_abort_frees_kv_at_any_point():
+    loaded = default_model()
+    scheduler = build_scheduler(loaded, kv_slots=512, prefix_cache=False)
+    free_at_start = scheduler.engine.kv.num_free
+    scheduler.add(UserMsg(0, _ids(PROMPTS[2]), _greedy(50)))
+    scheduler.add(UserMsg(1, _ids(PROMPTS[3]), _greedy(50)))
+    scheduler.step()
+    scheduler.step()
+    [msg] = scheduler.abort(0)
+    assert msg.finished and msg.finish_reason == "abort"
+    assert scheduler.abort(1)[0].finish_reason == "abort"
+    assert scheduler.abort(7) == []
+    assert not scheduler.has_work
+    assert scheduler.engine.kv.num_free == free_at_start
+    assert scheduler.reserved == 0
+
+
+def test_full_pool_queues_and_all_finish():
+    loaded = default_model()
+    # Room for about two requests at a time: the rest wait in the queue.
+    scheduler = build_scheduler(loaded, kv_slots=64, prefix_cache=False)
+    for uid, prompt in enumerate(PROMPTS):
+        scheduler.add(UserMsg(uid, _ids(prompt), _greedy(10)))
+    peak_running = 0
+    finished = {}
+    while scheduler.has_work:
+        for msg in scheduler.step():
+            if msg.finished:
+                finished[msg.uid] = msg.finish_reason
+        peak_running = max(peak_running, len(scheduler.running))
+    assert finished == {uid: "length" for uid in range(len(PROMPTS))}
+    assert 1 <= peak_running < len(PROMPTS)
+    assert scheduler.engine.kv.num_free == 64
+
+
+def test_context_limits():
+    loaded = default_model()
+    scheduler = build_scheduler(loaded, kv_slots=256, max_model_len=16)
+    [msg] = scheduler.add(UserMsg(0, list(range(16)), _greedy()))
+    assert msg.error_code == "context_length_exceeded" and msg.finished
+    scheduler.add(UserMsg(1, list(range(100, 110)), _greedy(50)))
+    out = []
+    while scheduler.has_work:
+        out += scheduler.step()
+    assert out[-1].finish_reason == "length" and sum(len(m.token_ids) for m in out) == 6
+
+
+def test_eos_and_stop_token_ids_finish_with_stop():
+    loaded = default_model()
+    scheduler = build_scheduler(loaded, kv_slots=512)
+    first = _run_one(scheduler, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    stop_id = first[2]
+    params = SamplingParams(temperature=0, max_tokens=5, stop_token_ids=[stop_id], ignore_eos=True)
+    msgs = []
+    scheduler.add(UserMsg(9, _ids(PROMPTS[6]), params))
+    while scheduler.has_work:
+        msgs += scheduler.step()
+    assert [t for m in msgs for t in m.token_ids] == first[:3]
+    assert msgs[-1].finish_reason == "stop" and msgs[-1].matched_stop == stop_id
+
+
+def _run_one(scheduler, params):
+    scheduler.add(UserMsg(8, _ids(PROMPTS[6]), params))
+    return [t for t, _ in _run(scheduler)[8]]

