@@ -1,0 +1,388 @@
+"""FunctionCallParser: turns generated from known calls and rendered in each format must
+parse back to those calls, in one piece and in any chunking; plus truncation, typed
+qwen3_coder values, Harmony, the reasoning -> tool pipeline and validate_tools."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from freetoken.server.function_call_parser import (
+    SUPPORTED_TOOL_CALL_PARSERS,
+    TOOLS_TAG_LIST,
+    BaseFormatDetector,
+    FunctionCallParser,
+    HarmonyDetector,
+    Qwen25Detector,
+    Qwen3CoderDetector,
+    StreamingParseResult,
+    ToolCallItem,
+    convert_param_value,
+    validate_tools,
+)
+from freetoken.server.reasoning_parser import ReasoningParser
+
+FAST = settings(max_examples=120, deadline=None)
+
+
+def tool(name: str, **props: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "description": name,
+                                             "parameters": {"type": "object", "properties": props}}}
+
+
+TOOLS = [
+    tool("get_weather", city={"type": "string"}, days={"type": "integer"}, metric={"type": "boolean"}),
+    tool("write_file", path={"type": "string"}, content={"type": "string"}),
+    tool("configure", ratio={"type": "number"}, opts={"type": "object"}, tags={"type": "array"},
+         limit={"type": ["integer", "null"]}, note={"type": ["string", "null"]}),
+]
+FORMATS = ["hermes", "qwen3_coder", "gpt_oss"]
+
+
+def split(text: str, cuts: list[int]) -> list[str]:
+    points = sorted({c for c in cuts if 0 < c < len(text)})
+    return [text[a:b] for a, b in zip([0, *points], [*points, len(text)])]
+
+
+def run_stream(parser_name: str, pieces: list[str]) -> tuple[str, list[tuple[str, str]], list[ToolCallItem]]:
+    """(normal_text, [(name, arguments)], raw items) from a streamed parse."""
+    parser = FunctionCallParser(TOOLS, parser_name)
+    results = [parser.parse_stream_chunk(p) for p in pieces] + [parser.finish_stream()]
+    items = [item for r in results for item in r.calls]
+    calls: dict[int, list[str]] = {}
+    for item in items:
+        entry = calls.setdefault(item.tool_index, ["", ""])
+        if item.name is not None:
+            assert entry == ["", ""], "the name comes first, once"
+            entry[0] = item.name
+        entry[1] += item.parameters
+    assert list(calls) == list(range(len(calls)))
+    return "".join(r.normal_text for r in results), [tuple(v) for v in calls.values()], items
+
+
+def non_stream(parser_name: str, text: str) -> tuple[str, list[tuple[str, str]]]:
+    result = FunctionCallParser(TOOLS, parser_name).parse_non_stream(text)
+    assert [c.tool_index for c in result.calls] == list(range(len(result.calls)))
+    return result.normal_text, [(c.name, c.parameters) for c in result.calls]
+
+
+def assert_all_paths(parser_name: str, text: str, normal: str, calls: list[tuple[str, dict]], pieces=None):
+    """Non-stream, one-char stream and ``pieces`` all give ``normal`` and ``calls``."""
+    got = non_stream(parser_name, text)
+    assert got[0] == normal
+    assert [(n, json.loads(a)) for n, a in got[1]] == calls
+    for chunks in ([text], list(text), pieces or []):
+        if chunks:
+            s_normal, s_calls, _ = run_stream(parser_name, chunks)
+            assert (s_normal, s_calls) == got, chunks
+
+
+# ------------------------------------------------------------------ rendering known calls
+
+
+def render_call(fmt: str, name: str, args: dict, variant: int = 0) -> str:
+    if fmt == "hermes":
+        return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
+    if fmt == "qwen3_coder":
+        params = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
+                         for k, v in args.items())
+        body = f"<function={name}>\n{params}</function>"
+        return body if variant % 2 else f"<tool_call>\n{body}\n</tool_call>"
+    start = "<|start|>assistant" if variant % 2 else ""
+    constrain = " <|constrain|>json" if variant % 3 else ""
+    return f"{start}<|channel|>commentary to=functions.{name}{constrain}<|message|>{json.dumps(args)}<|call|>"
+
+
+MARKER_FREE = st.text(alphabet=st.sampled_from(list("abc xyz\n\t<>/|{}\"'=é😀")), max_size=20).filter(
+    lambda t: not any(m in t for m in ("<tool_call>", "</tool_call>", "<function=", "</function>",
+                                       "<parameter=", "</parameter>", "<|")))
+ARGS = {
+    "get_weather": st.fixed_dictionaries({"city": MARKER_FREE}, optional={"days": st.integers(-5, 10**6),
+                                                                          "metric": st.booleans()}),
+    "write_file": st.fixed_dictionaries({"path": MARKER_FREE, "content": MARKER_FREE}),
+    "configure": st.fixed_dictionaries({}, optional={
+        "ratio": st.floats(-1e6, 1e6, allow_nan=False).filter(lambda f: f != int(f)),
+        "opts": st.dictionaries(st.sampled_from(["a", "b"]), st.integers(0, 9), max_size=2),
+        "tags": st.lists(st.sampled_from(["x", "y"]), max_size=3),
+        "limit": st.none() | st.integers(0, 99),
+    }),
+}
+CALL = st.sampled_from(sorted(ARGS)).flatmap(lambda n: st.tuples(st.just(n), ARGS[n]))
+
+
+@st.composite
+def turns(draw):
+    fmt = draw(st.sampled_from(FORMATS))
+    prefix = draw(MARKER_FREE)
+    calls = draw(st.lists(CALL, max_size=3))
+    seps = [draw(st.sampled_from(["", "\n", "\n\n", " \n"])) for _ in calls]
+    suffix = draw(st.sampled_from(["", "\n", "\n\nDone.", " ok "]))
+    text = prefix + "".join(sep + render_call(fmt, n, a, draw(st.integers(0, 5))) for sep, (n, a) in zip(seps, calls))
+    text += suffix if calls else ""
+    # Leading whitespace of the turn and whitespace after each call are dropped.
+    normal = (prefix + seps[0]).lstrip() + suffix.lstrip() if calls else prefix.lstrip()
+    cuts = draw(st.lists(st.integers(0, len(text)), max_size=len(text) // 2 + 1))
+    return fmt, text, normal, calls, split(text, cuts)
+
+
+@FAST
+@given(turns())
+def test_known_calls_parse_back_in_any_chunking(case):
+    fmt, text, normal, calls, pieces = case
+    assert_all_paths(fmt, text, normal, [(n, a) for n, a in calls], pieces)
+
+
+@FAST
+@given(turns(), st.data())
+def test_truncated_turns_agree_between_paths(case, data):
+    fmt, text, _, _, _ = case
+    cut = text[: data.draw(st.integers(0, len(text)))]
+    expected = non_stream(fmt, cut)
+    pieces = split(cut, data.draw(st.lists(st.integers(0, len(cut)), max_size=10)))
+    assert run_stream(fmt, pieces)[:2] == expected
+    assert run_stream(fmt, list(cut))[:2] == expected
+    for _, arguments in expected[1]:
+        assert isinstance(json.loads(arguments), dict)
+
+
+NOISE = ["<tool_call>", "</tool_call>", "<function=get_weather>", "<function=", "</function>", "<parameter=city>",
+         "<parameter=days>", "</parameter>", "<|start|>assistant", "<|channel|>", "commentary to=functions.get_weather",
+         "<|constrain|>json", "<|message|>", "<|call|>", "<|end|>", '{"name": "get_weather", "arguments": ', "{", "}",
+         '"city": ', '"Oslo"', ", ", "12", "true", "\n", " ", "<", "</", "<|", "x", "é"]
+
+
+@FAST
+@given(st.sampled_from(FORMATS), st.lists(st.sampled_from(NOISE), max_size=30), st.data())
+def test_noisy_markup_agrees_between_paths(fmt, parts, data):
+    text = "".join(parts)
+    expected = non_stream(fmt, text)
+    pieces = split(text, data.draw(st.lists(st.integers(0, len(text)), max_size=15)))
+    assert run_stream(fmt, pieces)[:2] == expected
+    assert run_stream(fmt, list(text))[:2] == expected
+
+
+# ------------------------------------------------------------------ scripted cases
+
+SCRIPTED = [
+    # (format, output, normal_text, calls)
+    ("hermes", "", "", []),
+    ("hermes", "Just an answer, <b>bold</b>.", "Just an answer, <b>bold</b>.", []),
+    ("hermes", "\n\n" + render_call("hermes", "get_weather", {"city": "Paris"}), "", [("get_weather", {"city": "Paris"})]),
+    (
+        "hermes",
+        "Checking both.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"days\": 3}}\n</tool_call>\n"
+        "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Köln\"}}\n</tool_call>\n",
+        "Checking both.\n",
+        [("get_weather", {"city": "Paris", "days": 3}), ("get_weather", {"city": "Köln"})],
+    ),
+    ("hermes", render_call("hermes", "get_weather", {"city": "Rome"}) + "\n\nAnything else?", "Anything else?",
+     [("get_weather", {"city": "Rome"})]),
+    ("hermes", '<tool_call>\n{"arguments": {"x": 1}, "name": "unknown_fn"}\n</tool_call>', "", [("unknown_fn", {"x": 1})]),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}\n</tool_call>', "",
+     [("get_weather", {"city": "Oslo"})]),
+    ("hermes", '<tool_call>\n{"name": "get_weather"}\n</tool_call>', "", [("get_weather", {})]),
+    # the model forgot the outer brace: the closer still ends the call
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Nice"}\n</tool_call>ok', "ok",
+     [("get_weather", {"city": "Nice"})]),
+    # truncated mid-call: close it with what arrived
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3', "",
+     [("get_weather", {"city": "Paris", "days": 3})]),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', "", [("get_weather", {})]),
+    # truncated before the name: nothing was streamed as a call, so it stays text
+    ("hermes", 'Hi <tool_call>\n{"na', 'Hi <tool_call>\n{"na', []),
+    ("hermes", "<tool_call>\nnot json\n</tool_call>", "<tool_call>\nnot json\n</tool_call>", []),
+    ("hermes", "a <tool_ca", "a <tool_ca", []),
+    (
+        "qwen3_coder",
+        "Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n<parameter=days>\n5\n"
+        "</parameter>\n<parameter=metric>\nFalse\n</parameter>\n</function>\n</tool_call>\nDone!",
+        "Sure.\nDone!",
+        [("get_weather", {"city": "New York", "days": 5, "metric": False})],
+    ),
+    ("qwen3_coder", "Text <function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function> after",
+     "Text after", [("get_weather", {"city": "Paris"})]),
+    (
+        "qwen3_coder",
+        "<tool_call>\n<function=write_file>\n<parameter=path>\na.py\n</parameter>\n<parameter=content>\n\n"
+        "def f():\n    return '<b>'\n\n</parameter>\n</function>\n</tool_call>",
+        "",
+        [("write_file", {"path": "a.py", "content": "\ndef f():\n    return '<b>'\n"})],
+    ),
+    ("qwen3_coder", "<tool_call>\n<function=mystery>\n<parameter=n>\n7\n</parameter>\n</function>\n</tool_call>", "",
+     [("mystery", {"n": "7"})]),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nNew Yo", "", [("get_weather", {"city": "New Yo"})]),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</param", "", [("get_weather", {"city": "Paris"})]),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=days>\n4", "", [("get_weather", {"days": 4})]),
+    ("qwen3_coder", "<tool_call>\n<function=get_weath", "<tool_call>\n<function=get_weath", []),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n", "", [("get_weather", {})]),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<para", "",
+     [("get_weather", {"city": "Paris"})]),
+    ("qwen3_coder", "<tool_call>\n{\"name\": \"x\"}\n</tool_call>", "<tool_call>\n{\"name\": \"x\"}\n</tool_call>", []),
+    # missing </parameter> and </function>: the next tag and the wrapper closer end them
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nLima\n<parameter=days>\n2\n</tool_call>",
+     "", [("get_weather", {"city": "Lima", "days": 2})]),
+    ("gpt_oss", render_call("gpt_oss", "get_weather", {"city": "Oslo"}, 1), "", [("get_weather", {"city": "Oslo"})]),
+    ("gpt_oss", "<|channel|>commentary to=functions.get_weather<|message|>{\"city\": \"Oslo\", \"days\": 2}<|call|>", "",
+     [("get_weather", {"city": "Oslo", "days": 2})]),
+    ("gpt_oss", "Let me look.<|channel|>commentary to=functions.get_weather json<|message|>{}<|end|>", "Let me look.",
+     [("get_weather", {})]),
+    ("gpt_oss", "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Os", "",
+     [("get_weather", {})]),
+    ("gpt_oss", "<|channel|>commentary to=functions.get_weather<|message|>{\"city\": \"Oslo\"}", "",
+     [("get_weather", {"city": "Oslo"})]),
+]
+
+
+@pytest.mark.parametrize("fmt,text,normal,calls", SCRIPTED)
+def test_scripted(fmt, text, normal, calls):
+    assert_all_paths(fmt, text, normal, calls, [text[i : i + 3] for i in range(0, len(text), 3)])
+
+
+def test_harmony_non_json_body_is_passed_on_raw():
+    text = "<|channel|>commentary to=functions.get_weather<|message|>Oslo please<|call|>"
+    assert non_stream("gpt_oss", text) == ("", [("get_weather", "Oslo please")])
+    assert run_stream("gpt_oss", list(text))[:2] == ("", [("get_weather", "Oslo please")])
+
+
+def test_items_stream_incrementally():
+    text = ("<tool_call>\n<function=write_file>\n<parameter=content>\n" + "line\n" * 5
+            + "</parameter>\n<parameter=path>\nx.txt\n</parameter>\n</function>\n</tool_call>")
+    _, calls, items = run_stream("qwen3_coder", list(text))
+    assert items[0] == ToolCallItem(0, "write_file", "")
+    assert all(i.name is None and i.parameters for i in items[1:])
+    assert len(items) > 20, "a string value streams as it arrives"
+    assert calls == [("write_file", json.dumps({"content": "line\n" * 4 + "line", "path": "x.txt"}))]
+    hermes = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+    _, _, items = run_stream("hermes", list(hermes))
+    assert [i.parameters for i in items] == ["", "{", '"city": "Paris"', ', "days": 3}']
+
+
+def test_opener_split_across_chunks_is_held():
+    parser = FunctionCallParser(TOOLS, "hermes")
+    assert parser.parse_stream_chunk("Let me check <tool_") == StreamingParseResult("Let me check ", [])
+    r = parser.parse_stream_chunk('call>\n{"name": "get_weather", ')
+    assert r.normal_text == "" and r.calls == [ToolCallItem(0, "get_weather", "")]
+    parser = FunctionCallParser(TOOLS, "hermes")
+    assert parser.parse_stream_chunk("a <b") == StreamingParseResult("a <b", [])
+
+
+@pytest.mark.parametrize("raw,schema,expected", [
+    ("5", {"type": "integer"}, 5),
+    (" 5 ", {"type": "integer"}, 5),
+    ("five", {"type": "integer"}, "five"),
+    ("2.5", {"type": "number"}, 2.5),
+    ("3", {"type": "number"}, 3),
+    ("TRUE", {"type": "boolean"}, True),
+    ("false", {"type": "boolean"}, False),
+    ('{"a": [1, 2]}', {"type": "object"}, {"a": [1, 2]}),
+    ("{'a': True, 'b': None}", {"type": "object"}, {"a": True, "b": None}),
+    ("[1, 'x']", {"type": "array"}, [1, "x"]),
+    ("null", {"type": "integer"}, None),
+    ("null", {"type": ["string", "null"]}, None),
+    ("null", {"type": "string"}, "null"),
+    ("7", None, "7"),
+    ("7", {"description": "no type"}, "7"),
+    ("7", {"anyOf": [{"type": "integer"}, {"type": "string"}]}, 7),
+    ("x7", {"anyOf": [{"type": "integer"}, {"type": "string"}]}, "x7"),
+    ("  keep spaces ", {"type": "string"}, "  keep spaces "),
+])
+def test_convert_param_value(raw, schema, expected):
+    got = convert_param_value(raw, schema)
+    assert got == expected and type(got) is type(expected)
+
+
+def test_typed_values_through_qwen3_coder():
+    params = {"ratio": "0.25", "opts": "{'deep': {'x': 1}}", "tags": '["a", "b"]', "limit": "null", "note": "null"}
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    text = f"<tool_call>\n<function=configure>\n{body}</function>\n</tool_call>"
+    expected = {"ratio": 0.25, "opts": {"deep": {"x": 1}}, "tags": ["a", "b"], "limit": None, "note": None}
+    assert_all_paths("qwen3_coder", text, "", [("configure", expected)])
+
+
+def test_reasoning_then_tools_pipeline_streams_like_one_shot():
+    cases = [
+        ("qwen3", True, "qwen3_coder",
+         "I need the weather.\n</think>\n\nOne moment.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+         "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n"
+         "</parameter>\n</function>\n</tool_call>",
+         "I need the weather.", "One moment.\n", [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]),
+        ("qwen3", True, "hermes", "Call it directly.\n" + render_call("hermes", "get_weather", {"city": "Lyon"}),
+         "Call it directly.", "", [("get_weather", {"city": "Lyon"})]),
+        ("gpt_oss", False, "gpt_oss",
+         "<|channel|>analysis<|message|>Need two calls.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather"
+         " <|constrain|>json<|message|>{\"city\": \"Oslo\"}<|call|><|start|>assistant<|channel|>commentary "
+         "to=functions.get_weather<|message|>{\"city\": \"Bergen\"}<|start|>assistant<|channel|>final<|message|>Done.<|return|>",
+         "Need two calls.", "Done.", [("get_weather", {"city": "Oslo"}), ("get_weather", {"city": "Bergen"})]),
+    ]
+    for rp_name, force, tp_name, text, reasoning, normal, calls in cases:
+        r_one, c_one = ReasoningParser(rp_name, force).parse_non_stream(text)
+        assert r_one == reasoning
+        assert_all_paths(tp_name, c_one, normal, calls)
+        rp, tp = ReasoningParser(rp_name, force), FunctionCallParser(TOOLS, tp_name)
+        out: list[StreamingParseResult] = []
+        r_stream = ""
+        for ch in text:
+            r, c = rp.parse_stream_chunk(ch)
+            r_stream += r
+            out.append(tp.parse_stream_chunk(c))
+        r, c = rp.flush()
+        out += [tp.parse_stream_chunk(c), tp.finish_stream()]
+        assert r_stream + r == reasoning
+        assert "".join(o.normal_text for o in out) == normal
+        names = [i.name for o in out for i in o.calls if i.name]
+        assert names == [n for n, _ in calls]
+
+
+def test_has_tool_call_and_registry():
+    assert FunctionCallParser(TOOLS, "hermes").has_tool_call("x <tool_call>")
+    assert not FunctionCallParser(TOOLS, "hermes").has_tool_call("<function=f>")
+    assert FunctionCallParser(TOOLS, "qwen3_coder").has_tool_call("<function=f>")
+    assert FunctionCallParser(TOOLS, "gpt_oss").has_tool_call("<|channel|>commentary to=functions.f")
+    assert {"hermes", "qwen25", "qwen", "qwen3_coder", "gpt_oss"} == set(SUPPORTED_TOOL_CALL_PARSERS)
+    assert SUPPORTED_TOOL_CALL_PARSERS["qwen"] is Qwen25Detector
+    assert SUPPORTED_TOOL_CALL_PARSERS["qwen3_coder"] is Qwen3CoderDetector
+    assert SUPPORTED_TOOL_CALL_PARSERS["gpt_oss"] is HarmonyDetector
+    assert all(issubclass(d, BaseFormatDetector) for d in SUPPORTED_TOOL_CALL_PARSERS.values())
+    assert {"<tool_call>", "<function=", "<|channel|>", "<|start|>"} == set(TOOLS_TAG_LIST)
+    with pytest.raises(ValueError):
+        FunctionCallParser(TOOLS, "auto")
+
+
+def test_parse_non_stream_leaves_stream_state_alone():
+    parser = FunctionCallParser(TOOLS, "hermes")
+    assert parser.parse_stream_chunk("Hello <tool_").normal_text == "Hello "
+    assert parser.parse_non_stream("plain").normal_text == "plain"
+    assert parser.parse_stream_chunk("x").normal_text == "<tool_x"
+
+
+@pytest.mark.parametrize("tools,choice,error", [
+    (TOOLS, "auto", None),
+    (TOOLS, None, None),
+    (TOOLS, "none", None),
+    ([], "none", None),
+    (None, "auto", None),
+    (TOOLS, "required", None),
+    (TOOLS, {"type": "function", "function": {"name": "get_weather"}}, None),
+    ([], "required", "required"),
+    ([], {"type": "function", "function": {"name": "get_weather"}}, "not among"),
+    (TOOLS, {"type": "function", "function": {"name": "nope"}}, "not among"),
+    (TOOLS, {"type": "function", "function": {}}, "name"),
+    (TOOLS, {"type": "function"}, "name"),
+    (TOOLS, "sometimes", "tool_choice"),
+    (TOOLS, {"type": "auto"}, "tool_choice"),
+    ([{"type": "function", "function": {"parameters": {}}}], "auto", "name"),
+    ([{"type": "function", "function": {"name": ""}}], "auto", "name"),
+    ([{"type": "retrieval", "function": {"name": "f"}}], "auto", "type"),
+    ([{"function": {"name": "f"}}], "auto", "type"),
+    ([{"type": "function", "function": {"name": "f", "parameters": "{}"}}], "auto", "parameters"),
+    ([{"type": "function", "function": {"name": "f", "parameters": None}}], "auto", None),
+    ([tool("f"), tool("f")], "auto", "duplicate"),
+])
+def test_validate_tools(tools, choice, error):
+    got = validate_tools(tools, choice)
+    if error is None:
+        assert got is None
+    else:
+        assert got is not None and error in got

@@ -1,0 +1,194 @@
+"""ReasoningParser: hand-written expectations, an independent reference for qwen3, and
+stream == non-stream for arbitrary chunkings (including one character at a time)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from freetoken.server.reasoning_parser import (
+    HARMONY_MARKERS,
+    SUPPORTED_REASONING_PARSERS,
+    ReasoningParser,
+    build_reasoning_parser,
+    partial_suffix_len,
+)
+
+FAST = settings(max_examples=150, deadline=None)
+
+
+def split(text: str, cuts: list[int]) -> list[str]:
+    points = sorted({c for c in cuts if 0 < c < len(text)})
+    return [text[a:b] for a, b in zip([0, *points], [*points, len(text)])]
+
+
+def stream(name: str, force: bool, pieces: list[str]) -> tuple[str, str]:
+    parser = ReasoningParser(name, force_reasoning=force)
+    deltas = [parser.parse_stream_chunk(p) for p in pieces] + [parser.flush()]
+    return "".join(r for r, _ in deltas), "".join(c for _, c in deltas)
+
+
+def chunkings(text: str) -> list[list[str]]:
+    """Whole, one char at a time, and a few fixed widths."""
+    return [[text], list(text)] + [[text[i : i + w] for i in range(0, len(text), w)] for w in (2, 3, 7)]
+
+
+TOOL = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+HARMONY_TOOL = '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}<|call|>'
+
+CASES = [
+    # (family, force_reasoning, output, reasoning, content)
+    ("qwen3", True, "Let me think.</think>\n\nUse a <b> tag.", "Let me think.", "Use a <b> tag."),
+    ("qwen3", True, "<think>\nOkay, 2+2.\n</think>\n\n4", "Okay, 2+2.", "4"),
+    ("qwen3", True, "</think>\n\nHi", "", "Hi"),
+    ("qwen3", True, "Hmm, let me see.\n\n", "Hmm, let me see.", ""),
+    ("qwen3", True, "Still thinking about </thi", "Still thinking about </thi", ""),
+    ("qwen3", True, "I should call it.\n" + TOOL, "I should call it.", TOOL),
+    ("qwen3", True, TOOL, "", TOOL),
+    ("qwen3", True, "a</think>b</think><think>c <tool_call>", "a", "b</think><think>c <tool_call>"),
+    ("qwen3", True, "x<think>y</think>z", "x<think>y", "z"),
+    ("qwen3", True, "r</think>\n\n" + TOOL + "\nDone.", "r", TOOL + "\nDone."),
+    ("qwen3", True, "", "", ""),
+    ("qwen3", False, "Plain answer with <think> inside.", "", "Plain answer with <think> inside."),
+    ("qwen3", False, "  leading space\n", "", "  leading space\n"),
+    ("qwen3", False, "<think>hmm</think>answer", "hmm", "answer"),
+    ("qwen3", False, "<think>truncated", "truncated", ""),
+    ("qwen3", False, "<thin", "", "<thin"),
+    ("qwen3", False, TOOL, "", TOOL),
+    ("gpt_oss", False, "<|channel|>analysis<|message|>think hard<|end|><|start|>assistant<|channel|>final<|message|>Hi!<|return|>", "think hard", "Hi!"),
+    ("gpt_oss", False, "<|start|>assistant<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>final<|message|>b<|return|>", "a", "b"),
+    ("gpt_oss", False, "<|channel|>analysis<|message|>need weather<|end|>" + HARMONY_TOOL, "need weather", HARMONY_TOOL),
+    ("gpt_oss", False, "<|channel|>commentary<|message|>Checking now.<|end|>" + HARMONY_TOOL, "", "Checking now." + HARMONY_TOOL),
+    ("gpt_oss", False, "just text, no markers", "", "just text, no markers"),
+    ("gpt_oss", False, "<|channel|>analysis<|message|>partial thou", "partial thou", ""),
+    ("gpt_oss", False, "<|channel|>analysis<|message|>a<|end|><|start|>assistant<|chan", "a", ""),
+    ("gpt_oss", False, "<|channel|>analysis<|message|>a<|en", "a<|en", ""),
+    (
+        "gpt_oss", False,
+        "<|channel|>commentary to=functions.f<|message|>{}<|start|>assistant<|channel|>final<|message|>ok<|return|>",
+        "", "<|channel|>commentary to=functions.f<|message|>{}<|call|>ok",
+    ),
+    ("gpt_oss", False, "<|channel|>commentary to=functions.f<|message|>{\"a\": ", "", "<|channel|>commentary to=functions.f<|message|>{\"a\": "),
+    ("gpt_oss", False, "<|channel|>final<|message|>x<|constrain|>y<|message|>z<|return|>", "", "xyz"),
+    ("gpt_oss", False, "<|start|>assistant<|end|>after", "", "after"),
+    ("gpt_oss", True, "thinking...<|end|><|start|>assistant<|channel|>final<|message|>Answer<|return|>", "thinking...", "Answer"),
+]
+
+
+@pytest.mark.parametrize("family,force,text,reasoning,content", CASES)
+def test_scripted_outputs_in_every_chunking(family, force, text, reasoning, content):
+    assert ReasoningParser(family, force_reasoning=force).parse_non_stream(text) == (reasoning, content)
+    for pieces in chunkings(text):
+        assert stream(family, force, pieces) == (reasoning, content), pieces
+
+
+def test_seed_example_token_by_token():
+    # Token pieces as a Qwen3 tokenizer splits the text: '</think>' is one token, ' <' another.
+    tokens = ["Let", " me", " think", ".", "</think>", "\n\n", "Use", " a", " <", "b", ">", " tag", "."]
+    parser = ReasoningParser("qwen3", force_reasoning=True)
+    deltas = [parser.parse_stream_chunk(t) for t in tokens]
+    assert deltas[4:8] == [("", ""), ("", ""), ("", "Use"), ("", " a")]
+    assert deltas[8] == ("", " <"), "a '<' in content is not a marker prefix and is not held"
+    assert parser.flush() == ("", "")
+    joined = ("".join(r for r, _ in deltas), "".join(c for _, c in deltas))
+    expected = ("Let me think.", "Use a <b> tag.")
+    assert joined == expected == ReasoningParser("qwen3", True).parse_non_stream("".join(tokens))
+
+
+def test_split_end_marker_is_held_then_resolved():
+    parser = ReasoningParser("qwen3", force_reasoning=True)
+    assert parser.parse_stream_chunk("abc </th") == ("abc", "")
+    assert parser.parse_stream_chunk("ink>\nxyz") == ("", "xyz")
+    parser = ReasoningParser("qwen3", force_reasoning=True)
+    assert parser.parse_stream_chunk("a <") == ("a", "")
+    assert parser.parse_stream_chunk("b>") == (" <b>", "")
+
+
+def test_harmony_partial_marker_is_held_and_never_leaks():
+    parser = ReasoningParser("gpt_oss")
+    assert parser.parse_stream_chunk("<|channel|>analysis<|mess") == ("", "")
+    assert parser.parse_stream_chunk("age|>one <|") == ("one ", "")
+    assert parser.parse_stream_chunk("end|><|start|>assistant<|channel|>final<|message|>two") == ("", "two")
+    assert parser.parse_stream_chunk("<|return|>") == ("", "")
+    assert parser.flush() == ("", "")
+
+
+def test_parse_non_stream_leaves_stream_state_alone():
+    parser = ReasoningParser("qwen3", force_reasoning=True)
+    assert parser.parse_stream_chunk("one") == ("one", "")
+    assert parser.parse_non_stream("x</think>y") == ("x", "y")
+    assert parser.parse_stream_chunk(" two</think>z") == (" two", "z")
+
+
+def test_registry_and_builder():
+    assert set(SUPPORTED_REASONING_PARSERS) == {"qwen3", "gpt_oss"}
+    assert build_reasoning_parser(None) is None and build_reasoning_parser("off") is None
+    built = build_reasoning_parser("qwen3", force_reasoning=True)
+    assert built is not None and built.parse_non_stream("a</think>b") == ("a", "b")
+    with pytest.raises(ValueError):
+        ReasoningParser("harmony")
+
+
+def test_partial_suffix_len():
+    assert partial_suffix_len("abc </th", ["</think>"]) == 4
+    assert partial_suffix_len("abc </think>", ["</think>"]) == 0  # complete, not partial
+    assert partial_suffix_len("x<", ["<a>", "<|b|>"]) == 1
+    assert partial_suffix_len("", ["<a>"]) == 0
+
+
+# ------------------------------------------------------------------ properties
+
+
+def reference_qwen3(text: str, force: bool) -> tuple[str, str]:
+    """The documented qwen3 rules, written as a one-shot split."""
+    in_reasoning = force
+    if text.startswith("<think>"):
+        text, in_reasoning = text[len("<think>") :], True
+    if not in_reasoning:
+        return "", text
+    m = re.search(r"</think>|<tool_call>", text)
+    if m is None:
+        return text.strip(), ""
+    if m.group() == "</think>":
+        return text[: m.start()].strip(), text[m.end() :].lstrip()
+    return text[: m.start()].strip(), text[m.start() :]
+
+
+QWEN3_PIECES = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<", "</", "<th", "think", ">", "/",
+                " ", "\n", "\n\n", "\t", "a", "Hi", "x y", "é", "🤖", "{}", "<b>"]
+HARMONY_PIECES = ["<|start|>", "assistant", "<|channel|>", "analysis", "final", "commentary", " to=functions.f",
+                  " to=browser.x", " <|constrain|>json", "<|message|>", "<|end|>", "<|return|>", "<|call|>",
+                  "<|", "|>", "<", "|", "hello", " ", "\n", '{"a": 1}', "é"]
+
+
+@st.composite
+def chunked(draw, pieces: list[str]):
+    text = "".join(draw(st.lists(st.sampled_from(pieces), max_size=25)))
+    cuts = draw(st.lists(st.integers(0, max(len(text), 1)), max_size=len(text)))
+    return text, split(text, cuts)
+
+
+@FAST
+@given(chunked(QWEN3_PIECES), st.booleans())
+def test_qwen3_matches_reference_in_any_chunking(case, force):
+    text, pieces = case
+    expected = reference_qwen3(text, force)
+    assert ReasoningParser("qwen3", force).parse_non_stream(text) == expected
+    assert stream("qwen3", force, pieces) == expected
+    assert stream("qwen3", force, list(text)) == expected
+
+
+@FAST
+@given(chunked(HARMONY_PIECES), st.booleans())
+def test_harmony_stream_equals_non_stream_and_hides_markers(case, force):
+    text, pieces = case
+    expected = ReasoningParser("gpt_oss", force).parse_non_stream(text)
+    assert stream("gpt_oss", force, pieces) == expected
+    assert stream("gpt_oss", force, list(text)) == expected
+    reasoning, content = expected
+    for marker in HARMONY_MARKERS:
+        assert marker not in reasoning
+        # Markers reach content only inside verbatim tool blocks.
+        assert "to=functions." in content or marker not in content, (marker, content)
