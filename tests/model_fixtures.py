@@ -46,3 +46,19 @@ def tiny_qwen3_folder() -> Path:
             shutil.copy(name, tmp / name.name)
     tmp.replace(folder)
     return folder
+
+
+def default_folder() -> Path:
+    from freetoken.models.loader import default_model_path, gguf_to_folder
+
+    return gguf_to_folder(default_model_path())
+
+
+def reference_logprobs(folder: Path, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+    """HF transformers' fp32 log-softmax, teacher-forced: row i is the distribution of the
+    token after prompt + output[:i], for i = 0..len(output) ([len(output) + 1, V])."""
+    model = hf_reference(folder)
+    ids = torch.tensor([prompt_ids + output_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1 :]
+    return torch.log_softmax(logits.float(), dim=-1)

@@ -105,6 +105,25 @@ def test_support_sets_mixed_batch(candidates: int, monkeypatch: pytest.MonkeyPat
     assert seen[4] <= supports[4] and {0, 1, 2} <= seen[4]
 
 
+def test_top_k_neighbour_does_not_cut_plain_row() -> None:
+    # The top_k=2 row sizes the candidate topk at 2; the plain row must still see all 7 tokens.
+    seen: list[set[int]] = [set(), set()]
+    for seed in range(300):
+        out = run([LOGITS, LOGITS], [SamplingParams(top_k=2), SamplingParams()], [seed, seed + 1])
+        for s, t in zip(seen, out.token_ids):
+            s.add(t)
+    assert seen == [{0, 1}, set(range(7))]
+
+
+def test_draw_frequencies_follow_probs() -> None:
+    # Support checks cannot see a wrong race (e.g. argmax(p / U) instead of p / Exp(1)).
+    n = 4000
+    counts = [0] * len(PROBS)
+    for t in run([LOGITS] * n, [SamplingParams()] * n).token_ids:
+        counts[t] += 1
+    assert [c / n for c in counts] == pytest.approx(PROBS, abs=0.03)  # ~4 standard errors
+
+
 def test_seeded_reproducible_independent_of_batch() -> None:
     v = 64
     target, p = rand_logits(v, 1), SamplingParams(temperature=1.3, top_p=0.95, seed=123)
@@ -159,6 +178,10 @@ def test_zero_k_and_none_logprobs() -> None:
     assert lp2 is not None and lp2.top_ids == [] and lp2.rank == 1 and lp2.token_id == 0
     assert lp2.logprob == pytest.approx(math.log(0.4), abs=1e-5)
     assert run([LOGITS], [SamplingParams()]).logprobs == [None]
+    # K above V is clamped, and -1 (vLLM's "whole vocabulary") gives every id.
+    for k in (50, -1):
+        full = run([LOGITS], [SamplingParams(logprobs=k)]).logprobs[0]
+        assert full is not None and full.top_ids == list(range(7))
 
 
 def test_masked_rows_sample_allowed_and_renormalise() -> None:

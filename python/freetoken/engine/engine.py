@@ -11,6 +11,7 @@ from freetoken.models.llama import ForwardContext, SeqAttention
 
 
 ROW_MULTIPLE = 4
+MIN_QUERY_ROWS = 4
 
 
 class Engine:
@@ -38,17 +39,26 @@ class Engine:
         args = self.sampler.prepare([r.params for r in batch.logit_reqs], generators)
         return self.sampler.sample(logits, args)
 
+    def _seq_attention(self, start: int, q: int, slots: list[int]) -> SeqAttention:
+        total, dev = len(slots), self.device
+        rows = list(range(start, start + q))
+        rows += [rows[-1]] * (MIN_QUERY_ROWS - q)  # see SeqAttention: short blocks padded to 4
+        mask = None  # a single query sees every key; a whole fresh prompt of >= 4 is plain causal
+        if q > 1 and (q < total or len(rows) > q):
+            # Query j sits at position total - q + j and sees keys up to it.
+            positions = torch.arange(total - q, total)
+            positions = torch.cat([positions, positions[-1:].expand(len(rows) - q)])
+            mask = (torch.arange(total)[None, :] <= positions[:, None]).to(dev)
+        return SeqAttention(start, q, torch.tensor(rows, device=dev),
+                            torch.tensor(slots, device=dev), mask, causal=q > 1 and mask is None)
+
     def build_context(self, batch: Batch) -> ForwardContext:
         ids, positions, out_slots, logit_rows, seqs = [], [], [], [], []
         logit_set = {id(r) for r in batch.logit_reqs}
         dev = self.device
         for req, new in zip(batch.reqs, batch.new_ids):
             total, q = req.num_computed, len(new)  # slots for `new` were appended before the step
-            mask = None
-            if 1 < q < total:  # a prompt chunk after cached context: causal with an offset
-                mask = torch.arange(total)[None, :] <= torch.arange(total - q, total)[:, None]
-                mask = mask.to(dev)
-            seqs.append(SeqAttention(len(ids), q, torch.tensor(req.slots, device=dev), mask))
+            seqs.append(self._seq_attention(len(ids), q, req.slots))
             ids += new
             positions += range(total - q, total)
             out_slots += req.slots[total - q :]

@@ -10,10 +10,10 @@ Order of operations, per row (mirrors vLLM's v1 sampler, "raw_logprobs" mode):
    the identity on unmasked rows.
 5. Greedy rows (params.is_greedy): exact argmax of the masked logits.
 6. Random rows: divide by temperature, then min_p (drop tokens with prob < min_p * max prob), then
-   top-k (ties with the k-th value are kept), then top-p (smallest set whose cumulative prob
-   >= top_p; the top token is always kept), then an exponential race: argmax(probs / Exp(1)),
-   with the noise of row i drawn from generators[i] only, so seeded rows do not depend on
-   their batch neighbours or row position.
+   top-k, then top-p (smallest set whose cumulative prob >= top_p, renormalised over the top-k
+   set; the top token is always kept; ties with the last kept logit are kept), then an
+   exponential race, argmax(probs / Exp(1)), with the noise of row i drawn from generators[i]
+   only, so seeded rows do not depend on their batch neighbours or row position.
 7. Logprobs from the distribution of step 2/4: the sampled token's logprob, its rank
    (1 + number of tokens with a strictly greater logprob) and the top-K sorted descending,
    K = params.logprobs. Temperature, min_p, top-k and top-p never change logprobs.
@@ -83,7 +83,10 @@ class Sampler:
         rp = [params[i] for i in rand]
 
         # Each random-stage tensor exists only if at least one random row changes something.
-        temperature = log_min_p = top_k = top_p = None
+        temperature: torch.Tensor | None = None
+        log_min_p: torch.Tensor | None = None
+        top_k: torch.Tensor | None = None
+        top_p: torch.Tensor | None = None
         ks = [p.top_k if 0 < p.top_k < V else V for p in rp]
         if any(p.temperature != 1.0 for p in rp):
             temperature = self._col([p.temperature for p in rp], torch.float32)
@@ -120,7 +123,7 @@ class Sampler:
             top_p=top_p,
             mask=mask,
             lp_rows=self._rows(lp) if lp else None,
-            lp_k=[min(int(params[i].logprobs or 0), V) for i in lp],
+            lp_k=[min(k, V) if k >= 0 else V for k in (int(params[i].logprobs or 0) for i in lp)],
             lp_masked=[params[i].allowed_token_ids is not None for i in lp],
         )
 

@@ -76,3 +76,5 @@ class UserReply:
     matched_stop: int | str | None = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    # The EOS / stop token that ended the turn: completions list it (as vLLM), chat does not.
+    stop_logprob: TokenLogprob | None = None

@@ -57,12 +57,18 @@ class ModelConfig:
 
 @dataclass
 class SeqAttention:
-    """Where one request's queries sit in the step's tokens, and which pool slots it reads."""
+    """One request's attention in a step: its query rows in the step's tokens and its keys.
+
+    `rows` may repeat the last query: CPU attention kernels round a row differently when a call
+    has fewer than 4 queries, so short blocks are padded to 4 and only `length` rows are kept.
+    """
 
     start: int
     length: int
+    rows: torch.Tensor  # [max(length, 4)] indices into the step's tokens
     kv_slots: torch.Tensor  # [L] slots of every key the request attends to, new ones included
-    mask: torch.Tensor | None  # [q, L] bool for a chunk after cached context; None = plain causal
+    mask: torch.Tensor | None  # [len(rows), L] bool, or None when `causal` (or no mask) suffices
+    causal: bool
 
 
 @dataclass
@@ -70,7 +76,8 @@ class ForwardContext:
     """Tensors the engine builds once per step for every layer.
 
     Attention runs request by request: a batched, padded call changes a row's low bits with
-    its neighbours' lengths, and greedy results must not depend on what else is in the batch.
+    its neighbours' lengths, and greedy results must not depend on what else is in the batch
+    (nor on whether a prefix came from the cache).
     """
 
     input_ids: torch.Tensor  # [T] (padded to a multiple of 4)
@@ -128,15 +135,15 @@ class Attention(nn.Module):
         v_cache[ctx.out_slots] = v.to(v_cache.dtype)
         out = torch.zeros_like(q)  # padding rows past the requests' tokens stay zero
         for seq in ctx.seqs:
-            rows = slice(seq.start, seq.start + seq.length)
-            out[rows] = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1),
+            attn = F.scaled_dot_product_attention(
+                q[seq.rows].transpose(0, 1),
                 k_cache[seq.kv_slots].transpose(0, 1),
                 v_cache[seq.kv_slots].transpose(0, 1),
                 attn_mask=seq.mask,
-                is_causal=seq.mask is None and seq.length > 1,
+                is_causal=seq.causal,
                 enable_gqa=True,
-            ).transpose(0, 1)
+            )
+            out[seq.start : seq.start + seq.length] = attn[:, : seq.length].transpose(0, 1)
         return self.o_proj(out.reshape(t, -1))
 
 

@@ -41,6 +41,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def stats(self) -> dict[str, int]:
+        return {"running": len(self.running), "waiting": len(self.waiting),
+                "kv_free": self.engine.kv.num_free, "kv_total": self.engine.kv.num_slots}
+
     def add(self, msg: UserMsg) -> list[DetokenizeMsg]:
         params, n = msg.sampling_params, len(msg.input_ids)
         limit = self.config.max_model_len

@@ -1,0 +1,274 @@
+"""Chat generation as a stream of semantic events, shared by streaming and non-streaming.
+
+Per reply: the released tokens are labelled by the token classifier (by id) and their logprob
+entries held by the router; the reply's text goes through the reasoning parser, then the tool
+parser; each emitted delta takes the entries held for its side. The non-streaming response is
+`collect()` over the very same events, so the two modes cannot disagree.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from freetoken.core import SamplingParams, TokenLogprob
+from freetoken.message import TokenizeMsg, UserReply
+from freetoken.server.api_models import ChatCompletionRequest
+from freetoken.server.function_call_parser import FunctionCallParser, validate_tools
+from freetoken.server.reasoning_parser import build_reasoning_parser
+from freetoken.server.token_classifier import (
+    ClassifierUnavailable,
+    ContentLogprobRouter,
+    TokenClassifier,
+)
+from freetoken.server.validation import RequestError
+
+
+@dataclass
+class GenSpec:
+    messages: list[dict]
+    sampling_params: SamplingParams
+    chat_template_kwargs: dict
+    template_tools: list[dict] | None
+    parser_tools: list[dict] | None  # None: no tool parsing (no tools, or tool_choice "none")
+    reasoning_parser: str | None
+    tool_call_parser: str | None
+    force_reasoning: bool
+    logprobs: bool
+    include_reasoning_logprobs: bool
+    classifier: TokenClassifier | None = None
+
+
+@dataclass
+class ReasoningDelta:
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class ContentDelta:
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class ToolCallDelta:
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+    def as_delta(self) -> dict:
+        function: dict[str, Any] = {"arguments": self.arguments}
+        if self.name is not None:
+            function["name"] = self.name
+            return {"index": self.index, "id": self.id, "type": "function", "function": function}
+        return {"index": self.index, "function": function}
+
+
+@dataclass
+class GenDone:
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # content entries still held
+    reasoning_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class GenResult:
+    content: str | None
+    reasoning: str
+    tool_calls: list[dict]
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    content_logprobs: list[TokenLogprob]
+    reasoning_logprobs: list[TokenLogprob]
+
+
+def render_messages(req: ChatCompletionRequest) -> list[dict]:
+    out = []
+    for i, m in enumerate(req.messages):
+        msg = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list):
+            for part in m.content:
+                if part.type != "text" or part.text is None:
+                    raise RequestError(f"messages[{i}]: only text content parts are supported",
+                                       param="messages")
+            msg["content"] = "".join(part.text for part in m.content)
+        for call in msg.get("tool_calls", []):
+            args = call["function"].get("arguments")
+            if isinstance(args, str):
+                call["function"]["arguments"] = _json_or_text(args)
+        out.append(msg)
+    return out
+
+
+def _json_or_text(text: str) -> Any:
+    import json
+
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _make_reasoning_parser(name: str | None, ctk: dict) -> tuple[str | None, bool]:
+    """The parser name and whether the output starts inside a think block (the template
+    opened it): qwen3 thinks unless `enable_thinking` is explicitly false."""
+    if name is None:
+        return None, False
+    return name, name == "qwen3" and ctk.get("enable_thinking", True) is not False
+
+
+def chat_request_to_genspec(req: ChatCompletionRequest, params: SamplingParams, state) -> GenSpec:
+    cfg = state.config
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    if tools is not None or req.tool_choice is not None:
+        reason = validate_tools(tools or [], req.tool_choice or "auto")
+        if reason is not None:
+            param = "tool_choice" if "tool_choice" in reason else "tools"
+            raise RequestError(reason, param=param)
+    template_tools = tools
+    if isinstance(req.tool_choice, dict) and tools:
+        wanted = req.tool_choice["function"]["name"]
+        template_tools = [t for t in tools if t["function"]["name"] == wanted]
+    tool_parser = getattr(cfg, "tool_call_parser", None)
+    parser_tools = tools if tools and req.tool_choice != "none" and tool_parser else None
+    ctk = dict(req.chat_template_kwargs or {})
+    reasoning, force = _make_reasoning_parser(getattr(cfg, "reasoning_parser", None), ctk)
+    if req.include_reasoning_logprobs and not req.logprobs:
+        raise RequestError("include_reasoning_logprobs needs logprobs: true",
+                           param="include_reasoning_logprobs")
+    spec = GenSpec(
+        messages=render_messages(req),
+        sampling_params=params,
+        chat_template_kwargs=ctk,
+        template_tools=template_tools,
+        parser_tools=parser_tools,
+        reasoning_parser=reasoning,
+        tool_call_parser=tool_parser if parser_tools else None,
+        force_reasoning=force,
+        logprobs=req.logprobs,
+        include_reasoning_logprobs=req.include_reasoning_logprobs,
+    )
+    if req.logprobs and (spec.reasoning_parser or spec.tool_call_parser):
+        try:
+            spec.classifier = TokenClassifier.create(
+                state.tokenizer, spec.reasoning_parser, spec.tool_call_parser, spec.force_reasoning
+            )
+        except ClassifierUnavailable as exc:
+            raise RequestError(str(exc), param="logprobs") from None
+    return spec
+
+
+async def generate_events(state, spec: GenSpec) -> AsyncIterator:
+    """Submit the request and return its event stream; the first reply is awaited here so a
+    failure before any output (an over-long prompt, a template error) is still a plain 400."""
+    uid = state.new_user()
+    await state.send_one(TokenizeMsg(uid, spec.messages, spec.sampling_params,
+                                     chat_template_kwargs=spec.chat_template_kwargs,
+                                     tools=spec.template_tools))
+    replies = state.wait_for_ack(uid).__aiter__()
+    first = await replies.__anext__()
+    if first.error:
+        await replies.aclose()
+        raise RequestError(first.error, code=first.error_code,
+                           status=503 if first.error_code == "engine_dead" else 400)
+    return _events(spec, first, replies)
+
+
+async def _events(spec: GenSpec, first: UserReply, replies) -> AsyncIterator:
+    reasoning = build_reasoning_parser(spec.reasoning_parser, spec.force_reasoning)
+    tools = FunctionCallParser(spec.parser_tools, spec.tool_call_parser) if spec.parser_tools else None
+    router = ContentLogprobRouter(spec.classifier)
+    prompt_tokens = completion_tokens = cached = 0
+    called = False
+    call_ids: dict[int, str] = {}
+
+    def tool_events(result):
+        nonlocal called
+        if result.normal_text:
+            yield ContentDelta(result.normal_text, router.take_for_delta())
+        for item in result.calls:
+            if item.name is not None:
+                called = True
+                call_ids[item.tool_index] = f"call_{secrets.token_hex(12)}"
+                yield ToolCallDelta(item.tool_index, call_ids[item.tool_index], item.name, "")
+            if item.parameters:
+                yield ToolCallDelta(item.tool_index, arguments=item.parameters)
+
+    def route(reasoning_text: str, content_text: str):
+        if reasoning_text:
+            yield ReasoningDelta(reasoning_text, router.take_reasoning_for_delta())
+        if not content_text:
+            return
+        if tools is None:
+            yield ContentDelta(content_text, router.take_for_delta())
+        else:
+            yield from tool_events(tools.parse_stream_chunk(content_text))
+
+    reply: UserReply | None = first
+    while reply is not None:
+        if reply.error:
+            raise RequestError(reply.error, code=reply.error_code)
+        prompt_tokens += reply.prompt_tokens_delta
+        completion_tokens += reply.completion_tokens_delta
+        cached = max(cached, reply.cached_tokens)
+        for token_id, entry in zip(reply.token_ids, reply.logprobs):
+            router.add(token_id, entry)
+        text = reply.incremental_output
+        for ev in route(*(reasoning.parse_stream_chunk(text) if reasoning else ("", text))):
+            yield ev
+        if reply.finished:
+            break
+        reply = await anext(replies, None)
+    if reasoning is not None:
+        for ev in route(*reasoning.flush()):
+            yield ev
+    if tools is not None:
+        for ev in tool_events(tools.finish_stream()):
+            yield ev
+    finish = reply.finish_reason if reply is not None else None
+    if called and finish != "length":
+        finish = "tool_calls"
+    yield GenDone(finish, prompt_tokens, completion_tokens, cached,
+                  router.take_rest(), router.take_reasoning_rest())
+
+
+async def collect(events: AsyncIterator) -> GenResult:
+    content, reasoning = [], []
+    content_lps: list[TokenLogprob] = []
+    reasoning_lps: list[TokenLogprob] = []
+    calls: dict[int, dict] = {}
+    async for ev in events:
+        if isinstance(ev, ContentDelta):
+            content.append(ev.text)
+            content_lps += ev.logprobs
+        elif isinstance(ev, ReasoningDelta):
+            reasoning.append(ev.text)
+            reasoning_lps += ev.logprobs
+        elif isinstance(ev, ToolCallDelta):
+            call = calls.setdefault(ev.index, {"id": ev.id, "type": "function",
+                                               "function": {"name": ev.name, "arguments": ""}})
+            call["function"]["arguments"] += ev.arguments
+        elif isinstance(ev, GenDone):
+            content_lps += ev.logprobs
+            reasoning_lps += ev.reasoning_logprobs
+            done = ev
+    text = "".join(content)
+    return GenResult(
+        content=None if not text and calls else text,
+        reasoning="".join(reasoning),
+        tool_calls=[calls[i] for i in sorted(calls)],
+        finish_reason=done.finish_reason,
+        prompt_tokens=done.prompt_tokens,
+        completion_tokens=done.completion_tokens,
+        cached_tokens=done.cached_tokens,
+        content_logprobs=content_lps,
+        reasoning_logprobs=reasoning_lps,
+    )

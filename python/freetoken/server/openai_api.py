@@ -1,0 +1,325 @@
+"""OpenAI handlers: validate, submit, and shape JSON or SSE from the frontend's replies.
+
+`state` is anything with `config`, `new_user()`, `send_one(msg)` and the async generator
+`wait_for_ack(uid)`; `FrontendManager` is the real one, tests pass small fakes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Any, AsyncIterator
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from freetoken.core import SamplingParams, TokenLogprob
+from freetoken.message import TokenizeMsg, UserReply
+from freetoken.server import generation
+from freetoken.server.api_models import ChatCompletionRequest, CompletionRequest
+from freetoken.server.logprob_format import chat_entries, completion_logprobs
+from freetoken.server.validation import (
+    Limits,
+    RequestError,
+    prompt_list,
+    to_sampling_params,
+    unsupported_reason,
+)
+from freetoken.tokenizer.detokenize import TokenTexts
+
+
+def create_error_response(message: str, status_code: int = 400,
+                          err_type: str = "invalid_request_error", param: str | None = None,
+                          code: str | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status_code)
+
+
+def error_from(exc: RequestError) -> JSONResponse:
+    err_type = "invalid_request_error" if exc.status < 500 else "server_error"
+    return create_error_response(exc.message, exc.status, err_type, exc.param, exc.code)
+
+
+def limits_of(state) -> Limits:
+    cfg = state.config
+    return Limits(
+        vocab_size=getattr(cfg, "vocab_size", None),
+        max_logprobs=getattr(cfg, "max_logprobs", 20),
+        max_output_tokens=getattr(cfg, "max_output_tokens", None),
+        return_tokens_as_token_ids=getattr(cfg, "return_tokens_as_token_ids", False),
+    )
+
+
+def token_texts(state) -> TokenTexts | None:
+    tokenizer = getattr(state, "tokenizer", None)
+    return TokenTexts.of(tokenizer) if tokenizer is not None else None
+
+
+def _completion_unsupported_reason(req: CompletionRequest) -> str | None:
+    err = unsupported_reason(req)
+    return err.message if err else None
+
+
+def check_model(req, state) -> None:
+    name = state.config.served_model_name
+    if req.model is not None and req.model != name:
+        raise RequestError(f"The model `{req.model}` does not exist.", param="model",
+                           code="model_not_found", status=404)
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return usage
+
+
+@dataclass
+class Choice:
+    """One completion choice as it accumulates replies."""
+
+    index: int
+    uid: int
+    prefix: str = ""  # the echoed prompt
+    text: str = ""
+    entries: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, reply: UserReply) -> None:
+        if reply.error:
+            raise RequestError(reply.error, code=reply.error_code,
+                               status=503 if reply.error_code == "engine_dead" else 400)
+        self.text += reply.incremental_output
+        self.entries += [e for e in [*reply.logprobs, reply.stop_logprob] if e is not None]
+        self.prompt_tokens += reply.prompt_tokens_delta
+        self.completion_tokens += reply.completion_tokens_delta
+        self.cached_tokens = max(self.cached_tokens, reply.cached_tokens)
+        if reply.finished:
+            self.finish_reason = reply.finish_reason
+
+
+async def handle_completion(req: CompletionRequest, raw_request, state, model_sampling: dict):
+    try:
+        check_model(req, state)
+        if (err := unsupported_reason(req)) is not None:
+            raise err
+        limits = limits_of(state)
+        params = to_sampling_params(req, limits)
+        prompts = prompt_list(req, limits.vocab_size)
+        choices = await _submit_completions(state, req, prompts, params)
+        try:
+            if req.stream:
+                return await stream_completion_chunks(state, req, params, choices)
+            await asyncio.gather(*(_drain(state, c) for c in choices))
+        except RequestError:
+            await _abort_all(state, choices)
+            raise
+    except RequestError as exc:
+        return error_from(exc)
+    texts = token_texts(state)
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": req.model or state.config.served_model_name,
+        "choices": [
+            {
+                "index": c.index,
+                "text": c.prefix + c.text,
+                "logprobs": completion_logprobs(c.entries, texts, params.return_tokens_as_token_ids)[0]
+                if params.logprobs is not None else None,
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
+        ],
+        "usage": _sum_usage(choices),
+    }
+
+
+def _sum_usage(choices: list[Choice]) -> dict:
+    return usage_dict(sum(c.prompt_tokens for c in choices),
+                      sum(c.completion_tokens for c in choices),
+                      sum(c.cached_tokens for c in choices))
+
+
+async def _submit_completions(state, req: CompletionRequest, prompts, params: SamplingParams):
+    """Submit every prompt x n at once, so the engine batches them."""
+    choices = []
+    tokenizer = getattr(state, "tokenizer", None)
+    for p_index, prompt in enumerate(prompts):
+        prefix = ""
+        if req.echo:
+            prefix = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
+        for j in range(req.n):
+            # Choices of one prompt must differ: each draws from its own seed.
+            seed = None if params.seed is None else params.seed + j
+            uid = state.new_user()
+            await state.send_one(TokenizeMsg(uid, prompt, replace(params, seed=seed)))
+            choices.append(Choice(index=p_index * req.n + j, uid=uid, prefix=prefix))
+    return choices
+
+
+async def _abort_all(state, choices: list[Choice]) -> None:
+    abort = getattr(state, "abort_user", None)
+    for c in choices:
+        if abort is not None and c.finish_reason is None:
+            await abort(c.uid)
+
+
+async def _drain(state, choice: Choice) -> None:
+    async for reply in state.wait_for_ack(choice.uid):
+        choice.add(reply)
+
+
+def _sse(payload: Any) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _merged_replies(state, choices: list[Choice]) -> AsyncIterator[tuple[Choice, UserReply]]:
+    """Replies of all choices in arrival order; the first of each is read before streaming
+    starts, so an error such as an over-long prompt is still a plain 400."""
+    queue: asyncio.Queue = asyncio.Queue()
+    iters = {c.uid: state.wait_for_ack(c.uid).__aiter__() for c in choices}
+    firsts = await asyncio.gather(*(iters[c.uid].__anext__() for c in choices))
+    for c, reply in zip(choices, firsts):
+        if reply.error:
+            c.add(reply)  # raises RequestError
+
+    async def pump(c: Choice, first: UserReply) -> None:
+        await queue.put((c, first))
+        async for reply in iters[c.uid]:
+            await queue.put((c, reply))
+        await queue.put((c, None))
+
+    async def generator():
+        tasks = [asyncio.create_task(pump(c, f)) for c, f in zip(choices, firsts)]
+        open_choices = len(choices)
+        try:
+            while open_choices:
+                c, reply = await queue.get()
+                if reply is None:
+                    open_choices -= 1
+                else:
+                    yield c, reply
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    return generator()
+
+
+async def stream_completion_chunks(state, req, params: SamplingParams, choices: list[Choice]):
+    replies = await _merged_replies(state, choices)
+    texts, as_ids = token_texts(state), params.return_tokens_as_token_ids
+    cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    model = req.model or state.config.served_model_name
+    offsets = {c.uid: 0 for c in choices}
+
+    def chunk(choices_payload: list[dict], **extra) -> str:
+        return _sse({"id": cid, "object": "text_completion", "created": created, "model": model,
+                     "choices": choices_payload, **extra})
+
+    async def body():
+        for c in choices:
+            if c.prefix:  # echo: the prompt text comes first, as its own chunk
+                yield chunk([{"index": c.index, "text": c.prefix, "logprobs": None,
+                              "finish_reason": None}])
+        try:
+            async for c, reply in replies:
+                c.add(reply)
+                logprobs = None
+                if params.logprobs is not None:
+                    entries = [e for e in [*reply.logprobs, reply.stop_logprob] if e is not None]
+                    logprobs, offsets[c.uid] = completion_logprobs(entries, texts, as_ids, offsets[c.uid])
+                if not reply.incremental_output and not reply.finished and not reply.logprobs:
+                    continue
+                yield chunk([{"index": c.index, "text": reply.incremental_output,
+                              "logprobs": logprobs, "finish_reason": c.finish_reason}])
+            if req.stream_options and req.stream_options.include_usage:
+                yield chunk([], usage=_sum_usage(choices))
+        except RequestError as exc:
+            yield _sse({"error": {"message": exc.message, "type": "invalid_request_error",
+                                  "param": exc.param, "code": exc.code}})
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+async def handle_chat_completion(req: ChatCompletionRequest, raw_request, state, model_sampling: dict):
+    try:
+        check_model(req, state)
+        if (err := unsupported_reason(req)) is not None:
+            raise err
+        spec = generation.chat_request_to_genspec(req, to_sampling_params(req, limits_of(state)), state)
+        events = await generation.generate_events(state, spec)
+        if req.stream:
+            return StreamingResponse(stream_chat_completion_chunks(state, req, spec, events),
+                                     media_type="text/event-stream")
+        result = await generation.collect(events)
+    except RequestError as exc:
+        return error_from(exc)
+    texts, as_ids = token_texts(state), spec.sampling_params.return_tokens_as_token_ids
+    message: dict[str, Any] = {"role": "assistant", "content": result.content}
+    if spec.reasoning_parser is not None:
+        message["reasoning_content"] = result.reasoning or None
+    if result.tool_calls:
+        message["tool_calls"] = result.tool_calls
+    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": result.finish_reason,
+                              "logprobs": None}
+    if spec.logprobs:
+        choice["logprobs"] = {"content": chat_entries(result.content_logprobs, texts, as_ids),
+                              "refusal": None}
+    if spec.include_reasoning_logprobs:
+        choice["reasoning_logprobs"] = {"content": chat_entries(result.reasoning_logprobs, texts, as_ids)}
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": req.model or state.config.served_model_name,
+        "choices": [choice],
+        "usage": usage_dict(result.prompt_tokens, result.completion_tokens, result.cached_tokens),
+    }
+
+
+async def stream_chat_completion_chunks(state, req, spec, events) -> AsyncIterator[str]:
+    texts, as_ids = token_texts(state), spec.sampling_params.return_tokens_as_token_ids
+    cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    model = req.model or state.config.served_model_name
+
+    def chunk(delta: dict, finish_reason=None, logprobs=None, reasoning_logprobs=None) -> str:
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
+                                  "finish_reason": finish_reason}
+        if spec.logprobs and logprobs is not None:
+            choice["logprobs"] = {"content": chat_entries(logprobs, texts, as_ids), "refusal": None}
+        if spec.include_reasoning_logprobs and reasoning_logprobs:
+            choice["reasoning_logprobs"] = {"content": chat_entries(reasoning_logprobs, texts, as_ids)}
+        return _sse({"id": cid, "object": "chat.completion.chunk", "created": created,
+                     "model": model, "choices": [choice]})
+
+    yield chunk({"role": "assistant", "content": ""})
+    try:
+        async for ev in events:
+            if isinstance(ev, generation.ContentDelta):
+                yield chunk({"content": ev.text}, logprobs=ev.logprobs)
+            elif isinstance(ev, generation.ReasoningDelta):
+                yield chunk({"reasoning_content": ev.text}, reasoning_logprobs=ev.logprobs)
+            elif isinstance(ev, generation.ToolCallDelta):
+                yield chunk({"tool_calls": [ev.as_delta()]})
+            elif isinstance(ev, generation.GenDone):
+                yield chunk({}, ev.finish_reason, logprobs=ev.logprobs,
+                            reasoning_logprobs=ev.reasoning_logprobs)
+                if req.stream_options and req.stream_options.include_usage:
+                    yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created,
+                                "model": model, "choices": [],
+                                "usage": usage_dict(ev.prompt_tokens, ev.completion_tokens,
+                                                    ev.cached_tokens)})
+    except RequestError as exc:
+        yield _sse({"error": {"message": exc.message, "type": "invalid_request_error",
+                              "param": exc.param, "code": exc.code}})
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,208 @@
+"""Request validation and the one pure function that turns a request into `SamplingParams`.
+
+Every refusal leaves as a `RequestError` naming the field, which `openai_api` renders as an
+OpenAI-shaped 400.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from freetoken.core import SamplingParams
+from freetoken.server.api_models import ChatCompletionRequest, CompletionRequest
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy default, as vLLM
+MAX_N = 16
+
+
+class RequestError(ValueError):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None,
+                 status: int = 400):
+        super().__init__(message)
+        self.message, self.param, self.code, self.status = message, param, code, status
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the server knows that the request must fit: vocabulary, caps, defaults."""
+
+    vocab_size: int | None = None
+    max_logprobs: int = 20
+    max_output_tokens: int | None = None
+    return_tokens_as_token_ids: bool = False
+
+
+def _neutral(*values: Any) -> Callable[[Any], bool]:
+    return lambda v: v in values
+
+
+# Fields that would change the result and that we do not implement: refused unless neutral.
+# One list for both endpoints; docs/scoring.md mirrors it.
+UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "guided_json": _neutral(None),
+    "guided_regex": _neutral(None),
+    "guided_choice": _neutral(None),
+    "guided_grammar": _neutral(None),
+    "guided_decoding_backend": _neutral(None),
+    "guided_whitespace_pattern": _neutral(None),
+    "structured_outputs": _neutral(None),
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "prompt_logprobs": _neutral(None),
+    "best_of": _neutral(None, 1),
+    "use_beam_search": _neutral(None, False),
+    "length_penalty": _neutral(None, 1, 1.0),
+    "min_tokens": _neutral(None, 0),
+    "bad_words": _neutral(None, []),
+    "logits_processors": _neutral(None, []),
+    "logit_bias": _neutral(None, {}),
+    "suffix": _neutral(None, ""),
+    "truncate_prompt_tokens": _neutral(None),
+    "prompt_embeds": _neutral(None),
+    "repetition_penalty": _neutral(None, 1, 1.0),
+    "presence_penalty": _neutral(None, 0, 0.0),
+    "frequency_penalty": _neutral(None, 0, 0.0),
+    "vllm_xargs": _neutral(None, {}),
+    "include_stop_str_in_output": _neutral(None, False),
+    "skip_special_tokens": _neutral(None, True),
+    "spaces_between_special_tokens": _neutral(None, True),
+    "add_special_tokens": _neutral(None, True),
+    "logprob_token_ids": _neutral(None),
+    "function_call": _neutral(None),
+    "functions": _neutral(None),
+    "reasoning_effort": _neutral(None),
+}
+
+# Accepted because they cannot change the generated result.
+HARMLESS_FIELDS = {"user", "request_id", "priority", "cache_salt", "metadata", "store",
+                   "service_tier", "parallel_tool_calls", "documents", "return_token_ids"}
+
+
+def unsupported_reason(req: CompletionRequest | ChatCompletionRequest) -> RequestError | None:
+    fields = {name: getattr(req, name) for name in type(req).model_fields}
+    fields.update(req.model_extra or {})
+    for name, value in fields.items():
+        check = UNSUPPORTED_FIELDS.get(name)
+        if check is not None and not check(value):
+            return RequestError(f"{name} is not supported by this server", param=name)
+    for name in req.model_extra or {}:
+        if name not in UNSUPPORTED_FIELDS and name not in HARMLESS_FIELDS:
+            return RequestError(f"Unknown field {name!r}: refused rather than ignored", param=name)
+    if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
+        return RequestError("echo together with logprobs (prompt logprobs) is not supported",
+                            param="echo")
+    return None
+
+
+def _check_ids(ids: list[int], vocab_size: int | None, param: str, what: str) -> None:
+    for token in ids:
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            raise RequestError(f"Token id {token} is out of vocabulary" if what == "prompt"
+                               else f"{param} contains out-of-vocab token id {token}", param=param)
+
+
+def prompt_list(req: CompletionRequest, vocab_size: int | None) -> list[str | list[int]]:
+    """The request's prompts as strings or id lists (a flat id list is one prompt)."""
+    prompt = req.prompt
+    if prompt is None or prompt == "" or prompt == []:
+        raise RequestError("prompt must be provided and non-empty", param="prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(p, int) for p in prompt):
+        prompts: list = [list(prompt)]
+    else:
+        prompts = list(prompt)
+    for p in prompts:
+        if len(p) == 0:
+            raise RequestError("prompt must not contain an empty prompt", param="prompt")
+        if isinstance(p, list):
+            _check_ids(p, vocab_size, "prompt", "prompt")
+    return prompts
+
+
+def _check_logprobs(k: int, limits: Limits, param: str) -> None:
+    if k == -1:
+        k = limits.vocab_size or 1 << 30
+    if k < 0:
+        raise RequestError(f"`{param}` must be a positive value or -1.", param=param)
+    if k > limits.max_logprobs:
+        raise RequestError(f"Requested sample logprobs of {k}, which is greater than max "
+                           f"allowed: {limits.max_logprobs}", param=param)
+
+
+def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, limits: Limits) -> SamplingParams:
+    """Validate the sampling fields and build the engine's `SamplingParams` (pure)."""
+    chat = isinstance(req, ChatCompletionRequest)
+    temperature = 1.0 if req.temperature is None else req.temperature
+    if not 0.0 <= temperature <= 2.0:
+        raise RequestError("temperature must be in [0, 2]", param="temperature")
+    top_p = 1.0 if req.top_p is None else req.top_p
+    if not 0.0 < top_p <= 1.0:
+        raise RequestError("top_p must be in (0, 1]", param="top_p")
+    top_k = -1 if req.top_k is None else req.top_k
+    if top_k < -1:
+        raise RequestError("top_k must be -1 (disabled) or at least 0", param="top_k")
+    min_p = 0.0 if req.min_p is None else req.min_p
+    if not 0.0 <= min_p <= 1.0:
+        raise RequestError("min_p must be in [0, 1]", param="min_p")
+    if not 1 <= req.n <= MAX_N:
+        raise RequestError(f"n must be between 1 and {MAX_N}", param="n")
+    if chat and req.n != 1:
+        raise RequestError("Only n=1 is supported on chat completions", param="n")
+    if req.n > 1 and (temperature == 0.0 or top_k == 1):
+        raise RequestError(f"n must be 1 when using greedy sampling, got {req.n}.", param="n")
+    if req.stream_options is not None and not req.stream:
+        raise RequestError("stream_options is only allowed with stream=true", param="stream_options")
+
+    field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_tokens is None:
+        # Chat: up to the context (the scheduler clamps); completions: the legacy 16.
+        max_tokens = limits.max_output_tokens or (1 << 30 if chat else DEFAULT_COMPLETION_MAX_TOKENS)
+    if max_tokens < 1:
+        raise RequestError(f"{field} must be at least 1, got {max_tokens}.", param=field)
+    if limits.max_output_tokens is not None and max_tokens > limits.max_output_tokens:
+        raise RequestError(f"{field} must be at most {limits.max_output_tokens} on this server",
+                           param=field)
+
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if any(s == "" for s in stops):
+        raise RequestError("stop strings must not be empty", param="stop")
+    _check_ids(req.stop_token_ids or [], limits.vocab_size, "stop_token_ids", "ids")
+
+    allowed = req.allowed_token_ids
+    if allowed is not None:
+        if not allowed:
+            raise RequestError("allowed_token_ids must not be empty", param="allowed_token_ids")
+        _check_ids(allowed, limits.vocab_size, "allowed_token_ids", "ids")
+
+    if chat:
+        if req.top_logprobs is not None and (req.top_logprobs > 0 or req.top_logprobs == -1) \
+                and not req.logprobs:
+            raise RequestError("when using `top_logprobs`, `logprobs` must be set to true.",
+                               param="top_logprobs")
+        if req.top_logprobs is not None:
+            _check_logprobs(req.top_logprobs, limits, "top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        if req.logprobs is not None:
+            _check_logprobs(req.logprobs, limits, "logprobs")
+        logprobs = req.logprobs
+    if logprobs == -1:
+        logprobs = limits.vocab_size
+
+    as_ids = req.return_tokens_as_token_ids
+    return SamplingParams(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        seed=req.seed,
+        max_tokens=max_tokens,
+        stop_strs=stops,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        allowed_token_ids=list(allowed) if allowed is not None else None,
+        return_tokens_as_token_ids=limits.return_tokens_as_token_ids if as_ids is None else as_ids,
+    )

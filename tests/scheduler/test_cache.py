@@ -1,0 +1,73 @@
+"""Prefix cache: hits equal misses, eviction keeps every request correct, references drop."""
+
+from __future__ import annotations
+
+from freetoken.core import SamplingParams
+from freetoken.llm import build_scheduler
+from freetoken.message import UserMsg
+from tests.model_fixtures import default_model
+
+PREFIX = ("You are a careful classifier. Read the statement and answer with one word, "
+          "Yes or No, and nothing else. ") * 3
+
+
+def _params():
+    return SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True)
+
+
+def _run(scheduler, prompts, first_uid=0):
+    tok = default_model().tokenizer
+    for i, prompt in enumerate(prompts):
+        scheduler.add(UserMsg(first_uid + i, tok.encode(prompt), _params()))
+    out, cached = {}, {}
+    while scheduler.has_work:
+        for msg in scheduler.step():
+            out.setdefault(msg.uid, []).extend(zip(msg.token_ids, msg.logprobs))
+            if msg.prompt_tokens:
+                cached[msg.uid] = msg.cached_tokens
+    return out, cached
+
+
+def _same(a, b):
+    assert [t for t, _ in a] == [t for t, _ in b]
+    for (_, x), (_, y) in zip(a, b):
+        assert abs(x.logprob - y.logprob) <= 1e-5
+        assert max(abs(p - q) for p, q in zip(x.top_logprobs, y.top_logprobs)) <= 1e-5
+
+
+def test_hit_equals_miss_and_reports_cached_tokens():
+    prompts = [PREFIX + f"Statement {i}: the sky is green." for i in range(3)]
+    cold = build_scheduler(default_model(), kv_slots=4096, prefix_cache=False)
+    miss, _ = _run(cold, prompts)
+    warm = build_scheduler(default_model(), kv_slots=4096)
+    _run(warm, prompts[:1], first_uid=100)
+    hit, cached = _run(warm, prompts)
+    n_prefix = len(default_model().tokenizer.encode(PREFIX))
+    assert all(c >= n_prefix - 1 for c in cached.values())
+    for uid in miss:
+        _same(hit[uid], miss[uid])
+
+
+def test_eviction_under_a_small_pool_keeps_results_correct():
+    prompts = [PREFIX + f"Statement {i}." for i in range(6)] + [f"Other {i}." for i in range(4)]
+    reference, _ = _run(build_scheduler(default_model(), kv_slots=4096, prefix_cache=False), prompts)
+    small = build_scheduler(default_model(), kv_slots=160)
+    out, _ = _run(small, prompts)
+    for uid in reference:
+        _same(out[uid], reference[uid])
+    kv = small.engine.kv
+    # Every slot still taken is held by the cache alone, and can be evicted back to the pool.
+    small.cache.evict(kv.num_slots)
+    assert kv.num_free == kv.num_slots and small.reserved == 0
+
+
+def test_abort_releases_the_requests_references():
+    scheduler = build_scheduler(default_model(), kv_slots=1024)
+    tok = default_model().tokenizer
+    _run(scheduler, [PREFIX + "first."])
+    scheduler.add(UserMsg(7, tok.encode(PREFIX + "second."), SamplingParams(max_tokens=50)))
+    scheduler.step()
+    scheduler.step()
+    scheduler.abort(7)
+    scheduler.cache.evict(scheduler.engine.kv.num_slots)
+    assert scheduler.engine.kv.num_free == scheduler.engine.kv.num_slots

@@ -1,0 +1,77 @@
+"""Handlers driven through upstream's fake-state style, no engine and no HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+from freetoken.core import TokenLogprob
+from freetoken.message import UserReply
+from freetoken.server.openai_api import CompletionRequest, handle_completion
+
+
+class State:
+    """Only what upstream's fake state has: config, new_user, send_one, wait_for_ack."""
+
+    config = SimpleNamespace(served_model_name="m", max_output_tokens=None)
+
+    def __init__(self, replies=None):
+        self.sent = []
+        self.replies = replies or [UserReply(uid=1, incremental_output=" Paris", finished=True,
+                                             finish_reason="length")]
+
+    def new_user(self):
+        return 1
+
+    async def send_one(self, msg):
+        self.sent.append(msg)
+
+    async def wait_for_ack(self, uid):
+        for reply in self.replies:
+            yield reply
+
+
+def _run(state, **kw):
+    req = CompletionRequest(model="m", max_tokens=1, temperature=0, **kw)
+    return asyncio.run(handle_completion(req, None, state, {}))
+
+
+def test_seed_reproduction_fields_reach_the_engine():
+    """The seed-000 script: every scoring field now reaches the engine or answers 200."""
+    s = State()
+    out = _run(s, prompt="Is the sky blue? Answer Yes or No:", allowed_token_ids=[9454, 2753])
+    assert out["choices"][0]["text"] == " Paris"
+    params = s.sent[0].sampling_params
+    assert "allowed_token_ids" in vars(params) and params.allowed_token_ids == [9454, 2753]
+
+    s = State()
+    _run(s, prompt="Q:", allowed_token_ids=[9454, 2753], return_tokens_as_token_ids=True)
+    assert s.sent[0].sampling_params.return_tokens_as_token_ids is True
+
+    s = State()
+    out = _run(s, prompt="Q:", allowed_token_ids=[9454, 2753], logprobs=2)
+    assert isinstance(out, dict) and s.sent[0].sampling_params.logprobs == 2
+    assert out["choices"][0]["logprobs"] == {"tokens": [], "token_logprobs": [],
+                                             "top_logprobs": [], "text_offset": []}
+
+    s = State()
+    out = _run(s, prompt=[[1, 2, 3]])
+    assert isinstance(out, dict) and s.sent[0].text == [1, 2, 3]
+
+
+def test_error_is_a_json_response_in_openai_shape():
+    r = _run(State(), prompt="x", allowed_token_ids=[])
+    assert r.status_code == 400
+    err = json.loads(r.body)["error"]
+    assert err["param"] == "allowed_token_ids" and err["type"] == "invalid_request_error"
+
+
+def test_logprob_entries_render_with_token_ids():
+    entry = TokenLogprob(token_id=7, logprob=-0.5, rank=1, top_ids=[7, 9], top_logprobs=[-0.5, -float("inf")])
+    s = State([UserReply(1, " a", True, "length", token_ids=[7], logprobs=[entry])])
+    out = _run(s, prompt="x", logprobs=2, return_tokens_as_token_ids=True)
+    lp = out["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["token_id:7"]
+    assert lp["top_logprobs"] == [{"token_id:7": -0.5, "token_id:9": -9999.0}]
+    assert lp["text_offset"] == [0]
