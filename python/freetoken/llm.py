@@ -7,10 +7,10 @@ from dataclasses import dataclass, replace
 
 from freetoken.core import SamplingParams, TokenLogprob
 from freetoken.engine.engine import Engine
-from freetoken.message import DetokenizeMsg, UserMsg
+from freetoken.message import UserMsg
 from freetoken.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from freetoken.scheduler.scheduler import Scheduler, SchedulerConfig
-from freetoken.tokenizer.detokenize import IncrementalDetokenizer  # noqa
+from freetoken.tokenizer.reply import ReplyBuilder
 
 
 def build_scheduler(
@@ -57,29 +57,29 @@ class LLM:
         prompts: list[str] | list[list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[GenerationOutput]:
+        """Generate for every prompt at once (batched by the scheduler), in prompt order."""
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         outputs: dict[int, GenerationOutput] = {}
+        builders: dict[int, ReplyBuilder] = {}
         for prompt, p in zip(prompts, params_list):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             uid = next(self._uids)
             outputs[uid] = GenerationOutput(ids, [], "", None, [])
+            builders[uid] = ReplyBuilder(self.tokenizer, p.stop_strs)
             for msg in self.scheduler.add(UserMsg(uid, ids, replace(p))):
-                self._collect(outputs[uid], msg)
+                outputs[uid].finish_reason, outputs[uid].error = msg.finish_reason, msg.error
         pending = {uid for uid, o in outputs.items() if o.finish_reason is None}
         while pending:
             for msg in self.scheduler.step():
-                self._collect(outputs[msg.uid], msg)
-                if msg.finished:
+                if msg.uid not in pending:
+                    continue  # the abort ack of a request a stop string already ended
+                out, reply = outputs[msg.uid], builders[msg.uid].build(msg)
+                out.token_ids += msg.token_ids
+                out.logprobs += msg.logprobs
+                out.text += reply.incremental_output
+                if reply.finished:
+                    out.finish_reason = reply.finish_reason
                     pending.discard(msg.uid)
-        for o, p in zip(outputs.values(), params_list):
-            shown = o.token_ids[:-1] if o.finish_reason == "stop" else o.token_ids
-            detok = IncrementalDetokenizer(self.tokenizer, stop_strs=p.stop_strs)
-            o.text = detok.step(shown, finished=True).text
+                    if not msg.finished:
+                        self.scheduler.abort(msg.uid)
         return list(outputs.values())
-
-    @staticmethod
-    def _collect(out: GenerationOutput, msg: DetokenizeMsg) -> None:
-        out.token_ids += msg.token_ids
-        out.logprobs += msg.logprobs
-        if msg.finished:
-            out.finish_reason, out.error = msg.finish_reason, msg.error

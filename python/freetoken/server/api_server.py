@@ -10,7 +10,7 @@ import asyncio
 import itertools
 import pickle
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import zmq
 import zmq.asyncio
@@ -28,7 +28,7 @@ from freetoken.server.api_models import (
     TokenizeRequest,
 )
 from freetoken.server.validation import RequestError
-from freetoken.tokenizer.detokenize import IncrementalDetokenizer
+from freetoken.tokenizer.reply import ReplyBuilder
 from freetoken.tokenizer.tokenize import TokenizeManager
 
 
@@ -47,11 +47,9 @@ class FrontendConfig:
 
 @dataclass
 class _ReqState:
-    detok: IncrementalDetokenizer
+    builder: ReplyBuilder
     replies: list[UserReply] = field(default_factory=list)
     event: asyncio.Event = field(default_factory=asyncio.Event)
-    # Sampled tokens whose text the detokenizer has not released yet, with their logprobs.
-    pending: list[tuple[int, Any]] = field(default_factory=list)
     done: bool = False
 
 
@@ -86,9 +84,8 @@ class FrontendManager:
         # Harmony's channel markers are special tokens that its parsers must see in the text.
         harmony_chat = isinstance(msg.text, list) and msg.text and isinstance(msg.text[0], dict) \
             and "gpt_oss" in (self.config.reasoning_parser, self.config.tool_call_parser)
-        detok = IncrementalDetokenizer(self.tokenizer, stop_strs=params.stop_strs,
-                                       skip_special_tokens=not harmony_chat)
-        self._states[msg.uid] = _ReqState(detok)
+        self._states[msg.uid] = _ReqState(
+            ReplyBuilder(self.tokenizer, params.stop_strs, skip_special_tokens=not harmony_chat))
         if self.dead:
             return self._fail(msg.uid, "The engine process has stopped", "engine_dead")
         try:
@@ -152,28 +149,8 @@ class FrontendManager:
             return  # aborted, or already ended by a stop string
         if msg.error:
             return self._fail(msg.uid, msg.error, msg.error_code or "error")
-        pairs = list(zip(msg.token_ids, msg.logprobs))
-        stop_logprob = None
-        if msg.matched_stop is not None:  # the EOS / stop token ends the turn: it has no text
-            stop_logprob = pairs.pop()[1]
-        state.pending += pairs
-        step = state.detok.step([t for t, _ in pairs], finished=msg.finished)
-        released = state.pending[: step.released]
-        state.pending = state.pending[step.released + step.dropped:]
-        reply = UserReply(
-            msg.uid,
-            incremental_output=step.text,
-            finished=msg.finished or step.stopped is not None,
-            finish_reason="stop" if step.stopped is not None else msg.finish_reason,
-            prompt_tokens_delta=msg.prompt_tokens,
-            completion_tokens_delta=len(msg.token_ids),
-            cached_tokens=msg.cached_tokens,
-            matched_stop=step.stopped if step.stopped is not None else msg.matched_stop,
-            token_ids=[t for t, _ in released],
-            logprobs=[lp for _, lp in released],
-            stop_logprob=stop_logprob,
-        )
-        if step.stopped is not None and not msg.finished:
+        reply = state.builder.build(msg)
+        if reply.finished and not msg.finished:  # a stop string matched
             await self._to_engine.send(pickle.dumps(AbortMsg(msg.uid)))
         self._push(msg.uid, reply)
 
