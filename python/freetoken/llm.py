@@ -17,7 +17,7 @@ def build_scheduler(
     loaded: LoadedModel,
     dtype: str = "auto",
     device: str = "auto",
-    kv_slots: int = 65536,
+    kv_slots: int = 16384,
     max_model_len: int | None = None,
     max_running_requests: int = 64,
     max_prefill_tokens: int = 2048,

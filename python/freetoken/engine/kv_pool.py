@@ -15,8 +15,10 @@ class KVPool:
         # One extra row past the last slot: padding tokens write their K/V there.
         self.scratch_slot = num_slots
         shape = (num_slots + 1, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # empty, not zeros: a slot is always written before it is read, and untouched pages
+        # of a large pool then cost no memory.
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
         self._refs = [0] * num_slots

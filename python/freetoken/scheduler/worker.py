@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import traceback
 
@@ -17,9 +18,10 @@ def serve_scheduler(scheduler: Scheduler, in_addr: str, out_addr: str) -> None:
     inbox.bind(in_addr)
     outbox = ctx.socket(zmq.PUSH)
     outbox.connect(out_addr)
-    while True:
-        # Block only when idle; otherwise take whatever arrived and keep stepping.
-        timeout = 0 if scheduler.has_work else None
+    parent = os.getppid()
+    while os.getppid() == parent:  # a server killed without cleanup must not leave us behind
+        # Block only briefly when idle; otherwise take whatever arrived and keep stepping.
+        timeout = 0 if scheduler.has_work else 1000
         replies = []
         while inbox.poll(timeout):
             msg = pickle.loads(inbox.recv())

@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "freetoken serve") -> 
     p.add_argument("--max-prefill-tokens", type=int, default=2048,
                    help="token budget of one prefill step (longer prompts are chunked)")
     p.add_argument("--max-logprobs", type=int, default=20)
-    p.add_argument("--kv-cache-tokens", dest="kv_slots", type=int, default=65536,
+    p.add_argument("--kv-cache-tokens", dest="kv_slots", type=int, default=16384,
                    help="size of the preallocated KV pool, in tokens")
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--reasoning-parser", default="auto", help="qwen3, gpt_oss, auto or off")
