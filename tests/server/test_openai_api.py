@@ -75,3 +75,19 @@ def test_logprob_entries_render_with_token_ids():
     assert lp["tokens"] == ["token_id:7"]
     assert lp["top_logprobs"] == [{"token_id:7": -0.5, "token_id:9": -9999.0}]
     assert lp["text_offset"] == [0]
+
+
+def test_seed_script_runs_verbatim():
+    """The reproduction script of seed 000, exactly as written there, against this repo."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    seed = (root.parent / "shared" / "seeds" / "000_764d322c2bfab159.txt").read_text()
+    script = seed[seed.index("import asyncio, json"): seed.index("asyncio.run(main())")]
+    out = subprocess.run([sys.executable, "-c", script + "asyncio.run(main())"], cwd=root,
+                         env={"PYTHONPATH": str(root / "python")}, capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert len(out) == 4 and all("-> 200 text=' Paris'" in line for line in out)
+    assert all("'allowed_token_ids', 'return_tokens_as_token_ids'" in line for line in out)

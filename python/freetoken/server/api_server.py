@@ -67,8 +67,11 @@ class FrontendManager:
         self._uids = itertools.count(1)
         self._states: dict[int, _ReqState] = {}
         self._listener: asyncio.Task | None = None
-        self.dead = False
         self.engine_stats: dict[str, int] = {}  # as of the engine's last message
+
+    @property
+    def dead(self) -> bool:
+        return not self.engine_alive()
 
     def new_user(self) -> int:
         return next(self._uids)
@@ -138,8 +141,7 @@ class FrontendManager:
                 msgs, self.engine_stats = pickle.loads(await self._from_engine.recv())
                 for msg in msgs:
                     await self._on_engine_msg(msg)
-            elif not self.engine_alive():
-                self.dead = True
+            elif self.dead:
                 for uid in list(self._states):
                     self._fail(uid, "The engine process has stopped", "engine_dead")
 

@@ -131,7 +131,7 @@ def chat_request_to_genspec(req: ChatCompletionRequest, params: SamplingParams, 
     if tools is not None or req.tool_choice is not None:
         reason = validate_tools(tools or [], req.tool_choice or "auto")
         if reason is not None:
-            param = "tool_choice" if "tool_choice" in reason else "tools"
+            param = "tool_choice" if reason.startswith("tool_choice") else "tools"
             raise RequestError(reason, param=param)
     template_tools = tools
     if isinstance(req.tool_choice, dict) and tools:
