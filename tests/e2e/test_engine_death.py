@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.conftest import Server
+from tests.e2e.support import Server
 
 pytestmark = pytest.mark.slow
 

@@ -121,7 +121,7 @@ def test_chat_logprob_errors(default_server, override, param):
 
 def test_chat_logprobs_need_single_id_markers():
     """The default model has no single-id <think>: logprobs under qwen3 parsing is a 400."""
-    from tests.e2e.conftest import Server
+    from tests.e2e.support import Server
 
     server = Server("--reasoning-parser", "qwen3")
     try:

@@ -8,6 +8,7 @@ parser; each emitted delta takes the entries held for its side. The non-streamin
 
 from __future__ import annotations
 
+import json
 import secrets
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -109,8 +110,7 @@ def render_messages(req: ChatCompletionRequest) -> list[dict]:
 
 
 def _json_or_text(text: str) -> Any:
-    import json
-
+    # Chat templates render tool-call arguments as objects; clients send them as JSON text.
     try:
         return json.loads(text)
     except ValueError:
@@ -188,7 +188,6 @@ async def _events(spec: GenSpec, first: UserReply, replies) -> AsyncIterator:
     router = ContentLogprobRouter(spec.classifier)
     prompt_tokens = completion_tokens = cached = 0
     called = False
-    call_ids: dict[int, str] = {}
 
     def tool_events(result):
         nonlocal called
@@ -197,8 +196,7 @@ async def _events(spec: GenSpec, first: UserReply, replies) -> AsyncIterator:
         for item in result.calls:
             if item.name is not None:
                 called = True
-                call_ids[item.tool_index] = f"call_{secrets.token_hex(12)}"
-                yield ToolCallDelta(item.tool_index, call_ids[item.tool_index], item.name, "")
+                yield ToolCallDelta(item.tool_index, f"call_{secrets.token_hex(12)}", item.name, "")
             if item.parameters:
                 yield ToolCallDelta(item.tool_index, arguments=item.parameters)
 

@@ -1,0 +1,133 @@
+"""Reasoning and tool-call parsers through `freetoken serve` on scripted models (issue 4).
+
+Servers: `scripted_server` (default script; auto = qwen3 + hermes), `chat_server` (qwen3 +
+qwen3_coder) and `harmony_server` (a scripted model on the Harmony tokenizer; auto = gpt_oss).
+Every case is asked for once with the openai client and once streamed, and the two messages must
+be the same.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.e2e.support import chat_view, merge_chat_stream
+
+pytestmark = pytest.mark.slow
+
+
+def _tool(name: str, **props: str) -> dict:
+    schema = {"type": "object", "properties": {k: {"type": v} for k, v in props.items()}}
+    return {"type": "function", "function": {"name": name, "parameters": schema}}
+
+
+WEATHER = _tool("get_weather", city="string", days="integer")
+TIME = _tool("get_time", zone="string")
+
+
+def chat(server, content: str, **kw) -> dict:
+    """Ask non-streamed (openai client) and streamed (its SSE chunks), assert they agree, and
+    return the message in `chat_view`'s shape plus the raw non-streamed choice."""
+    client = server.client()
+    messages = [{"role": "user", "content": content}]
+    extra = kw.pop("extra_body", None)
+    full = client.chat.completions.create(model=None, messages=messages, temperature=0,
+                                          extra_body=extra, **kw)
+    stream = client.chat.completions.create(model=None, messages=messages, temperature=0,
+                                            extra_body=extra, stream=True, **kw)
+    chunks = [c.model_dump() for c in stream]
+    choice = full.choices[0].model_dump()
+    view, streamed = chat_view(choice), merge_chat_stream(chunks)
+    assert all(view.pop("call_ids")) and all(streamed.pop("call_ids"))
+    assert streamed == view
+    return {**view, "choice": choice}
+
+
+def test_thinking_on_splits_reasoning_from_content(scripted_server):
+    out = chat(scripted_server, "hi")
+    assert (out["reasoning"], out["content"]) == ("Let me think.", "Use a <b> tag.")
+    assert out["calls"] == [] and out["finish_reason"] == "stop"
+
+
+def test_thinking_off_is_all_content(scripted_server):
+    out = chat(scripted_server, "hi", extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert out["content"] == "Use a <b> tag." and out["choice"]["message"]["reasoning_content"] is None
+
+
+def test_tool_only_turn(scripted_server):
+    out = chat(scripted_server, "What is the weather in Paris?", tools=[WEATHER])
+    assert out["reasoning"] == "The user wants the weather."
+    assert out["choice"]["message"]["content"] in (None, "") and out["content"] == ""
+    assert out["calls"] == [("get_weather", '{"city": "Paris"}')]
+    assert out["finish_reason"] == "tool_calls"
+
+
+def test_tool_choice_none_leaves_the_call_as_text(scripted_server):
+    out = chat(scripted_server, "What is the weather in Paris?", tools=[WEATHER], tool_choice="none")
+    assert out["calls"] == [] and out["finish_reason"] == "stop"
+    call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    assert out["content"] == f"<tool_call>\n{call}\n</tool_call>"
+
+
+def test_length_wins_over_tool_calls(scripted_server):
+    # 18 tokens end right after the name: the call is sent, cut short.
+    out = chat(scripted_server, "What is the weather in Paris?", tools=[WEATHER], max_tokens=18)
+    assert [name for name, _ in out["calls"]] == ["get_weather"]
+    assert out["finish_reason"] == "length"
+
+
+def test_content_then_two_typed_calls_qwen3_coder(chat_server):
+    out = chat(chat_server, "[two-calls]", tools=[WEATHER, TIME])
+    assert (out["reasoning"], out["content"]) == ("I should look both up.", "One moment.\n")
+    assert out["calls"] == [("get_weather", '{"city": "Paris", "days": 3}'),
+                            ("get_time", '{"zone": "CET"}')]
+    assert out["finish_reason"] == "tool_calls"
+
+
+def test_bare_function_call_qwen3_coder(chat_server):
+    out = chat(chat_server, "[bare-call]", tools=[TIME])
+    assert (out["reasoning"], out["content"]) == ("Checking.", "Sure thing\n")
+    assert out["calls"] == [("get_time", '{"zone": "CET"}')] and out["finish_reason"] == "tool_calls"
+
+
+def test_partial_opener_held_to_the_end_is_text(chat_server):
+    out = chat(chat_server, "[held]", tools=[TIME])
+    assert (out["reasoning"], out["content"]) == ("Checking.", "Call <function")
+    assert out["calls"] == [] and out["finish_reason"] == "stop"
+
+
+def test_harmony_analysis_and_final(harmony_server):
+    out = chat(harmony_server, "hi")
+    assert (out["reasoning"], out["content"]) == ("Let me think.", "Use a <b> tag.")
+    assert out["calls"] == [] and out["finish_reason"] == "stop"
+
+
+def test_harmony_tool_call(harmony_server):
+    out = chat(harmony_server, "What is the weather in Paris?", tools=[WEATHER])
+    assert out["reasoning"] == "Need the weather." and out["content"] == ""
+    assert out["calls"] == [("get_weather", '{"city": "Paris"}')]
+    assert out["finish_reason"] == "tool_calls"
+
+
+BAD_TOOLS = [
+    ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools"),
+    ({"tools": [TIME, TIME]}, "tools"),
+    ({"tools": [_tool("set_tool_choice"), _tool("set_tool_choice")]}, "tools"),
+    ({"tools": [TIME], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+     "tool_choice"),
+    ({"tools": [TIME], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("fields,param", BAD_TOOLS)
+def test_bad_tools_are_a_400_naming_the_field(scripted_server, fields, param, stream):
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": stream, **fields}
+    r = httpx.post(f"{scripted_server.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and "tool" in err["message"]
