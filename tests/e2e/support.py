@@ -3,12 +3,15 @@ form, and readers for SSE streams and logprob entries."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,19 +28,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    # A killed test run must not leave servers behind (Linux: PR_SET_PDEATHSIG = 1).
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+
+
 class Server:
     def __init__(self, *args: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+        self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "freetoken", "serve", *args, "--port", str(self.port)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            # A file, not a pipe: nobody reads a pipe while the server runs, and a full one
+            # would block the server.
+            env=env, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
         )
         deadline = time.time() + 240
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
+                self.log.seek(0)
+                raise RuntimeError(f"server exited: {self.log.read().decode(errors='replace')}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
                     return

@@ -97,7 +97,9 @@ def launch_server(argv: list[str] | None = None, prog: str = "freetoken serve") 
     log.info("FreeToken ready at http://%s:%d/v1 serving %s (reasoning parser: %s, tool parser: %s)",
              args.host, args.port, cfg.served_model_name, cfg.reasoning_parser, cfg.tool_call_parser)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        # A bounded graceful shutdown: an open stream must not keep a stopped server alive.
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                    timeout_graceful_shutdown=5)
     finally:
         proc.terminate()
     return 0
