@@ -24,20 +24,26 @@ def hf_reference(folder: Path):
 
 
 @functools.lru_cache(maxsize=None)
-def tiny_qwen3_folder() -> Path:
-    """A randomly initialised Qwen3 (q/k norm, untied head) on the default model's tokenizer."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def tiny_random_folder(arch: str = "qwen3") -> Path:
+    """A randomly initialised Qwen3 (q/k norm) or Qwen2 (q/k/v bias), untied head, on the
+    default model's tokenizer."""
+    import transformers
 
-    folder = cache_root() / "test-models" / "tiny-random-qwen3-v1"
+    name = {"qwen3": "Qwen3", "qwen2": "Qwen2"}[arch]
+    folder = cache_root() / "test-models" / f"tiny-random-{arch}-v1"
     if (folder / "model.safetensors").is_file():
         return folder
     torch.manual_seed(0)
-    cfg = Qwen3Config(
+    cfg = getattr(transformers, f"{name}Config")(
         vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
         max_position_embeddings=512, rope_theta=10000.0,
     )
-    model = Qwen3ForCausalLM(cfg)
+    model = getattr(transformers, f"{name}ForCausalLM")(cfg)
+    if arch == "qwen2":  # transformers initialises biases to zero; make them matter
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
     tmp = folder.with_name(folder.name + ".tmp")
     model.save_pretrained(tmp)
     src = default_model().folder

@@ -9,7 +9,7 @@ from freetoken.core import SamplingParams
 from freetoken.llm import build_scheduler
 from freetoken.message import UserMsg
 from freetoken.models.loader import load_model
-from tests.model_fixtures import default_model, hf_reference, tiny_qwen3_folder
+from tests.model_fixtures import default_model, hf_reference, tiny_random_folder
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
 
@@ -52,6 +52,12 @@ def test_default_model_matches_transformers():
 
 
 def test_tiny_random_qwen3_matches_transformers():
-    loaded = load_model(tiny_qwen3_folder(), dtype="float32", device="cpu")
+    loaded = load_model(tiny_random_folder("qwen3"), dtype="float32", device="cpu")
     assert loaded.model.cfg.qk_norm and not loaded.model.cfg.tie_word_embeddings
+    _check_against_hf(loaded)
+
+
+def test_tiny_random_qwen2_matches_transformers():
+    loaded = load_model(tiny_random_folder("qwen2"), dtype="float32", device="cpu")
+    assert loaded.model.cfg.attention_bias and not loaded.model.cfg.qk_norm
     _check_against_hf(loaded)

@@ -134,3 +134,22 @@ def test_eos_and_stop_token_ids_finish_with_stop():
 def _run_one(scheduler, params):
     scheduler.add(UserMsg(8, _ids(PROMPTS[6]), params))
     return [t for t, _ in _run(scheduler)[8]]
+
+
+def test_chunked_prefill_equals_one_shot():
+    loaded = default_model()
+    ids = _ids(PROMPTS[4] * 4)
+    one_shot = build_scheduler(loaded, kv_slots=1024, prefix_cache=False)
+    one_shot.add(UserMsg(0, ids, _greedy(6)))
+    expected = _run(one_shot)[0]
+    chunked = build_scheduler(loaded, kv_slots=1024, prefix_cache=False, max_prefill_tokens=7)
+    chunked.add(UserMsg(0, ids, _greedy(6)))
+    got, first_step, step = [], None, 0
+    while chunked.has_work:
+        step += 1
+        for msg in chunked.step():
+            first_step = first_step or step
+            got += list(zip(msg.token_ids, msg.logprobs))
+    assert first_step == -(-len(ids) // 7)  # one step per 7-token chunk before the first token
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    assert max(abs(a.logprob - b.logprob) for (_, a), (_, b) in zip(got, expected)) <= 1e-5
