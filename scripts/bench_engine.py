@@ -1,0 +1,187 @@
+"""Engine throughput: prefill and decode tokens/s at batch 1, 8, 32, ours vs HF transformers.
+
+Our side goes through the scheduler (`build_scheduler`, `UserMsg`, `scheduler.step()`), greedy
+with `ignore_eos`, exactly as the server's engine process drives it. HF transformers runs the
+very same weights in the same process and the same thread count:
+  prefill: one forward over the batch (`logits_to_keep=1`, so its LM head runs on the last
+           position only, as ours does);
+  decode:  `generate(max_new_tokens=N, min_new_tokens=N, do_sample=False)` minus the same call
+           with N = 1 (which is its prefill and first token), over B * (N - 1) tokens.
+Our decode time is likewise the steps after every request has its first token. The prefix cache
+is off here (repeats reuse prompts); bench_scoring.py measures it.
+The second table is the cost of logprobs: our decode at batch 8 with logprobs None / 0 / 5 / 20.
+
+    python scripts/bench_engine.py                 # float32, about 2-3 minutes on 2 cores
+    python scripts/bench_engine.py --quick
+    python scripts/bench_engine.py --dtype bfloat16
+    python scripts/bench_engine.py --profile       # also: where a decode step's time goes
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _bench_common as bc  # noqa: E402
+
+from freetoken.core import SamplingParams  # noqa: E402
+from freetoken.llm import build_scheduler  # noqa: E402
+from freetoken.message import UserMsg  # noqa: E402
+from freetoken.models.loader import load_model  # noqa: E402
+
+
+class Ours:
+    def __init__(self, dtype: str, kv_slots: int):
+        self.loaded = load_model(None, dtype=dtype, device="cpu")
+        # No prefix cache: repeats reuse prompts, and a cache hit would skip the prefill we time
+        # (bench_scoring.py measures the cache).
+        self.scheduler = build_scheduler(self.loaded, dtype=dtype, device="cpu", kv_slots=kv_slots,
+                                         prefix_cache=False)
+        self.uid = 0
+
+    def _add(self, prompts: list[list[int]], max_tokens: int, logprobs: int | None) -> None:
+        for ids in prompts:
+            self.uid += 1
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                    logprobs=logprobs)
+            assert not self.scheduler.add(UserMsg(self.uid, list(ids), params))
+
+    def prefill(self, prompts: list[list[int]]) -> None:
+        """Every prompt's forward and its first token (max_tokens = 1)."""
+        self._add(prompts, 1, None)
+        while self.scheduler.has_work:
+            self.scheduler.step()
+
+    def decode(self, prompts: list[list[int]], new_tokens: int,
+               logprobs: int | None = None) -> tuple[float, int]:
+        """(seconds, steps) of the decode steps, after every request has its first token."""
+        self._add(prompts, new_tokens, logprobs)
+        started: set[int] = set()
+        while len(started) < len(prompts):
+            started |= {m.uid for m in self.scheduler.step()}
+        steps, t0 = 0, time.perf_counter()
+        while self.scheduler.has_work:
+            self.scheduler.step()
+            steps += 1
+        return time.perf_counter() - t0, steps
+
+
+class HF:
+    def __init__(self, dtype: str):
+        self.model, self.tokenizer = bc.load_hf(dtype)
+
+    @torch.inference_mode()
+    def prefill(self, prompts: list[list[int]]) -> None:
+        ids = torch.tensor(prompts)  # equal lengths: no padding needed
+        self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True,
+                   logits_to_keep=1)
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> None:
+        ids = torch.tensor(prompts)
+        self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                            max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                            pad_token_id=self.tokenizer.pad_token_id)
+
+
+def main() -> None:
+    p = bc.base_parser(__doc__.split("\n")[0])
+    p.add_argument("--dtype", default="float32", choices=list(bc.DTYPES))
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--prefill-len", type=int, default=None, help="prompt tokens (default 128, quick 64)")
+    p.add_argument("--decode-prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=None, help="decode length (default 32, quick 16)")
+    p.add_argument("--logprobs-batch", type=int, default=8)
+    p.add_argument("--kv-slots", type=int, default=16384, help="our KV pool, in tokens")
+    p.add_argument("--profile", action="store_true",
+                   help="profile our decode steps at batch 1 and 32 (torch.profiler + cProfile)")
+    p.add_argument("--skip-hf", action="store_true")
+    args = p.parse_args()
+    bc.setup(args)
+    batches = [int(b) for b in args.batches.split(",")]
+    prefill_len = args.prefill_len or (64 if args.quick else 128)
+    new_tokens = args.new_tokens or (16 if args.quick else 32)
+    print(f"# dtype {args.dtype}; prefill prompts of {prefill_len} tokens; decode {new_tokens} "
+          f"new tokens after {args.decode_prompt_len}-token prompts; greedy, ignore_eos")
+
+    ours = Ours(args.dtype, args.kv_slots)
+    tok = ours.loaded.tokenizer
+    n = max(batches + [args.logprobs_batch])
+    pre_prompts = bc.token_prompts(tok, n, prefill_len, seed=1)
+    dec_prompts = bc.token_prompts(tok, n, args.decode_prompt_len, seed=2)
+
+    # Warm-up both sides (first calls allocate and pick kernels).
+    ours.prefill(pre_prompts[:8])
+    ours.decode(dec_prompts[:8], 4)
+    hf = None if args.skip_hf else HF(args.dtype)
+    if hf:
+        hf.prefill(pre_prompts[:8])
+        hf.generate(dec_prompts[:8], 4)
+
+    rows = []
+    for b in batches:
+        pre, dec = pre_prompts[:b], dec_prompts[:b]
+        pre_tokens, dec_tokens = b * prefill_len, b * (new_tokens - 1)
+        t_pre = bc.best_time(lambda: ours.prefill(pre), args.repeats)
+        t_dec, steps = min(ours.decode(dec, new_tokens) for _ in range(args.repeats))
+        hf_pre = hf_dec = None
+        if hf:
+            hf_pre = pre_tokens / bc.best_time(lambda: hf.prefill(pre), args.repeats)
+            t_first = bc.best_time(lambda: hf.generate(dec, 1), args.repeats)
+            t_all = bc.best_time(lambda: hf.generate(dec, new_tokens), args.repeats)
+            hf_dec = dec_tokens / max(t_all - t_first, 1e-9)
+        rows.append([b, pre_tokens / t_pre, hf_pre, bc.ratio(pre_tokens / t_pre, hf_pre),
+                     dec_tokens / t_dec, hf_dec, bc.ratio(dec_tokens / t_dec, hf_dec),
+                     bc.ms(t_dec / steps)])
+    bc.print_table(
+        f"Engine vs HF transformers, {args.dtype} (tokens/s; ratio = ours / HF)",
+        ["batch", "prefill ours", "prefill HF", "ratio", "decode ours", "decode HF", "ratio",
+         "ours ms/step"], rows)
+
+    b = args.logprobs_batch
+    dec = dec_prompts[:b]
+    base = None
+    rows = []
+    for k in (None, 0, 5, 20):
+        t, steps = min(ours.decode(dec, new_tokens, logprobs=k) for _ in range(args.repeats))
+        rate = b * (new_tokens - 1) / t
+        base = base or rate
+        rows.append(["none" if k is None else k, rate, bc.ratio(rate, base), bc.ms(t / steps)])
+    bc.print_table(f"Cost of logprobs: our decode at batch {b}, {args.dtype} (ratio to none)",
+                   ["logprobs", "decode tok/s", "ratio", "ms/step"], rows)
+
+    bc.load_note()
+    if args.profile:
+        del hf
+        profile(ours, dec_prompts, new_tokens)
+
+
+def profile(ours: Ours, prompts: list[list[int]], new_tokens: int) -> None:
+    """Where a decode step's time goes: torch ops (self CPU time) and Python functions."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for b in (1, 32):
+        batch = prompts[:b] if b <= len(prompts) else prompts
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            t, steps = ours.decode(batch, new_tokens)
+        print(f"\n### torch.profiler, our decode at batch {len(batch)}: {t / steps * 1000:.1f} ms "
+              f"per step (profiled)\n")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+        cp = cProfile.Profile()
+        cp.enable()
+        ours.decode(batch, new_tokens)
+        cp.disable()
+        print(f"### cProfile, our decode at batch {len(batch)} (cumulative time)\n")
+        pstats.Stats(cp).sort_stats("cumulative").print_stats(18)
+
+
+if __name__ == "__main__":
+    main()
