@@ -39,9 +39,17 @@ WORDS = (
 # ----------------------------------------------------------------------------- arguments
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a default only where there is one (None means "depends on --quick")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def base_parser(description: str, repeats: bool = True) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=description, formatter_class=_Help)
     p.add_argument("--threads", type=int, default=torch.get_num_threads(),
                    help="torch threads, for our engine and for HF alike (servers get OMP_NUM_THREADS)")
     p.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")

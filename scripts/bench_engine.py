@@ -90,16 +90,16 @@ class HF:
 
 def main() -> None:
     p = bc.base_parser(__doc__.split("\n")[0])
-    p.add_argument("--dtype", default="float32", choices=list(bc.DTYPES))
-    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--dtype", default="float32", choices=list(bc.DTYPES), help="both sides")
+    p.add_argument("--batches", default="1,8,32", help="batch sizes, comma-separated")
     p.add_argument("--prefill-len", type=int, default=None, help="prompt tokens (default 128, quick 64)")
-    p.add_argument("--decode-prompt-len", type=int, default=32)
+    p.add_argument("--decode-prompt-len", type=int, default=32, help="prompt tokens before decode")
     p.add_argument("--new-tokens", type=int, default=None, help="decode length (default 32, quick 16)")
-    p.add_argument("--logprobs-batch", type=int, default=8)
+    p.add_argument("--logprobs-batch", type=int, default=8, help="batch of the logprobs table")
     p.add_argument("--kv-slots", type=int, default=16384, help="our KV pool, in tokens")
     p.add_argument("--profile", action="store_true",
                    help="profile our decode steps at batch 1 and 32 (torch.profiler + cProfile)")
-    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-hf", action="store_true", help="our engine only (no ratios)")
     args = p.parse_args()
     bc.setup(args)
     batches = [int(b) for b in args.batches.split(",")]

@@ -46,11 +46,9 @@ TOPICS = ("a lighthouse", "a lost key", "the first snow", "a robot gardener", "a
 
 @dataclass
 class Setup:
-    dtype: str
     roofline: float  # GFLOP/s
     body: int  # matmul weights per token, embedding and LM head excluded
     head: int  # LM head weights
-    label_ids: list[int]
 
     def flops(self, computed_tokens: int, scored_rows: int) -> float:
         return 2 * self.body * computed_tokens + 2 * self.head * scored_rows
@@ -185,12 +183,12 @@ class Run:
         self.hf = HFPeer(dtype)
         self.hf.score(items(tokenizer, 16, "warm"), label_ids, args.hf_batch)  # warm-up
         body, head = bc.param_counts(self.hf.model)
-        self.st = Setup(dtype, bc.gemm_roofline(dtype), body, head, label_ids)
+        self.st = Setup(bc.gemm_roofline(dtype), body, head)
         print(f"# roofline (torch GEMM, measured now): {self.st.roofline:.0f} GFLOP/s; model: "
               f"{2 * body / 1e9:.3f} GFLOP per prompt token + {2 * head / 1e9:.3f} GFLOP per "
               f"scored row (attention excluded)")
-        self.n = 64 if args.quick else args.items
-        self.n_b_off = 16 if args.quick else args.items_no_cache
+        self.n = args.items or (64 if args.quick else 256)
+        self.n_b_off = args.items_no_cache or (16 if args.quick else 32)
         self.c_counts = {c: (4 if args.quick else 8) if c == 1 else max(c, 16 if args.quick else 32)
                          for c in args.levels}
         self.a_items = items(tokenizer, self.n, "A")
@@ -306,9 +304,10 @@ class Run:
             ["system", "items", "items/s", "p50 ms", "p99 ms", "cached tok/item",
              "computed tok/item", "% roofline", "vs no cache"], rows)
         a = getattr(self, "a_rps", None)
-        bc.note(f"cache on: {bc.ratio(on.rps, a)} of scenario A's requests/s (same items without "
-                f"the prefix), {bc.ratio(on.rps, n / t_kv)} HF with the prefix KV reused; cache "
-                f"off: {bc.ratio(off.rps, m / t_re)} HF recomputing the prefix")
+        vs_a = (f"{bc.ratio(on.rps, a)} of scenario A's requests/s (same items without the "
+                f"prefix), " if a else "")
+        bc.note(f"cache on: {vs_a}{bc.ratio(on.rps, n / t_kv)} HF with the prefix KV reused; "
+                f"cache off: {bc.ratio(off.rps, m / t_re)} HF recomputing the prefix")
         bc.load_note()
 
     def scenario_c(self, url: str) -> None:
@@ -338,15 +337,17 @@ class Run:
 def main() -> None:
     p = bc.base_parser(__doc__.split("\n")[0], repeats=False)
     p.add_argument("--dtype", default="float32", help="float32, bfloat16, or both comma-separated")
-    p.add_argument("--scenarios", default="A,B,C")
-    p.add_argument("--items", type=int, default=256, help="scoring requests in A and B (quick 64)")
-    p.add_argument("--items-no-cache", type=int, default=32,
-                   help="B without cache and HF recomputing the prefix score only this many")
-    p.add_argument("--clients", type=int, default=16)
-    p.add_argument("--prefix-tokens", type=int, default=400)
-    p.add_argument("--hf-batch", type=int, default=32)
+    p.add_argument("--scenarios", default="A,B,C", help="any of A, B, C, comma-separated")
+    p.add_argument("--items", type=int, default=None,
+                   help="scoring requests in A and B (default 256, quick 64)")
+    p.add_argument("--items-no-cache", type=int, default=None,
+                   help="B without cache and HF recomputing the prefix score only this many "
+                        "(default 32, quick 16)")
+    p.add_argument("--clients", type=int, default=16, help="concurrent HTTP clients in A and B")
+    p.add_argument("--prefix-tokens", type=int, default=400, help="shared prefix length in B")
+    p.add_argument("--hf-batch", type=int, default=32, help="batch size of the HF scoring peer")
     p.add_argument("--concurrency", default="1,8,32", help="scenario C client counts")
-    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens per chat request in C")
     p.add_argument("--kv-cache-tokens", type=int, default=40960,
                    help="servers' KV pool: room for every A and B prompt, so nothing is evicted")
     args = p.parse_args()

@@ -42,20 +42,21 @@ def offline(llm: LLM, prompts: list[str], concurrency: int, max_tokens: int):
 
 def main() -> None:
     p = bc.base_parser(__doc__.split("\n")[0], repeats=False)
-    p.add_argument("--dtype", default="float32", choices=list(bc.DTYPES))
-    p.add_argument("--concurrency", default="1,8,32")
-    p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--dtype", default="float32", choices=list(bc.DTYPES), help="both sides")
+    p.add_argument("--concurrency", default="1,8,32", help="client counts, comma-separated")
+    p.add_argument("--prompt-tokens", type=int, default=32, help="approximate prompt length")
+    p.add_argument("--max-tokens", type=int, default=16, help="max_tokens of every request")
     p.add_argument("--requests-per-client", type=int, default=None,
-                   help="requests = clients x this, at least 16 (default 4, quick 2)")
-    p.add_argument("--kv-cache-tokens", type=int, default=16384)
+                   help="requests = clients x this, at least 16 (8 with --quick); default 4, "
+                        "quick 2")
+    p.add_argument("--kv-cache-tokens", type=int, default=16384,
+                   help="KV pool of both sides, in tokens (the server's default, 65536, takes "
+                        "about 3 GB in float32)")
     args = p.parse_args()
     bc.setup(args)
     levels = [int(c) for c in args.concurrency.split(",")]
     per_client = args.requests_per_client or (2 if args.quick else 4)
-    counts = {c: max(16 if not args.quick else 8, c * per_client) for c in levels}
-    if 1 in counts:
-        counts[1] = 8 if args.quick else 16
+    counts = {c: max(8 if args.quick else 16, c * per_client) for c in levels}
 
     tokenizer = bc.load_tokenizer()
     rng = random.Random(0)
