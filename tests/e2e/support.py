@@ -61,7 +61,7 @@ class Server:
     def client(self):
         from openai import OpenAI
 
-        return OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=120)
+        return OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=300)
 
     def stop(self) -> None:
         self.proc.terminate()
