@@ -56,7 +56,6 @@ class Req:
     # KV slot of every token whose KV is in the pool, in sequence order.
     slots: list[int] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens found in the prefix cache
-    finished: bool = False
 
     @property
     def all_ids(self) -> list[int]:
@@ -65,10 +64,6 @@ class Req:
     @property
     def num_computed(self) -> int:
         return len(self.slots)
-
-    @property
-    def seq_len(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
 
 
 @dataclass

@@ -35,11 +35,6 @@ H_TOOL = (
 
 
 @pytest.fixture(scope="module")
-def qwen(qwen35_tokenizer: Any) -> Any:
-    return qwen35_tokenizer
-
-
-@pytest.fixture(scope="module")
 def harmony(tiny_harmony_path: Path) -> Any:
     from transformers import AutoTokenizer
 
@@ -97,68 +92,68 @@ def check(
 # ------------------------------------------------------------------ qwen3 / hermes / qwen3_coder
 
 
-def test_seed_example(qwen: Any) -> None:
+def test_seed_example(qwen35_tokenizer: Any) -> None:
     ids = [9764, 728, 1683, 13, 248069, 271, 9947, 264, 361, 65, 29, 4619, 13]
-    assert qwen.encode("Let me think.</think>\n\nUse a <b> tag.", add_special_tokens=False) == ids
-    assert classify(qwen, ids, "qwen3", None, True) == [R, R, R, R, M, H, C, C, C, C, C, C, C]
+    assert qwen35_tokenizer.encode("Let me think.</think>\n\nUse a <b> tag.", add_special_tokens=False) == ids
+    assert classify(qwen35_tokenizer, ids, "qwen3", None, True) == [R, R, R, R, M, H, C, C, C, C, C, C, C]
     # The same with a tool parser: the turn's leading whitespace is dropped either way.
-    assert classify(qwen, ids, "qwen3", "hermes", True) == [R, R, R, R, M, H, C, C, C, C, C, C, C]
+    assert classify(qwen35_tokenizer, ids, "qwen3", "hermes", True) == [R, R, R, R, M, H, C, C, C, C, C, C, C]
 
 
-def test_thinking_then_tool_call(qwen: Any) -> None:
-    check(qwen, "qwen3", "hermes", True, ("\n", H), ("Weather in Paris", R), ("\n\n", R),
+def test_thinking_then_tool_call(qwen35_tokenizer: Any) -> None:
+    check(qwen35_tokenizer, "qwen3", "hermes", True, ("\n", H), ("Weather in Paris", R), ("\n\n", R),
           ("then call", R), ("\n", H), ("</think>", M), ("\n\n", H), (CALL, T), ("<|im_end|>", S))
     # <tool_call> met while reasoning ends it (trailing whitespace dropped) and is a call...
-    check(qwen, "qwen3", "hermes", True, ("I should call it.", R), ("\n", H), (CALL, T))
+    check(qwen35_tokenizer, "qwen3", "hermes", True, ("I should call it.", R), ("\n", H), (CALL, T))
     # ...or, with no tool parser, plain content from the tag on, verbatim.
-    check(qwen, "qwen3", None, True, ("I should call it.", R), ("\n", H), (CALL + "\n ok", C))
+    check(qwen35_tokenizer, "qwen3", None, True, ("I should call it.", R), ("\n", H), (CALL + "\n ok", C))
 
 
-def test_tool_only_turn_has_no_content(qwen: Any) -> None:
-    ids = check(qwen, "qwen3", "hermes", True, ("Plan", R), ("</think>", M), ("\n\n", H), (CALL, T),
+def test_tool_only_turn_has_no_content(qwen35_tokenizer: Any) -> None:
+    ids = check(qwen35_tokenizer, "qwen3", "hermes", True, ("Plan", R), ("</think>", M), ("\n\n", H), (CALL, T),
                 ("\n", H), (CALL2, T), ("\n\n", H), ("<|im_end|>", S))  # fmt: skip
-    assert C not in classify(qwen, ids, "qwen3", "hermes", True)
+    assert C not in classify(qwen35_tokenizer, ids, "qwen3", "hermes", True)
 
 
-def test_content_then_two_calls(qwen: Any) -> None:
-    check(qwen, None, "hermes", False, ("\n ", H), ("Checking both.", C), ("\n", C), (CALL, T),
+def test_content_then_two_calls(qwen35_tokenizer: Any) -> None:
+    check(qwen35_tokenizer, None, "hermes", False, ("\n ", H), ("Checking both.", C), ("\n", C), (CALL, T),
           ("\n\n", H), (CALL2, T), ("\n", H), ("Done", C), (" \n", C))  # fmt: skip
-    check(qwen, "qwen3", "qwen3_coder", True, ("r", R), ("</think>", M), ("\n\n", H),
+    check(qwen35_tokenizer, "qwen3", "qwen3_coder", True, ("r", R), ("</think>", M), ("\n\n", H),
           ("One moment.", C), ("\n", C), (CODER, T), ("\n", H), (CODER, T), ("\n", H))
 
 
-def test_qwen3_coder_bare_function_and_blocks_that_stay_text(qwen: Any) -> None:
-    check(qwen, None, "qwen3_coder", False, ("Sure", C), (BARE, T), ("\n\n", H), ("ok", C))
+def test_qwen3_coder_bare_function_and_blocks_that_stay_text(qwen35_tokenizer: Any) -> None:
+    check(qwen35_tokenizer, None, "qwen3_coder", False, ("Sure", C), (BARE, T), ("\n\n", H), ("ok", C))
     # "<" then "function": a partial opener the classifier holds, like the parser does.
-    check(qwen, None, "qwen3_coder", False, ("a ", C), ("<", T), ("function", T),
+    check(qwen35_tokenizer, None, "qwen3_coder", False, ("a ", C), ("<", T), ("function", T),
           ("=f>\n</function>", T))
-    check(qwen, None, "qwen3_coder", False, ("x <", C), ("func", C), (" y", C))
+    check(qwen35_tokenizer, None, "qwen3_coder", False, ("x <", C), ("func", C), (" y", C))
     # <tool_call> not followed by <function=, and a name that never arrives: text.
-    check(qwen, None, "qwen3_coder", False, ("<tool_call>", C), ("\n{}", C))
-    check(qwen, None, "hermes", False, ("<tool_call>", C), ("\nhello", C), ("</tool_call>", C))
-    check(qwen, None, "hermes", False, ("Hi", C), ("<tool_call>", C), ('\n{"na', C))  # length
-    check(qwen, None, "hermes", False, ('<tool_call>\n{"name": "f", "argu', T))  # named: a call
+    check(qwen35_tokenizer, None, "qwen3_coder", False, ("<tool_call>", C), ("\n{}", C))
+    check(qwen35_tokenizer, None, "hermes", False, ("<tool_call>", C), ("\nhello", C), ("</tool_call>", C))
+    check(qwen35_tokenizer, None, "hermes", False, ("Hi", C), ("<tool_call>", C), ('\n{"na', C))  # length
+    check(qwen35_tokenizer, None, "hermes", False, ('<tool_call>\n{"name": "f", "argu', T))  # named: a call
 
 
-def test_leading_think_without_force(qwen: Any) -> None:
-    check(qwen, "qwen3", None, False, ("<think>", M), ("\n", H), ("Hmm", R), ("\n", R), ("ok", R),
+def test_leading_think_without_force(qwen35_tokenizer: Any) -> None:
+    check(qwen35_tokenizer, "qwen3", None, False, ("<think>", M), ("\n", H), ("Hmm", R), ("\n", R), ("ok", R),
           ("\n\n", H), ("</think>", M), ("\n\n", H), ("Answer", C))  # fmt: skip
-    check(qwen, "qwen3", None, True, ("<think>", M), ("Hmm", R), ("</think>", M), ("4", C))
+    check(qwen35_tokenizer, "qwen3", None, True, ("<think>", M), ("Hmm", R), ("</think>", M), ("4", C))
     # Not at the very start: plain text, and no marker is tracked in content.
-    check(qwen, "qwen3", None, False, ("  Answer ", C), ("<think>", C), (" x ", C), ("</think>", C))
-    check(qwen, "qwen3", None, True, ("a", R), ("</think>", M), ("b", C), ("</think>", C),
+    check(qwen35_tokenizer, "qwen3", None, False, ("  Answer ", C), ("<think>", C), (" x ", C), ("</think>", C))
+    check(qwen35_tokenizer, "qwen3", None, True, ("a", R), ("</think>", M), ("b", C), ("</think>", C),
           ("<think>", C))
-    check(qwen, "qwen3", None, True, ("cut off while thinking", R), ("\n\n", H))
+    check(qwen35_tokenizer, "qwen3", None, True, ("cut off while thinking", R), ("\n\n", H))
 
 
-def test_rule6_thinking_off_no_tools_equals_no_parser(qwen: Any) -> None:
-    ids, _ = script(qwen, ("\n\nUse a <b> tag.", C), ("</think>", C), ("\n<tool_call>", C),
+def test_rule6_thinking_off_no_tools_equals_no_parser(qwen35_tokenizer: Any) -> None:
+    ids, _ = script(qwen35_tokenizer, ("\n\nUse a <b> tag.", C), ("</think>", C), ("\n<tool_call>", C),
                     ("<|im_end|>", S))
-    off = classify(qwen, ids, "qwen3", None, False)
-    assert off == classify(qwen, ids, None, None, False)
+    off = classify(qwen35_tokenizer, ids, "qwen3", None, False)
+    assert off == classify(qwen35_tokenizer, ids, None, None, False)
     assert off == [C] * (len(ids) - 1) + [S]
     # Every special added token is skipped by the detokenizer, not only eos and the named ones.
-    check(qwen, "qwen3", "hermes", False, ("Hi", C), ("<|vision_start|>", S), (" there", C))
+    check(qwen35_tokenizer, "qwen3", "hermes", False, ("Hi", C), ("<|vision_start|>", S), (" there", C))
 
 
 def test_router_without_classifier_routes_everything_as_content() -> None:
@@ -213,7 +208,7 @@ def _tiny_tokenizer(extra: list[str]) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|eos|>")
 
 
-def test_unavailable_markers_explain_why(qwen: Any) -> None:
+def test_unavailable_markers_explain_why(qwen35_tokenizer: Any) -> None:
     with pytest.raises(ClassifierUnavailable) as err:
         TokenClassifier.create(_tiny_tokenizer([]), "qwen3", "hermes", True)
     assert err.value.reason == (
@@ -223,9 +218,9 @@ def test_unavailable_markers_explain_why(qwen: Any) -> None:
     with pytest.raises(ClassifierUnavailable, match="; `</think>` is not$"):
         TokenClassifier.create(_tiny_tokenizer(["<think>", "<tool_call>"]), "qwen3", None, False)
     with pytest.raises(ClassifierUnavailable, match=r"need `<\|start\|>`, .* `<\|call\|>` to be"):
-        TokenClassifier.create(qwen, "gpt_oss", None, False)
+        TokenClassifier.create(qwen35_tokenizer, "gpt_oss", None, False)
     with pytest.raises(ClassifierUnavailable, match="need --reasoning-parser gpt_oss"):
-        TokenClassifier.create(qwen, None, "gpt_oss", False)
+        TokenClassifier.create(qwen35_tokenizer, None, "gpt_oss", False)
     TokenClassifier.create(_tiny_tokenizer([]), None, "hermes", False)  # tools are found in text
     qwen_like = _tiny_tokenizer(["<think>", "</think>", "<tool_call>"])
     TokenClassifier.create(qwen_like, "qwen3", None, True)
@@ -260,14 +255,14 @@ def qwen_scripts(draw: Any) -> tuple[list[tuple[str, Label]], str | None, bool]:
 
 @FAST
 @given(qwen_scripts())
-def test_random_scripts_agree_with_text_parsers(qwen: Any, case: Any) -> None:
+def test_random_scripts_agree_with_text_parsers(qwen35_tokenizer: Any, case: Any) -> None:
     segments, tool, force = case
-    ids, _ = script(qwen, *segments)
+    ids, _ = script(qwen35_tokenizer, *segments)
     for reasoning in ("qwen3", None):
-        labels = classify(qwen, ids, reasoning, tool, force)
-        r, c = parsed(qwen, ids, reasoning, tool, force)
-        assert joined(qwen, ids, labels, C) == c
-        assert joined(qwen, ids, labels, R) == r
+        labels = classify(qwen35_tokenizer, ids, reasoning, tool, force)
+        r, c = parsed(qwen35_tokenizer, ids, reasoning, tool, force)
+        assert joined(qwen35_tokenizer, ids, labels, C) == c
+        assert joined(qwen35_tokenizer, ids, labels, R) == r
 
 
 # ------------------------------------------------------------------ router
@@ -303,23 +298,23 @@ def run_stream(tok: Any, ids: list[int], cuts: list[int], reasoning: str | None,
 
 @FAST
 @given(qwen_scripts(), st.lists(st.integers(0, 80), max_size=30))
-def test_router_streamed_equals_non_streamed(qwen: Any, case: Any, cuts: list[int]) -> None:
+def test_router_streamed_equals_non_streamed(qwen35_tokenizer: Any, case: Any, cuts: list[int]) -> None:
     segments, tool, force = case
-    ids, _ = script(qwen, *segments)
-    chunks, rest, content = run_stream(qwen, ids, cuts, "qwen3", tool, force)
-    one_shot = ContentLogprobRouter(TokenClassifier.create(qwen, "qwen3", tool, force))
+    ids, _ = script(qwen35_tokenizer, *segments)
+    chunks, rest, content = run_stream(qwen35_tokenizer, ids, cuts, "qwen3", tool, force)
+    one_shot = ContentLogprobRouter(TokenClassifier.create(qwen35_tokenizer, "qwen3", tool, force))
     for i, tid in enumerate(ids):
         one_shot.add(tid, (i, 0))
     expected = one_shot.take_for_delta() + one_shot.take_rest()
     streamed = [e for _, _, entries in chunks for e in entries] + rest
     assert [i for i, _ in streamed] == [i for i, _ in expected]
     assert all(step <= k for k, _, entries in chunks for _, step in entries)  # never early
-    assert b"".join(TokenTexts.of(qwen).bytes(ids[i]) for i, _ in expected).decode() == content
+    assert b"".join(TokenTexts.of(qwen35_tokenizer).bytes(ids[i]) for i, _ in expected).decode() == content
 
 
-def test_router_attaches_entries_to_the_first_delta_at_or_after_their_step(qwen: Any) -> None:
-    ids, _ = script(qwen, ("Use", C), ("<", C), ("b", C), (" <", C), (">", C), (" ok", C))
-    chunks, rest, content = run_stream(qwen, ids, list(range(len(ids))), None, "hermes", False)
+def test_router_attaches_entries_to_the_first_delta_at_or_after_their_step(qwen35_tokenizer: Any) -> None:
+    ids, _ = script(qwen35_tokenizer, ("Use", C), ("<", C), ("b", C), (" <", C), (">", C), (" ok", C))
+    chunks, rest, content = run_stream(qwen35_tokenizer, ids, list(range(len(ids))), None, "hermes", False)
     assert content == "Use<b <> ok"
     # "<" may open a call: held by parser and classifier alike, it goes with step 2's "<b".
     # " <" shows its space at once, so its entry goes with that delta.
@@ -329,9 +324,9 @@ def test_router_attaches_entries_to_the_first_delta_at_or_after_their_step(qwen:
     assert rest == []
 
 
-def test_router_leftovers_go_to_take_rest(qwen: Any) -> None:
-    ids, _ = script(qwen, ("Use", C), (" a", C), ("<|im_end|>", S))
-    router = ContentLogprobRouter(TokenClassifier.create(qwen, "qwen3", "hermes", False))
+def test_router_leftovers_go_to_take_rest(qwen35_tokenizer: Any) -> None:
+    ids, _ = script(qwen35_tokenizer, ("Use", C), (" a", C), ("<|im_end|>", S))
+    router = ContentLogprobRouter(TokenClassifier.create(qwen35_tokenizer, "qwen3", "hermes", False))
     router.add(ids[0], "e0")
     assert router.take_for_delta() == ["e0"]
     router.add(ids[1], "e1")  # no delta emitted after it (e.g. held by a stop string)
@@ -340,17 +335,17 @@ def test_router_leftovers_go_to_take_rest(qwen: Any) -> None:
     assert router.labels == [C, C, S]
 
 
-def test_router_bare_function_entries_are_never_content(qwen: Any) -> None:
-    ids, _ = script(qwen, ("Sure", C), (".", C), ("\n", C), (BARE, T), ("\n", H), ("ok", C))
-    chunks, rest, content = run_stream(qwen, ids, list(range(len(ids))), None, "qwen3_coder", False)
+def test_router_bare_function_entries_are_never_content(qwen35_tokenizer: Any) -> None:
+    ids, _ = script(qwen35_tokenizer, ("Sure", C), (".", C), ("\n", C), (BARE, T), ("\n", H), ("ok", C))
+    chunks, rest, content = run_stream(qwen35_tokenizer, ids, list(range(len(ids))), None, "qwen3_coder", False)
     entries = [i for _, _, e in chunks for i, _ in e] + [i for i, _ in rest]
     assert content == "Sure.\nok"
     assert entries == [0, 1, 2, len(ids) - 1]
 
 
-def test_router_reasoning_entries(qwen: Any) -> None:
-    ids, _ = script(qwen, ("Hmm", C), ("\n\n", C), ("ok", C), ("\n", C), ("</think>", C), ("A", C))
-    router = ContentLogprobRouter(TokenClassifier.create(qwen, "qwen3", None, True))
+def test_router_reasoning_entries(qwen35_tokenizer: Any) -> None:
+    ids, _ = script(qwen35_tokenizer, ("Hmm", C), ("\n\n", C), ("ok", C), ("\n", C), ("</think>", C), ("A", C))
+    router = ContentLogprobRouter(TokenClassifier.create(qwen35_tokenizer, "qwen3", None, True))
     for i, tid in enumerate(ids[:3]):
         router.add(tid, i)
     assert router.take_reasoning_for_delta() == [0, 1, 2]

@@ -156,7 +156,6 @@ class Scheduler:
         self.reserved -= self._need(req) - (req.num_computed - req.cached_tokens)
         self.engine.kv.release(req.slots)
         req.slots = []
-        req.finished = True
 
 
 def _error(uid: int, message: str, code: str) -> DetokenizeMsg:
