@@ -7,11 +7,13 @@ import torch
 from freetoken.core import Batch, SamplingParams
 from freetoken.engine.kv_pool import KVPool
 from freetoken.engine.sample import Sampler, SampleOutput
-from freetoken.models.llama import ForwardContext, SeqAttention
+from freetoken.models.llama import MIN_QUERY_ROWS, DecodeGroup, ForwardContext, SeqAttention
 
-
-ROW_MULTIPLE = 4
-MIN_QUERY_ROWS = 4
+# oneDNN computes a single row with a GEMV that rounds differently from the same row among
+# others (models/linear.py): a step never has fewer rows than this.
+MIN_ROWS = 2
+# A decoding request's keys are padded to a multiple of this (see DecodeGroup).
+DECODE_KV_BLOCK = 64
 
 
 class Engine:
@@ -40,6 +42,7 @@ class Engine:
         return self.sampler.sample(logits, args)
 
     def _seq_attention(self, start: int, q: int, slots: list[int]) -> SeqAttention:
+        """Attention of a chunk of prompt tokens."""
         total, dev = len(slots), self.device
         rows = list(range(start, start + q))
         rows += [rows[-1]] * (MIN_QUERY_ROWS - q)  # see SeqAttention: short blocks padded to 4
@@ -52,30 +55,49 @@ class Engine:
         return SeqAttention(start, q, torch.tensor(rows, device=dev),
                             torch.tensor(slots, device=dev), mask, causal=q > 1 and mask is None)
 
+    def _decode_groups(self, decoding: list[tuple[int, list[int]]]) -> list[DecodeGroup]:
+        by_length: dict[int, list[tuple[int, list[int]]]] = {}
+        for row, slots in decoding:
+            by_length.setdefault(-(-len(slots) // DECODE_KV_BLOCK) * DECODE_KV_BLOCK, []).append((row, slots))
+        groups = []
+        for length, members in by_length.items():
+            table = [slots + [self.kv.scratch_slot] * (length - len(slots)) for _, slots in members]
+            lengths = torch.tensor([len(slots) for _, slots in members])
+            valid = torch.arange(length)[None, :] < lengths[:, None]
+            groups.append(DecodeGroup(
+                rows=torch.tensor([row for row, _ in members], device=self.device),
+                kv_slots=torch.tensor(table, device=self.device),
+                valid=valid[:, None, None, :].to(self.device)))
+        return groups
+
     def build_context(self, batch: Batch) -> ForwardContext:
-        ids, positions, out_slots, logit_rows, seqs = [], [], [], [], []
+        ids, positions, out_slots, logit_rows, seqs, decoding = [], [], [], [], [], []
         logit_set = {id(r) for r in batch.logit_reqs}
         dev = self.device
         for req, new in zip(batch.reqs, batch.new_ids):
             total, q = req.num_computed, len(new)  # slots for `new` were appended before the step
-            seqs.append(self._seq_attention(len(ids), q, req.slots))
+            # Prompt tokens always take the per-request path, so that a prompt whose last token
+            # is all that is left after a prefix-cache hit gets the bits of a full prefill.
+            if req.output_ids:
+                decoding.append((len(ids), req.slots))
+            else:
+                seqs.append(self._seq_attention(len(ids), q, req.slots))
             ids += new
             positions += range(total - q, total)
             out_slots += req.slots[total - q :]
             if id(req) in logit_set:
                 logit_rows.append(len(ids) - 1)
-        # CPU GEMM kernels give a row different low bits when M < 4 or M % 4 != 0 (< 12); rows
-        # padded to a multiple of 4 come out bit-identical whatever else is in the batch.
-        pad = -len(ids) % ROW_MULTIPLE
+        pad = max(0, MIN_ROWS - len(ids))
         ids += [0] * pad
         positions += [0] * pad
         out_slots += [self.kv.scratch_slot] * pad
-        logit_rows += [0] * (-len(logit_rows) % ROW_MULTIPLE)
+        logit_rows += [0] * max(0, MIN_ROWS - len(logit_rows))
         return ForwardContext(
             input_ids=torch.tensor(ids, device=dev),
             positions=torch.tensor(positions, device=dev),
             out_slots=torch.tensor(out_slots, device=dev),
             seqs=seqs,
+            decode_groups=self._decode_groups(decoding),
             logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev),
             k_cache=self.kv.k,
             v_cache=self.kv.v,

@@ -19,6 +19,9 @@ class KVPool:
         # of a large pool then cost no memory.
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        for cache in self.k + self.v:
+            # Padded attention reads the scratch slot under a mask: it must hold no NaN/inf.
+            cache[self.scratch_slot].zero_()
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
         self._refs = [0] * num_slots

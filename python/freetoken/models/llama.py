@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetoken.core import Batch
+from freetoken.models.linear import Linear
 
 
 @dataclass(frozen=True)
@@ -55,12 +56,16 @@ class ModelConfig:
         )
 
 
+# CPU attention kernels round a row differently when a call has fewer than 4 queries per head:
+# short query blocks are padded to 4 by repeating their last query.
+MIN_QUERY_ROWS = 4
+
+
 @dataclass
 class SeqAttention:
-    """One request's attention in a step: its query rows in the step's tokens and its keys.
+    """One multi-token request's attention in a step: its query rows and its keys.
 
-    `rows` may repeat the last query: CPU attention kernels round a row differently when a call
-    has fewer than 4 queries, so short blocks are padded to 4 and only `length` rows are kept.
+    `rows` may repeat the last query (see MIN_QUERY_ROWS); only `length` rows are kept.
     """
 
     start: int
@@ -72,18 +77,34 @@ class SeqAttention:
 
 
 @dataclass
+class DecodeGroup:
+    """Single-query requests whose keys are padded to the same length, attended in one call.
+
+    A request's keys are padded (masked, pointing at the pool's zeroed scratch slot) to a length
+    fixed by its own length alone, and each kv head's queries are padded to MIN_QUERY_ROWS: the
+    batched call then gives each member the bits it gets alone, which a call padded to the
+    batch's longest request does not.
+    """
+
+    rows: torch.Tensor  # [B] indices into the step's tokens
+    kv_slots: torch.Tensor  # [B, L]
+    valid: torch.Tensor  # [B, 1, 1, L] bool, False on padding
+
+
+@dataclass
 class ForwardContext:
     """Tensors the engine builds once per step for every layer.
 
-    Attention runs request by request: a batched, padded call changes a row's low bits with
-    its neighbours' lengths, and greedy results must not depend on what else is in the batch
-    (nor on whether a prefix came from the cache).
+    Greedy results must not depend on what else is in the batch (nor on whether a prefix came
+    from the cache), so multi-token requests attend one by one and single-token ones in groups
+    built for that (DecodeGroup).
     """
 
-    input_ids: torch.Tensor  # [T] (padded to a multiple of 4)
+    input_ids: torch.Tensor  # [T] (at least engine.MIN_ROWS)
     positions: torch.Tensor  # [T]
     out_slots: torch.Tensor  # [T] pool slot that receives each token's K/V
     seqs: list[SeqAttention]
+    decode_groups: list[DecodeGroup]
     logit_rows: torch.Tensor  # [R] rows of T whose hidden state produces logits
     k_cache: list[torch.Tensor]  # per layer [num_slots + 1, kv_heads, head_dim]
     v_cache: list[torch.Tensor]
@@ -114,10 +135,10 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg, self.layer = cfg, layer
         h, d, kvh = cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads
-        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(h, kvh * d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(h, kvh * d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        self.q_proj = Linear(h, cfg.num_heads * d, bias=cfg.attention_bias)
+        self.k_proj = Linear(h, kvh * d, bias=cfg.attention_bias)
+        self.v_proj = Linear(h, kvh * d, bias=cfg.attention_bias)
+        self.o_proj = Linear(cfg.num_heads * d, h, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -144,15 +165,31 @@ class Attention(nn.Module):
                 enable_gqa=True,
             )
             out[seq.start : seq.start + seq.length] = attn[:, : seq.length].transpose(0, 1)
+        for group in ctx.decode_groups:
+            out[group.rows] = self._decode(q[group.rows], k_cache, v_cache, group)
         return self.o_proj(out.reshape(t, -1))
+
+    def _decode(self, q, k_cache, v_cache, group: DecodeGroup) -> torch.Tensor:
+        cfg, b = self.cfg, q.shape[0]
+        per_kv_head = cfg.num_heads // cfg.num_kv_heads
+        q = q.view(b, cfg.num_kv_heads, per_kv_head, cfg.head_dim)
+        if per_kv_head < MIN_QUERY_ROWS:
+            q = torch.cat([q, q[:, :, -1:].expand(-1, -1, MIN_QUERY_ROWS - per_kv_head, -1)], dim=2)
+        attn = F.scaled_dot_product_attention(
+            q,
+            k_cache[group.kv_slots].permute(0, 2, 1, 3),
+            v_cache[group.kv_slots].permute(0, 2, 1, 3),
+            attn_mask=group.valid,
+        )
+        return attn[:, :, :per_kv_head].reshape(b, cfg.num_heads, cfg.head_dim)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -184,7 +221,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

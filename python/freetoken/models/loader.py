@@ -142,6 +142,7 @@ def load_model(
 def _build_llama(folder: Path, hf_config: dict, dtype: torch.dtype, device: torch.device):
     from safetensors.torch import load_file
 
+    from freetoken.models.linear import pack_linears
     from freetoken.models.llama import LlamaForCausalLM, ModelConfig
 
     cfg = ModelConfig.from_hf(hf_config)
@@ -159,7 +160,9 @@ def _build_llama(folder: Path, hf_config: dict, dtype: torch.dtype, device: torc
         raise ModelNotFound(f"Weights do not match the architecture: missing {missing[:3]}, unexpected {unexpected[:3]}")
     if cfg.tie_word_embeddings:
         module.lm_head.weight = module.model.embed_tokens.weight
-    return module.to(dtype).requires_grad_(False)
+    module.to(dtype).requires_grad_(False)
+    pack_linears(module)
+    return module
 
 
 def _eos_ids(folder: Path, hf_config: dict, tokenizer) -> list[int]:
