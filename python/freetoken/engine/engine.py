@@ -99,6 +99,5 @@ class Engine:
             seqs=seqs,
             decode_groups=self._decode_groups(decoding),
             logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev),
-            k_cache=self.kv.k,
-            v_cache=self.kv.v,
+            kv_cache=self.kv.kv,
         )

@@ -14,12 +14,12 @@ class KVPool:
                  dtype: torch.dtype, device: torch.device):
         # One extra row past the last slot: padding tokens write their K/V there.
         self.scratch_slot = num_slots
-        shape = (num_slots + 1, num_kv_heads, head_dim)
+        # A slot holds a token's K heads then its V heads: one write and one gather per layer.
+        shape = (num_slots + 1, 2 * num_kv_heads, head_dim)
         # empty, not zeros: a slot is always written before it is read, and untouched pages
         # of a large pool then cost no memory.
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        for cache in self.k + self.v:
+        self.kv = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        for cache in self.kv:
             # Padded attention reads the scratch slot under a mask: it must hold no NaN/inf.
             cache[self.scratch_slot].zero_()
         self.num_slots = num_slots

@@ -21,7 +21,8 @@ def onednn_available(device: torch.device) -> bool:
 class Linear(nn.Linear):
     """`nn.Linear` (same parameter names, so state dicts load) that runs packed when asked."""
 
-    packed: torch.Tensor | None = None
+    # (oneDNN weight, bias): a plain attribute, read without nn.Module's parameter lookup.
+    packed: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def pack(self, drop_weight: bool) -> None:
         """Reorder the weight into oneDNN's blocked layout; call after the final dtype cast.
@@ -31,14 +32,16 @@ class Linear(nn.Linear):
         """
         if not onednn_available(self.weight.device):
             return
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        self.packed = (weight, self.bias)
         if drop_weight:
             self.weight.data = self.weight.data.new_empty(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        weight, bias = self.packed
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def pack_linears(model: nn.Module) -> None:

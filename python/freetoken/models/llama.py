@@ -1,7 +1,8 @@
 """Llama / Qwen2 / Qwen3 decoder over the engine's KV pool.
 
-Module names mirror transformers' so a transformers state dict loads as it is. The three
-families differ only in q/k/v bias (Qwen2) and per-head q/k RMSNorm (Qwen3).
+Module names mirror transformers', except that q/k/v and gate/up projections are fused into one
+matmul each (`fuse_hf_weights` maps a transformers state dict). The three families differ only
+in q/k/v bias (Qwen2) and per-head q/k RMSNorm (Qwen3).
 """
 
 from __future__ import annotations
@@ -106,8 +107,7 @@ class ForwardContext:
     seqs: list[SeqAttention]
     decode_groups: list[DecodeGroup]
     logit_rows: torch.Tensor  # [R] rows of T whose hidden state produces logits
-    k_cache: list[torch.Tensor]  # per layer [num_slots + 1, kv_heads, head_dim]
-    v_cache: list[torch.Tensor]
+    kv_cache: list[torch.Tensor]  # per layer [num_slots + 1, 2 * kv_heads, head_dim], K then V
 
 
 class RMSNorm(nn.Module):
@@ -117,11 +117,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 as transformers does, so bf16 runs stay close to the reference.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # Normalise in fp32 and scale after the cast, as transformers does.
+        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -134,65 +134,56 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.cfg, self.layer = cfg, layer
-        h, d, kvh = cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads
-        self.q_proj = Linear(h, cfg.num_heads * d, bias=cfg.attention_bias)
-        self.k_proj = Linear(h, kvh * d, bias=cfg.attention_bias)
-        self.v_proj = Linear(h, kvh * d, bias=cfg.attention_bias)
-        self.o_proj = Linear(cfg.num_heads * d, h, bias=False)
+        h, d, heads, kvh = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        self.qkv_proj = Linear(h, (heads + 2 * kvh) * d, bias=cfg.attention_bias)
+        self.o_proj = Linear(heads * d, h, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, ctx: ForwardContext) -> torch.Tensor:
         cfg, t = self.cfg, x.shape[0]
-        q = self.q_proj(x).view(t, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(x).view(t, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(x).view(t, cfg.num_kv_heads, cfg.head_dim)
+        heads, kvh = cfg.num_heads, cfg.num_kv_heads
+        qkv = self.qkv_proj(x).view(t, heads + 2 * kvh, cfg.head_dim)
+        qk = qkv[:, : heads + kvh]
         if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        k_cache, v_cache = ctx.k_cache[self.layer], ctx.v_cache[self.layer]
-        k_cache[ctx.out_slots] = k.to(k_cache.dtype)
-        v_cache[ctx.out_slots] = v.to(v_cache.dtype)
+            qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
+        qk = rotate(qk, cos, sin)
+        kv_cache = ctx.kv_cache[self.layer]
+        kv_cache[ctx.out_slots] = torch.cat([qk[:, heads:], qkv[:, heads + kvh :]], dim=1).to(kv_cache.dtype)
+        q = qk[:, :heads]
         out = torch.zeros_like(q)  # padding rows past the requests' tokens stay zero
         for seq in ctx.seqs:
+            kv = kv_cache[seq.kv_slots].transpose(0, 1)
             attn = F.scaled_dot_product_attention(
-                q[seq.rows].transpose(0, 1),
-                k_cache[seq.kv_slots].transpose(0, 1),
-                v_cache[seq.kv_slots].transpose(0, 1),
-                attn_mask=seq.mask,
-                is_causal=seq.causal,
-                enable_gqa=True,
+                q[seq.rows].transpose(0, 1), kv[:kvh], kv[kvh:],
+                attn_mask=seq.mask, is_causal=seq.causal, enable_gqa=True,
             )
             out[seq.start : seq.start + seq.length] = attn[:, : seq.length].transpose(0, 1)
         for group in ctx.decode_groups:
-            out[group.rows] = self._decode(q[group.rows], k_cache, v_cache, group)
+            out[group.rows] = self._decode(q[group.rows], kv_cache, group)
         return self.o_proj(out.reshape(t, -1))
 
-    def _decode(self, q, k_cache, v_cache, group: DecodeGroup) -> torch.Tensor:
-        cfg, b = self.cfg, q.shape[0]
+    def _decode(self, q, kv_cache, group: DecodeGroup) -> torch.Tensor:
+        cfg, b, kvh = self.cfg, q.shape[0], self.cfg.num_kv_heads
         per_kv_head = cfg.num_heads // cfg.num_kv_heads
         q = q.view(b, cfg.num_kv_heads, per_kv_head, cfg.head_dim)
         if per_kv_head < MIN_QUERY_ROWS:
             q = torch.cat([q, q[:, :, -1:].expand(-1, -1, MIN_QUERY_ROWS - per_kv_head, -1)], dim=2)
-        attn = F.scaled_dot_product_attention(
-            q,
-            k_cache[group.kv_slots].permute(0, 2, 1, 3),
-            v_cache[group.kv_slots].permute(0, 2, 1, 3),
-            attn_mask=group.valid,
-        )
+        kv = kv_cache[group.kv_slots].permute(0, 2, 1, 3)
+        attn = F.scaled_dot_product_attention(q, kv[:, :kvh], kv[:, kvh:], attn_mask=group.valid)
         return attn[:, :, :per_kv_head].reshape(b, cfg.num_heads, cfg.head_dim)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -243,3 +234,18 @@ class LlamaForCausalLM(nn.Module):
         # Only rows that sample need the norm and the LM head (the scoring fast path).
         x = self.model.norm(x[ctx.logit_rows])
         return self.lm_head(x).float()
+
+
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def fuse_hf_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A transformers state dict with q/k/v and gate/up concatenated as our fused layers want."""
+    fused = dict(state)
+    for name in state:
+        for target, parts in FUSED.items():
+            prefix, dot, suffix = name.rpartition(f".{parts[0]}.")
+            if dot:
+                names = [f"{prefix}.{part}.{suffix}" for part in parts]
+                fused[f"{prefix}.{target}.{suffix}"] = torch.cat([fused.pop(n) for n in names])
+    return fused

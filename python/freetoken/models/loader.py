@@ -143,7 +143,7 @@ def _build_llama(folder: Path, hf_config: dict, dtype: torch.dtype, device: torc
     from safetensors.torch import load_file
 
     from freetoken.models.linear import pack_linears
-    from freetoken.models.llama import LlamaForCausalLM, ModelConfig
+    from freetoken.models.llama import LlamaForCausalLM, ModelConfig, fuse_hf_weights
 
     cfg = ModelConfig.from_hf(hf_config)
     with torch.device("meta"):
@@ -154,7 +154,7 @@ def _build_llama(folder: Path, hf_config: dict, dtype: torch.dtype, device: torc
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     module.to_empty(device=device)
-    missing, unexpected = module.load_state_dict(state, strict=False)
+    missing, unexpected = module.load_state_dict(fuse_hf_weights(state), strict=False)
     missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
         raise ModelNotFound(f"Weights do not match the architecture: missing {missing[:3]}, unexpected {unexpected[:3]}")
