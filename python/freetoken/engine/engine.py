@@ -61,7 +61,7 @@ class Engine:
             by_length.setdefault(-(-len(slots) // DECODE_KV_BLOCK) * DECODE_KV_BLOCK, []).append((row, slots))
         groups = []
         for length, members in by_length.items():
-            table = [slots + [self.kv.scratch_slot] * (length - len(slots)) for _, slots in members]
+            table = [s for _, slots in members for s in slots + [self.kv.scratch_slot] * (length - len(slots))]
             lengths = torch.tensor([len(slots) for _, slots in members])
             valid = torch.arange(length)[None, :] < lengths[:, None]
             groups.append(DecodeGroup(

@@ -88,7 +88,7 @@ class DecodeGroup:
     """
 
     rows: torch.Tensor  # [B] indices into the step's tokens
-    kv_slots: torch.Tensor  # [B, L]
+    kv_slots: torch.Tensor  # [B * L]: member after member, each padded to L
     valid: torch.Tensor  # [B, 1, 1, L] bool, False on padding
 
 
@@ -154,14 +154,15 @@ class Attention(nn.Module):
         q = qk[:, :heads]
         out = torch.zeros_like(q)  # padding rows past the requests' tokens stay zero
         for seq in ctx.seqs:
-            kv = kv_cache[seq.kv_slots].transpose(0, 1)
+            # index_select, not kv_cache[slots]: advanced indexing copies several times slower.
+            kv = kv_cache.index_select(0, seq.kv_slots).transpose(0, 1)
             attn = F.scaled_dot_product_attention(
-                q[seq.rows].transpose(0, 1), kv[:kvh], kv[kvh:],
+                q.index_select(0, seq.rows).transpose(0, 1), kv[:kvh], kv[kvh:],
                 attn_mask=seq.mask, is_causal=seq.causal, enable_gqa=True,
             )
             out[seq.start : seq.start + seq.length] = attn[:, : seq.length].transpose(0, 1)
         for group in ctx.decode_groups:
-            out[group.rows] = self._decode(q[group.rows], kv_cache, group)
+            out[group.rows] = self._decode(q.index_select(0, group.rows), kv_cache, group)
         return self.o_proj(out.reshape(t, -1))
 
     def _decode(self, q, kv_cache, group: DecodeGroup) -> torch.Tensor:
@@ -170,7 +171,7 @@ class Attention(nn.Module):
         q = q.view(b, cfg.num_kv_heads, per_kv_head, cfg.head_dim)
         if per_kv_head < MIN_QUERY_ROWS:
             q = torch.cat([q, q[:, :, -1:].expand(-1, -1, MIN_QUERY_ROWS - per_kv_head, -1)], dim=2)
-        kv = kv_cache[group.kv_slots].permute(0, 2, 1, 3)
+        kv = kv_cache.index_select(0, group.kv_slots).view(b, -1, 2 * kvh, cfg.head_dim).permute(0, 2, 1, 3)
         attn = F.scaled_dot_product_attention(q, kv[:, :kvh], kv[:, kvh:], attn_mask=group.valid)
         return attn[:, :, :per_kv_head].reshape(b, cfg.num_heads, cfg.head_dim)
 
@@ -232,7 +233,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, cos, sin, ctx)
         # Only rows that sample need the norm and the LM head (the scoring fast path).
-        x = self.model.norm(x[ctx.logit_rows])
+        x = self.model.norm(x.index_select(0, ctx.logit_rows))
         return self.lm_head(x).float()
 
 
