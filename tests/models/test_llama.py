@@ -11,7 +11,10 @@ from freetoken.message import UserMsg
 from freetoken.models.loader import load_model
 from tests.model_fixtures import default_model, hf_reference, tiny_random_folder
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,",
+           # 54 tokens: decoding crosses 64 keys, where a request's padded key block grows
+           # (engine.DECODE_KV_BLOCK).
+           "Count with me: " + ", ".join(str(n) for n in range(1, 17))]
 
 
 def _decode_with_engine(loaded, prompts, steps):
