@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from freetoken.core import Batch, SamplingParams
 from freetoken.engine.kv_pool import KVPool
 from freetoken.engine.sample import Sampler, SampleOutput
-from freetoken.models.llama import MIN_QUERY_ROWS, DecodeGroup, ForwardContext, SeqAttention
+from freetoken.models.llama import DecodeGroup, ForwardContext, PromptGroup
 
 # oneDNN computes a single row with a GEMV that rounds differently from the same row among
 # others (models/linear.py): a step never has fewer rows than this.
 MIN_ROWS = 2
-# A decoding request's keys are padded to a multiple of this (see DecodeGroup).
+# Requests whose padded lengths agree attend in one call (PromptGroup, DecodeGroup). Blocks trade
+# padded work against the number of calls; these measured best on scoring prompts of ~40 tokens
+# (A in docs/performance.md) and on decode batches of 8-32.
+PROMPT_QUERY_BLOCK = 4  # also the 4 queries below which SDPA rounds a row differently
+PROMPT_KV_BLOCK = 16
 DECODE_KV_BLOCK = 64
+
+
+def _round_up(n: int, block: int) -> int:
+    return -(-n // block) * block
 
 
 class Engine:
@@ -41,24 +51,43 @@ class Engine:
         args = self.sampler.prepare([r.params for r in batch.logit_reqs], generators)
         return self.sampler.sample(logits, args)
 
-    def _seq_attention(self, start: int, q: int, slots: list[int]) -> SeqAttention:
-        """Attention of a chunk of prompt tokens."""
-        total, dev = len(slots), self.device
-        rows = list(range(start, start + q))
-        rows += [rows[-1]] * (MIN_QUERY_ROWS - q)  # see SeqAttention: short blocks padded to 4
-        mask = None  # a single query sees every key; a whole fresh prompt of >= 4 is plain causal
-        if q > 1 and (q < total or len(rows) > q):
-            # Query j sits at position total - q + j and sees keys up to it.
-            positions = torch.arange(total - q, total)
-            positions = torch.cat([positions, positions[-1:].expand(len(rows) - q)])
-            mask = (torch.arange(total)[None, :] <= positions[:, None]).to(dev)
-        return SeqAttention(start, q, torch.tensor(rows, device=dev),
-                            torch.tensor(slots, device=dev), mask, causal=q > 1 and mask is None)
+    def _prompt_groups(self, chunks: list[tuple[int, int, list[int]]]) -> list[PromptGroup]:
+        """Groups for prompt chunks given as (first row, new tokens q, slots of all keys)."""
+        by_shape: dict[tuple[int, int, bool], list[tuple[int, int, list[int]]]] = {}
+        for start, q, slots in chunks:
+            kv_len = _round_up(len(slots), PROMPT_KV_BLOCK)
+            # A whole prompt padded to as many queries as keys is plain causal: no mask, and the
+            # kernel skips the blocks above the diagonal.
+            causal = q == len(slots)
+            by_shape.setdefault((kv_len if causal else _round_up(q, PROMPT_QUERY_BLOCK), kv_len, causal),
+                                []).append((start, q, slots))
+        groups = []
+        for (q_len, kv_len, causal), members in by_shape.items():
+            query_rows, table, positions, kept, out_rows = [], [], [], [], []
+            for i, (start, q, slots) in enumerate(members):
+                rows = list(range(start, start + q))
+                query_rows += rows + [rows[-1]] * (q_len - q)
+                table += slots + [self.kv.scratch_slot] * (kv_len - len(slots))
+                # Query j sits at position len(slots) - q + j and sees the keys up to it.
+                own = list(range(len(slots) - q, len(slots)))
+                positions.append(own + [own[-1]] * (q_len - q))
+                kept += range(i * q_len, i * q_len + q)
+                out_rows += rows
+            mask = None
+            if not causal:
+                mask = torch.arange(kv_len)[None, None, :] <= torch.tensor(positions)[:, :, None]
+                mask = mask[:, None].to(self.device)
+            on_device = partial(torch.tensor, device=self.device)
+            groups.append(PromptGroup(shape=(len(members), q_len, kv_len),
+                                      query_rows=on_device(query_rows), kv_slots=on_device(table),
+                                      mask=mask, kept=on_device(kept), out_rows=on_device(out_rows)))
+        return groups
 
     def _decode_groups(self, decoding: list[tuple[int, list[int]]]) -> list[DecodeGroup]:
+        """Groups for decoding requests given as (row, slots of all keys)."""
         by_length: dict[int, list[tuple[int, list[int]]]] = {}
         for row, slots in decoding:
-            by_length.setdefault(-(-len(slots) // DECODE_KV_BLOCK) * DECODE_KV_BLOCK, []).append((row, slots))
+            by_length.setdefault(_round_up(len(slots), DECODE_KV_BLOCK), []).append((row, slots))
         groups = []
         for length, members in by_length.items():
             table = [s for _, slots in members for s in slots + [self.kv.scratch_slot] * (length - len(slots))]
@@ -71,17 +100,17 @@ class Engine:
         return groups
 
     def build_context(self, batch: Batch) -> ForwardContext:
-        ids, positions, out_slots, logit_rows, seqs, decoding = [], [], [], [], [], []
+        ids, positions, out_slots, logit_rows, chunks, decoding = [], [], [], [], [], []
         logit_set = {id(r) for r in batch.logit_reqs}
         dev = self.device
         for req, new in zip(batch.reqs, batch.new_ids):
             total, q = req.num_computed, len(new)  # slots for `new` were appended before the step
-            # Prompt tokens always take the per-request path, so that a prompt whose last token
-            # is all that is left after a prefix-cache hit gets the bits of a full prefill.
+            # Prompt tokens always attend as a prompt chunk, so that a prompt whose last token is
+            # all that is left after a prefix-cache hit gets the bits of a full prefill.
             if req.output_ids:
                 decoding.append((len(ids), req.slots))
             else:
-                seqs.append(self._seq_attention(len(ids), q, req.slots))
+                chunks.append((len(ids), q, req.slots))
             ids += new
             positions += range(total - q, total)
             out_slots += req.slots[total - q :]
@@ -96,7 +125,7 @@ class Engine:
             input_ids=torch.tensor(ids, device=dev),
             positions=torch.tensor(positions, device=dev),
             out_slots=torch.tensor(out_slots, device=dev),
-            seqs=seqs,
+            prompt_groups=self._prompt_groups(chunks),
             decode_groups=self._decode_groups(decoding),
             logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev),
             kv_cache=self.kv.kv,

@@ -58,33 +58,33 @@ class ModelConfig:
 
 
 # CPU attention kernels round a row differently when a call has fewer than 4 queries per head:
-# short query blocks are padded to 4 by repeating their last query.
+# a decoding request's queries per kv head are padded to 4 by repeating the last one.
 MIN_QUERY_ROWS = 4
 
 
 @dataclass
-class SeqAttention:
-    """One multi-token request's attention in a step: its query rows and its keys.
+class PromptGroup:
+    """Prompt chunks whose queries and keys are padded to the same lengths, attended in one call.
 
-    `rows` may repeat the last query (see MIN_QUERY_ROWS); only `length` rows are kept.
+    Each member's queries are padded (repeating its last query) and its keys padded (masked,
+    pointing at the pool's zeroed scratch slot) to lengths fixed by its own lengths alone
+    (engine.PROMPT_QUERY_BLOCK, engine.PROMPT_KV_BLOCK): the batched call then gives each member the
+    bits it gets alone, which a call padded to the batch's longest member does not.
     """
 
-    start: int
-    length: int
-    rows: torch.Tensor  # [max(length, 4)] indices into the step's tokens
-    kv_slots: torch.Tensor  # [L] slots of every key the request attends to, new ones included
-    mask: torch.Tensor | None  # [len(rows), L] bool, or None when `causal` (or no mask) suffices
-    causal: bool
+    shape: tuple[int, int, int]  # (B members, Q queries, L keys) each
+    query_rows: torch.Tensor  # [B * Q] indices into the step's tokens, member after member
+    kv_slots: torch.Tensor  # [B * L]
+    mask: torch.Tensor | None  # [B, 1, Q, L] bool: the key is visible to the query; None: causal
+    kept: torch.Tensor  # [N] positions in the flattened [B * Q] output of the real queries
+    out_rows: torch.Tensor  # [N] their indices into the step's tokens
 
 
 @dataclass
 class DecodeGroup:
-    """Single-query requests whose keys are padded to the same length, attended in one call.
+    """Decoding requests (one new token each) whose keys are padded to the same length.
 
-    A request's keys are padded (masked, pointing at the pool's zeroed scratch slot) to a length
-    fixed by its own length alone, and each kv head's queries are padded to MIN_QUERY_ROWS: the
-    batched call then gives each member the bits it gets alone, which a call padded to the
-    batch's longest request does not.
+    As PromptGroup, with each kv head's queries folded into rows, padded to MIN_QUERY_ROWS.
     """
 
     rows: torch.Tensor  # [B] indices into the step's tokens
@@ -97,14 +97,13 @@ class ForwardContext:
     """Tensors the engine builds once per step for every layer.
 
     Greedy results must not depend on what else is in the batch (nor on whether a prefix came
-    from the cache), so multi-token requests attend one by one and single-token ones in groups
-    built for that (DecodeGroup).
+    from the cache), so requests attend in groups built for that (PromptGroup, DecodeGroup).
     """
 
     input_ids: torch.Tensor  # [T] (at least engine.MIN_ROWS)
     positions: torch.Tensor  # [T]
     out_slots: torch.Tensor  # [T] pool slot that receives each token's K/V
-    seqs: list[SeqAttention]
+    prompt_groups: list[PromptGroup]
     decode_groups: list[DecodeGroup]
     logit_rows: torch.Tensor  # [R] rows of T whose hidden state produces logits
     kv_cache: list[torch.Tensor]  # per layer [num_slots + 1, 2 * kv_heads, head_dim], K then V
@@ -150,21 +149,27 @@ class Attention(nn.Module):
             qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
         qk = rotate(qk, cos, sin)
         kv_cache = ctx.kv_cache[self.layer]
-        kv_cache[ctx.out_slots] = torch.cat([qk[:, heads:], qkv[:, heads + kvh :]], dim=1).to(kv_cache.dtype)
+        new_kv = torch.cat([qk[:, heads:], qkv[:, heads + kvh :]], dim=1).to(kv_cache.dtype)
+        kv_cache.index_copy_(0, ctx.out_slots, new_kv)
         q = qk[:, :heads]
         out = torch.zeros_like(q)  # padding rows past the requests' tokens stay zero
-        for seq in ctx.seqs:
-            # index_select, not kv_cache[slots]: advanced indexing copies several times slower.
-            # 4-D, with a batch of one: SDPA runs 3-D inputs on its slow math path, not flash.
-            kv = kv_cache.index_select(0, seq.kv_slots).transpose(0, 1).unsqueeze(0)
-            attn = F.scaled_dot_product_attention(
-                q.index_select(0, seq.rows).transpose(0, 1).unsqueeze(0), kv[:, :kvh], kv[:, kvh:],
-                attn_mask=seq.mask, is_causal=seq.causal, enable_gqa=True,
-            )
-            out[seq.start : seq.start + seq.length] = attn[0, :, : seq.length].transpose(0, 1)
+        for group in ctx.prompt_groups:
+            out.index_copy_(0, group.out_rows, self._prompt(q, kv_cache, group))
         for group in ctx.decode_groups:
-            out[group.rows] = self._decode(q.index_select(0, group.rows), kv_cache, group)
+            out.index_copy_(0, group.rows, self._decode(q.index_select(0, group.rows), kv_cache, group))
         return self.o_proj(out.reshape(t, -1))
+
+    def _prompt(self, q, kv_cache, group: PromptGroup) -> torch.Tensor:
+        cfg, kvh = self.cfg, self.cfg.num_kv_heads
+        b, _, length = group.shape
+        # index_select, not kv_cache[slots]: advanced indexing copies several times slower.
+        q = q.index_select(0, group.query_rows).view(b, -1, cfg.num_heads, cfg.head_dim)
+        kv = kv_cache.index_select(0, group.kv_slots).view(b, length, 2 * kvh, cfg.head_dim)
+        kv = kv.permute(0, 2, 1, 3)
+        attn = F.scaled_dot_product_attention(q.transpose(1, 2), kv[:, :kvh], kv[:, kvh:],
+                                              attn_mask=group.mask, is_causal=group.mask is None,
+                                              enable_gqa=True)
+        return attn.transpose(1, 2).reshape(-1, cfg.num_heads, cfg.head_dim).index_select(0, group.kept)
 
     def _decode(self, q, kv_cache, group: DecodeGroup) -> torch.Tensor:
         cfg, b, kvh = self.cfg, q.shape[0], self.cfg.num_kv_heads
