@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
+
 from freetoken.core import SamplingParams
 from freetoken.llm import build_scheduler
 from freetoken.message import UserMsg
-from tests.model_fixtures import default_model
+from freetoken.models import linear
+from freetoken.models.loader import load_model
+from tests.model_fixtures import default_folder, default_model
 
 PROMPTS = [
     "Hi",
@@ -39,8 +43,20 @@ def _ids(prompt):
     return default_model().tokenizer.encode(prompt)
 
 
-def test_batched_greedy_equals_each_alone():
-    loaded = default_model()
+@pytest.fixture(scope="module")
+def unpacked_model():
+    """The default model on F.linear and MKL's row padding, as on a CPU where oneDNN's rows
+    do not come out alike (models/linear.py)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(linear, "rows_alike", lambda layer, padding: False)
+        loaded = load_model(default_folder(), dtype="float32", device="cpu")
+    assert loaded.model.row_padding is linear.MKL_ROWS
+    return loaded
+
+
+@pytest.mark.parametrize("kernels", ["as_loaded", "f_linear"])
+def test_batched_greedy_equals_each_alone(kernels, request):
+    loaded = default_model() if kernels == "as_loaded" else request.getfixturevalue("unpacked_model")
     assert 52 <= len(_ids(PROMPTS[-2])) <= 63 and len(_ids(PROMPTS[-1])) > 64
     alone = {}
     for uid, prompt in enumerate(PROMPTS):

@@ -9,11 +9,9 @@ import torch
 from freetoken.core import Batch, SamplingParams
 from freetoken.engine.kv_pool import KVPool
 from freetoken.engine.sample import Sampler, SampleOutput
+from freetoken.models.linear import MKL_ROWS
 from freetoken.models.llama import DecodeGroup, ForwardContext, PromptGroup
 
-# oneDNN computes a single row with a GEMV that rounds differently from the same row among
-# others (models/linear.py): a step never has fewer rows than this.
-MIN_ROWS = 2
 # Requests whose padded lengths agree attend in one call (PromptGroup, DecodeGroup). Blocks trade
 # padded work against the number of calls; these measured best on scoring prompts of ~40 tokens
 # (A in docs/performance.md) and on decode batches of 8-32.
@@ -34,6 +32,9 @@ class Engine:
         cfg = getattr(model, "cfg", model)
         self.kv = KVPool(num_kv_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, device)
         self.sampler = Sampler(model.vocab_size, device)
+        # Token rows and logit rows are padded so that a row's matmul bits never depend on
+        # how many rows the step has (models/linear.py).
+        self.row_padding = getattr(model, "row_padding", MKL_ROWS)
 
     def new_generator(self, params: SamplingParams) -> torch.Generator:
         gen = torch.Generator(device=self.device)
@@ -116,11 +117,11 @@ class Engine:
             out_slots += req.slots[total - q :]
             if id(req) in logit_set:
                 logit_rows.append(len(ids) - 1)
-        pad = max(0, MIN_ROWS - len(ids))
+        pad = self.row_padding.pad(len(ids))
         ids += [0] * pad
         positions += [0] * pad
         out_slots += [self.kv.scratch_slot] * pad
-        logit_rows += [0] * max(0, MIN_ROWS - len(logit_rows))
+        logit_rows += [0] * self.row_padding.pad(len(logit_rows))
         return ForwardContext(
             input_ids=torch.tensor(ids, device=dev),
             positions=torch.tensor(positions, device=dev),

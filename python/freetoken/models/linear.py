@@ -1,17 +1,37 @@
-"""Linear layers on oneDNN with weights packed once at load.
+"""Linear layers on oneDNN with weights packed once at load, where this CPU allows it.
 
-torch's CPU `F.linear` goes through MKL, which on this machine's AMD cores runs 2-3x below
-what oneDNN reaches on the same shapes (small M worst: decode rows are 1-32). oneDNN also gives
-a row the same bits whatever the number of rows M, except for M = 1, which takes a GEMV kernel
-that splits the reduction; the engine therefore never runs fewer than two rows
-(`engine.MIN_ROWS`). Elsewhere (CUDA, torch built without oneDNN) layers use `F.linear`.
+torch's CPU `F.linear` goes through MKL, which on the AMD cores this was measured on runs 2-3x
+below what oneDNN reaches on the same shapes (small M worst: decode rows are 1-32). Batch
+invariance needs a row's bits not to depend on how many rows the call has. Measured here, MKL
+gives that only when M is a multiple of 4; oneDNN for every M >= 2 (M = 1 takes a GEMV that
+splits the reduction). That is a property of the kernels on a given CPU, not a promise, so
+`pack_linears` checks it on the model's own shapes and keeps `F.linear` where it fails.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+@dataclass(frozen=True)
+class RowPadding:
+    """Row counts at which a matmul gives each row the bits it gets in any other such count."""
+
+    minimum: int
+    multiple: int
+
+    def pad(self, rows: int) -> int:
+        """Padding rows to add to `rows`."""
+        return max(self.minimum, -(-rows // self.multiple) * self.multiple) - rows
+
+
+ONEDNN_ROWS = RowPadding(minimum=2, multiple=1)
+MKL_ROWS = RowPadding(minimum=4, multiple=4)
+PROBE_ROWS = (2, 3, 4, 5, 7, 8, 13, 16, 33, 64)
 
 
 def onednn_available(device: torch.device) -> bool:
@@ -24,18 +44,10 @@ class Linear(nn.Linear):
     # (oneDNN weight, bias): a plain attribute, read without nn.Module's parameter lookup.
     packed: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
-    def pack(self, drop_weight: bool) -> None:
-        """Reorder the weight into oneDNN's blocked layout; call after the final dtype cast.
-
-        `drop_weight` frees the plain copy, which nothing reads afterwards unless another module
-        shares it (a tied embedding), so a packed model takes no more memory than before.
-        """
-        if not onednn_available(self.weight.device):
-            return
+    def pack(self) -> None:
+        """Reorder the weight into oneDNN's blocked layout; call after the final dtype cast."""
         weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
         self.packed = (weight, self.bias)
-        if drop_weight:
-            self.weight.data = self.weight.data.new_empty(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
@@ -44,11 +56,47 @@ class Linear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-def pack_linears(model: nn.Module) -> None:
+@torch.inference_mode()
+def rows_alike(layer: Linear, padding: RowPadding) -> bool:
+    """Does every row count allowed by `padding` give the first and last rows the same bits?"""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(max(PROBE_ROWS) + 4, layer.in_features, generator=gen).to(layer.weight.dtype)
+    counts = sorted({n + padding.pad(n) for n in PROBE_ROWS})
+    base = counts[0]
+    first = layer(x[:base])[0]
+    for n in counts[1:]:
+        out = layer(x[:n])
+        # The first row among n rows and among `base`; the last row likewise, at the far end.
+        if not (torch.equal(out[0], first) and torch.equal(out[-1], layer(x[n - base : n])[-1])):
+            return False
+    return True
+
+
+def pack_linears(model: nn.Module) -> RowPadding:
+    """Pack every Linear on oneDNN if rows come out alike on all their shapes; return the rule.
+
+    A packed layer's plain weight is then freed (unless another module shares it, as a tied
+    embedding does), so a packed model takes no more memory than before.
+    """
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    if not layers or not onednn_available(layers[0].weight.device):
+        return MKL_ROWS
+    for layer in layers:
+        layer.pack()
+    probed = {}
+    for layer in layers:
+        shape = (layer.in_features, layer.out_features, layer.bias is not None)
+        if shape not in probed:
+            probed[shape] = rows_alike(layer, ONEDNN_ROWS)
+    if not all(probed.values()):
+        for layer in layers:
+            layer.packed = None
+        return MKL_ROWS
     owners: dict[int, int] = {}
     for module in model.modules():
         for param in module.parameters(recurse=False):
             owners[id(param)] = owners.get(id(param), 0) + 1
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.pack(drop_weight=owners[id(module.weight)] == 1)
+    for layer in layers:
+        if owners[id(layer.weight)] == 1:
+            layer.weight.data = layer.weight.data.new_empty(0)
+    return ONEDNN_ROWS

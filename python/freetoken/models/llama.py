@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetoken.core import Batch
-from freetoken.models.linear import Linear
+from freetoken.models.linear import MKL_ROWS, Linear, RowPadding
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ class ForwardContext:
     from the cache), so requests attend in groups built for that (PromptGroup, DecodeGroup).
     """
 
-    input_ids: torch.Tensor  # [T] (at least engine.MIN_ROWS)
+    input_ids: torch.Tensor  # [T], padded by the model's row_padding
     positions: torch.Tensor  # [T]
     out_slots: torch.Tensor  # [T] pool slot that receives each token's K/V
     prompt_groups: list[PromptGroup]
@@ -217,6 +217,10 @@ class Backbone(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # Row counts that keep a row's bits whatever else is in the step; the loader sets it
+    # when it packs the linear layers (models/linear.py).
+    row_padding: RowPadding = MKL_ROWS
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg

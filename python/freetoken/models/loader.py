@@ -161,7 +161,7 @@ def _build_llama(folder: Path, hf_config: dict, dtype: torch.dtype, device: torc
     if cfg.tie_word_embeddings:
         module.lm_head.weight = module.model.embed_tokens.weight
     module.to(dtype).requires_grad_(False)
-    pack_linears(module)
+    module.row_padding = pack_linears(module)
     return module
 
 
