@@ -190,7 +190,7 @@ def gemm_roofline(dtype: str, seconds: float = 1.0) -> dict[str, float]:
         a = torch.randn(m, k).to(DTYPES[dtype])
         b = torch.randn(k, n).to(DTYPES[dtype])
         layer = Linear(k, n, bias=False).to(DTYPES[dtype]).requires_grad_(False)
-        layer.pack(drop_weight=True)
+        layer.pack()
         for kernel, run in (("torch.mm", lambda: torch.mm(a, b)), ("oneDNN", lambda: layer(a))):
             if kernel not in best:
                 continue
