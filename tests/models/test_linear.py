@@ -83,3 +83,13 @@ def test_onednn_rule_pads_only_a_single_row(rows, pad):
 @pytest.mark.parametrize("rows,pad", [(1, 3), (4, 0), (5, 3), (12, 0)])
 def test_mkl_rule_pads_to_a_multiple_of_four(rows, pad):
     assert MKL_ROWS.pad(rows) == pad
+
+
+def test_a_kernel_error_while_packing_leaves_f_linear(monkeypatch):
+    def fail(layer, padding):
+        raise RuntimeError("oneDNN cannot run this dtype here")
+
+    monkeypatch.setattr(linear, "rows_alike", fail)
+    model = _tied_model()
+    assert pack_linears(model) is MKL_ROWS
+    assert model.proj.packed is None and model.proj.weight.numel() == 16 * 16

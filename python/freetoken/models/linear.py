@@ -81,13 +81,16 @@ def pack_linears(model: nn.Module) -> RowPadding:
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     if not layers or not onednn_available(layers[0].weight.device):
         return MKL_ROWS
-    for layer in layers:
-        layer.pack()
     probed = {}
-    for layer in layers:
-        shape = (layer.in_features, layer.out_features, layer.bias is not None)
-        if shape not in probed:
-            probed[shape] = rows_alike(layer, ONEDNN_ROWS)
+    try:
+        for layer in layers:
+            layer.pack()
+        for layer in layers:
+            shape = (layer.in_features, layer.out_features, layer.bias is not None)
+            if shape not in probed:
+                probed[shape] = rows_alike(layer, ONEDNN_ROWS)
+    except RuntimeError:  # e.g. a dtype this CPU's oneDNN build does not run
+        probed[None] = False
     if not all(probed.values()):
         for layer in layers:
             layer.packed = None

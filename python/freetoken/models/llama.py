@@ -68,8 +68,8 @@ class PromptGroup:
 
     Each member's queries are padded (repeating its last query) and its keys padded (masked,
     pointing at the pool's zeroed scratch slot) to lengths fixed by its own lengths alone
-    (engine.PROMPT_QUERY_BLOCK, engine.PROMPT_KV_BLOCK): the batched call then gives each member the
-    bits it gets alone, which a call padded to the batch's longest member does not.
+    (engine.PROMPT_QUERY_BLOCK, engine.PROMPT_KV_BLOCK): the batched call then gives each member
+    the bits it gets alone, which a call padded to the batch's longest member does not.
     """
 
     shape: tuple[int, int, int]  # (B members, Q queries, L keys) each
