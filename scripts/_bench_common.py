@@ -183,17 +183,17 @@ def gemm_roofline(dtype: str, seconds: float = 1.0) -> dict[str, float]:
     from freetoken.models.linear import Linear, onednn_available
 
     shapes = [(1024, 576, 1536), (1024, 1536, 576), (2048, 576, 1536), (1024, 576, 576)]
-    best = {"torch.mm": 0.0}
-    if onednn_available(torch.device("cpu")):
-        best["oneDNN"] = 0.0
+    with_onednn = onednn_available(torch.device("cpu"))
+    best = dict.fromkeys(["torch.mm", "oneDNN"] if with_onednn else ["torch.mm"], 0.0)
     for m, k, n in shapes:
         a = torch.randn(m, k).to(DTYPES[dtype])
         b = torch.randn(k, n).to(DTYPES[dtype])
-        layer = Linear(k, n, bias=False).to(DTYPES[dtype]).requires_grad_(False)
-        layer.pack()
-        for kernel, run in (("torch.mm", lambda: torch.mm(a, b)), ("oneDNN", lambda: layer(a))):
-            if kernel not in best:
-                continue
+        kernels = {"torch.mm": lambda: torch.mm(a, b)}
+        if with_onednn:
+            layer = Linear(k, n, bias=False).to(DTYPES[dtype]).requires_grad_(False)
+            layer.pack()
+            kernels["oneDNN"] = lambda: layer(a)
+        for kernel, run in kernels.items():
             run()  # warm-up
             count, t0 = 0, time.perf_counter()
             while time.perf_counter() - t0 < seconds / len(shapes) / len(best):

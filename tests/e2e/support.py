@@ -186,6 +186,17 @@ def sse(server: Server, path: str, body: dict) -> list[dict]:
     return events
 
 
+def assert_completion_stream_joins(events: list[dict], choice: dict) -> None:
+    """Streamed /v1/completions chunks join to the non-streamed choice: text and logprobs."""
+    joined = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for ev in events:
+        for c in ev["choices"]:
+            for key in joined:
+                joined[key] += (c["logprobs"] or {}).get(key, [])
+    assert joined == choice["logprobs"]
+    assert "".join(c["text"] for ev in events for c in ev["choices"]) == choice["text"]
+
+
 def merge_chat_stream(events: list[dict]) -> dict:
     """Streamed chat chunks folded into one choice: message text, calls, logprob lists."""
     content, reasoning, calls = "", "", {}

@@ -8,6 +8,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
+from tests.e2e.support import assert_completion_stream_joins
 from tests.model_fixtures import default_folder, reference_logprobs
 
 pytestmark = pytest.mark.slow
@@ -79,13 +80,7 @@ def test_completion_stream_entries_join_to_non_stream(default_server):
     body = {"prompt": "Write the word café twice:", "max_tokens": 16, "temperature": 0, "logprobs": 2}
     full = _post(default_server, "/v1/completions", body)["choices"][0]
     events = _stream(default_server, "/v1/completions", body)
-    joined = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for ev in events:
-        for choice in ev["choices"]:
-            for key in joined:
-                joined[key] += (choice["logprobs"] or {}).get(key, [])
-    assert joined == full["logprobs"]
-    assert "".join(c["text"] for ev in events for c in ev["choices"]) == full["text"]
+    assert_completion_stream_joins(events, full)
 
 
 def test_chat_stream_entries_join_to_non_stream_with_stop_cut(default_server):

@@ -16,6 +16,7 @@ from fixtures import build_models as bm
 from tests.e2e.support import (
     ClosedForm,
     as_id,
+    assert_completion_stream_joins,
     assert_entries,
     chat_scripts,
     chat_triples,
@@ -54,13 +55,7 @@ def complete(server, prompt: str, extra: dict | None = None, **native) -> dict:
     full = server.client().completions.create(model=None, prompt=prompt, extra_body=extra, **native)
     choice = full.choices[0].model_dump()
     events = sse(server, "/v1/completions", {"prompt": prompt, **native, **(extra or {})})
-    joined = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for ev in events:
-        for c in ev["choices"]:
-            for key in joined:
-                joined[key] += (c["logprobs"] or {}).get(key, [])
-    assert joined == choice["logprobs"]
-    assert "".join(c["text"] for ev in events for c in ev["choices"]) == choice["text"]
+    assert_completion_stream_joins(events, choice)
     return choice
 
 

@@ -63,26 +63,31 @@ class Engine:
             by_shape.setdefault((kv_len if causal else _round_up(q, PROMPT_QUERY_BLOCK), kv_len, causal),
                                 []).append((start, q, slots))
         groups = []
+        on_device = partial(torch.tensor, device=self.device)
         for (q_len, kv_len, causal), members in by_shape.items():
-            query_rows, table, positions, kept, out_rows = [], [], [], [], []
+            query_rows, table, kept, out_rows = [], [], [], []
             for i, (start, q, slots) in enumerate(members):
                 rows = list(range(start, start + q))
                 query_rows += rows + [rows[-1]] * (q_len - q)
-                table += slots + [self.kv.scratch_slot] * (kv_len - len(slots))
-                # Query j sits at position len(slots) - q + j and sees the keys up to it.
-                own = list(range(len(slots) - q, len(slots)))
-                positions.append(own + [own[-1]] * (q_len - q))
+                table += self._padded(slots, kv_len)
                 kept += range(i * q_len, i * q_len + q)
                 out_rows += rows
             mask = None
             if not causal:
-                mask = torch.arange(kv_len)[None, None, :] <= torch.tensor(positions)[:, :, None]
-                mask = mask[:, None].to(self.device)
-            on_device = partial(torch.tensor, device=self.device)
+                # Query j sits at position len(slots) - q + j and sees the keys up to it; padded
+                # queries repeat the last one.
+                positions = torch.tensor([[len(slots) - q + min(j, q - 1) for j in range(q_len)]
+                                          for _, q, slots in members])
+                mask = (torch.arange(kv_len)[None, None, :] <= positions[:, :, None])[:, None]
+                mask = mask.to(self.device)
             groups.append(PromptGroup(shape=(len(members), q_len, kv_len),
                                       query_rows=on_device(query_rows), kv_slots=on_device(table),
                                       mask=mask, kept=on_device(kept), out_rows=on_device(out_rows)))
         return groups
+
+    def _padded(self, slots: list[int], length: int) -> list[int]:
+        """`slots` padded to `length` with the scratch slot, whose keys the masks hide."""
+        return slots + [self.kv.scratch_slot] * (length - len(slots))
 
     def _decode_groups(self, decoding: list[tuple[int, list[int]]]) -> list[DecodeGroup]:
         """Groups for decoding requests given as (row, slots of all keys)."""
@@ -91,7 +96,7 @@ class Engine:
             by_length.setdefault(_round_up(len(slots), DECODE_KV_BLOCK), []).append((row, slots))
         groups = []
         for length, members in by_length.items():
-            table = [s for _, slots in members for s in slots + [self.kv.scratch_slot] * (length - len(slots))]
+            table = [s for _, slots in members for s in self._padded(slots, length)]
             lengths = torch.tensor([len(slots) for _, slots in members])
             valid = torch.arange(length)[None, :] < lengths[:, None]
             groups.append(DecodeGroup(
