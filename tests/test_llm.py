@@ -44,3 +44,19 @@ def test_batch_of_id_prompts_in_order(llm):
     singles = [llm.generate([p], params)[0] for p in prompts]
     assert [o.token_ids for o in outs] == [s.token_ids for s in singles]
     assert all(len(o.logprobs) == 4 and o.logprobs[0].top_ids for o in outs)
+
+
+def test_engine_failure_is_reported_on_its_prompt_only(llm, monkeypatch):
+    ok, bad = llm.tokenizer.encode("Hello"), llm.tokenizer.encode("Paris is")
+    model = llm.scheduler.engine.model
+
+    def faulty(batch, ctx):
+        if any(r.prompt_ids == bad for r in batch.reqs):
+            raise RuntimeError("boom")
+        return model(batch, ctx)
+
+    monkeypatch.setattr(llm.scheduler.engine, "model", faulty)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    good, failed = llm.generate([ok, bad], params)
+    assert failed.finish_reason == "error" and "boom" in failed.error and failed.token_ids == []
+    assert good.finish_reason == "length" and good.error is None and len(good.token_ids) == 4

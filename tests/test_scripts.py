@@ -12,7 +12,8 @@ import pytest
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
-@pytest.mark.parametrize("name", ["bench_engine.py", "bench_server.py", "bench_scoring.py"])
+@pytest.mark.parametrize("name", ["bench_engine.py", "bench_server.py", "bench_scoring.py",
+                                  "bench_load.py"])
 def test_script_parses_its_arguments(name):
     done = subprocess.run([sys.executable, str(SCRIPTS / name), "--help"], capture_output=True,
                           text=True, timeout=120)

@@ -2,6 +2,10 @@
 
 from freetoken.core import SamplingParams
 
+# Kept equal to pyproject.toml's version (tests/test_cli.py checks); `freetoken --version` reads
+# the installed metadata first.
+__version__ = "0.1.0"
+
 __all__ = ["LLM", "SamplingParams"]
 
 

@@ -3,6 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+# Temperatures below this are greedy (vLLM's rule): logits divided by a tiny temperature overflow
+# float32, and one that underflows float32 divides by zero; either way sampling gets NaN.
+SAMPLING_EPS = 1e-5
 
 
 @dataclass
@@ -14,7 +22,7 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: up to the context or the KV pool (the scheduler decides)
     stop_strs: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -27,7 +35,7 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         # top_k == 1 keeps only the argmax, whatever the temperature or top_p.
-        return self.temperature <= 0.0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
 
 @dataclass
@@ -56,10 +64,19 @@ class Req:
     # KV slot of every token whose KV is in the pool, in sequence order.
     slots: list[int] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    # Its sampling stream, made when it is added and kept across preemptions: a seeded stream
+    # continues where it was.
+    generator: torch.Generator | None = None
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens without KV: 1 while decoding, more while its prompt (or after a preemption,
+        its prompt and output so far) is being prefilled."""
+        return len(self.prompt_ids) + len(self.output_ids) - len(self.slots)
 
     @property
     def num_computed(self) -> int:

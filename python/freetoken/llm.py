@@ -78,7 +78,7 @@ class LLM:
                 out.logprobs += msg.logprobs
                 out.text += reply.incremental_output
                 if reply.finished:
-                    out.finish_reason = reply.finish_reason
+                    out.finish_reason, out.error = reply.finish_reason, msg.error
                     pending.discard(msg.uid)
                     if not msg.finished:
                         self.scheduler.abort(msg.uid)

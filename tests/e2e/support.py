@@ -34,7 +34,8 @@ def _die_with_parent() -> None:
 
 
 class Server:
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, new_session: bool = False):
+        # new_session: its own process group, so a test can send the group a terminal's Ctrl-C.
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
@@ -44,6 +45,7 @@ class Server:
             # A file, not a pipe: nobody reads a pipe while the server runs, and a full one
             # would block the server.
             env=env, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
+            start_new_session=new_session,
         )
         deadline = time.time() + 240
         while time.time() < deadline:
@@ -69,6 +71,43 @@ class Server:
             self.proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+    def output(self) -> str:
+        """What the server has written to stdout and stderr so far."""
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
+
+
+def children(pid: int) -> list[int]:
+    """Pids of the live processes whose parent is `pid`."""
+    out = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines()
+                          if ":\t" in line)
+        except OSError:
+            continue
+        if fields.get("PPid", "").strip() == str(pid) and not fields.get("State", "").startswith("Z"):
+            out.append(int(status.parent.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        state = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                     if line.startswith("State:"))
+    except (OSError, StopIteration):
+        return False
+    return "Z" not in state.split()[1]
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """Waits until none of `pids` runs, or `timeout`; returns those still running."""
+    deadline = time.time() + timeout
+    while any(alive(p) for p in pids) and time.time() < deadline:
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
 
 
 

@@ -152,3 +152,18 @@ def test_tokenize_and_detokenize_round_trip(default_server):
     ids = httpx.post(f"{default_server.url}/tokenize", json={"prompt": " Yes"}).json()["tokens"]
     text = httpx.post(f"{default_server.url}/detokenize", json={"tokens": ids}).json()["prompt"]
     assert text == " Yes"
+
+
+@pytest.mark.parametrize("messages", [[{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                                      [{"role": "user"}]])
+def test_tokenize_takes_messages_as_chat_does_on_the_default_template(default_server, messages):
+    """SmolLM2's template: text parts are joined (200, as chat); a turn without content cannot
+    render (400 naming messages, as chat) — neither is a 500."""
+    tok = httpx.post(f"{default_server.url}/tokenize", json={"messages": messages})
+    chat = httpx.post(f"{default_server.url}/v1/chat/completions",
+                      json={"messages": messages, "max_tokens": 1}, timeout=60)
+    assert tok.status_code == chat.status_code
+    if "content" in messages[0]:
+        assert tok.status_code == 200 and tok.json()["count"] > 0
+    else:
+        assert tok.status_code == 400 and tok.json()["error"]["param"] == "messages"

@@ -226,3 +226,52 @@ def test_any_float_dtype_and_caller_logits_untouched(dtype: torch.dtype) -> None
     assert torch.equal(logits, before)
     assert out.token_ids[0] in (1, 2) and out.token_ids[1] == 0
     assert out.logprobs[0] is None and out.logprobs[1] is not None
+
+
+def test_logprobs_exact_over_a_large_flat_vocabulary() -> None:
+    """248,320 ids (the Qwen3.5 vocabulary), three raised, the rest at 0: the normaliser is a sum
+    of ~250k equal terms, where a lane-wise fp32 accumulation drifts by ~3e-4 (seen on AVX2)."""
+    V, raised = 248_320, {5: 9.0, 7: 8.0, 9: 6.0}
+    logits = torch.zeros(1, V)
+    for i, a in raised.items():
+        logits[0, i] = a
+    log_z = math.log(sum(math.exp(a) for a in raised.values()) + (V - len(raised)))
+    sampler = Sampler(V)
+    params = [SamplingParams(temperature=0.0, logprobs=3)]
+    lp = sampler.sample(logits, sampler.prepare(params, [torch.Generator()])).logprobs[0]
+    assert lp is not None and lp.token_id == 5
+    assert lp.top_ids == [5, 7, 9]
+    assert lp.top_logprobs == pytest.approx([a - log_z for a in raised.values()], abs=2e-6)
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-6])
+def test_temperature_below_1e_5_is_greedy(temperature: float) -> None:
+    # 1e-300 is 0 in float32 and 1e-6 scales logits past its range: both used to give NaN
+    # probabilities and token 0. The top two are 5e-5 apart, so a sampler would pick either.
+    logits = [0.5, 1.0, 1.0 + 5e-5, 0.0]
+    p = SamplingParams(temperature=temperature)
+    assert p.is_greedy
+    assert draws(logits, p, n=200) == {2}
+
+
+def test_temperature_1e_4_still_samples() -> None:
+    # At T = 1e-4 the 5e-5 gap becomes 0.5: tokens 1 and 2 are drawn ~38% / 62%.
+    p = SamplingParams(temperature=1e-4)
+    assert not p.is_greedy
+    assert draws([0.5, 1.0, 1.0 + 5e-5, 0.0], p, n=200) == {1, 2}
+
+
+def test_row_logprobs_bit_identical_alone_and_in_a_batch() -> None:
+    """By default a lone row's normaliser is not reduced as one of several rows' (torch splits a
+    lone row's sum across threads past 32k elements); the logprobs must not tell them apart.
+    Flat rows, as a small model's, are where the two sums round differently most often."""
+    V, B = 49_152, 16
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(B, V, generator=g) * 0.3
+    ps = [SamplingParams(temperature=0.0, logprobs=3)] * B
+    sampler = Sampler(V)
+    batched = sampler.sample(logits, sampler.prepare(ps, [torch.Generator()] * B)).logprobs
+    for i in range(B):
+        [alone] = sampler.sample(logits[i : i + 1], sampler.prepare(ps[:1], [g])).logprobs
+        assert alone is not None and batched[i] is not None
+        assert (alone.logprob, alone.top_logprobs) == (batched[i].logprob, batched[i].top_logprobs)

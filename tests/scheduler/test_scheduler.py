@@ -105,12 +105,12 @@ def test_abort_frees_kv_at_any_point():
     assert scheduler.abort(7) == []
     assert not scheduler.has_work
     assert scheduler.engine.kv.num_free == free_at_start
-    assert scheduler.reserved == 0
 
 
 def test_full_pool_queues_and_all_finish():
     loaded = default_model()
-    # Room for about two of the short requests at a time: the rest wait in the queue.
+    # Room for six of the short prompts, not for their outputs too: the others wait in the queue
+    # and the newest running ones are preempted as the outputs grow.
     short = [p for p in PROMPTS if len(_ids(p)) < 20]
     scheduler = build_scheduler(loaded, kv_slots=64, prefix_cache=False)
     for uid, prompt in enumerate(short):
@@ -124,6 +124,7 @@ def test_full_pool_queues_and_all_finish():
         peak_running = max(peak_running, len(scheduler.running))
     assert finished == {uid: "length" for uid in range(len(short))}
     assert 1 <= peak_running < len(short)
+    assert scheduler.stats()["preemptions"] > 0
     assert scheduler.engine.kv.num_free == 64
 
 
@@ -132,11 +133,35 @@ def test_context_limits():
     scheduler = build_scheduler(loaded, kv_slots=256, max_model_len=16)
     [msg] = scheduler.add(UserMsg(0, list(range(16)), _greedy()))
     assert msg.error_code == "context_length_exceeded" and msg.finished
-    scheduler.add(UserMsg(1, list(range(100, 110)), _greedy(50)))
+    [msg] = scheduler.add(UserMsg(1, list(range(100, 110)), _greedy(7)))
+    assert msg.finish_reason == "error" and msg.error_code == "context_length_exceeded"
+    assert msg.error == ("'max_tokens' or 'max_completion_tokens' is too large: 7. This model's "
+                         "maximum context length is 16 tokens and your request has 10 input "
+                         "tokens (7 > 16 - 10).")
+    assert not scheduler.has_work
+    # Without max_tokens a request may use the rest of the context.
+    scheduler.add(UserMsg(2, list(range(100, 110)), _greedy(None)))
     out = []
     while scheduler.has_work:
         out += scheduler.step()
     assert out[-1].finish_reason == "length" and sum(len(m.token_ids) for m in out) == 6
+
+
+def test_kv_pool_limits():
+    loaded = default_model()
+    scheduler = build_scheduler(loaded, kv_slots=32, max_model_len=64)
+    # Within the context but not within the pool: no preemption could ever make room for it.
+    for uid, (n, max_tokens) in enumerate([(10, 23), (40, None)]):
+        [msg] = scheduler.add(UserMsg(uid, list(range(100, 100 + n)), _greedy(max_tokens)))
+        assert msg.finish_reason == "error" and msg.error_code == "context_length_exceeded"
+        assert "32" in msg.error and "--kv-cache-tokens" in msg.error
+    assert not scheduler.has_work
+    # Without max_tokens a request may use the whole pool.
+    scheduler.add(UserMsg(2, list(range(100, 110)), _greedy(None)))
+    out = []
+    while scheduler.has_work:
+        out += scheduler.step()
+    assert out[-1].finish_reason == "length" and sum(len(m.token_ids) for m in out) == 22
 
 
 def test_eos_and_stop_token_ids_finish_with_stop():

@@ -1,39 +1,103 @@
-"""The FastAPI app over a stand-in state: error shapes, the API key, a dead engine."""
+"""The FastAPI app over a stand-in state: error shapes, the API key, body limits, a dead or
+draining engine."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 from fastapi.testclient import TestClient
 
 from freetoken.server.api_server import FrontendConfig, create_app
 
+ERROR_KEYS = {"message", "type", "param", "code"}
 
-def _client(dead=False, api_key=None):
-    config = FrontendConfig(served_model_name="m", max_model_len=64, vocab_size=100, api_key=api_key)
-    state = SimpleNamespace(config=config, dead=dead, engine_stats={}, num_running=0)
-    return TestClient(create_app(lambda: state))
+
+def _client(dead=False, api_key=None, draining=False, max_request_bytes=1 << 20):
+    config = FrontendConfig(served_model_name="m", max_model_len=64, vocab_size=100, api_key=api_key,
+                            max_request_bytes=max_request_bytes)
+    state = SimpleNamespace(config=config, dead=dead, draining=draining, engine_stats={},
+                            num_running=0)
+    return TestClient(create_app(lambda: state), raise_server_exceptions=False)
+
+
+def _error(r, status: int) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == ERROR_KEYS, body
+    return body["error"]
 
 
 def test_schema_errors_are_openai_400s_naming_the_field():
-    r = _client().post("/v1/completions", json={"prompt": "x", "max_tokens": "many"})
-    assert r.status_code == 400
-    err = r.json()["error"]
+    err = _error(_client().post("/v1/completions", json={"prompt": "x", "max_tokens": "many"}), 400)
     assert err["param"] == "max_tokens" and err["type"] == "invalid_request_error"
-    r = _client().post("/v1/completions", content=b"{oops", headers={"content-type": "application/json"})
-    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    # A list index in pydantic's location is not a field name.
+    err = _error(_client().post("/v1/completions", json={"prompt": [1, "a", 2]}), 400)
+    assert err["param"] == "prompt"
 
 
-def test_api_key_guards_v1_routes():
+def test_invalid_json_names_no_byte_offset():
+    r = _client().post("/v1/completions", content=b'{"prompt": "x", "max_tokens": 2,,}',
+                       headers={"content-type": "application/json"})
+    err = _error(r, 400)
+    assert err["param"] is None and "not valid JSON" in err["message"]
+
+
+def test_missing_content_type_says_what_to_send():
+    err = _error(_client().post("/v1/completions", content=b'{"prompt": "x"}'), 400)
+    assert "application/json" in err["message"]
+
+
+@pytest.mark.parametrize("method,path,status", [("get", "/v1/nothing", 404),
+                                                 ("get", "/v1/completions", 405),
+                                                 ("delete", "/v1/models", 405)])
+def test_unknown_routes_and_methods_are_openai_errors(method, path, status):
+    _error(getattr(_client(), method)(path), status)
+
+
+def test_oversized_bodies_get_413_by_length_and_by_count():
+    client = _client(max_request_bytes=1000)
+    _error(client.post("/v1/completions", json={"prompt": "x" * 2000}), 413)
+
+    def chunks():  # no Content-Length: the limit counts what arrives
+        yield b'{"prompt": "'
+        for _ in range(10):
+            yield b"x" * 200
+        yield b'"}'
+
+    r = client.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert "max-request-bytes" in _error(r, 413)["message"]
+
+
+def test_surrogate_model_name_is_a_404_not_a_500():
+    r = _client().post("/v1/completions", content=b'{"model": "\\ud800", "prompt": "x"}',
+                       headers={"content-type": "application/json"})
+    assert "\\ud800" in r.text  # escaped, not a UTF-8 encoding failure
+    assert _error(r, 404)["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("path", ["/v1/models", "/v1/stats", "/tokenize", "/detokenize"])
+def test_api_key_guards_every_route_but_health(path):
     client = _client(api_key="secret")
-    assert client.get("/v1/models").status_code == 401
-    ok = client.get("/v1/models", headers={"authorization": "Bearer secret"})
-    assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "m"
+    call = client.get if path.startswith("/v1") else client.post
+    assert _error(call(path), 401)["type"] == "authentication_error"
+    assert _error(call(path, headers={"authorization": "Bearer wrong"}), 401)
     assert client.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("header", ["Bearer secret", "bearer secret", "BEARER  secret"])
+def test_bearer_scheme_is_case_insensitive(header):
+    ok = _client(api_key="secret").get("/v1/models", headers={"authorization": header})
+    assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "m"
 
 
 def test_dead_engine_turns_health_and_requests_into_503():
     client = _client(dead=True)
-    assert client.get("/health").status_code == 503
-    r = client.post("/v1/completions", json={"prompt": "x"})
-    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+    assert _error(client.get("/health"), 503)["code"] == "engine_dead"
+    assert _error(client.post("/v1/completions", json={"prompt": "x"}), 503)["code"] == "engine_dead"
+
+
+def test_draining_server_refuses_new_requests_with_503():
+    client = _client(draining=True)
+    assert _error(client.get("/health"), 503)["code"] == "shutdown"
+    assert _error(client.post("/v1/completions", json={"prompt": "x"}), 503)["code"] == "shutdown"

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
-from freetoken.server.args import parse_args, resolve_parsers
+from freetoken.server.args import build_parser, parse_args, resolve_parsers
 
 
 def test_defaults_and_positional_model():
@@ -16,6 +17,28 @@ def test_defaults_and_positional_model():
     assert parse_args([]).model is None
     with pytest.raises(SystemExit):
         parse_args(["a", "--model", "b"])
+
+
+def test_shutdown_and_request_limits():
+    args = parse_args([])
+    assert (args.shutdown_timeout, args.max_request_bytes, args.max_prompts_per_request) == (
+        30.0, 32 * 1024 * 1024, 1024)
+    args = parse_args(["--shutdown-timeout", "2.5", "--max-request-bytes", "1000",
+                       "--max-prompts-per-request", "8"])
+    assert (args.shutdown_timeout, args.max_request_bytes, args.max_prompts_per_request) == (
+        2.5, 1000, 8)
+
+
+def test_every_option_has_a_help_sentence_and_a_default():
+    parser = build_parser()
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        name = action.option_strings[0] if action.option_strings else action.dest
+        assert action.help and action.help.strip(), f"{name} has no help text"
+        # What --help prints: "(default: ...)" from the formatter, or spelled out in the text.
+        assert "(default: " in formatter._get_help_string(action), f"{name} shows no default"
 
 
 def test_auto_picks_qwen3_and_hermes_on_the_qwen_vocabulary(qwen35_tokenizer):

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
+
+import pytest
 
 from freetoken.core import TokenLogprob
 from freetoken.message import UserReply
@@ -77,17 +82,23 @@ def test_logprob_entries_render_with_token_ids():
     assert lp["text_offset"] == [0]
 
 
-def test_seed_script_runs_verbatim():
-    """The reproduction script of seed 000, exactly as written there, against this repo."""
-    import subprocess
-    import sys
-    from pathlib import Path
+SEED_000 = Path(__file__).resolve().parents[3] / "shared" / "seeds" / "000_764d322c2bfab159.txt"
+SEED_000_SCRIPT = Path(__file__).resolve().parents[1] / "fixtures" / "seed_000_script.py"
 
+
+def test_seed_script_runs_verbatim():
+    """The reproduction script of seed 000 (a verbatim copy in tests/fixtures), against this repo."""
     root = Path(__file__).resolve().parents[2]
-    seed = (root.parent / "shared" / "seeds" / "000_764d322c2bfab159.txt").read_text()
-    script = seed[seed.index("import asyncio, json"): seed.index("asyncio.run(main())")]
-    out = subprocess.run([sys.executable, "-c", script + "asyncio.run(main())"], cwd=root,
+    out = subprocess.run([sys.executable, str(SEED_000_SCRIPT)], cwd=root,
                          env={"PYTHONPATH": str(root / "python")}, capture_output=True, text=True,
                          check=True).stdout.splitlines()
     assert len(out) == 4 and all("-> 200 text=' Paris'" in line for line in out)
     assert all("'allowed_token_ids', 'return_tokens_as_token_ids'" in line for line in out)
+
+
+@pytest.mark.skipif(not SEED_000.exists(), reason="the seed texts (../shared/seeds) are not beside "
+                    "this checkout; the copy in tests/fixtures still runs")
+def test_seed_script_copy_is_verbatim():
+    seed = SEED_000.read_text()
+    script = seed[seed.index("import asyncio, json"): seed.index("asyncio.run(main())")]
+    assert SEED_000_SCRIPT.read_text() == script + "asyncio.run(main())\n"

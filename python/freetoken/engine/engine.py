@@ -45,11 +45,12 @@ class Engine:
         return gen
 
     @torch.inference_mode()
-    def forward_batch(self, batch: Batch, generators: list[torch.Generator]) -> SampleOutput:
+    def forward_batch(self, batch: Batch) -> SampleOutput:
         """Run `batch`; the caller has already given every new token a KV slot."""
         ctx = self.build_context(batch)
         logits = self.model(batch, ctx)[: len(batch.logit_reqs)]
-        args = self.sampler.prepare([r.params for r in batch.logit_reqs], generators)
+        args = self.sampler.prepare([r.params for r in batch.logit_reqs],
+                                    [r.generator for r in batch.logit_reqs])
         return self.sampler.sample(logits, args)
 
     def _prompt_groups(self, chunks: list[tuple[int, int, list[int]]]) -> list[PromptGroup]:
@@ -111,9 +112,11 @@ class Engine:
         dev = self.device
         for req, new in zip(batch.reqs, batch.new_ids):
             total, q = req.num_computed, len(new)  # slots for `new` were appended before the step
-            # Prompt tokens always attend as a prompt chunk, so that a prompt whose last token is
-            # all that is left after a prefix-cache hit gets the bits of a full prefill.
-            if req.output_ids:
+            # A lone output token attends as a decode. Prompt tokens always attend as a prompt
+            # chunk, so that a prompt whose last token is all that is left after a prefix-cache
+            # hit gets the bits of a full prefill; so do output tokens recomputed together after
+            # a preemption.
+            if q == 1 and total > len(req.prompt_ids):
                 decoding.append((len(ids), req.slots))
             else:
                 chunks.append((len(ids), q, req.slots))

@@ -6,9 +6,10 @@ Order of operations, per row (mirrors vLLM's v1 sampler, "raw_logprobs" mode):
 2. Raw logprobs = log_softmax(logits), for rows that want logprobs and have no allowed_token_ids.
 3. allowed_token_ids mask: logits outside the allowed set become -inf (other rows untouched).
 4. Masked rows that want logprobs: log_softmax of the *masked* logits, i.e. renormalised over the
-   allowed ids. Steps 2 and 4 are one batched log_softmax taken after the mask, since the mask is
-   the identity on unmasked rows.
-5. Greedy rows (params.is_greedy): exact argmax of the masked logits.
+   allowed ids. Steps 2 and 4 are one batched log_softmax (x - logsumexp(x)) taken after the mask,
+   since the mask is the identity on unmasked rows.
+5. Greedy rows (params.is_greedy: temperature < 1e-5, as vLLM, or top_k == 1): exact argmax of
+   the masked logits.
 6. Random rows: divide by temperature, then min_p (drop tokens with prob < min_p * max prob), then
    top-k, then top-p (smallest set whose cumulative prob >= top_p, renormalised over the top-k
    set; the top token is always kept; ties with the last kept logit are kept), then an
@@ -55,6 +56,15 @@ class BatchSamplingArgs:
     lp_rows: torch.Tensor | None  # [L] long rows that want logprobs; None: nobody does
     lp_k: list[int]  # K per row of lp_rows
     lp_masked: list[bool]  # per row of lp_rows: drop -inf entries from its top-K
+
+
+def _logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """logsumexp of each row of `x` [N, V] as [N, 1], with bits that do not depend on N: torch
+    sums a lone row in slices across threads (a two-pass reduction) but each of several rows on
+    one thread, so a lone row is reduced as one of two."""
+    if x.shape[0] == 1:
+        return x.expand(2, -1).logsumexp(-1, keepdim=True)[:1]
+    return x.logsumexp(-1, keepdim=True)
 
 
 class SampleOutput(NamedTuple):
@@ -184,8 +194,7 @@ class Sampler:
                 break
             pos = torch.arange(c, device=x.device)
             # Normaliser of the top-k set: its candidates when they hold it all, else the row.
-            lse = torch.where(uncut, x.logsumexp(-1, keepdim=True),
-                              v.masked_fill(pos >= n, _NEG_INF).logsumexp(-1, keepdim=True))
+            lse = torch.where(uncut, _logsumexp(x), _logsumexp(v.masked_fill(pos >= n, _NEG_INF)))
             p = (v - lse).exp()
             # Keep a token while the mass strictly before it is below top_p; the top one always.
             kept = ((p.cumsum(dim=-1) - p) < args.top_p) & (pos < n)
@@ -207,7 +216,9 @@ class Sampler:
             sub, tok = x, tokens
         else:
             sub, tok = x[args.lp_rows], tokens[args.lp_rows]
-        lp = sub.log_softmax(dim=-1)  # masked rows: renormalised over the allowed ids
+        # x - logsumexp, not log_softmax: on AVX2 CPUs torch's fused fp32 log_softmax sums the
+        # vocabulary in vector lanes and is off by ~3e-4 over 248k ids; logsumexp is within 2e-7.
+        lp = sub - _logsumexp(sub)  # masked rows: renormalised over allowed ids
         tok_lp = lp.gather(1, tok.unsqueeze(1))
         ranks = ((lp > tok_lp).sum(dim=-1) + 1).tolist()
         tok_ids, tok_lps = tok.tolist(), tok_lp.squeeze(1).tolist()

@@ -19,6 +19,7 @@ class TokenizeMsg:
     sampling_params: SamplingParams
     chat_template_kwargs: dict | None = None
     tools: list[dict] | None = None
+    add_special_tokens: bool = True  # raw string prompts only; a chat template brings its own
 
 
 @dataclass

@@ -10,6 +10,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +56,33 @@ def default_model_path() -> Path:
     if not path.is_file():
         raise ModelNotFound(f"The default model file is missing: {path}")
     return path
+
+
+def progress_bars_wanted() -> bool:
+    """Progress bars only on a terminal: in a log file or a pipe they are noise."""
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def quiet_progress_bars() -> None:
+    """Turn off transformers' and huggingface_hub's tqdm bars when stderr is not a terminal."""
+    if progress_bars_wanted():
+        return
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read by spawned processes too
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+    try:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    except ImportError:
+        pass
 
 
 def cache_root() -> Path:

@@ -1,21 +1,37 @@
-"""Continuous batching: admit, prefill in chunks under a token budget, decode, finish.
+"""Continuous batching: admit, prefill in chunks under a token budget, decode, preempt, finish.
 
 Each `step()` runs one forward: a prefill batch when prompts are waiting (prefill first, as
 upstream), otherwise one decode batch over every running request. New requests and aborts
 join between steps.
+
+KV is allocated as tokens are computed, not reserved up front for `max_tokens`: a request is
+admitted when its uncomputed tokens and the token it then samples fit beside what the running
+requests need for their next step. When a decode step finds the pool full, the most recently
+admitted request is preempted (vLLM's and SGLang's recompute): its slots are released and it
+waits at the front of the queue, keeping its output and generator, to prefill its prompt and
+output again once it fits.
+
+A step that raises is run again request by request, so that only the requests that fail alone
+fail: KV writes of a re-run are idempotent and the forward is batch-invariant in float32.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 
-import torch
-
 from freetoken.core import Batch, Req
 from freetoken.engine.engine import Engine
+from freetoken.engine.sample import SampleOutput
 from freetoken.message import DetokenizeMsg, UserMsg
 from freetoken.scheduler.cache import PrefixCache
+
+log = logging.getLogger("freetoken")
+
+# A seed is a non-negative signed 64-bit integer (torch's manual_seed would remap a negative one,
+# or raise past 2**64).
+_SEED_LIMIT = 2**63
 
 
 @dataclass(frozen=True)
@@ -32,10 +48,8 @@ class Scheduler:
         self.engine, self.config = engine, config
         self.cache = PrefixCache(engine.kv) if config.prefix_cache else None
         self.waiting: deque[Req] = deque()
-        self.running: list[Req] = []
-        self.generators: dict[int, torch.Generator] = {}
-        # KV slots promised to running requests but not yet allocated (their future tokens).
-        self.reserved = 0
+        self.running: list[Req] = []  # in order of admission
+        self.preemptions = 0
 
     @property
     def has_work(self) -> bool:
@@ -43,28 +57,59 @@ class Scheduler:
 
     def stats(self) -> dict[str, int]:
         return {"running": len(self.running), "waiting": len(self.waiting),
-                "kv_free": self.engine.kv.num_free, "kv_total": self.engine.kv.num_slots}
+                "kv_free": self.engine.kv.num_free, "kv_total": self.engine.kv.num_slots,
+                "preemptions": self.preemptions}
 
     def add(self, msg: UserMsg) -> list[DetokenizeMsg]:
-        params, n = msg.sampling_params, len(msg.input_ids)
-        limit = self.config.max_model_len
+        """Queue a request, or answer it with an error reply: this never raises for a request."""
+        params, n, uid = msg.sampling_params, len(msg.input_ids), msg.uid
+        limit, pool = self.config.max_model_len, self.engine.kv.num_slots
         if n >= limit:
-            return [_error(msg.uid, f"This model's maximum context length is {limit} tokens, "
+            return [_error(uid, f"This model's maximum context length is {limit} tokens, "
                            f"but the prompt has {n} tokens.", "context_length_exceeded")]
-        params.max_tokens = min(params.max_tokens, limit - n)
-        if n + params.max_tokens > self.engine.kv.num_slots:
-            return [_error(msg.uid, f"The request needs {n + params.max_tokens} KV slots; the pool "
-                           f"has {self.engine.kv.num_slots}.", "context_length_exceeded")]
-        self.waiting.append(Req(uid=msg.uid, prompt_ids=list(msg.input_ids), params=params))
+        if params.max_tokens is None:
+            # At least 1, so that a prompt that fills the pool is refused below.
+            params.max_tokens = max(min(limit, pool) - n, 1)
+        max_tokens = params.max_tokens
+        if n + max_tokens > limit:
+            return [_error(uid, f"'max_tokens' or 'max_completion_tokens' is too large: "
+                           f"{max_tokens}. This model's maximum context length is {limit} tokens "
+                           f"and your request has {n} input tokens ({max_tokens} > {limit} - {n}).",
+                           "context_length_exceeded")]
+        # A request alone must always fit, or preempting the others would never make room.
+        if n + max_tokens > pool:
+            return [_error(uid, f"The request needs {n + max_tokens} KV cache slots ({n} input "
+                           f"tokens + {max_tokens} max_tokens) but the KV cache holds {pool} "
+                           f"tokens (--kv-cache-tokens).", "context_length_exceeded")]
+        invalid = self._invalid(msg)
+        if invalid:
+            return [_error(uid, invalid, "invalid_request")]
+        self.waiting.append(Req(uid=uid, prompt_ids=list(msg.input_ids), params=params,
+                                generator=self.engine.new_generator(params)))
         return []
 
+    def _invalid(self, msg: UserMsg) -> str | None:
+        """What in `msg` would make torch raise (or, on CUDA, assert) inside a step."""
+        params, vocab = msg.sampling_params, self.engine.sampler.vocab_size
+        if not msg.input_ids:
+            return "The prompt is empty."
+        if params.seed is not None and not (
+            isinstance(params.seed, int) and 0 <= params.seed < _SEED_LIMIT
+        ):
+            return f"'seed' must be an integer in [0, 2**63), got {params.seed!r}."
+        for name, ids in (("prompt", msg.input_ids),
+                          ("allowed_token_ids", params.allowed_token_ids)):
+            if ids and (min(ids) < 0 or max(ids) >= vocab):
+                return f"'{name}' has token ids outside the vocabulary [0, {vocab})."
+        return None
+
     def abort(self, uid: int) -> list[DetokenizeMsg]:
-        for req in [r for r in self.waiting if r.uid == uid]:
-            self.waiting.remove(req)
-            return [DetokenizeMsg(uid, finished=True, finish_reason="abort")]
-        for req in [r for r in self.running if r.uid == uid]:
-            self._finish(req)
-            return [DetokenizeMsg(uid, finished=True, finish_reason="abort")]
+        for queue in (self.waiting, self.running):
+            for req in queue:
+                if req.uid == uid:
+                    queue.remove(req)
+                    self._release(req)
+                    return [DetokenizeMsg(uid, finished=True, finish_reason="abort")]
         return []
 
     def step(self) -> list[DetokenizeMsg]:
@@ -72,65 +117,105 @@ class Scheduler:
         batch = self._prefill_batch() or self._decode_batch()
         if batch is None:
             return []
-        generators = [self.generators[r.uid] for r in batch.logit_reqs]
-        out = self.engine.forward_batch(batch, generators)
-        if self.cache is not None:
-            for req in batch.logit_reqs:
-                if not req.output_ids:  # its prompt's KV is complete as of this step
-                    self.cache.insert(req.prompt_ids, req.slots[: len(req.prompt_ids)])
-        return [
-            self._append(req, token, logprob)
-            for req, token, logprob in zip(batch.logit_reqs, out.token_ids, out.logprobs)
-        ]
+        done, replies = self._forward(batch)
+        for part, out in done:
+            if self.cache is not None:
+                for req in part.logit_reqs:
+                    if not req.output_ids:  # its prompt's KV is complete as of this step
+                        self.cache.insert(req.prompt_ids, req.slots[: len(req.prompt_ids)])
+            replies += [self._append(req, token, logprob) for req, token, logprob
+                        in zip(part.logit_reqs, out.token_ids, out.logprobs)]
+        return replies
 
-    def _need(self, req: Req) -> int:
-        return len(req.prompt_ids) + req.params.max_tokens - req.cached_tokens
+    def _forward(
+        self, batch: Batch
+    ) -> tuple[list[tuple[Batch, SampleOutput]], list[DetokenizeMsg]]:
+        """Run `batch`; if it raises, run each of its requests alone, and fail those that raise
+        alone. Returns the batches that ran with their outputs, and the error replies."""
+        # A re-run must not find a seeded stream advanced by the failed run's draws (an unseeded
+        # stream cannot tell, and greedy rows draw nothing).
+        seeded = [(r.generator, r.generator.get_state()) for r in batch.logit_reqs
+                  if r.params.seed is not None and not r.params.is_greedy]
+        try:
+            return [(batch, self.engine.forward_batch(batch))], []
+        except Exception as exc:
+            if len(batch.reqs) == 1:
+                [req] = batch.reqs
+                log.exception("Request %s failed in the engine", req.uid)
+                self._finish(req)
+                return [], [_error(req.uid, f"The engine failed on this request: "
+                                   f"{type(exc).__name__}: {exc}", "engine_error")]
+            log.exception("A step of %d requests failed; running each alone", len(batch.reqs))
+        for generator, state in seeded:
+            generator.set_state(state)
+        done, failed = [], []
+        for req, new_ids in zip(batch.reqs, batch.new_ids):
+            d, f = self._forward(Batch([req], [new_ids], [r for r in batch.logit_reqs if r is req]))
+            done += d
+            failed += f
+        return done, failed
+
+    def _fits(self, n: int) -> bool:
+        """Whether `n` slots are free, after evicting prefix-cache leaves if need be."""
+        short = n - self.engine.kv.num_free
+        if short > 0 and self.cache is not None:
+            self.cache.evict(short)
+        return n <= self.engine.kv.num_free
 
     def _admit(self) -> None:
-        kv = self.engine.kv
+        # Slots the running requests need to reach their next sample.
+        need = sum(r.num_pending for r in self.running)
         while self.waiting and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
             if self.cache is not None:
-                req.slots, req.cached_tokens = self.cache.match(req.prompt_ids)
-            need = self._need(req)
-            if need > kv.num_free - self.reserved and self.cache is not None:
-                self.cache.evict(need - (kv.num_free - self.reserved))
-            if need > kv.num_free - self.reserved:
-                if req.slots:
-                    kv.release(req.slots)
-                    req.slots, req.cached_tokens = [], 0
+                # After a preemption the output so far is recomputed too; it may hit the cache.
+                req.slots, hit = self.cache.match(req.all_ids)
+                if not req.output_ids:  # reported on the first message only
+                    req.cached_tokens = hit
+            # +1: the KV of the token it samples, written by its first decode step.
+            if not self._fits(need + req.num_pending + 1):
+                self._release(req)
                 break  # stays queued until running requests free their slots
+            need += req.num_pending + 1
             self.waiting.popleft()
-            self.reserved += need
             self.running.append(req)
-            self.generators[req.uid] = self.engine.new_generator(req.params)
 
     def _take(self, req: Req, n: int) -> None:
         req.slots += self.engine.kv.allocate(n)
-        self.reserved -= n
 
     def _prefill_batch(self) -> Batch | None:
         budget = self.config.max_prefill_tokens
         reqs, new_ids, logit_reqs = [], [], []
         for req in self.running:
-            done = req.num_computed
-            left = len(req.prompt_ids) - done
-            if left <= 0 or budget <= 0:
+            left = req.num_pending
+            # One token left after sampling is a decode; a readmitted request has more.
+            if budget <= 0 or (left == 1 and req.output_ids):
                 continue
-            chunk = req.prompt_ids[done : done + min(left, budget)]
+            done = req.num_computed
+            chunk = req.all_ids[done : done + min(left, budget)]
             budget -= len(chunk)
             self._take(req, len(chunk))
             reqs.append(req)
             new_ids.append(chunk)
-            if req.num_computed == len(req.prompt_ids):
+            if req.num_pending == 0:
                 logit_reqs.append(req)
         return Batch(reqs, new_ids, logit_reqs) if reqs else None
 
     def _decode_batch(self) -> Batch | None:
-        reqs = [r for r in self.running if r.output_ids]
+        # Prefill runs first, so every running request decodes and needs one slot; the newest
+        # give theirs up until the older ones fit.
+        while not self._fits(len(self.running)):
+            self._preempt(self.running[-1])
+        reqs = list(self.running)
         for req in reqs:
             self._take(req, 1)
         return Batch(reqs, [[r.output_ids[-1]] for r in reqs], reqs) if reqs else None
+
+    def _preempt(self, req: Req) -> None:
+        self.running.remove(req)
+        self._release(req)
+        self.waiting.appendleft(req)
+        self.preemptions += 1
 
     def _append(self, req: Req, token: int, logprob) -> DetokenizeMsg:
         params = req.params
@@ -151,9 +236,9 @@ class Scheduler:
 
     def _finish(self, req: Req) -> None:
         self.running.remove(req)
-        self.generators.pop(req.uid, None)
-        # Whatever was promised but never allocated goes back to the pool's budget.
-        self.reserved -= self._need(req) - (req.num_computed - req.cached_tokens)
+        self._release(req)
+
+    def _release(self, req: Req) -> None:
         self.engine.kv.release(req.slots)
         req.slots = []
 

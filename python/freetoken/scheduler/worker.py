@@ -2,47 +2,129 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
+import signal
+import sys
 import traceback
+from typing import TYPE_CHECKING
 
 import zmq
 
-from freetoken.message import AbortMsg, ExitMsg, UserMsg
-from freetoken.scheduler.scheduler import Scheduler
+from freetoken.message import AbortMsg, DetokenizeMsg, ExitMsg, UserMsg
+
+if TYPE_CHECKING:  # torch: not imported before engine_main has tied us to the server
+    from freetoken.scheduler.scheduler import Scheduler
+
+log = logging.getLogger("freetoken.engine")
 
 
-def serve_scheduler(scheduler: Scheduler, in_addr: str, out_addr: str) -> None:
+def _engine_error(uid: int, what: str, exc: BaseException) -> DetokenizeMsg:
+    return DetokenizeMsg(uid, finished=True, finish_reason="error", error_code="engine_error",
+                         error=f"Internal engine error while {what}: {type(exc).__name__}: {exc}")
+
+
+def _held_uids(scheduler: Scheduler) -> list[int]:
+    reqs = [*getattr(scheduler, "running", ()), *getattr(scheduler, "waiting", ())]
+    return list(dict.fromkeys(r.uid for r in reqs))
+
+
+def serve_scheduler(scheduler: Scheduler, in_addr: str, out_addr: str,
+                    parent: int | None = None) -> None:
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.bind(in_addr)
     outbox = ctx.socket(zmq.PUSH)
     outbox.connect(out_addr)
-    parent = os.getppid()
-    while os.getppid() == parent:  # a server killed without cleanup must not leave us behind
-        # Block only briefly when idle; otherwise take whatever arrived and keep stepping.
-        timeout = 0 if scheduler.has_work else 1000
-        replies = []
-        while inbox.poll(timeout):
-            msg = pickle.loads(inbox.recv())
-            timeout = 0
-            if isinstance(msg, ExitMsg):
-                return
-            if isinstance(msg, UserMsg):
-                replies += scheduler.add(msg)
-            elif isinstance(msg, AbortMsg):
-                replies += scheduler.abort(msg.uid)
-        replies += scheduler.step()
-        if replies:
-            outbox.send(pickle.dumps((replies, scheduler.stats())))
+    parent = os.getppid() if parent is None else parent
+    try:
+        # A server killed without cleanup must not leave us behind (PR_SET_PDEATHSIG does this
+        # at once on Linux; this check is the portable fallback, within a second).
+        while os.getppid() == parent:
+            # Block only briefly when idle; otherwise take whatever arrived and keep stepping.
+            timeout = 0 if scheduler.has_work else 1000
+            replies = []
+            while inbox.poll(timeout):
+                timeout = 0
+                raw = inbox.recv()
+                try:
+                    msg = pickle.loads(raw)
+                except Exception:  # a bad message must not take the engine down
+                    log.exception("engine: dropped a message that failed to unpickle")
+                    continue
+                if isinstance(msg, ExitMsg):
+                    return
+                replies += _guarded(scheduler, msg)
+            try:
+                replies += scheduler.step()
+            except Exception as exc:
+                # Last line of defence (the scheduler handles per-request faults itself): end
+                # every request it holds with an error and keep serving.
+                log.exception("engine: scheduler step failed")
+                for uid in _held_uids(scheduler):
+                    replies.append(_engine_error(uid, "running the batch", exc))
+                    _abort_quietly(scheduler, uid)
+            if replies:
+                outbox.send(pickle.dumps((replies, scheduler.stats())))
+    finally:
+        inbox.close(linger=0)
+        outbox.close(linger=100)
+        ctx.term()
 
 
-def engine_main(args, in_addr: str, out_addr: str, ready) -> None:
-    """Entry point of the spawned engine process; `ready` receives "ok" or an error line."""
+def _guarded(scheduler: Scheduler, msg) -> list[DetokenizeMsg]:
+    try:
+        if isinstance(msg, UserMsg):
+            return scheduler.add(msg)
+        if isinstance(msg, AbortMsg):
+            return scheduler.abort(msg.uid)
+        log.error("engine: ignored a message of unknown type %s", type(msg).__name__)
+    except Exception as exc:
+        log.exception("engine: %s of request %s failed", type(msg).__name__, getattr(msg, "uid", "?"))
+        if isinstance(msg, UserMsg):
+            _abort_quietly(scheduler, msg.uid)  # whatever part of it the scheduler kept
+            return [_engine_error(msg.uid, "admitting the request", exc)]
+    return []
+
+
+def _abort_quietly(scheduler: Scheduler, uid: int) -> None:
+    try:
+        scheduler.abort(uid)
+    except Exception:
+        log.exception("engine: aborting request %s failed", uid)
+
+
+def die_with_parent() -> None:
+    """Linux: have the kernel SIGKILL this process as soon as its parent exits, whatever it is
+    blocked on (a forward, a load). Elsewhere the parent-pid check in the loop does it."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def engine_main(args, in_addr: str, out_addr: str, ready, parent: int | None = None) -> None:
+    """Entry point of the spawned engine process; `ready` (the sending end of a one-way pipe)
+    gets "ok" or an error line. `parent` is the server's pid."""
+    die_with_parent()
+    if parent is not None and os.getppid() != parent:
+        return  # the server went away before the line above took effect
+    # Ctrl-C reaches the whole process group and systemd's SIGTERM the whole cgroup: the server
+    # decides when the engine stops (ExitMsg, or kill), so in-flight requests can drain.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         from freetoken.llm import build_scheduler
-        from freetoken.models.loader import load_model
+        from freetoken.models.loader import load_model, quiet_progress_bars
 
+        quiet_progress_bars()
         loaded = load_model(args.model_folder, dtype=args.dtype, device=args.device)
         scheduler = build_scheduler(
             loaded, dtype=args.dtype, device=args.device, kv_slots=args.kv_slots,
@@ -50,8 +132,9 @@ def engine_main(args, in_addr: str, out_addr: str, ready) -> None:
             max_prefill_tokens=args.max_prefill_tokens, prefix_cache=not args.no_prefix_cache,
         )
     except Exception as exc:  # reported to the launcher as one line, not a traceback
-        ready.put(f"error: {exc}")
+        ready.send(f"error: {exc}")
         traceback.print_exc()
         return
-    ready.put("ok")
-    serve_scheduler(scheduler, in_addr, out_addr)
+    ready.send("ok")
+    ready.close()
+    serve_scheduler(scheduler, in_addr, out_addr, parent)

@@ -7,7 +7,9 @@ only, so the HTTP loop never waits on a forward and the engine never waits on te
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
+import logging
 import pickle
 from dataclasses import dataclass, field
 from typing import Callable
@@ -15,10 +17,9 @@ from typing import Callable
 import zmq
 import zmq.asyncio
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 
-from freetoken.message import AbortMsg, DetokenizeMsg, TokenizeMsg, UserMsg, UserReply
-from freetoken.server import openai_api
+from freetoken.message import AbortMsg, DetokenizeMsg, ExitMsg, TokenizeMsg, UserMsg, UserReply
+from freetoken.server import errors, generation, openai_api
 from freetoken.server.api_models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -27,9 +28,11 @@ from freetoken.server.api_models import (
     ModelList,
     TokenizeRequest,
 )
-from freetoken.server.validation import RequestError
+from freetoken.server.errors import AsciiJSONResponse, RequestError
 from freetoken.tokenizer.reply import ReplyBuilder
 from freetoken.tokenizer.tokenize import TokenizeManager
+
+log = logging.getLogger("freetoken")
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,9 @@ class FrontendConfig:
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     api_key: str | None = None
+    max_running_requests: int = 64
+    max_request_bytes: int = 32 * 1024 * 1024
+    max_prompts_per_request: int = 1024
 
 
 @dataclass
@@ -68,10 +74,15 @@ class FrontendManager:
         self._states: dict[int, _ReqState] = {}
         self._listener: asyncio.Task | None = None
         self.engine_stats: dict[str, int] = {}  # as of the engine's last message
+        self.draining = False  # shutting down: new requests get 503, running ones may finish
+        self._dead = False
 
     @property
     def dead(self) -> bool:
-        return not self.engine_alive()
+        # Latched: an engine seen dead stays dead (nothing restarts it in this process).
+        if not self._dead and not self.engine_alive():
+            self._dead = True
+        return self._dead
 
     def new_user(self) -> int:
         return next(self._uids)
@@ -80,27 +91,41 @@ class FrontendManager:
     def num_running(self) -> int:
         return len(self._states)
 
+    async def tokenize(self, msg: TokenizeMsg, param: str) -> list[int]:
+        """The prompt's token ids, tokenized in a worker thread so the HTTP loop never waits on
+        it; a prompt that cannot fit the context by its size alone is refused untokenized."""
+        limit = self.config.max_model_len
+        if self.tokenize_manager.min_tokens(msg) >= limit:
+            raise RequestError(f"This model's maximum context length is {limit} tokens; the "
+                               "prompt is longer than that.", param=param,
+                               code="context_length_exceeded")
+        try:
+            ids = await asyncio.to_thread(self.tokenize_manager.tokenize, msg)
+        except Exception as exc:  # a template that cannot render this conversation, bad text
+            raise RequestError(f"Could not render the prompt: {exc}", param=param,
+                               code="invalid_prompt") from None
+        if not ids:
+            raise RequestError("The prompt is empty after tokenization", param=param,
+                               code="invalid_prompt")
+        return ids
+
     async def send_one(self, msg: TokenizeMsg) -> None:
         if self._listener is None:
             self._listener = asyncio.create_task(self.listen())
         params = msg.sampling_params
+        chat = isinstance(msg.text, list) and bool(msg.text) and isinstance(msg.text[0], dict)
         # Harmony's channel markers are special tokens that its parsers must see in the text.
-        harmony_chat = isinstance(msg.text, list) and msg.text and isinstance(msg.text[0], dict) \
-            and "gpt_oss" in (self.config.reasoning_parser, self.config.tool_call_parser)
+        harmony_chat = chat and "gpt_oss" in (self.config.reasoning_parser,
+                                              self.config.tool_call_parser)
         self._states[msg.uid] = _ReqState(
             ReplyBuilder(self.tokenizer, params.stop_strs, skip_special_tokens=not harmony_chat))
         if self.dead:
-            return self._fail(msg.uid, "The engine process has stopped", "engine_dead")
+            return self._fail(msg.uid, errors.ENGINE_DEAD, "engine_dead")
         try:
-            ids = await asyncio.to_thread(self.tokenize_manager.tokenize, msg)
-        except Exception as exc:  # a template that cannot render this conversation
-            return self._fail(msg.uid, f"Could not render the prompt: {exc}", "invalid_prompt")
-        if not ids:
-            return self._fail(msg.uid, "The prompt is empty after tokenization", "invalid_prompt")
-        limit = self.config.max_model_len
-        if len(ids) >= limit:
-            return self._fail(msg.uid, f"This model's maximum context length is {limit} tokens, "
-                              f"but the prompt has {len(ids)} tokens.", "context_length_exceeded")
+            ids = await self.tokenize(msg, "messages" if chat else "prompt")
+        except RequestError as exc:
+            return self._fail(msg.uid, exc.message, exc.code or "invalid_prompt")
+        # The engine checks the context length (prompt, and prompt + max_tokens) exactly.
         await self._to_engine.send(pickle.dumps(UserMsg(msg.uid, ids, params)))
 
     async def abort_user(self, uid: int) -> None:
@@ -138,12 +163,42 @@ class FrontendManager:
     async def listen(self) -> None:
         while True:
             if await self._from_engine.poll(500):
-                msgs, self.engine_stats = pickle.loads(await self._from_engine.recv())
+                try:
+                    msgs, self.engine_stats = pickle.loads(await self._from_engine.recv())
+                except Exception:  # one bad message must not stop every reply that follows
+                    log.exception("dropped an engine message that failed to unpickle")
+                    continue
                 for msg in msgs:
-                    await self._on_engine_msg(msg)
+                    try:
+                        await self._on_engine_msg(msg)
+                    except Exception as exc:  # e.g. a detokenizer fault: end this request only
+                        log.exception("handling the engine's reply to request %s failed", msg.uid)
+                        self._fail(msg.uid, f"Internal error while building the reply: {exc}",
+                                   "engine_error")
             elif self.dead:
-                for uid in list(self._states):
-                    self._fail(uid, "The engine process has stopped", "engine_dead")
+                self.fail_all(errors.ENGINE_DEAD, "engine_dead")
+
+    def fail_all(self, message: str, code: str) -> int:
+        """End every open request with an error reply (code "shutdown" or "engine_dead": the
+        HTTP layer answers 503); returns how many were ended."""
+        open_uids = [uid for uid, state in self._states.items() if not state.done]
+        for uid in open_uids:
+            self._fail(uid, message, code)
+        return len(open_uids)
+
+    async def close(self, stop_engine: bool = True) -> None:
+        """Ask the engine to exit (ExitMsg) and close this side's sockets; the launcher joins,
+        and if need be kills, the engine process."""
+        if self._listener is not None:
+            self._listener.cancel()
+        if stop_engine and not self.dead:
+            try:
+                await asyncio.wait_for(self._to_engine.send(pickle.dumps(ExitMsg())), 1.0)
+            except (asyncio.TimeoutError, zmq.ZMQError):
+                pass
+        self._to_engine.close(linger=500)  # long enough for the ExitMsg to leave
+        self._from_engine.close(linger=0)
+        self._ctx.term()
 
     async def _on_engine_msg(self, msg: DetokenizeMsg) -> None:
         state = self._states.get(msg.uid)
@@ -157,42 +212,24 @@ class FrontendManager:
         self._push(msg.uid, reply)
 
 
-def _error_param(exc: RequestValidationError) -> str | None:
-    for err in exc.errors():
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        if loc:
-            return loc[0]
-    return None
+def _authorized(header: str | None, key: str) -> bool:
+    scheme, _, token = (header or "").partition(" ")
+    # Constant-time: the comparison must not tell an attacker how much of the key matched.
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
 
-def create_app(get_state: Callable[[], FrontendManager]) -> FastAPI:
-    app = FastAPI(title="FreeToken")
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError):
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        message = f"{loc}: {first.get('msg', 'invalid request')}" if loc else first.get("msg", "invalid request")
-        return openai_api.create_error_response(message, param=_error_param(exc))
-
-    @app.middleware("http")
-    async def _gate(request: Request, call_next):
-        state = get_state()
-        key = state.config.api_key
-        if key and request.url.path.startswith("/v1") and \
-                request.headers.get("authorization") != f"Bearer {key}":
-            return openai_api.create_error_response("Invalid API key", 401, "authentication_error")
-        if state.dead and request.url.path != "/health":
-            return openai_api.create_error_response("The engine process has stopped", 503,
-                                                    "server_error", code="engine_dead")
-        return await call_next(request)
+def create_app(get_state: Callable[[], FrontendManager]):
+    """The FastAPI app, wrapped in the request-body limit (an ASGI app either way)."""
+    app = FastAPI(title="FreeToken", default_response_class=AsciiJSONResponse)
+    errors.install(app)
 
     @app.get("/health")
     async def health():
-        if get_state().dead:
-            return openai_api.create_error_response("The engine process has stopped", 503,
-                                                    "server_error", code="engine_dead")
+        state = get_state()
+        if state.dead:
+            return errors.error_response(errors.ENGINE_DEAD, 503, code="engine_dead")
+        if state.draining:  # a load balancer stops sending traffic here
+            return errors.error_response(errors.SHUTTING_DOWN, 503, code="shutdown")
         return {"status": "ok"}
 
     @app.get("/v1/stats")
@@ -219,13 +256,12 @@ def create_app(get_state: Callable[[], FrontendManager]) -> FastAPI:
     async def tokenize(req: TokenizeRequest):
         state = get_state()
         if (req.prompt is None) == (req.messages is None):
-            return openai_api.create_error_response("give exactly one of prompt or messages",
-                                                    param="prompt")
+            raise RequestError("give exactly one of prompt or messages", param="prompt")
         if req.prompt is not None:
-            ids = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            msg = TokenizeMsg(0, req.prompt, None, add_special_tokens=req.add_special_tokens)
         else:
-            msg = TokenizeMsg(0, [m.model_dump(exclude_none=True) for m in req.messages], None)
-            ids = state.tokenize_manager.tokenize(msg)
+            msg = TokenizeMsg(0, generation.render_messages(req.messages), None)
+        ids = await state.tokenize(msg, "prompt" if req.prompt is not None else "messages")
         return {"tokens": ids, "count": len(ids), "max_model_len": state.config.max_model_len}
 
     @app.post("/detokenize")
@@ -233,8 +269,34 @@ def create_app(get_state: Callable[[], FrontendManager]) -> FastAPI:
         state = get_state()
         bad = [t for t in req.tokens if not 0 <= t < state.config.vocab_size]
         if bad:
-            return openai_api.error_from(
-                RequestError(f"Token id {bad[0]} is out of vocabulary", param="tokens"))
-        return {"prompt": state.tokenizer.decode(req.tokens)}
+            raise RequestError(f"Token id {bad[0]} is out of vocabulary", param="tokens")
+        return {"prompt": await asyncio.to_thread(state.tokenizer.decode, req.tokens)}
 
-    return app
+    return _Gate(errors.BodyLimit(app, lambda: get_state().config.max_request_bytes), get_state)
+
+
+class _Gate:
+    """The API key and the engine's state, checked before a request reaches FastAPI. Pure ASGI:
+    FastAPI's `@app.middleware` would wrap the body reader and turn the 413 into a 400."""
+
+    def __init__(self, app, get_state: Callable[[], FrontendManager]):
+        self.app, self.get_state = app, get_state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and (refusal := self._refusal(scope)) is not None:
+            return await refusal(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope):
+        if scope["path"] == "/health":  # open to probes; it tells no more than up or down
+            return None
+        state = self.get_state()
+        key = state.config.api_key
+        header = dict(scope.get("headers", ())).get(b"authorization", b"").decode("latin-1")
+        if key and not _authorized(header, key):
+            return errors.error_response("Invalid API key", 401)
+        if state.dead:
+            return errors.error_response(errors.ENGINE_DEAD, 503, code="engine_dead")
+        if state.draining:
+            return errors.error_response(errors.SHUTTING_DOWN, 503, code="shutdown")
+        return None

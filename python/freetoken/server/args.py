@@ -25,33 +25,83 @@ class ServerArgs:
     dtype: str
     device: str
     api_key: str | None
+    shutdown_timeout: float = 30.0
+    max_request_bytes: int = 32 * 1024 * 1024
+    max_prompts_per_request: int = 1024
     model_folder: str | None = None  # filled by the launcher: the HF folder actually loaded
 
 
-def parse_args(argv: list[str] | None = None, prog: str = "freetoken serve") -> ServerArgs:
-    p = argparse.ArgumentParser(prog=prog, description="Serve a model over the OpenAI API.")
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" where X says something; flags and unset options explain
+    themselves in their own help text."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if "%(default)" in help_text or "(default:" in help_text or action.default in (
+                None, False, argparse.SUPPRESS):
+            return help_text
+        return super()._get_help_string(action)
+
+
+def build_parser(prog: str = "freetoken serve") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, formatter_class=_HelpFormatter,
+                                description="Serve a model over the OpenAI API (/v1/completions, "
+                                "/v1/chat/completions, /v1/models, /health).")
     p.add_argument("model_pos", nargs="?", metavar="MODEL",
                    help="HF model folder or GGUF file (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--model", "--model-path", dest="model")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=1919)
-    p.add_argument("--served-model-name")
-    p.add_argument("--max-output-tokens", type=int)
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--model", "--model-path", dest="model", metavar="MODEL",
+                   help="the model, as a flag instead of the positional MODEL (default: the "
+                   "embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=1919,
+                   help="TCP port to listen on (bound before the model loads; 0 picks a free one)")
+    p.add_argument("--served-model-name",
+                   help="model name reported by /v1/models and accepted in requests (default: "
+                   "the model folder or GGUF file name)")
+    p.add_argument("--max-output-tokens", type=int,
+                   help="cap on the max_tokens of any request (default: no cap beyond the "
+                   "context length)")
+    p.add_argument("--max-model-len", type=int,
+                   help="context length, prompt plus output, in tokens (default: the model's "
+                   "max_position_embeddings)")
+    p.add_argument("--max-running-requests", type=int, default=64,
+                   help="most requests decoded together in one batch; more wait in a queue")
     p.add_argument("--max-prefill-tokens", type=int, default=2048,
                    help="token budget of one prefill step (longer prompts are chunked)")
-    p.add_argument("--max-logprobs", type=int, default=20)
-    p.add_argument("--kv-cache-tokens", dest="kv_slots", type=int, default=16384,
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="most alternatives a request may ask for with logprobs / top_logprobs")
+    p.add_argument("--kv-cache-tokens", dest="kv_slots", metavar="KV_CACHE_TOKENS", type=int,
+                   default=16384,
                    help="size of the preallocated KV pool, in tokens")
-    p.add_argument("--no-prefix-cache", action="store_true")
-    p.add_argument("--reasoning-parser", default="auto", help="qwen3, gpt_oss, auto or off")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="do not reuse the KV of shared prompt prefixes across requests "
+                   "(default: reuse them)")
+    p.add_argument("--reasoning-parser", default="auto",
+                   help="how reasoning is split from the answer: qwen3, gpt_oss, auto (from the "
+                   "vocabulary) or off")
     p.add_argument("--tool-call-parser", default="auto",
-                   help="qwen3_coder, hermes, qwen25, gpt_oss, auto or off")
-    p.add_argument("--return-tokens-as-token-ids", action="store_true")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto", help="cpu, cuda or auto")
-    p.add_argument("--api-key")
+                   help="how tool calls are parsed: qwen3_coder, hermes, qwen25, gpt_oss, auto "
+                   "(from the vocabulary and chat template) or off")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="write logprob tokens as 'token_id:N' for every request (default: off)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weight and activation type; auto is float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--device", default="auto",
+                   help="cpu, cuda or auto (cuda when available)")
+    p.add_argument("--api-key",
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: no key)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may finish after SIGTERM/SIGINT before they "
+                   "are ended with a 503")
+    p.add_argument("--max-request-bytes", type=int, default=32 * 1024 * 1024,
+                   help="largest request body accepted; larger bodies get 413")
+    p.add_argument("--max-prompts-per-request", type=int, default=1024,
+                   help="most prompts one /v1/completions request may carry")
+    return p
+
+
+def parse_args(argv: list[str] | None = None, prog: str = "freetoken serve") -> ServerArgs:
+    p = build_parser(prog)
     ns = p.parse_args(argv)
     if ns.model_pos and ns.model:
         p.error("give the model once, as MODEL or --model")
@@ -73,6 +123,9 @@ def parse_args(argv: list[str] | None = None, prog: str = "freetoken serve") -> 
         dtype=ns.dtype,
         device=ns.device,
         api_key=ns.api_key,
+        shutdown_timeout=ns.shutdown_timeout,
+        max_request_bytes=ns.max_request_bytes,
+        max_prompts_per_request=ns.max_prompts_per_request,
     )
 
 

@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator
 
 from freetoken.core import SamplingParams, TokenLogprob
 from freetoken.message import TokenizeMsg, UserReply
-from freetoken.server.api_models import ChatCompletionRequest
+from freetoken.server.api_models import ChatCompletionRequest, Message
 from freetoken.server.function_call_parser import FunctionCallParser, validate_tools
 from freetoken.server.reasoning_parser import build_reasoning_parser
 from freetoken.server.token_classifier import (
@@ -23,7 +23,7 @@ from freetoken.server.token_classifier import (
     ContentLogprobRouter,
     TokenClassifier,
 )
-from freetoken.server.validation import RequestError
+from freetoken.server.errors import RequestError, reply_error
 
 
 @dataclass
@@ -91,9 +91,10 @@ class GenResult:
     reasoning_logprobs: list[TokenLogprob]
 
 
-def render_messages(req: ChatCompletionRequest) -> list[dict]:
+def render_messages(messages: list[Message]) -> list[dict]:
+    """Request messages as the dicts a chat template reads (text parts joined, arguments parsed)."""
     out = []
-    for i, m in enumerate(req.messages):
+    for i, m in enumerate(messages):
         msg = m.model_dump(exclude_none=True)
         if isinstance(m.content, list):
             for part in m.content:
@@ -145,7 +146,7 @@ def chat_request_to_genspec(req: ChatCompletionRequest, params: SamplingParams, 
         raise RequestError("include_reasoning_logprobs needs logprobs: true",
                            param="include_reasoning_logprobs")
     spec = GenSpec(
-        messages=render_messages(req),
+        messages=render_messages(req.messages),
         sampling_params=params,
         chat_template_kwargs=ctk,
         template_tools=template_tools,
@@ -177,8 +178,7 @@ async def generate_events(state, spec: GenSpec) -> AsyncIterator:
     first = await replies.__anext__()
     if first.error:
         await replies.aclose()
-        raise RequestError(first.error, code=first.error_code,
-                           status=503 if first.error_code == "engine_dead" else 400)
+        raise reply_error(first.error, first.error_code)
     return _events(spec, first, replies)
 
 
@@ -213,7 +213,7 @@ async def _events(spec: GenSpec, first: UserReply, replies) -> AsyncIterator:
     reply: UserReply | None = first
     while reply is not None:
         if reply.error:
-            raise RequestError(reply.error, code=reply.error_code)
+            raise reply_error(reply.error, reply.error_code)
         prompt_tokens += reply.prompt_tokens_delta
         completion_tokens += reply.completion_tokens_delta
         cached = max(cached, reply.cached_tokens)

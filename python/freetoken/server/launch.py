@@ -1,19 +1,66 @@
-"""`freetoken serve`: resolve the model, start the engine process, then serve HTTP."""
+"""`freetoken serve`: claim the port, resolve the model, start the engine process, serve HTTP,
+and shut all of it down cleanly.
+
+Lifecycle:
+- The listening socket is bound first, so a busy port fails in a moment, before any loading.
+- SIGTERM / SIGINT drain: new requests get 503 (code "shutdown"), requests in flight may finish
+  for up to --shutdown-timeout seconds, the rest are ended with a 503, then uvicorn stops, the
+  engine is told to exit (and killed if it does not), and the process exits 0. A second signal
+  skips the wait; a third stops uvicorn without waiting for responses to flush.
+- An engine that dies (OOM kill, segfault) ends the requests in flight with a 503 (code
+  "engine_dead"); the server exits 1 a moment later so a supervisor restarts it.
+- The engine's ZMQ ipc sockets live in a private `freetoken-<pid>-*` folder (mode 0700) in the
+  temp dir, removed at exit; the engine dies with its parent (PR_SET_PDEATHSIG on Linux).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import multiprocessing as mp
 import os
+import shutil
+import signal
+import socket
 import sys
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 
 from freetoken.server.args import ServerArgs, parse_args, resolve_parsers
 
 log = logging.getLogger("freetoken")
+
+FLUSH_GRACE_S = 1.0  # after requests were ended with an error: time for those replies to leave
+ENGINE_EXIT_TIMEOUT_S = 5.0
+GRACEFUL_HTTP_SHUTDOWN_S = 3.0  # uvicorn's wait for open connections once requests are answered
+
+
+class _Interrupted(KeyboardInterrupt):
+    """SIGTERM before the HTTP server runs: unwind like Ctrl-C so the cleanup runs."""
+
+
+def _raise_interrupted(signum, frame) -> None:
+    raise _Interrupted(signal.Signals(signum).name)
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """Bind and listen now: a second server on the same port fails here, before loading.
+    Connections that arrive while the model loads wait in the backlog."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        if sys.platform != "win32":  # on Windows it would let two servers share the port
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _model_folder(model: str | None) -> tuple[Path, str]:
@@ -29,40 +76,78 @@ def _model_folder(model: str | None) -> tuple[Path, str]:
     return path, path.name
 
 
-def start_engine(args: ServerArgs):
-    """Spawn the engine process; returns (process, frontend config pieces) once it is ready."""
-    tag = f"{os.getpid()}-{id(args)}"
-    in_addr = f"ipc://{tempfile.gettempdir()}/freetoken-{tag}-in"
-    out_addr = f"ipc://{tempfile.gettempdir()}/freetoken-{tag}-out"
+def start_engine(args: ServerArgs, ipc_dir: str, procs: list):
+    """Spawn the engine process (appended to `procs` at once, so that an interrupted start is
+    still cleaned up); returns (process, in_addr, out_addr) once the model is loaded."""
+    in_addr, out_addr = f"ipc://{ipc_dir}/in", f"ipc://{ipc_dir}/out"
     ctx = mp.get_context("spawn")
-    ready = ctx.Queue()
+    # A one-way pipe, not a Queue: no semaphore for the resource tracker to watch, and an engine
+    # that dies while loading shows as EOF instead of a wait forever.
+    ready_recv, ready_send = ctx.Pipe(duplex=False)
     from freetoken.scheduler.worker import engine_main
 
-    proc = ctx.Process(target=engine_main, args=(args, in_addr, out_addr, ready), daemon=True)
+    proc = ctx.Process(target=engine_main, args=(args, in_addr, out_addr, ready_send, os.getpid()),
+                       daemon=True, name="freetoken-engine")
     proc.start()
-    status = ready.get()
-    if status != "ok":
+    procs.append(proc)
+    ready_send.close()
+    try:
+        status = ready_recv.recv()
+    except EOFError:
         proc.join(timeout=5)
+        status = f"error: the engine process exited while loading the model ({_exit_reason(proc)})"
+    finally:
+        ready_recv.close()
+    if status != "ok":
         raise RuntimeError(status.removeprefix("error: "))
     return proc, in_addr, out_addr
 
 
-def build_frontend(args: ServerArgs):
+class _Steps:
+    """The "Loading model" progress: a tqdm bar on a terminal, log lines otherwise."""
+
+    def __init__(self, total: int):
+        from freetoken.models.loader import progress_bars_wanted
+
+        self.bar = None
+        if progress_bars_wanted():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc="Loading model", unit="step", file=sys.stderr)
+
+    def step(self, what: str) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(what)
+            self.bar.update()
+        else:
+            log.info("Loading model: %s", what)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def build_frontend(args: ServerArgs, ipc_dir: str, procs: list):
     """Load the model's tokenizer and config, start the engine, and return the frontend."""
-    from tqdm import tqdm
+    from freetoken.models.loader import quiet_progress_bars
+
+    quiet_progress_bars()
     from transformers import AutoTokenizer
 
     from freetoken.server.api_server import FrontendConfig, FrontendManager
 
-    with tqdm(total=3, desc="Loading model", unit="step", file=sys.stderr) as bar:
+    steps = _Steps(3)
+    try:
         folder, name = _model_folder(args.model)
-        bar.update()
+        steps.step(f"found {folder}")
         tokenizer = AutoTokenizer.from_pretrained(folder)
         hf_config = json.loads((folder / "config.json").read_text())
-        bar.update()
+        steps.step("tokenizer loaded")
         args = replace(args, model_folder=str(folder))
-        proc, in_addr, out_addr = start_engine(args)
-        bar.update()
+        proc, in_addr, out_addr = start_engine(args, ipc_dir, procs)
+        steps.step("engine ready")
+    finally:
+        steps.close()
     reasoning, tool = resolve_parsers(args, tokenizer)
     native_len = hf_config.get("max_position_embeddings", 4096)
     config = FrontendConfig(
@@ -75,31 +160,179 @@ def build_frontend(args: ServerArgs):
         reasoning_parser=reasoning,
         tool_call_parser=tool,
         api_key=args.api_key,
+        max_running_requests=args.max_running_requests,
+        max_request_bytes=args.max_request_bytes,
+        max_prompts_per_request=args.max_prompts_per_request,
     )
     return FrontendManager(config, tokenizer, in_addr, out_addr, engine_alive=proc.is_alive), proc
 
 
-def launch_server(argv: list[str] | None = None, prog: str = "freetoken serve") -> int:
+def _exit_reason(proc) -> str:
+    code = proc.exitcode
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = " (out of memory?)" if -code == signal.SIGKILL else ""
+        return f"killed by {name}{hint}"
+    return f"exit code {code}"
+
+
+def _make_server(app, args: ServerArgs):
     import uvicorn
 
-    from freetoken.models.loader import ModelNotFound
-    from freetoken.server.api_server import create_app
+    class Server(uvicorn.Server):
+        """uvicorn, minus its signal handling: `_serve` below owns SIGTERM / SIGINT, drains
+        first, and never re-raises the signal (which would skip the engine's cleanup)."""
 
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            timeout_graceful_shutdown=GRACEFUL_HTTP_SHUTDOWN_S)
+    return Server(config)
+
+
+async def _wait(until, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not until() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+
+
+async def _serve(server, sock: socket.socket, frontend, proc, args: ServerArgs) -> int:
+    """Run uvicorn until a signal or the engine's death, then drain; returns the exit code."""
+    signals: list[int] = []
+
+    def on_signal(signum, frame) -> None:
+        signals.append(signum)
+        if len(signals) >= 3:
+            server.force_exit = True  # uvicorn stops without waiting for connections
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
+        while not signals and not frontend.dead and not serving.done():
+            await asyncio.sleep(0.1)
+        code = 0
+        if serving.done():  # uvicorn stopped by itself (a startup failure)
+            log.error("The HTTP server stopped unexpectedly")
+            code = 1
+        elif frontend.dead:
+            log.error("The engine process died (%s); ending %d request(s) with 503 and exiting "
+                      "with status 1 so that a supervisor restarts the server",
+                      _exit_reason(proc), frontend.num_running)
+            from freetoken.server.errors import ENGINE_DEAD
+
+            frontend.draining = True
+            frontend.fail_all(ENGINE_DEAD, "engine_dead")
+            await _wait(lambda: not frontend.num_running, FLUSH_GRACE_S)
+            await asyncio.sleep(0.2)
+            code = 1
+        else:
+            await _drain(frontend, signals, args.shutdown_timeout)
+            if frontend.dead:
+                code = 1
+        server.should_exit = True
+        await serving
+        await frontend.close(stop_engine=True)
+        return code
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+async def _drain(frontend, signals: list[int], timeout: float) -> None:
+    from freetoken.server.errors import SHUTTING_DOWN
+
+    frontend.draining = True
+    name = signal.Signals(signals[0]).name
+    if frontend.num_running:
+        log.info("%s: no new requests; waiting up to %gs for %d in flight (signal again to stop "
+                 "now)", name, timeout, frontend.num_running)
+    else:
+        log.info("%s: shutting down", name)
+    await _wait(lambda: not frontend.num_running or len(signals) > 1 or frontend.dead, timeout)
+    if frontend.num_running:
+        n = frontend.fail_all(SHUTTING_DOWN, "shutdown")
+        log.warning("Ended %d request(s) still running at shutdown with a 503", n)
+        await _wait(lambda: not frontend.num_running, FLUSH_GRACE_S)
+        await asyncio.sleep(0.2)
+
+
+def _run(server, coro):
+    """Run `coro` on the event loop uvicorn itself would pick (uvloop when installed)."""
+    get_factory = getattr(server.config, "get_loop_factory", None)
+    if hasattr(asyncio, "Runner") and get_factory is not None:
+        with asyncio.Runner(loop_factory=get_factory()) as runner:
+            return runner.run(coro)
+    return asyncio.run(coro)
+
+
+def stop_engine(proc, told_to_exit: bool) -> None:
+    """Wait for an engine told to exit; kill one that was not or does not (it ignores
+    SIGTERM and SIGINT, which reach it along with its server from a terminal or systemd)."""
+    if told_to_exit:
+        proc.join(timeout=ENGINE_EXIT_TIMEOUT_S)
+        if proc.is_alive():
+            log.warning("The engine process did not exit within %gs; killing it",
+                        ENGINE_EXIT_TIMEOUT_S)
+    if proc.is_alive():
+        proc.kill()
+    proc.join(timeout=5)
+
+
+def launch_server(argv: list[str] | None = None, prog: str = "freetoken serve") -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv, prog)
     try:
-        frontend, proc = build_frontend(args)
-    except (ModelNotFound, RuntimeError) as exc:
-        print(f"freetoken: {exc}", file=sys.stderr)
+        sock = listen_socket(args.host, args.port)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        print(f"freetoken: cannot listen on {args.host}:{args.port}: {reason}", file=sys.stderr)
         return 1
-    app = create_app(lambda: frontend)
-    cfg = frontend.config
-    log.info("FreeToken ready at http://%s:%d/v1 serving %s (reasoning parser: %s, tool parser: %s)",
-             args.host, args.port, cfg.served_model_name, cfg.reasoning_parser, cfg.tool_call_parser)
+    host, port = sock.getsockname()[:2]
+    previous_int = signal.getsignal(signal.SIGINT)
+    previous_term = signal.signal(signal.SIGTERM, _raise_interrupted)
+    ipc_dir = tempfile.mkdtemp(prefix=f"freetoken-{os.getpid()}-")  # mode 0700
+    procs: list = []
+    told_to_exit = False
     try:
-        # A bounded graceful shutdown: an open stream must not keep a stopped server alive.
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                    timeout_graceful_shutdown=5)
+        from freetoken.models.loader import ModelNotFound
+        from freetoken.server.api_server import create_app
+
+        try:
+            frontend, proc = build_frontend(replace(args, port=port), ipc_dir, procs)
+        except (ModelNotFound, RuntimeError) as exc:
+            print(f"freetoken: {exc}", file=sys.stderr)
+            return 1
+        app = create_app(lambda: frontend)
+        cfg = frontend.config
+        log.info("FreeToken ready at http://%s:%d/v1 serving %s (reasoning parser: %s, tool "
+                 "parser: %s)", host, port, cfg.served_model_name, cfg.reasoning_parser,
+                 cfg.tool_call_parser)
+        server = _make_server(app, args)
+        code = _run(server, _serve(server, sock, frontend, proc, args))
+        told_to_exit = True  # _serve ends by sending the engine an ExitMsg
+        log.info("FreeToken stopped")
+        return code
+    except KeyboardInterrupt as exc:
+        log.info("Interrupted (%s) before the server was ready; exiting",
+                 exc.args[0] if exc.args else "SIGINT")
+        return 0
     finally:
-        proc.terminate()
-    return 0
+        # Bounded, and not to be cut short by another Ctrl-C: the engine and the ipc folder
+        # must not outlive us.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            for proc in procs:
+                stop_engine(proc, told_to_exit)
+            sock.close()
+            shutil.rmtree(ipc_dir, ignore_errors=True)
+        finally:
+            signal.signal(signal.SIGINT, previous_int)
+            signal.signal(signal.SIGTERM, previous_term)

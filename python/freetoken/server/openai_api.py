@@ -13,33 +13,21 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from freetoken.core import SamplingParams, TokenLogprob
 from freetoken.message import TokenizeMsg, UserReply
 from freetoken.server import generation
 from freetoken.server.api_models import ChatCompletionRequest, CompletionRequest
 from freetoken.server.logprob_format import chat_entries, completion_logprobs
+from freetoken.server.errors import RequestError, error_body, error_from, reply_error
 from freetoken.server.validation import (
     Limits,
-    RequestError,
     prompt_list,
     to_sampling_params,
     unsupported_reason,
 )
 from freetoken.tokenizer.detokenize import TokenTexts
-
-
-def create_error_response(message: str, status_code: int = 400,
-                          err_type: str = "invalid_request_error", param: str | None = None,
-                          code: str | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": err_type, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status_code)
-
-
-def error_from(exc: RequestError) -> JSONResponse:
-    err_type = "invalid_request_error" if exc.status < 500 else "server_error"
-    return create_error_response(exc.message, exc.status, err_type, exc.param, exc.code)
 
 
 def limits_of(state) -> Limits:
@@ -49,17 +37,13 @@ def limits_of(state) -> Limits:
         max_logprobs=getattr(cfg, "max_logprobs", 20),
         max_output_tokens=getattr(cfg, "max_output_tokens", None),
         return_tokens_as_token_ids=getattr(cfg, "return_tokens_as_token_ids", False),
+        max_prompts_per_request=getattr(cfg, "max_prompts_per_request", 1024),
     )
 
 
 def token_texts(state) -> TokenTexts | None:
     tokenizer = getattr(state, "tokenizer", None)
     return TokenTexts.of(tokenizer) if tokenizer is not None else None
-
-
-def _completion_unsupported_reason(req: CompletionRequest) -> str | None:
-    err = unsupported_reason(req)
-    return err.message if err else None
 
 
 def check_model(req, state) -> None:
@@ -93,8 +77,7 @@ class Choice:
 
     def add(self, reply: UserReply) -> None:
         if reply.error:
-            raise RequestError(reply.error, code=reply.error_code,
-                               status=503 if reply.error_code == "engine_dead" else 400)
+            raise reply_error(reply.error, reply.error_code)
         self.text += reply.incremental_output
         self.entries += [e for e in [*reply.logprobs, reply.stop_logprob] if e is not None]
         self.prompt_tokens += reply.prompt_tokens_delta
@@ -111,15 +94,15 @@ async def handle_completion(req: CompletionRequest, raw_request, state, model_sa
             raise err
         limits = limits_of(state)
         params = to_sampling_params(req, limits)
-        prompts = prompt_list(req, limits.vocab_size)
-        choices = await _submit_completions(state, req, prompts, params)
-        try:
-            if req.stream:
-                return await stream_completion_chunks(state, req, params, choices)
-            await asyncio.gather(*(_drain(state, c) for c in choices))
-        except RequestError:
-            await _abort_all(state, choices)
-            raise
+        choices, msgs = _completion_choices(state, req, prompt_list(req, limits), params)
+        # A request's prompts enter the engine a window at a time, so that one request with many
+        # prompts does not queue ahead of every request that arrives after it.
+        window = getattr(state.config, "max_running_requests", 64)  # fakes may lack it
+        streams = _choice_streams(state, msgs, asyncio.Semaphore(window))
+        if req.stream:
+            return await stream_completion_chunks(state, req, params, choices, streams, window)
+        await until_disconnected(raw_request, _all_or_none(
+            [_drain(c, replies) for c, replies in zip(choices, streams)]))
     except RequestError as exc:
         return error_from(exc)
     texts = token_texts(state)
@@ -148,9 +131,10 @@ def _sum_usage(choices: list[Choice]) -> dict:
                       sum(c.cached_tokens for c in choices))
 
 
-async def _submit_completions(state, req: CompletionRequest, prompts, params: SamplingParams):
-    """Submit every prompt x n at once, so the engine batches them."""
-    choices = []
+def _completion_choices(state, req: CompletionRequest, prompts,
+                        params: SamplingParams) -> tuple[list[Choice], list[TokenizeMsg]]:
+    """One choice and one engine request per prompt x n."""
+    choices, msgs = [], []
     tokenizer = getattr(state, "tokenizer", None)
     for p_index, prompt in enumerate(prompts):
         prefix = ""
@@ -160,47 +144,94 @@ async def _submit_completions(state, req: CompletionRequest, prompts, params: Sa
             # Choices of one prompt must differ: each draws from its own seed.
             seed = None if params.seed is None else params.seed + j
             uid = state.new_user()
-            await state.send_one(TokenizeMsg(uid, prompt, replace(params, seed=seed)))
+            msgs.append(TokenizeMsg(uid, prompt, replace(params, seed=seed)))
             choices.append(Choice(index=p_index * req.n + j, uid=uid, prefix=prefix))
-    return choices
+    return choices, msgs
 
 
-async def _abort_all(state, choices: list[Choice]) -> None:
-    abort = getattr(state, "abort_user", None)
-    for c in choices:
-        if abort is not None and c.finish_reason is None:
-            await abort(c.uid)
+def _choice_streams(state, msgs: list[TokenizeMsg], window: asyncio.Semaphore):
+    async def replies(msg: TokenizeMsg) -> AsyncIterator[UserReply]:
+        async with window:
+            await state.send_one(msg)
+            async for reply in state.wait_for_ack(msg.uid):
+                yield reply
+
+    return [replies(m) for m in msgs]
 
 
-async def _drain(state, choice: Choice) -> None:
-    async for reply in state.wait_for_ack(choice.uid):
+async def _drain(choice: Choice, replies: AsyncIterator[UserReply]) -> None:
+    async for reply in replies:
         choice.add(reply)
+
+
+async def _all_or_none(coros: list) -> list:
+    """Run `coros` together; the first error cancels the rest (whose requests are then aborted
+    by `wait_for_ack`) instead of leaving them running for nobody."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+DISCONNECT_POLL_S = 0.5
+
+
+async def until_disconnected(raw_request, awaitable):
+    """Await `awaitable`, cancelling it if the client goes away meanwhile: a non-streaming
+    client that gives up must not leave its requests running (a stream learns it on write)."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while raw_request is not None:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                break
+            if await raw_request.is_disconnected():
+                raise RequestError("The client disconnected", code="client_disconnected", status=499)
+        return await task
+    finally:
+        task.cancel()
 
 
 def _sse(payload: Any) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-async def _merged_replies(state, choices: list[Choice]) -> AsyncIterator[tuple[Choice, UserReply]]:
-    """Replies of all choices in arrival order; the first of each is read before streaming
-    starts, so an error such as an over-long prompt is still a plain 400."""
+async def _merged_replies(choices: list[Choice], streams, window: int):
+    """Replies of all choices in arrival order. The first reply of each choice in the first
+    window is read before streaming starts, so an error such as an over-long prompt is still
+    a plain 400."""
     queue: asyncio.Queue = asyncio.Queue()
-    iters = {c.uid: state.wait_for_ack(c.uid).__aiter__() for c in choices}
-    firsts = await asyncio.gather(*(iters[c.uid].__anext__() for c in choices))
-    for c, reply in zip(choices, firsts):
-        if reply.error:
-            c.add(reply)  # raises RequestError
 
-    async def pump(c: Choice, first: UserReply) -> None:
-        await queue.put((c, first))
-        async for reply in iters[c.uid]:
-            await queue.put((c, reply))
-        await queue.put((c, None))
+    async def pump(c: Choice, replies) -> None:
+        try:
+            async for reply in replies:
+                queue.put_nowait((c, reply))
+        finally:
+            queue.put_nowait((c, None))
+
+    tasks = [asyncio.create_task(pump(c, s)) for c, s in zip(choices, streams)]
+    try:
+        awaited, early = {c.uid for c in choices[:window]}, []
+        while awaited:
+            c, reply = await queue.get()
+            early.append((c, reply))
+            awaited.discard(c.uid)
+            if reply is not None and reply.error:
+                c.add(reply)  # raises RequestError
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        raise
 
     async def generator():
-        tasks = [asyncio.create_task(pump(c, f)) for c, f in zip(choices, firsts)]
         open_choices = len(choices)
         try:
+            for c, reply in early:
+                open_choices -= reply is None
+                if reply is not None:
+                    yield c, reply
             while open_choices:
                 c, reply = await queue.get()
                 if reply is None:
@@ -214,8 +245,9 @@ async def _merged_replies(state, choices: list[Choice]) -> AsyncIterator[tuple[C
     return generator()
 
 
-async def stream_completion_chunks(state, req, params: SamplingParams, choices: list[Choice]):
-    replies = await _merged_replies(state, choices)
+async def stream_completion_chunks(state, req, params: SamplingParams, choices: list[Choice],
+                                   streams, window: int):
+    replies = await _merged_replies(choices, streams, window)
     texts, as_ids = token_texts(state), params.return_tokens_as_token_ids
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     model = req.model or state.config.served_model_name
@@ -244,8 +276,7 @@ async def stream_completion_chunks(state, req, params: SamplingParams, choices: 
             if req.stream_options and req.stream_options.include_usage:
                 yield chunk([], usage=_sum_usage(choices))
         except RequestError as exc:
-            yield _sse({"error": {"message": exc.message, "type": "invalid_request_error",
-                                  "param": exc.param, "code": exc.code}})
+            yield _sse(error_body(exc))
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream")
@@ -257,11 +288,15 @@ async def handle_chat_completion(req: ChatCompletionRequest, raw_request, state,
         if (err := unsupported_reason(req)) is not None:
             raise err
         spec = generation.chat_request_to_genspec(req, to_sampling_params(req, limits_of(state)), state)
-        events = await generation.generate_events(state, spec)
         if req.stream:
+            events = await generation.generate_events(state, spec)
             return StreamingResponse(stream_chat_completion_chunks(state, req, spec, events),
                                      media_type="text/event-stream")
-        result = await generation.collect(events)
+
+        async def result_of_chat():
+            return await generation.collect(await generation.generate_events(state, spec))
+
+        result = await until_disconnected(raw_request, result_of_chat())
     except RequestError as exc:
         return error_from(exc)
     texts, as_ids = token_texts(state), spec.sampling_params.return_tokens_as_token_ids
@@ -320,6 +355,5 @@ async def stream_chat_completion_chunks(state, req, spec, events) -> AsyncIterat
                                 "usage": usage_dict(ev.prompt_tokens, ev.completion_tokens,
                                                     ev.cached_tokens)})
     except RequestError as exc:
-        yield _sse({"error": {"message": exc.message, "type": "invalid_request_error",
-                              "param": exc.param, "code": exc.code}})
+        yield _sse(error_body(exc))
     yield "data: [DONE]\n\n"

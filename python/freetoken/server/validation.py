@@ -9,18 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from freetoken.core import SamplingParams
+from freetoken.core import SAMPLING_EPS, SamplingParams
 from freetoken.server.api_models import ChatCompletionRequest, CompletionRequest
+from freetoken.server.errors import RequestError
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy default, as vLLM
 MAX_N = 16
-
-
-class RequestError(ValueError):
-    def __init__(self, message: str, param: str | None = None, code: str | None = None,
-                 status: int = 400):
-        super().__init__(message)
-        self.message, self.param, self.code, self.status = message, param, code, status
+MAX_SEED = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -31,6 +26,7 @@ class Limits:
     max_logprobs: int = 20
     max_output_tokens: int | None = None
     return_tokens_as_token_ids: bool = False
+    max_prompts_per_request: int = 1024
 
 
 def _neutral(*values: Any) -> Callable[[Any], bool]:
@@ -101,7 +97,7 @@ def _check_ids(ids: list[int], vocab_size: int | None, param: str, what: str) ->
                                else f"{param} contains out-of-vocab token id {token}", param=param)
 
 
-def prompt_list(req: CompletionRequest, vocab_size: int | None) -> list[str | list[int]]:
+def prompt_list(req: CompletionRequest, limits: Limits) -> list[str | list[int]]:
     """The request's prompts as strings or id lists (a flat id list is one prompt)."""
     prompt = req.prompt
     if prompt is None or prompt == "" or prompt == []:
@@ -112,11 +108,14 @@ def prompt_list(req: CompletionRequest, vocab_size: int | None) -> list[str | li
         prompts: list = [list(prompt)]
     else:
         prompts = list(prompt)
+    if len(prompts) * req.n > limits.max_prompts_per_request:
+        raise RequestError(f"A request may carry at most {limits.max_prompts_per_request} prompts "
+                           f"x n; this one has {len(prompts)} x {req.n}.", param="prompt")
     for p in prompts:
         if len(p) == 0:
             raise RequestError("prompt must not contain an empty prompt", param="prompt")
         if isinstance(p, list):
-            _check_ids(p, vocab_size, "prompt", "prompt")
+            _check_ids(p, limits.vocab_size, "prompt", "prompt")
     return prompts
 
 
@@ -149,19 +148,22 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, limits: L
         raise RequestError(f"n must be between 1 and {MAX_N}", param="n")
     if chat and req.n != 1:
         raise RequestError("Only n=1 is supported on chat completions", param="n")
-    if req.n > 1 and (temperature == 0.0 or top_k == 1):
+    if req.n > 1 and (temperature < SAMPLING_EPS or top_k == 1):
         raise RequestError(f"n must be 1 when using greedy sampling, got {req.n}.", param="n")
+    if req.seed is not None and not 0 <= req.seed <= MAX_SEED - (req.n - 1):
+        # Choice j of n draws with seed + j; torch seeds are 64-bit.
+        raise RequestError(f"seed must be in [0, {MAX_SEED - (req.n - 1)}]", param="seed")
     if req.stream_options is not None and not req.stream:
         raise RequestError("stream_options is only allowed with stream=true", param="stream_options")
 
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
-        # Chat: up to the context (the scheduler clamps); completions: the legacy 16.
-        max_tokens = limits.max_output_tokens or (1 << 30 if chat else DEFAULT_COMPLETION_MAX_TOKENS)
-    if max_tokens < 1:
+        # Chat: None, the rest of the context (resolved by the engine); completions: the legacy 16.
+        max_tokens = limits.max_output_tokens or (None if chat else DEFAULT_COMPLETION_MAX_TOKENS)
+    elif max_tokens < 1:
         raise RequestError(f"{field} must be at least 1, got {max_tokens}.", param=field)
-    if limits.max_output_tokens is not None and max_tokens > limits.max_output_tokens:
+    elif limits.max_output_tokens is not None and max_tokens > limits.max_output_tokens:
         raise RequestError(f"{field} must be at most {limits.max_output_tokens} on this server",
                            param=field)
 

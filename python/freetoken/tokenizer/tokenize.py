@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import cached_property
+
 from freetoken.message import TokenizeMsg
 
 
@@ -24,4 +26,22 @@ class TokenizeManager:
         if isinstance(msg.text, list):
             prompt = self.render_prompt(msg.text, msg.tools, msg.chat_template_kwargs)
             return self.tokenizer.encode(prompt, add_special_tokens=False)
-        return self.tokenizer.encode(msg.text)
+        return self.tokenizer.encode(msg.text, add_special_tokens=msg.add_special_tokens)
+
+    @cached_property
+    def max_chars_per_token(self) -> int:
+        """The most characters of text one token can stand for: the longest vocabulary entry
+        (byte-level pieces spell a byte per character, so text needs at most as many)."""
+        return max(map(len, self.tokenizer.get_vocab()), default=1)
+
+    def min_tokens(self, msg: TokenizeMsg) -> int:
+        """A lower bound on the request's prompt tokens, known without tokenizing: a prompt of
+        c characters needs at least c / max_chars_per_token tokens. Unicode normalisation can
+        fold a character pair into one, hence the factor 2."""
+        if isinstance(msg.text, list) and (not msg.text or isinstance(msg.text[0], int)):
+            return len(msg.text)
+        if isinstance(msg.text, str):
+            chars = len(msg.text)
+        else:
+            chars = sum(len(m["content"]) for m in msg.text if isinstance(m.get("content"), str))
+        return chars // (2 * self.max_chars_per_token)

@@ -1,0 +1,90 @@
+"""The engine loop's last line of defence: a fault in one message or one step is logged and
+answered with an error reply, and the loop keeps serving."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from types import SimpleNamespace
+
+import zmq
+
+from freetoken.core import SamplingParams
+from freetoken.message import DetokenizeMsg, ExitMsg, UserMsg
+from freetoken.scheduler.worker import serve_scheduler
+
+
+class FaultyScheduler:
+    """Refuses uid 1 in add(); its first step() with work raises; later steps finish all."""
+
+    def __init__(self):
+        self.running: list = []
+        self.waiting: list = []
+        self.step_failed = False
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running)
+
+    def stats(self) -> dict:
+        return {"running": len(self.running)}
+
+    def add(self, msg: UserMsg) -> list[DetokenizeMsg]:
+        if msg.uid == 1:
+            raise ValueError("cannot admit this one")
+        self.running.append(SimpleNamespace(uid=msg.uid))
+        return []
+
+    def abort(self, uid: int) -> list[DetokenizeMsg]:
+        self.running = [r for r in self.running if r.uid != uid]
+        return []
+
+    def step(self) -> list[DetokenizeMsg]:
+        if self.running and not self.step_failed:
+            self.step_failed = True
+            raise RuntimeError("kernel fault")
+        done, self.running = self.running, []
+        return [DetokenizeMsg(r.uid, token_ids=[7], finished=True, finish_reason="length")
+                for r in done]
+
+
+def test_faults_become_error_replies_and_the_loop_keeps_serving(tmp_path):
+    in_addr, out_addr = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out"
+    ctx = zmq.Context()
+    replies_sock = ctx.socket(zmq.PULL)
+    replies_sock.bind(out_addr)
+    engine = threading.Thread(target=serve_scheduler, args=(FaultyScheduler(), in_addr, out_addr),
+                              daemon=True)
+    engine.start()
+    to_engine = ctx.socket(zmq.PUSH)
+    to_engine.connect(in_addr)
+
+    def replies(n: int) -> dict[int, DetokenizeMsg]:
+        out = {}
+        while len(out) < n:
+            assert replies_sock.poll(10_000), f"no reply; have {out}"
+            out.update((m.uid, m) for m in pickle.loads(replies_sock.recv())[0])
+        return out
+
+    try:
+        to_engine.send(b"not a pickle")
+        to_engine.send(pickle.dumps(UserMsg(1, [1, 2], SamplingParams())))
+        got = replies(1)
+        assert got[1].error_code == "engine_error" and got[1].finished
+        assert "cannot admit this one" in got[1].error
+
+        to_engine.send(pickle.dumps(UserMsg(2, [1, 2], SamplingParams())))
+        got = replies(1)
+        assert got[2].error_code == "engine_error" and "kernel fault" in got[2].error
+
+        to_engine.send(pickle.dumps(UserMsg(3, [1, 2], SamplingParams())))
+        got = replies(1)
+        assert got[3].error is None and got[3].finish_reason == "length"
+
+        to_engine.send(pickle.dumps(ExitMsg()))
+        engine.join(timeout=10)
+        assert not engine.is_alive()
+    finally:
+        to_engine.close(linger=0)
+        replies_sock.close(linger=0)
+        ctx.term()
