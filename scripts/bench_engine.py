@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench_common as bc  # noqa: E402
 
 from freetoken.core import SamplingParams  # noqa: E402
-from freetoken.llm import build_scheduler  # noqa: E402
+from freetoken.scheduler.factory import build_scheduler  # noqa: E402
 from freetoken.message import UserMsg  # noqa: E402
 from freetoken.models.loader import load_model  # noqa: E402
 
@@ -39,8 +39,7 @@ class Ours:
         self.loaded = load_model(None, dtype=dtype, device="cpu")
         # No prefix cache: repeats reuse prompts, and a cache hit would skip the prefill we time
         # (bench_scoring.py measures the cache).
-        self.scheduler = build_scheduler(self.loaded, dtype=dtype, device="cpu", kv_slots=kv_slots,
-                                         prefix_cache=False)
+        self.scheduler = build_scheduler(self.loaded, kv_slots=kv_slots, prefix_cache=False)
         self.uid = 0
 
     def _add(self, prompts: list[list[int]], max_tokens: int, logprobs: int | None) -> None:

@@ -5,34 +5,12 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 
+from freetoken.config import EngineConfig
 from freetoken.core import SamplingParams, TokenLogprob
-from freetoken.engine.engine import Engine
 from freetoken.message import UserMsg
-from freetoken.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype
-from freetoken.scheduler.scheduler import Scheduler, SchedulerConfig
+from freetoken.models.loader import load_model
+from freetoken.scheduler.factory import build_scheduler
 from freetoken.tokenizer.reply import ReplyBuilder
-
-
-def build_scheduler(
-    loaded: LoadedModel,
-    dtype: str = "auto",
-    device: str = "auto",
-    kv_slots: int = 16384,
-    max_model_len: int | None = None,
-    max_running_requests: int = 64,
-    max_prefill_tokens: int = 2048,
-    prefix_cache: bool = True,
-) -> Scheduler:
-    dev = resolve_device(device)
-    engine = Engine(loaded.model, kv_slots, dev, resolve_dtype(dtype, dev))
-    config = SchedulerConfig(
-        max_model_len=min(max_model_len or loaded.max_model_len, loaded.max_model_len),
-        eos_token_ids=tuple(loaded.eos_token_ids),
-        max_running_requests=max_running_requests,
-        max_prefill_tokens=max_prefill_tokens,
-        prefix_cache=prefix_cache,
-    )
-    return Scheduler(engine, config)
 
 
 @dataclass
@@ -47,9 +25,11 @@ class GenerationOutput:
 
 class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto", **kw):
-        self.loaded = load_model(model, dtype=dtype, device=device)
+        """`kw`: the other fields of `EngineConfig` (kv_slots, max_model_len, ...)."""
+        config = EngineConfig(model_folder=model, dtype=dtype, device=device, **kw)
+        self.loaded = load_model(config.model_folder, dtype=config.dtype, device=config.device)
         self.tokenizer = self.loaded.tokenizer
-        self.scheduler = build_scheduler(self.loaded, dtype=dtype, device=device, **kw)
+        self.scheduler = build_scheduler(self.loaded, config)
         self._uids = itertools.count()
 
     def generate(

@@ -1,9 +1,10 @@
 """Generated request bodies against a real server (real engine behind it): never a 5xx, streams
 well formed, and the server still answers a normal request afterwards.
 
-Bodies start from a valid request and have a few fields replaced by boundary values, garbage
-or unknown names, so most of them get past the schema and reach validation, tokenization and
-the engine. `derandomize` keeps CI reproducible; run with `--hypothesis-seed=N` (and without
+First every boundary value of every field, one at a time, on a valid request (~700 bodies);
+then hypothesis bodies that start from a valid request and have a few fields replaced by
+boundary values, garbage or unknown names (600), so most of them get past the schema and reach
+validation, tokenization and the engine. `derandomize` keeps CI reproducible; run with `--hypothesis-seed=N` (and without
 derandomize) to explore further.
 """
 
@@ -23,45 +24,64 @@ pytestmark = pytest.mark.slow
 
 EXAMPLES = 300  # per endpoint: 600 bodies in all
 
-INTS = st.sampled_from([0, 1, -1, 2, 16, 20, 21, 2**31 - 1, 2**31, 2**63 - 1, 2**63, 2**64,
-                        -(2**63) - 1, 248_319, 248_320]) | st.integers(-3, 40)
-FLOATS = st.sampled_from([0.0, -0.0, 1e-300, 1e-6, 1e-5, 0.5, 1.0, 2.0, 2.0001, -1.0, 1e308,
-                          math.inf, -math.inf, math.nan])
-STRS = st.sampled_from(["", "a", "Hello", "\ud800", "</think>", "<|im_end|>", "<tool_call>",
-                        "x" * 3000, "{}", "text", "json_object"]) | st.text(max_size=12)
-IDS = st.lists(st.integers(-2, 248_330) | INTS, max_size=6)
+# Boundary values, swept field by field below, and drawn from evenly by hypothesis (which draws
+# integers() and floats() mostly small and simple).
+BOUNDARY = {
+    "int": [-3, -1, 0, 1, 2, 3, 5, 16, 20, 21, 64, 2**31 - 1, 2**31, 2**63 - 2, 2**63 - 1,
+            2**63, 2**64, -(2**63) - 1, 248_319, 248_320, 10**30],
+    "float": [0.0, -0.0, 1e-300, 1e-6, 1e-5, 0.5, 1.0, 2.0, 2.0001, -1.0, 1e308, math.inf,
+              -math.inf, math.nan],
+    "str": ["", "a", "Hello", "\ud800", "</think>", "<|im_end|>", "<tool_call>", "x" * 3000, "{}",
+            "text", "json_object"],
+    "bool": [True, False, 0, "true", None],
+    "ids": [[], [0], [-1], [248_319], [248_320], [2**63], [1, 2**31], list(range(100, 120))],
+}
+INTS, FLOATS, BOOLS = (st.sampled_from(BOUNDARY[k]) for k in ("int", "float", "bool"))
+STRS = st.sampled_from(BOUNDARY["str"]) | st.text(max_size=12)
+IDS = st.sampled_from(BOUNDARY["ids"]) | st.lists(INTS | st.integers(0, 248_330), max_size=6)
 SCALAR = st.none() | st.booleans() | INTS | FLOATS | STRS
 GARBAGE = st.recursive(SCALAR | IDS, lambda inner: st.lists(inner, max_size=3)
                        | st.dictionaries(STRS, inner, max_size=3), max_leaves=6)
+OF_KIND = {"int": INTS, "float": FLOATS, "str": STRS, "bool": BOOLS, "ids": IDS}
+
+COMMON_KINDS = {
+    "max_tokens": "int", "max_completion_tokens": "int", "temperature": "float", "top_p": "float",
+    "top_k": "int", "min_p": "float", "seed": "int", "n": "int", "stop": "str",
+    "stop_token_ids": "ids", "ignore_eos": "bool", "stream": "bool", "allowed_token_ids": "ids",
+    "return_tokens_as_token_ids": "bool", "presence_penalty": "float", "best_of": "int",
+    "user": "str",
+}
+COMPLETION_KINDS = {**COMMON_KINDS, "prompt": "str", "logprobs": "int", "echo": "bool",
+                    "suffix": "str"}
+CHAT_KINDS = {**COMMON_KINDS, "logprobs": "bool", "top_logprobs": "int",
+              "include_reasoning_logprobs": "bool"}
 
 COMMON = {
     "model": st.sampled_from(["tiny", "other", ""]),
-    "max_tokens": INTS, "max_completion_tokens": INTS, "temperature": FLOATS, "top_p": FLOATS,
-    "top_k": INTS, "min_p": FLOATS, "seed": INTS, "n": INTS,
-    "stop": STRS | st.lists(STRS, max_size=3), "stop_token_ids": IDS, "ignore_eos": st.booleans(),
-    "stream": st.booleans(), "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
-    "allowed_token_ids": IDS, "return_tokens_as_token_ids": st.booleans(),
-    "presence_penalty": FLOATS, "logit_bias": st.dictionaries(STRS, FLOATS, max_size=2),
-    "response_format": st.fixed_dictionaries({"type": STRS}), "best_of": INTS, "user": STRS,
+    "stop": STRS | st.lists(STRS, max_size=3),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "logit_bias": st.dictionaries(STRS, FLOATS, max_size=2),
+    "response_format": st.fixed_dictionaries({"type": STRS}),
     "made_up_field": GARBAGE,
 }
-COMPLETION = {**COMMON, "prompt": STRS | IDS | st.lists(IDS, max_size=3) | st.lists(STRS, max_size=3),
-              "logprobs": INTS, "echo": st.booleans(), "suffix": STRS}
+COMPLETION = {**{k: OF_KIND[v] for k, v in COMPLETION_KINDS.items()}, **COMMON,
+              "prompt": STRS | IDS | st.lists(IDS, max_size=3) | st.lists(STRS, max_size=3)}
 MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "assistant", "system", "tool", "robot"])},
     optional={"content": STRS | st.none() | st.lists(st.fixed_dictionaries(
         {"type": st.sampled_from(["text", "image_url"])}, optional={"text": STRS}), max_size=2),
         "tool_calls": GARBAGE, "name": STRS})
-CHAT = {**COMMON, "messages": st.lists(MESSAGE, max_size=3), "logprobs": st.booleans(),
-        "top_logprobs": INTS, "tools": GARBAGE, "tool_choice": STRS | GARBAGE,
-        "chat_template_kwargs": st.dictionaries(STRS, SCALAR, max_size=2),
-        "include_reasoning_logprobs": st.booleans()}
+CHAT = {**{k: OF_KIND[v] for k, v in CHAT_KINDS.items()}, **COMMON,
+        "messages": st.lists(MESSAGE, max_size=3), "tools": GARBAGE, "tool_choice": STRS | GARBAGE,
+        "chat_template_kwargs": st.dictionaries(STRS, SCALAR, max_size=2)}
+COMPLETION_BASE = {"model": "tiny", "prompt": "Hello", "max_tokens": 2}
+CHAT_BASE = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
 def bodies(base: dict, fields: dict) -> st.SearchStrategy[dict]:
-    """`base` with 1-4 fields set from their strategy (or from garbage), or deleted."""
+    """`base` with 2-6 fields set from their strategy (or from garbage), or deleted."""
     names = sorted(fields)
-    changes = st.dictionaries(st.sampled_from(names), st.none(), min_size=1, max_size=4)
+    changes = st.sets(st.sampled_from(names), min_size=2, max_size=6)
 
     @st.composite
     def build(draw):
@@ -115,15 +135,24 @@ def client(server):
         yield client
 
 
+@pytest.mark.parametrize("path,base,kinds", [
+    ("/v1/completions", COMPLETION_BASE, COMPLETION_KINDS),
+    ("/v1/chat/completions", CHAT_BASE, CHAT_KINDS),
+], ids=["completions", "chat"])
+def test_every_boundary_value_of_every_field_is_answered_below_500(client, path, base, kinds):
+    for name, kind in kinds.items():
+        for value in BOUNDARY[kind]:
+            _check(client, path, {**base, name: value})
+
+
 @SETTINGS
-@given(body=bodies({"model": "tiny", "prompt": "Hello", "max_tokens": 2}, COMPLETION))
+@given(body=bodies(COMPLETION_BASE, COMPLETION))
 def test_fuzzed_completions_never_5xx(client, body):
     _check(client, "/v1/completions", body)
 
 
 @SETTINGS
-@given(body=bodies({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                    "max_tokens": 2}, CHAT))
+@given(body=bodies(CHAT_BASE, CHAT))
 def test_fuzzed_chat_never_5xx(client, body):
     _check(client, "/v1/chat/completions", body)
 

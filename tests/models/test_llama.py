@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from freetoken.core import SamplingParams
-from freetoken.llm import build_scheduler
+from freetoken.scheduler.factory import build_scheduler
 from freetoken.message import UserMsg
 from freetoken.models.loader import load_model
 from tests.model_fixtures import default_model, hf_reference, tiny_random_folder
@@ -18,7 +18,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 
 
 def _decode_with_engine(loaded, prompts, steps):
-    scheduler = build_scheduler(loaded, dtype="float32", device="cpu", kv_slots=2048)
+    scheduler = build_scheduler(loaded, kv_slots=2048)
     for uid, prompt in enumerate(prompts):
         ids = loaded.tokenizer.encode(prompt)
         params = SamplingParams(temperature=0, max_tokens=steps, logprobs=5, ignore_eos=True)

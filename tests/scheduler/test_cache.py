@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from freetoken.core import SamplingParams
-from freetoken.llm import build_scheduler
+from freetoken.scheduler.factory import build_scheduler
 from freetoken.message import UserMsg
 from tests.model_fixtures import default_model
 

@@ -12,7 +12,7 @@ import random
 import pytest
 
 from freetoken.core import SamplingParams
-from freetoken.llm import build_scheduler
+from freetoken.scheduler.factory import build_scheduler
 from freetoken.message import DetokenizeMsg, UserMsg
 from freetoken.models.loader import load_model
 from tests.model_fixtures import tiny_random_folder

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from freetoken.core import SamplingParams
-from freetoken.llm import build_scheduler
+from freetoken.scheduler.factory import build_scheduler
 from freetoken.message import UserMsg
 from freetoken.models import linear
 from freetoken.models.loader import load_model

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
-from freetoken.server.api_server import FrontendConfig, create_app
+from freetoken.config import FrontendConfig
+from freetoken.server.api_server import create_app
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 

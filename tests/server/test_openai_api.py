@@ -102,3 +102,59 @@ def test_seed_script_copy_is_verbatim():
     seed = SEED_000.read_text()
     script = seed[seed.index("import asyncio, json"): seed.index("asyncio.run(main())")]
     assert SEED_000_SCRIPT.read_text() == script + "asyncio.run(main())\n"
+
+
+def test_fakes_and_the_frontend_satisfy_the_engine_client_protocol(tmp_path):
+    from freetoken.config import FrontendConfig
+    from freetoken.server.api_server import EngineClient, FrontendManager
+
+    assert isinstance(State(), EngineClient)
+    assert not isinstance(SimpleNamespace(config=State.config), EngineClient)
+    frontend = FrontendManager(FrontendConfig("m", 64, 100), None, f"ipc://{tmp_path}/in",
+                               f"ipc://{tmp_path}/out")
+    try:
+        assert isinstance(frontend, EngineClient)
+    finally:
+        asyncio.run(frontend.close(stop_engine=False))
+
+
+def _chat(state, stream: bool):
+    """The response, and for a stream its SSE frames, read on the same event loop."""
+    from freetoken.server.openai_api import ChatCompletionRequest, handle_chat_completion
+
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                                max_tokens=8, stream=stream)
+
+    async def run():
+        r = await handle_chat_completion(req, None, state)
+        if not stream:
+            return r
+        return [f for f in "".join([c async for c in r.body_iterator]).split("\n\n") if f]
+
+    return asyncio.run(run())
+
+
+DIES_MID_CHAT = [UserReply(1, "Hel", token_ids=[1], completion_tokens_delta=1),
+                 UserReply(1, finished=True, finish_reason="error", error="The engine process "
+                           "has stopped", error_code="engine_dead")]
+
+
+def test_engine_death_mid_chat_is_a_503():
+    r = _chat(State(DIES_MID_CHAT), stream=False)
+    assert r.status_code == 503
+    err = json.loads(r.body)["error"]
+    assert (err["code"], err["type"]) == ("engine_dead", "server_error")
+
+
+def test_engine_death_mid_chat_stream_ends_with_an_error_event():
+    frames = _chat(State(DIES_MID_CHAT), stream=True)
+    assert frames[-1] == "data: [DONE]"
+    err = json.loads(frames[-2].removeprefix("data: "))["error"]
+    assert (err["code"], err["type"]) == ("engine_dead", "server_error")
+    assert any('"content": "Hel"' in f for f in frames[:-2])
+
+
+def test_upstream_sampling_defaults_are_refused_not_ignored():
+    req = CompletionRequest(model="m", prompt="x", max_tokens=1)
+    r = asyncio.run(handle_completion(req, None, State(), {"temperature": 0.7}))
+    assert r.status_code == 500 and "sampling defaults" in json.loads(r.body)["error"]["message"]

@@ -79,3 +79,6 @@ class UserReply:
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
     # The EOS / stop token that ended the turn: completions list it (as vLLM), chat does not.
     stop_logprob: TokenLogprob | None = None
+    # When asked for (chat parsers): each released token's part of `incremental_output`, which
+    # ends with them; what comes before them is held-back text of earlier tokens.
+    token_texts: list[str] | None = None

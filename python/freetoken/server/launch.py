@@ -30,6 +30,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from freetoken.config import EngineConfig
 from freetoken.server.args import ServerArgs, parse_args, resolve_parsers
 
 log = logging.getLogger("freetoken")
@@ -76,7 +77,7 @@ def _model_folder(model: str | None) -> tuple[Path, str]:
     return path, path.name
 
 
-def start_engine(args: ServerArgs, ipc_dir: str, procs: list):
+def start_engine(config: EngineConfig, ipc_dir: str, procs: list):
     """Spawn the engine process (appended to `procs` at once, so that an interrupted start is
     still cleaned up); returns (process, in_addr, out_addr) once the model is loaded."""
     in_addr, out_addr = f"ipc://{ipc_dir}/in", f"ipc://{ipc_dir}/out"
@@ -86,7 +87,7 @@ def start_engine(args: ServerArgs, ipc_dir: str, procs: list):
     ready_recv, ready_send = ctx.Pipe(duplex=False)
     from freetoken.scheduler.worker import engine_main
 
-    proc = ctx.Process(target=engine_main, args=(args, in_addr, out_addr, ready_send, os.getpid()),
+    proc = ctx.Process(target=engine_main, args=(config, in_addr, out_addr, ready_send, os.getpid()),
                        daemon=True, name="freetoken-engine")
     proc.start()
     procs.append(proc)
@@ -134,7 +135,8 @@ def build_frontend(args: ServerArgs, ipc_dir: str, procs: list):
     quiet_progress_bars()
     from transformers import AutoTokenizer
 
-    from freetoken.server.api_server import FrontendConfig, FrontendManager
+    from freetoken.config import engine_config, frontend_config
+    from freetoken.server.api_server import FrontendManager
 
     steps = _Steps(3)
     try:
@@ -143,27 +145,11 @@ def build_frontend(args: ServerArgs, ipc_dir: str, procs: list):
         tokenizer = AutoTokenizer.from_pretrained(folder)
         hf_config = json.loads((folder / "config.json").read_text())
         steps.step("tokenizer loaded")
-        args = replace(args, model_folder=str(folder))
-        proc, in_addr, out_addr = start_engine(args, ipc_dir, procs)
+        proc, in_addr, out_addr = start_engine(engine_config(args, str(folder)), ipc_dir, procs)
         steps.step("engine ready")
     finally:
         steps.close()
-    reasoning, tool = resolve_parsers(args, tokenizer)
-    native_len = hf_config.get("max_position_embeddings", 4096)
-    config = FrontendConfig(
-        served_model_name=args.served_model_name or name,
-        max_model_len=min(args.max_model_len or native_len, native_len),
-        vocab_size=hf_config["vocab_size"],
-        max_output_tokens=args.max_output_tokens,
-        max_logprobs=args.max_logprobs,
-        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-        reasoning_parser=reasoning,
-        tool_call_parser=tool,
-        api_key=args.api_key,
-        max_running_requests=args.max_running_requests,
-        max_request_bytes=args.max_request_bytes,
-        max_prompts_per_request=args.max_prompts_per_request,
-    )
+    config = frontend_config(args, hf_config, name, resolve_parsers(args, tokenizer))
     return FrontendManager(config, tokenizer, in_addr, out_addr, engine_alive=proc.is_alive), proc
 
 

@@ -1,7 +1,6 @@
 """OpenAI handlers: validate, submit, and shape JSON or SSE from the frontend's replies.
 
-`state` is anything with `config`, `new_user()`, `send_one(msg)` and the async generator
-`wait_for_ack(uid)`; `FrontendManager` is the real one, tests pass small fakes.
+`state` is an `EngineClient` (api_server.py): `FrontendManager`, or a test's fake.
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
@@ -19,8 +18,8 @@ from freetoken.core import SamplingParams, TokenLogprob
 from freetoken.message import TokenizeMsg, UserReply
 from freetoken.server import generation
 from freetoken.server.api_models import ChatCompletionRequest, CompletionRequest
-from freetoken.server.logprob_format import chat_entries, completion_logprobs
 from freetoken.server.errors import RequestError, error_body, error_from, reply_error
+from freetoken.server.logprob_format import chat_entries, completion_logprobs
 from freetoken.server.validation import (
     Limits,
     prompt_list,
@@ -29,8 +28,12 @@ from freetoken.server.validation import (
 )
 from freetoken.tokenizer.detokenize import TokenTexts
 
+if TYPE_CHECKING:
+    from freetoken.server.api_server import EngineClient
 
-def limits_of(state) -> Limits:
+
+def limits_of(state: EngineClient) -> Limits:
+    # A fake state's config may carry only some of FrontendConfig's fields (upstream's has two).
     cfg = state.config
     return Limits(
         vocab_size=getattr(cfg, "vocab_size", None),
@@ -41,8 +44,8 @@ def limits_of(state) -> Limits:
     )
 
 
-def token_texts(state) -> TokenTexts | None:
-    tokenizer = getattr(state, "tokenizer", None)
+def token_texts(state: EngineClient) -> TokenTexts | None:
+    tokenizer = getattr(state, "tokenizer", None)  # not part of EngineClient: fakes lack it
     return TokenTexts.of(tokenizer) if tokenizer is not None else None
 
 
@@ -87,8 +90,19 @@ class Choice:
             self.finish_reason = reply.finish_reason
 
 
-async def handle_completion(req: CompletionRequest, raw_request, state, model_sampling: dict):
+def check_sampling_defaults(model_sampling: dict | None) -> None:
+    """Upstream passes per-model sampling defaults (its `--sampling-defaults model`); this server
+    has none, so a caller that passes some is told rather than ignored."""
+    if model_sampling:
+        raise RequestError("per-model sampling defaults are not supported by this server",
+                           status=500, code="engine_error")
+
+
+async def handle_completion(req: CompletionRequest, raw_request, state: EngineClient,
+                            model_sampling: dict | None = None):
+    """`raw_request`: the Starlette request, watched for a client that leaves (None in tests)."""
     try:
+        check_sampling_defaults(model_sampling)
         check_model(req, state)
         if (err := unsupported_reason(req)) is not None:
             raise err
@@ -282,8 +296,10 @@ async def stream_completion_chunks(state, req, params: SamplingParams, choices: 
     return StreamingResponse(body(), media_type="text/event-stream")
 
 
-async def handle_chat_completion(req: ChatCompletionRequest, raw_request, state, model_sampling: dict):
+async def handle_chat_completion(req: ChatCompletionRequest, raw_request, state: EngineClient,
+                                 model_sampling: dict | None = None):
     try:
+        check_sampling_defaults(model_sampling)
         check_model(req, state)
         if (err := unsupported_reason(req)) is not None:
             raise err

@@ -1,6 +1,7 @@
-"""TokenClassifier and ContentLogprobRouter: hand-written labels per parser family from ids
-alone, agreement with the text parsers on random scripts, and the router's attachment rules
-(streamed lists joined == the non-streamed list, for random engine steps)."""
+"""OutputParser's token labels and LogprobRouter, driven as generation.py drives them (each
+engine step's released tokens with their text, from ReplyBuilder): hand-written labels per
+parser family, agreement with the text path on random scripts, and the router's attachment
+rules (streamed lists joined == the one-step list, for random engine steps)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ from typing import Any
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from freetoken.server.function_call_parser import FunctionCallParser
-from freetoken.server.reasoning_parser import ReasoningParser
-from freetoken.server.token_classifier import (
-    ClassifierUnavailable, ContentLogprobRouter, Label, TokenClassifier,
-)  # fmt: skip
-from freetoken.tokenizer.detokenize import IncrementalDetokenizer, TokenTexts
+from freetoken.message import DetokenizeMsg
+from freetoken.parsing import registry
+from freetoken.parsing.family import LogprobsUnavailable, special_ids
+from freetoken.parsing.machine import LogprobRouter, OutputParser, Step
+from freetoken.parsing.stage import Label
+from freetoken.tokenizer.detokenize import TokenTexts
+from freetoken.tokenizer.reply import ReplyBuilder
 
 R, C, T, M, S, H = (Label.REASONING, Label.CONTENT, Label.TOOL, Label.MARKER, Label.SPECIAL,
                     Label.HIDDEN)
@@ -55,9 +57,37 @@ def script(tok: Any, *segments: tuple[str, Label]) -> tuple[list[int], list[Labe
 Parser = str | None
 
 
+class Drive:
+    """generation.py's loop: ReplyBuilder -> OutputParser -> LogprobRouter, a step per call."""
+
+    def __init__(self, tok: Any, reasoning: Parser, tool: Parser, force: bool,
+                 stops: list[str] | None = None) -> None:
+        registry.check_logprobs(tok, reasoning, tool)  # what a chat request with logprobs checks
+        self.parser = registry.output_parser(reasoning, tool, [], force, special_ids(tok))
+        self.router = LogprobRouter()
+        keep = registry.keeps_special_tokens(reasoning, tool)
+        self.replies = ReplyBuilder(tok, stops or [], skip_special_tokens=not keep,
+                                    token_texts=True)
+
+    def step(self, ids: list[int], entries: list[Any], finished: bool = False) -> Step:
+        reply = self.replies.build(DetokenizeMsg(1, ids, entries, finished=finished))
+        self.router.add(reply.logprobs)
+        step = self.parser.feed(reply.token_ids, reply.incremental_output, reply.token_texts)
+        self.router.route(step.labels)
+        return step
+
+    def finish(self) -> Step:
+        step = self.parser.finish()
+        self.router.route(step.labels)
+        return step
+
+
 def classify(tok: Any, ids: list[int], reasoning: Parser, tool: Parser, force: bool) -> list[Label]:
-    clf = TokenClassifier.create(tok, reasoning, tool, force)
-    got = [label for i in ids for label in clf.feed(i)] + clf.finish()
+    drive = Drive(tok, reasoning, tool, force)
+    for k, i in enumerate(ids):
+        drive.step([i], [None], finished=k == len(ids) - 1)
+    drive.finish()
+    got = drive.router.labels
     assert len(got) == len(ids)
     return got
 
@@ -70,10 +100,10 @@ def joined(tok: Any, ids: list[int], labels: list[Label], want: Label) -> str:
 def parsed(
     tok: Any, ids: list[int], reasoning: Parser, tool: Parser, force: bool
 ) -> tuple[str, str]:
-    """(reasoning, message content) as the text parsers give them; Harmony keeps its markers."""
+    """(reasoning, message content) of the whole text at once; Harmony keeps its markers."""
     text = tok.decode(ids, skip_special_tokens=reasoning != "gpt_oss")
-    r, c = ReasoningParser(reasoning, force).parse_non_stream(text) if reasoning else ("", text)
-    return r, FunctionCallParser([], tool).parse_non_stream(c).normal_text if tool else c
+    step = registry.parse_text(text, reasoning, tool, [], force)
+    return step.reasoning, step.content
 
 
 def check(
@@ -156,12 +186,38 @@ def test_rule6_thinking_off_no_tools_equals_no_parser(qwen35_tokenizer: Any) -> 
     check(qwen35_tokenizer, "qwen3", "hermes", False, ("Hi", C), ("<|vision_start|>", S), (" there", C))
 
 
-def test_router_without_classifier_routes_everything_as_content() -> None:
-    router = ContentLogprobRouter(None)
-    router.add(1, "a")
-    router.add(2, "b")
-    assert router.take_for_delta() == ["a", "b"] and router.take_rest() == []
-    assert router.take_reasoning_rest() == []
+def test_a_character_split_across_byte_tokens_is_labelled_as_one(qwen35_tokenizer: Any) -> None:
+    assert len(qwen35_tokenizer.encode("🤖", add_special_tokens=False)) == 3
+    # The first two byte tokens have no text of their own: they take the third one's label.
+    check(qwen35_tokenizer, "qwen3", "hermes", True, ("Hmm", R), ("🤖", R), ("\n", H),
+          ("</think>", M), ("\n", H), ("🤖", C), ("ok", C))
+    check(qwen35_tokenizer, "qwen3", None, True, ("🤖", R), ("</think>", M), ("🤖", C))
+
+
+def test_text_held_by_a_stop_string_stays_with_its_token(qwen35_tokenizer: Any) -> None:
+    """" tag" shows " ta" and holds "g" (it may start the stop string "gz"); the next reply
+    releases "g." with "." alone as its token: the "g" is still " tag"'s."""
+    ids = qwen35_tokenizer.encode("Let me tag.</think>ok", add_special_tokens=False)
+    for force, want in ((True, [R, R, R, R, M, C]), (False, [C] * 6)):
+        drive = Drive(qwen35_tokenizer, "qwen3", None, force, stops=["gz"])
+        steps = [drive.step([i], [k], finished=k == len(ids) - 1) for k, i in enumerate(ids)]
+        steps.append(drive.finish())
+        side = "reasoning" if force else "content"
+        assert [getattr(s, side) for s in steps[2:4]] == [" ta", "g."]
+        assert drive.router.labels == want
+        got = drive.router.take(Label.REASONING if force else Label.CONTENT)
+        assert got == ([0, 1, 2, 3] if force else [0, 1, 2, 3, 4, 5])
+
+
+def test_router_without_parsers_routes_everything_as_content() -> None:
+    parser, router = OutputParser(), LogprobRouter()
+    router.add(["a"])
+    router.route(parser.feed([1], "x", ["x"]).labels)
+    router.add(["b"])
+    router.route(parser.feed([2], "", None).labels)  # no parser: no per-token text needed
+    assert router.take(Label.CONTENT) == ["a", "b"]
+    router.route(parser.finish().labels)
+    assert router.take(Label.CONTENT) == [] and router.take(Label.REASONING) == []
 
 
 # ------------------------------------------------------------------ Harmony
@@ -209,21 +265,21 @@ def _tiny_tokenizer(extra: list[str]) -> Any:
 
 
 def test_unavailable_markers_explain_why(qwen35_tokenizer: Any) -> None:
-    with pytest.raises(ClassifierUnavailable) as err:
-        TokenClassifier.create(_tiny_tokenizer([]), "qwen3", "hermes", True)
+    with pytest.raises(LogprobsUnavailable) as err:
+        registry.check_logprobs(_tiny_tokenizer([]), "qwen3", "hermes")
     assert err.value.reason == (
         "logprobs with --reasoning-parser qwen3 need `<think>`, `</think>` and `<tool_call>` "
         "to be single tokens in this model's vocabulary; they are not"
     )
-    with pytest.raises(ClassifierUnavailable, match="; `</think>` is not$"):
-        TokenClassifier.create(_tiny_tokenizer(["<think>", "<tool_call>"]), "qwen3", None, False)
-    with pytest.raises(ClassifierUnavailable, match=r"need `<\|start\|>`, .* `<\|call\|>` to be"):
-        TokenClassifier.create(qwen35_tokenizer, "gpt_oss", None, False)
-    with pytest.raises(ClassifierUnavailable, match="need --reasoning-parser gpt_oss"):
-        TokenClassifier.create(qwen35_tokenizer, None, "gpt_oss", False)
-    TokenClassifier.create(_tiny_tokenizer([]), None, "hermes", False)  # tools are found in text
+    with pytest.raises(LogprobsUnavailable, match="; `</think>` is not$"):
+        registry.check_logprobs(_tiny_tokenizer(["<think>", "<tool_call>"]), "qwen3", None)
+    with pytest.raises(LogprobsUnavailable, match=r"need `<\|start\|>`, .* `<\|call\|>` to be"):
+        registry.check_logprobs(qwen35_tokenizer, "gpt_oss", None)
+    with pytest.raises(LogprobsUnavailable, match="need --reasoning-parser gpt_oss"):
+        registry.check_logprobs(qwen35_tokenizer, None, "gpt_oss")
+    registry.check_logprobs(_tiny_tokenizer([]), None, "hermes")  # tools are found in text
     qwen_like = _tiny_tokenizer(["<think>", "</think>", "<tool_call>"])
-    TokenClassifier.create(qwen_like, "qwen3", None, True)
+    registry.check_logprobs(qwen_like, "qwen3", None)
 
 
 # ------------------------------------------------------------------ random scripts
@@ -270,30 +326,24 @@ def test_random_scripts_agree_with_text_parsers(qwen35_tokenizer: Any, case: Any
 
 def run_stream(tok: Any, ids: list[int], cuts: list[int], reasoning: str | None, tool: str | None,
                force: bool) -> tuple[list[tuple[int, str, list[Any]]], list[Any], str]:  # fmt: skip
-    """Drive router + detokenizer + parsers as generation.py does, one engine step per slice.
+    """Drive ReplyBuilder + parser + router as generation.py does, one engine step per slice.
 
     Returns (step, delta, entries) per content delta, the rest at the finish, and the content."""
-    router = ContentLogprobRouter(TokenClassifier.create(tok, reasoning, tool, force))
-    rp = ReasoningParser(reasoning, force) if reasoning else None
-    fp = FunctionCallParser([], tool) if tool else None
-    detok = IncrementalDetokenizer(tok, skip_special_tokens=True)
+    drive = Drive(tok, reasoning, tool, force)
     bounds = sorted({0, len(ids), *(c for c in cuts if 0 < c < len(ids))})
-    chunks, pos = [], 0
+    chunks = []
     for k, (a, b) in enumerate(zip(bounds, bounds[1:])):
         last = b == len(ids)
-        out = detok.step(ids[a:b], finished=last)
-        for _ in range(out.released):
-            router.add(ids[pos], (pos, k))  # an entry: (token index, step)
-            pos += 1
-        _, content = rp.parse_stream_chunk(out.text) if rp else ("", out.text)
-        if last and rp:
-            content += rp.flush()[1]
-        delta = fp.parse_stream_chunk(content).normal_text if fp else content
-        if last and fp:
-            delta += fp.finish_stream().normal_text
+        # an entry: (token index, step)
+        delta = drive.step(ids[a:b], [(i, k) for i in range(a, b)], finished=last).content
+        if last:
+            end = drive.parser.finish()
+            delta += end.content
         if delta:
-            chunks.append((k, delta, router.take_for_delta()))
-    return chunks, router.take_rest(), "".join(d for _, d, _ in chunks)
+            chunks.append((k, delta, drive.router.take(Label.CONTENT)))
+        if last:
+            drive.router.route(end.labels)
+    return chunks, drive.router.take(Label.CONTENT), "".join(d for _, d, _ in chunks)
 
 
 @FAST
@@ -302,13 +352,12 @@ def test_router_streamed_equals_non_streamed(qwen35_tokenizer: Any, case: Any, c
     segments, tool, force = case
     ids, _ = script(qwen35_tokenizer, *segments)
     chunks, rest, content = run_stream(qwen35_tokenizer, ids, cuts, "qwen3", tool, force)
-    one_shot = ContentLogprobRouter(TokenClassifier.create(qwen35_tokenizer, "qwen3", tool, force))
-    for i, tid in enumerate(ids):
-        one_shot.add(tid, (i, 0))
-    expected = one_shot.take_for_delta() + one_shot.take_rest()
+    one_chunks, one_rest, one_content = run_stream(qwen35_tokenizer, ids, [], "qwen3", tool, force)
+    expected = [e for _, _, entries in one_chunks for e in entries] + one_rest
     streamed = [e for _, _, entries in chunks for e in entries] + rest
     assert [i for i, _ in streamed] == [i for i, _ in expected]
     assert all(step <= k for k, _, entries in chunks for _, step in entries)  # never early
+    assert content == one_content
     assert b"".join(TokenTexts.of(qwen35_tokenizer).bytes(ids[i]) for i, _ in expected).decode() == content
 
 
@@ -316,7 +365,7 @@ def test_router_attaches_entries_to_the_first_delta_at_or_after_their_step(qwen3
     ids, _ = script(qwen35_tokenizer, ("Use", C), ("<", C), ("b", C), (" <", C), (">", C), (" ok", C))
     chunks, rest, content = run_stream(qwen35_tokenizer, ids, list(range(len(ids))), None, "hermes", False)
     assert content == "Use<b <> ok"
-    # "<" may open a call: held by parser and classifier alike, it goes with step 2's "<b".
+    # "<" may open a call: held by the parser, it goes with step 2's "<b".
     # " <" shows its space at once, so its entry goes with that delta.
     got = [(k, d, [i for i, _ in e]) for k, d, e in chunks]
     assert got == [(0, "Use", [0]), (2, "<b", [1, 2]), (3, " ", [3]), (4, "<>", [4]),
@@ -326,13 +375,14 @@ def test_router_attaches_entries_to_the_first_delta_at_or_after_their_step(qwen3
 
 def test_router_leftovers_go_to_take_rest(qwen35_tokenizer: Any) -> None:
     ids, _ = script(qwen35_tokenizer, ("Use", C), (" a", C), ("<|im_end|>", S))
-    router = ContentLogprobRouter(TokenClassifier.create(qwen35_tokenizer, "qwen3", "hermes", False))
-    router.add(ids[0], "e0")
-    assert router.take_for_delta() == ["e0"]
-    router.add(ids[1], "e1")  # no delta emitted after it (e.g. held by a stop string)
-    router.add(ids[2], "e2")
-    assert router.take_rest() == ["e1"] and router.take_rest() == []
-    assert router.labels == [C, C, S]
+    drive = Drive(qwen35_tokenizer, "qwen3", "hermes", False)
+    drive.step([ids[0]], ["e0"])
+    assert drive.router.take(Label.CONTENT) == ["e0"]
+    drive.step([ids[1]], ["e1"])  # its delta takes nothing (e.g. held by a stop string)
+    drive.step([ids[2]], ["e2"], finished=True)
+    drive.finish()
+    assert drive.router.take(Label.CONTENT) == ["e1"] and drive.router.take(Label.CONTENT) == []
+    assert drive.router.labels == [C, C, S]
 
 
 def test_router_bare_function_entries_are_never_content(qwen35_tokenizer: Any) -> None:
@@ -345,13 +395,14 @@ def test_router_bare_function_entries_are_never_content(qwen35_tokenizer: Any) -
 
 def test_router_reasoning_entries(qwen35_tokenizer: Any) -> None:
     ids, _ = script(qwen35_tokenizer, ("Hmm", C), ("\n\n", C), ("ok", C), ("\n", C), ("</think>", C), ("A", C))
-    router = ContentLogprobRouter(TokenClassifier.create(qwen35_tokenizer, "qwen3", None, True))
+    drive = Drive(qwen35_tokenizer, "qwen3", None, True)
     for i, tid in enumerate(ids[:3]):
-        router.add(tid, i)
-    assert router.take_reasoning_for_delta() == [0, 1, 2]
-    router.add(ids[3], 3)  # trailing whitespace: held until visible reasoning or the end
-    assert router.take_reasoning_for_delta() == []
-    router.add(ids[4], 4)
-    router.add(ids[5], 5)
-    assert router.take_reasoning_rest() == [] and router.take_rest() == [5]
-    assert router.labels == [R, R, R, H, M, C]
+        drive.step([tid], [i])
+    assert drive.router.take(Label.REASONING) == [0, 1, 2]
+    drive.step([ids[3]], [3])  # trailing whitespace: held until visible reasoning or the end
+    assert drive.router.take(Label.REASONING) == []
+    drive.step([ids[4]], [4])
+    drive.step([ids[5]], [5], finished=True)
+    drive.finish()
+    assert drive.router.take(Label.REASONING) == [] and drive.router.take(Label.CONTENT) == [5]
+    assert drive.router.labels == [R, R, R, H, M, C]

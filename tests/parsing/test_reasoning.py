@@ -1,4 +1,5 @@
-"""ReasoningParser: hand-written expectations, an independent reference for qwen3, and
+"""The reasoning stages (qwen3's ThinkSplitter, Harmony's HarmonySplitter) through the output
+parser on text alone: hand-written expectations, an independent reference for qwen3, and
 stream == non-stream for arbitrary chunkings (including one character at a time)."""
 
 from __future__ import annotations
@@ -8,13 +9,10 @@ import re
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from freetoken.server.reasoning_parser import (
-    HARMONY_MARKERS,
-    SUPPORTED_REASONING_PARSERS,
-    ReasoningParser,
-    build_reasoning_parser,
-    partial_suffix_len,
-)
+from freetoken.parsing import registry
+from freetoken.parsing.harmony import HARMONY_MARKERS
+from freetoken.parsing.machine import Step, join_steps
+from freetoken.parsing.stage import partial_suffix_len
 
 FAST = settings(max_examples=150, deadline=None)
 
@@ -24,9 +22,21 @@ def split(text: str, cuts: list[int]) -> list[str]:
     return [text[a:b] for a, b in zip([0, *points], [*points, len(text)])]
 
 
+def rc(step: Step) -> tuple[str, str]:
+    return step.reasoning, step.content
+
+
+def parser(name: str, force: bool = False):
+    return registry.output_parser(reasoning=name, force_reasoning=force)
+
+
+def non_stream(name: str, force: bool, text: str) -> tuple[str, str]:
+    return rc(registry.parse_text(text, reasoning=name, force_reasoning=force))
+
+
 def stream(name: str, force: bool, pieces: list[str]) -> tuple[str, str]:
-    parser = ReasoningParser(name, force_reasoning=force)
-    deltas = [parser.parse_stream_chunk(p) for p in pieces] + [parser.flush()]
+    p = parser(name, force)
+    deltas = [rc(p.feed_text(piece)) for piece in pieces] + [rc(p.finish())]
     return "".join(r for r, _ in deltas), "".join(c for _, c in deltas)
 
 
@@ -79,7 +89,7 @@ CASES = [
 
 @pytest.mark.parametrize("family,force,text,reasoning,content", CASES)
 def test_scripted_outputs_in_every_chunking(family, force, text, reasoning, content):
-    assert ReasoningParser(family, force_reasoning=force).parse_non_stream(text) == (reasoning, content)
+    assert non_stream(family, force, text) == (reasoning, content)
     for pieces in chunkings(text):
         assert stream(family, force, pieces) == (reasoning, content), pieces
 
@@ -87,48 +97,48 @@ def test_scripted_outputs_in_every_chunking(family, force, text, reasoning, cont
 def test_seed_example_token_by_token():
     # Token pieces as a Qwen3 tokenizer splits the text: '</think>' is one token, ' <' another.
     tokens = ["Let", " me", " think", ".", "</think>", "\n\n", "Use", " a", " <", "b", ">", " tag", "."]
-    parser = ReasoningParser("qwen3", force_reasoning=True)
-    deltas = [parser.parse_stream_chunk(t) for t in tokens]
+    p = parser("qwen3", force=True)
+    deltas = [rc(p.feed_text(t)) for t in tokens]
     assert deltas[4:8] == [("", ""), ("", ""), ("", "Use"), ("", " a")]
     assert deltas[8] == ("", " <"), "a '<' in content is not a marker prefix and is not held"
-    assert parser.flush() == ("", "")
+    assert rc(p.finish()) == ("", "")
     joined = ("".join(r for r, _ in deltas), "".join(c for _, c in deltas))
     expected = ("Let me think.", "Use a <b> tag.")
-    assert joined == expected == ReasoningParser("qwen3", True).parse_non_stream("".join(tokens))
+    assert joined == expected == non_stream("qwen3", True, "".join(tokens))
 
 
 def test_split_end_marker_is_held_then_resolved():
-    parser = ReasoningParser("qwen3", force_reasoning=True)
-    assert parser.parse_stream_chunk("abc </th") == ("abc", "")
-    assert parser.parse_stream_chunk("ink>\nxyz") == ("", "xyz")
-    parser = ReasoningParser("qwen3", force_reasoning=True)
-    assert parser.parse_stream_chunk("a <") == ("a", "")
-    assert parser.parse_stream_chunk("b>") == (" <b>", "")
+    p = parser("qwen3", force=True)
+    assert rc(p.feed_text("abc </th")) == ("abc", "")
+    assert rc(p.feed_text("ink>\nxyz")) == ("", "xyz")
+    p = parser("qwen3", force=True)
+    assert rc(p.feed_text("a <")) == ("a", "")
+    assert rc(p.feed_text("b>")) == (" <b>", "")
 
 
 def test_harmony_partial_marker_is_held_and_never_leaks():
-    parser = ReasoningParser("gpt_oss")
-    assert parser.parse_stream_chunk("<|channel|>analysis<|mess") == ("", "")
-    assert parser.parse_stream_chunk("age|>one <|") == ("one ", "")
-    assert parser.parse_stream_chunk("end|><|start|>assistant<|channel|>final<|message|>two") == ("", "two")
-    assert parser.parse_stream_chunk("<|return|>") == ("", "")
-    assert parser.flush() == ("", "")
+    p = parser("gpt_oss")
+    assert rc(p.feed_text("<|channel|>analysis<|mess")) == ("", "")
+    assert rc(p.feed_text("age|>one <|")) == ("one ", "")
+    assert rc(p.feed_text("end|><|start|>assistant<|channel|>final<|message|>two")) == ("", "two")
+    assert rc(p.feed_text("<|return|>")) == ("", "")
+    assert rc(p.finish()) == ("", "")
 
 
 def test_parse_non_stream_leaves_stream_state_alone():
-    parser = ReasoningParser("qwen3", force_reasoning=True)
-    assert parser.parse_stream_chunk("one") == ("one", "")
-    assert parser.parse_non_stream("x</think>y") == ("x", "y")
-    assert parser.parse_stream_chunk(" two</think>z") == (" two", "z")
+    p = parser("qwen3", force=True)
+    assert rc(p.feed_text("one")) == ("one", "")
+    assert non_stream("qwen3", True, "x</think>y") == ("x", "y")
+    assert rc(p.feed_text(" two</think>z")) == (" two", "z")
 
 
 def test_registry_and_builder():
-    assert set(SUPPORTED_REASONING_PARSERS) == {"qwen3", "gpt_oss"}
-    assert build_reasoning_parser(None) is None and build_reasoning_parser("off") is None
-    built = build_reasoning_parser("qwen3", force_reasoning=True)
-    assert built is not None and built.parse_non_stream("a</think>b") == ("a", "b")
+    assert set(registry.REASONING_PARSERS) == {"qwen3", "gpt_oss"}
+    assert registry.reasoning_family(None) is None and registry.reasoning_family("off") is None
+    built = parser("qwen3", force=True)
+    assert built is not None and rc(join_steps([built.feed_text("a</think>b"), built.finish()])) == ("a", "b")
     with pytest.raises(ValueError):
-        ReasoningParser("harmony")
+        registry.output_parser(reasoning="harmony")
 
 
 def test_partial_suffix_len():
@@ -175,7 +185,7 @@ def chunked(draw, pieces: list[str]):
 def test_qwen3_matches_reference_in_any_chunking(case, force):
     text, pieces = case
     expected = reference_qwen3(text, force)
-    assert ReasoningParser("qwen3", force).parse_non_stream(text) == expected
+    assert non_stream("qwen3", force, text) == expected
     assert stream("qwen3", force, pieces) == expected
     assert stream("qwen3", force, list(text)) == expected
 
@@ -184,7 +194,7 @@ def test_qwen3_matches_reference_in_any_chunking(case, force):
 @given(chunked(HARMONY_PIECES), st.booleans())
 def test_harmony_stream_equals_non_stream_and_hides_markers(case, force):
     text, pieces = case
-    expected = ReasoningParser("gpt_oss", force).parse_non_stream(text)
+    expected = non_stream("gpt_oss", force, text)
     assert stream("gpt_oss", force, pieces) == expected
     assert stream("gpt_oss", force, list(text)) == expected
     reasoning, content = expected

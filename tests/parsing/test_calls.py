@@ -1,6 +1,7 @@
-"""FunctionCallParser: turns generated from known calls and rendered in each format must
-parse back to those calls, in one piece and in any chunking; plus truncation, typed
-qwen3_coder values, Harmony, the reasoning -> tool pipeline and validate_tools."""
+"""The tool-call stage through the output parser on text alone: turns generated from known
+calls and rendered in each format must parse back to those calls, in one piece and in any
+chunking; plus truncation, typed qwen3_coder values, Harmony and the reasoning -> tool
+pipeline."""
 
 from __future__ import annotations
 
@@ -9,20 +10,11 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from freetoken.server.function_call_parser import (
-    SUPPORTED_TOOL_CALL_PARSERS,
-    TOOLS_TAG_LIST,
-    BaseFormatDetector,
-    FunctionCallParser,
-    HarmonyDetector,
-    Qwen25Detector,
-    Qwen3CoderDetector,
-    StreamingParseResult,
-    ToolCallItem,
-    convert_param_value,
-    validate_tools,
-)
-from freetoken.server.reasoning_parser import ReasoningParser
+from freetoken.parsing import registry
+from freetoken.parsing.calls import Detector, ToolCallItem
+from freetoken.parsing.harmony import HarmonyDetector
+from freetoken.parsing.hermes import HermesDetector
+from freetoken.parsing.qwen3_coder import Qwen3CoderDetector, convert_param_value
 
 FAST = settings(max_examples=120, deadline=None)
 
@@ -46,10 +38,14 @@ def split(text: str, cuts: list[int]) -> list[str]:
     return [text[a:b] for a, b in zip([0, *points], [*points, len(text)])]
 
 
+def tool_parser(parser_name: str):
+    return registry.output_parser(tool=parser_name, tools=TOOLS)
+
+
 def run_stream(parser_name: str, pieces: list[str]) -> tuple[str, list[tuple[str, str]], list[ToolCallItem]]:
     """(normal_text, [(name, arguments)], raw items) from a streamed parse."""
-    parser = FunctionCallParser(TOOLS, parser_name)
-    results = [parser.parse_stream_chunk(p) for p in pieces] + [parser.finish_stream()]
+    parser = tool_parser(parser_name)
+    results = [parser.feed_text(p) for p in pieces] + [parser.finish()]
     items = [item for r in results for item in r.calls]
     calls: dict[int, list[str]] = {}
     for item in items:
@@ -59,13 +55,13 @@ def run_stream(parser_name: str, pieces: list[str]) -> tuple[str, list[tuple[str
             entry[0] = item.name
         entry[1] += item.parameters
     assert list(calls) == list(range(len(calls)))
-    return "".join(r.normal_text for r in results), [tuple(v) for v in calls.values()], items
+    return "".join(r.content for r in results), [tuple(v) for v in calls.values()], items
 
 
 def non_stream(parser_name: str, text: str) -> tuple[str, list[tuple[str, str]]]:
-    result = FunctionCallParser(TOOLS, parser_name).parse_non_stream(text)
+    result = registry.parse_text(text, tool=parser_name, tools=TOOLS)
     assert [c.tool_index for c in result.calls] == list(range(len(result.calls)))
-    return result.normal_text, [(c.name, c.parameters) for c in result.calls]
+    return result.content, [(c.name, c.parameters) for c in result.calls]
 
 
 def assert_all_paths(parser_name: str, text: str, normal: str, calls: list[tuple[str, dict]], pieces=None):
@@ -260,12 +256,14 @@ def test_items_stream_incrementally():
 
 
 def test_opener_split_across_chunks_is_held():
-    parser = FunctionCallParser(TOOLS, "hermes")
-    assert parser.parse_stream_chunk("Let me check <tool_") == StreamingParseResult("Let me check ", [])
-    r = parser.parse_stream_chunk('call>\n{"name": "get_weather", ')
-    assert r.normal_text == "" and r.calls == [ToolCallItem(0, "get_weather", "")]
-    parser = FunctionCallParser(TOOLS, "hermes")
-    assert parser.parse_stream_chunk("a <b") == StreamingParseResult("a <b", [])
+    parser = tool_parser("hermes")
+    r = parser.feed_text("Let me check <tool_")
+    assert (r.content, r.calls) == ("Let me check ", [])
+    r = parser.feed_text('call>\n{"name": "get_weather", ')
+    assert r.content == "" and r.calls == [ToolCallItem(0, "get_weather", "")]
+    parser = tool_parser("hermes")
+    r = parser.feed_text("a <b")
+    assert (r.content, r.calls) == ("a <b", [])
 
 
 @pytest.mark.parametrize("raw,schema,expected", [
@@ -317,72 +315,49 @@ def test_reasoning_then_tools_pipeline_streams_like_one_shot():
          "Need two calls.", "Done.", [("get_weather", {"city": "Oslo"}), ("get_weather", {"city": "Bergen"})]),
     ]
     for rp_name, force, tp_name, text, reasoning, normal, calls in cases:
-        r_one, c_one = ReasoningParser(rp_name, force).parse_non_stream(text)
+        one = registry.parse_text(text, reasoning=rp_name, force_reasoning=force)
+        r_one, c_one = one.reasoning, one.content
         assert r_one == reasoning
         assert_all_paths(tp_name, c_one, normal, calls)
-        rp, tp = ReasoningParser(rp_name, force), FunctionCallParser(TOOLS, tp_name)
-        out: list[StreamingParseResult] = []
-        r_stream = ""
-        for ch in text:
-            r, c = rp.parse_stream_chunk(ch)
-            r_stream += r
-            out.append(tp.parse_stream_chunk(c))
-        r, c = rp.flush()
-        out += [tp.parse_stream_chunk(c), tp.finish_stream()]
-        assert r_stream + r == reasoning
-        assert "".join(o.normal_text for o in out) == normal
+        both = registry.output_parser(rp_name, tp_name, TOOLS, force)
+        out = [both.feed_text(ch) for ch in text] + [both.finish()]
+        assert "".join(o.reasoning for o in out) == reasoning
+        assert "".join(o.content for o in out) == normal
         names = [i.name for o in out for i in o.calls if i.name]
         assert names == [n for n, _ in calls]
+        whole = registry.parse_text(text, rp_name, tp_name, TOOLS, force)
+        assert (whole.reasoning, whole.content) == (reasoning, normal)
+        assert [(c.name, json.loads(c.parameters)) for c in whole.calls] == calls
+
+
+def detector(parser_name: str) -> type[Detector]:
+    family = registry.tool_family(parser_name)
+    assert family is not None and family.detector is not None
+    return family.detector  # type: ignore[return-value]
+
+
+def has_tool_call(parser_name: str, text: str) -> bool:
+    return detector(parser_name)(TOOLS).find_start(text) >= 0
 
 
 def test_has_tool_call_and_registry():
-    assert FunctionCallParser(TOOLS, "hermes").has_tool_call("x <tool_call>")
-    assert not FunctionCallParser(TOOLS, "hermes").has_tool_call("<function=f>")
-    assert FunctionCallParser(TOOLS, "qwen3_coder").has_tool_call("<function=f>")
-    assert FunctionCallParser(TOOLS, "gpt_oss").has_tool_call("<|channel|>commentary to=functions.f")
-    assert {"hermes", "qwen25", "qwen", "qwen3_coder", "gpt_oss"} == set(SUPPORTED_TOOL_CALL_PARSERS)
-    assert SUPPORTED_TOOL_CALL_PARSERS["qwen"] is Qwen25Detector
-    assert SUPPORTED_TOOL_CALL_PARSERS["qwen3_coder"] is Qwen3CoderDetector
-    assert SUPPORTED_TOOL_CALL_PARSERS["gpt_oss"] is HarmonyDetector
-    assert all(issubclass(d, BaseFormatDetector) for d in SUPPORTED_TOOL_CALL_PARSERS.values())
-    assert {"<tool_call>", "<function=", "<|channel|>", "<|start|>"} == set(TOOLS_TAG_LIST)
+    assert has_tool_call("hermes", "x <tool_call>")
+    assert not has_tool_call("hermes", "<function=f>")
+    assert has_tool_call("qwen3_coder", "<function=f>")
+    assert has_tool_call("gpt_oss", "<|channel|>commentary to=functions.f")
+    assert {"hermes", "qwen25", "qwen", "qwen3_coder", "gpt_oss"} == set(registry.TOOL_CALL_PARSERS)
+    assert detector("qwen") is HermesDetector
+    assert detector("qwen3_coder") is Qwen3CoderDetector
+    assert detector("gpt_oss") is HarmonyDetector
+    assert all(issubclass(detector(n), Detector) for n in registry.TOOL_CALL_PARSERS)
+    tags = {m for n in registry.TOOL_CALL_PARSERS for m in detector(n).start_markers}
+    assert {"<tool_call>", "<function=", "<|channel|>", "<|start|>"} == tags
     with pytest.raises(ValueError):
-        FunctionCallParser(TOOLS, "auto")
+        tool_parser("auto")
 
 
 def test_parse_non_stream_leaves_stream_state_alone():
-    parser = FunctionCallParser(TOOLS, "hermes")
-    assert parser.parse_stream_chunk("Hello <tool_").normal_text == "Hello "
-    assert parser.parse_non_stream("plain").normal_text == "plain"
-    assert parser.parse_stream_chunk("x").normal_text == "<tool_x"
-
-
-@pytest.mark.parametrize("tools,choice,error", [
-    (TOOLS, "auto", None),
-    (TOOLS, None, None),
-    (TOOLS, "none", None),
-    ([], "none", None),
-    (None, "auto", None),
-    (TOOLS, "required", None),
-    (TOOLS, {"type": "function", "function": {"name": "get_weather"}}, None),
-    ([], "required", "required"),
-    ([], {"type": "function", "function": {"name": "get_weather"}}, "not among"),
-    (TOOLS, {"type": "function", "function": {"name": "nope"}}, "not among"),
-    (TOOLS, {"type": "function", "function": {}}, "name"),
-    (TOOLS, {"type": "function"}, "name"),
-    (TOOLS, "sometimes", "tool_choice"),
-    (TOOLS, {"type": "auto"}, "tool_choice"),
-    ([{"type": "function", "function": {"parameters": {}}}], "auto", "name"),
-    ([{"type": "function", "function": {"name": ""}}], "auto", "name"),
-    ([{"type": "retrieval", "function": {"name": "f"}}], "auto", "type"),
-    ([{"function": {"name": "f"}}], "auto", "type"),
-    ([{"type": "function", "function": {"name": "f", "parameters": "{}"}}], "auto", "parameters"),
-    ([{"type": "function", "function": {"name": "f", "parameters": None}}], "auto", None),
-    ([tool("f"), tool("f")], "auto", "duplicate"),
-])
-def test_validate_tools(tools, choice, error):
-    got = validate_tools(tools, choice)
-    if error is None:
-        assert got is None
-    else:
-        assert got is not None and error in got
+    parser = tool_parser("hermes")
+    assert parser.feed_text("Hello <tool_").content == "Hello "
+    assert registry.parse_text("plain", tool="hermes", tools=TOOLS).content == "plain"
+    assert parser.feed_text("x").content == "<tool_x"

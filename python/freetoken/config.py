@@ -1,0 +1,77 @@
+"""Configuration, each value derived once: the flags (`ServerArgs`) and the model's config.json
+become an `EngineConfig` (what the engine process builds) and a `FrontendConfig` (what the HTTP
+side enforces). The offline `LLM` builds its `EngineConfig` directly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def context_length(requested: int | None, native: int) -> int:
+    """The context the server enforces: the model's own, or a shorter one asked for."""
+    return min(requested or native, native)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_folder: str | None = None  # an HF folder; None: the default model
+    dtype: str = "auto"
+    device: str = "auto"
+    kv_slots: int = 16384
+    max_model_len: int | None = None  # requested; clamped by `context_length` against the model
+    max_running_requests: int = 64
+    max_prefill_tokens: int = 2048
+    prefix_cache: bool = True
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    served_model_name: str
+    max_model_len: int
+    vocab_size: int
+    max_output_tokens: int | None = None
+    max_logprobs: int = 20
+    return_tokens_as_token_ids: bool = False
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    api_key: str | None = None
+    max_running_requests: int = 64
+    max_request_bytes: int = 32 * 1024 * 1024
+    max_prompts_per_request: int = 1024
+
+
+def engine_config(args, model_folder: str) -> EngineConfig:
+    """`args` is a `ServerArgs`."""
+    return EngineConfig(
+        model_folder=model_folder,
+        dtype=args.dtype,
+        device=args.device,
+        kv_slots=args.kv_slots,
+        max_model_len=args.max_model_len,
+        max_running_requests=args.max_running_requests,
+        max_prefill_tokens=args.max_prefill_tokens,
+        prefix_cache=not args.no_prefix_cache,
+    )
+
+
+def frontend_config(args, hf_config: dict, name: str,
+                    parsers: tuple[str | None, str | None]) -> FrontendConfig:
+    """`args` is a `ServerArgs`; `parsers` the resolved (reasoning, tool call) families."""
+    return FrontendConfig(
+        served_model_name=args.served_model_name or name,
+        max_model_len=context_length(args.max_model_len, native_context(hf_config)),
+        vocab_size=hf_config["vocab_size"],
+        max_output_tokens=args.max_output_tokens,
+        max_logprobs=args.max_logprobs,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        reasoning_parser=parsers[0],
+        tool_call_parser=parsers[1],
+        api_key=args.api_key,
+        max_running_requests=args.max_running_requests,
+        max_request_bytes=args.max_request_bytes,
+        max_prompts_per_request=args.max_prompts_per_request,
+    )
+
+
+def native_context(hf_config: dict) -> int:
+    return hf_config.get("max_position_embeddings", 4096)

@@ -1,0 +1,25 @@
+"""Build the engine-side scheduler (engine, KV pool, sampler) over a loaded model."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from freetoken.config import EngineConfig, context_length
+from freetoken.engine.engine import Engine
+from freetoken.models.loader import LoadedModel
+from freetoken.scheduler.scheduler import Scheduler, SchedulerConfig
+
+
+def build_scheduler(loaded: LoadedModel, config: EngineConfig = EngineConfig(),
+                    **overrides) -> Scheduler:
+    """`overrides` replace fields of `config` (tests: `build_scheduler(m, kv_slots=64)`); the
+    device and dtype are the loaded model's."""
+    config = replace(config, **overrides)
+    engine = Engine(loaded.model, config.kv_slots, loaded.device, loaded.dtype)
+    return Scheduler(engine, SchedulerConfig(
+        max_model_len=context_length(config.max_model_len, loaded.max_model_len),
+        eos_token_ids=tuple(loaded.eos_token_ids),
+        max_running_requests=config.max_running_requests,
+        max_prefill_tokens=config.max_prefill_tokens,
+        prefix_cache=config.prefix_cache,
+    ))

@@ -1,0 +1,51 @@
+"""validate_tools: bad tool definitions and tool_choice values are a 400's message."""
+
+from __future__ import annotations
+
+import pytest
+
+from freetoken.parsing.tools import validate_tools
+
+
+def tool(name: str, **props: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "description": name,
+                                             "parameters": {"type": "object", "properties": props}}}
+
+
+TOOLS = [
+    tool("get_weather", city={"type": "string"}, days={"type": "integer"}, metric={"type": "boolean"}),
+    tool("write_file", path={"type": "string"}, content={"type": "string"}),
+    tool("configure", ratio={"type": "number"}, opts={"type": "object"}, tags={"type": "array"},
+         limit={"type": ["integer", "null"]}, note={"type": ["string", "null"]}),
+]
+
+
+@pytest.mark.parametrize("tools,choice,error", [
+    (TOOLS, "auto", None),
+    (TOOLS, None, None),
+    (TOOLS, "none", None),
+    ([], "none", None),
+    (None, "auto", None),
+    (TOOLS, "required", None),
+    (TOOLS, {"type": "function", "function": {"name": "get_weather"}}, None),
+    ([], "required", "required"),
+    ([], {"type": "function", "function": {"name": "get_weather"}}, "not among"),
+    (TOOLS, {"type": "function", "function": {"name": "nope"}}, "not among"),
+    (TOOLS, {"type": "function", "function": {}}, "name"),
+    (TOOLS, {"type": "function"}, "name"),
+    (TOOLS, "sometimes", "tool_choice"),
+    (TOOLS, {"type": "auto"}, "tool_choice"),
+    ([{"type": "function", "function": {"parameters": {}}}], "auto", "name"),
+    ([{"type": "function", "function": {"name": ""}}], "auto", "name"),
+    ([{"type": "retrieval", "function": {"name": "f"}}], "auto", "type"),
+    ([{"function": {"name": "f"}}], "auto", "type"),
+    ([{"type": "function", "function": {"name": "f", "parameters": "{}"}}], "auto", "parameters"),
+    ([{"type": "function", "function": {"name": "f", "parameters": None}}], "auto", None),
+    ([tool("f"), tool("f")], "auto", "duplicate"),
+])
+def test_validate_tools(tools, choice, error):
+    got = validate_tools(tools, choice)
+    if error is None:
+        assert got is None
+    else:
+        assert got is not None and error in got
