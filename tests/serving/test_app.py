@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from freetoken.config import FrontendConfig
-from freetoken.server.api_server import create_app
+from freetoken.serving.app import create_app
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 

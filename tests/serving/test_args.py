@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from freetoken.server.args import build_parser, parse_args, resolve_parsers
+from freetoken.serving.args import build_parser, parse_args, resolve_parsers
 
 
 def test_defaults_and_positional_model():

@@ -1,6 +1,6 @@
 """Request validation and the one pure function that turns a request into `SamplingParams`.
 
-Every refusal leaves as a `RequestError` naming the field, which `openai_api` renders as an
+Every refusal leaves as a `RequestError` naming the field, which `errors.py` renders as an
 OpenAI-shaped 400.
 """
 
@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from freetoken.core import SAMPLING_EPS, SamplingParams
-from freetoken.server.api_models import ChatCompletionRequest, CompletionRequest
-from freetoken.server.errors import RequestError
+from freetoken.serving.api_models import ChatCompletionRequest, CompletionRequest
+from freetoken.serving.errors import RequestError
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy default, as vLLM
 MAX_N = 16

@@ -1,13 +1,13 @@
-"""The FastAPI app and the `FrontendManager` that connects it to the engine process.
+"""The engine client: `FrontendManager` connects the HTTP side to the engine process.
 
-The frontend tokenizes (in a worker thread) and detokenizes; the engine process sees token ids
-only, so the HTTP loop never waits on a forward and the engine never waits on text work.
+It tokenizes (in a worker thread) and detokenizes; the engine process sees token ids only, so the
+HTTP loop never waits on a forward and the engine never waits on text work. `EngineClient` is
+what the handlers need of it, and what the tests' fakes provide.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import itertools
 import logging
 import pickle
@@ -16,20 +16,11 @@ from typing import Any, AsyncIterator, Callable, Protocol, runtime_checkable
 
 import zmq
 import zmq.asyncio
-from fastapi import FastAPI, Request
 
 from freetoken.config import FrontendConfig
 from freetoken.message import AbortMsg, DetokenizeMsg, ExitMsg, TokenizeMsg, UserMsg, UserReply
-from freetoken.server import errors, generation, openai_api
-from freetoken.server.api_models import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    ModelCard,
-    ModelList,
-    TokenizeRequest,
-)
-from freetoken.server.errors import AsciiJSONResponse, RequestError
+from freetoken.serving import errors, generation
+from freetoken.serving.errors import RequestError
 from freetoken.tokenizer.reply import ReplyBuilder
 from freetoken.tokenizer.tokenize import TokenizeManager
 
@@ -208,93 +199,3 @@ class FrontendManager:
         if reply.finished and not msg.finished:  # a stop string matched
             await self._to_engine.send(pickle.dumps(AbortMsg(msg.uid)))
         self._push(msg.uid, reply)
-
-
-def _authorized(header: str | None, key: str) -> bool:
-    scheme, _, token = (header or "").partition(" ")
-    # Constant-time: the comparison must not tell an attacker how much of the key matched.
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
-
-
-def create_app(get_state: Callable[[], FrontendManager]):
-    """The FastAPI app, wrapped in the request-body limit (an ASGI app either way)."""
-    app = FastAPI(title="FreeToken", default_response_class=AsciiJSONResponse)
-    errors.install(app)
-
-    @app.get("/health")
-    async def health():
-        state = get_state()
-        if state.dead:
-            return errors.error_response(errors.ENGINE_DEAD, 503, code="engine_dead")
-        if state.draining:  # a load balancer stops sending traffic here
-            return errors.error_response(errors.SHUTTING_DOWN, 503, code="shutdown")
-        return {"status": "ok"}
-
-    @app.get("/v1/stats")
-    async def stats():
-        state = get_state()
-        return {"engine": state.engine_stats, "frontend_requests": state.num_running}
-
-    @app.get("/v1/models")
-    async def models():
-        cfg = get_state().config
-        card = ModelCard(id=cfg.served_model_name, root=cfg.served_model_name,
-                         max_model_len=cfg.max_model_len)
-        return ModelList(data=[card]).model_dump()
-
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
-        return await openai_api.handle_completion(req, request, get_state())
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, request: Request):
-        return await openai_api.handle_chat_completion(req, request, get_state())
-
-    @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest):
-        state = get_state()
-        if (req.prompt is None) == (req.messages is None):
-            raise RequestError("give exactly one of prompt or messages", param="prompt")
-        if req.prompt is not None:
-            msg = TokenizeMsg(0, req.prompt, None, add_special_tokens=req.add_special_tokens)
-        else:
-            msg = TokenizeMsg(0, generation.render_messages(req.messages), None)
-        ids = await state.tokenize(msg, "prompt" if req.prompt is not None else "messages")
-        return {"tokens": ids, "count": len(ids), "max_model_len": state.config.max_model_len}
-
-    @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest):
-        state = get_state()
-        bad = [t for t in req.tokens if not 0 <= t < state.config.vocab_size]
-        if bad:
-            raise RequestError(f"Token id {bad[0]} is out of vocabulary", param="tokens")
-        return {"prompt": await asyncio.to_thread(state.tokenizer.decode, req.tokens)}
-
-    return _Gate(errors.BodyLimit(app, lambda: get_state().config.max_request_bytes), get_state)
-
-
-class _Gate:
-    """The API key and the engine's state, checked before a request reaches FastAPI. Pure ASGI:
-    FastAPI's `@app.middleware` would wrap the body reader and turn the 413 into a 400."""
-
-    def __init__(self, app, get_state: Callable[[], FrontendManager]):
-        self.app, self.get_state = app, get_state
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and (refusal := self._refusal(scope)) is not None:
-            return await refusal(scope, receive, send)
-        await self.app(scope, receive, send)
-
-    def _refusal(self, scope):
-        if scope["path"] == "/health":  # open to probes; it tells no more than up or down
-            return None
-        state = self.get_state()
-        key = state.config.api_key
-        header = dict(scope.get("headers", ())).get(b"authorization", b"").decode("latin-1")
-        if key and not _authorized(header, key):
-            return errors.error_response("Invalid API key", 401)
-        if state.dead:
-            return errors.error_response(errors.ENGINE_DEAD, 503, code="engine_dead")
-        if state.draining:
-            return errors.error_response(errors.SHUTTING_DOWN, 503, code="shutdown")
-        return None

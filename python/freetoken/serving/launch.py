@@ -31,7 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from freetoken.config import EngineConfig
-from freetoken.server.args import ServerArgs, parse_args, resolve_parsers
+from freetoken.serving.args import ServerArgs, parse_args, resolve_parsers
 
 log = logging.getLogger("freetoken")
 
@@ -136,7 +136,7 @@ def build_frontend(args: ServerArgs, ipc_dir: str, procs: list):
     from transformers import AutoTokenizer
 
     from freetoken.config import engine_config, frontend_config
-    from freetoken.server.api_server import FrontendManager
+    from freetoken.serving.client import FrontendManager
 
     steps = _Steps(3)
     try:
@@ -211,7 +211,7 @@ async def _serve(server, sock: socket.socket, frontend, proc, args: ServerArgs) 
             log.error("The engine process died (%s); ending %d request(s) with 503 and exiting "
                       "with status 1 so that a supervisor restarts the server",
                       _exit_reason(proc), frontend.num_running)
-            from freetoken.server.errors import ENGINE_DEAD
+            from freetoken.serving.errors import ENGINE_DEAD
 
             frontend.draining = True
             frontend.fail_all(ENGINE_DEAD, "engine_dead")
@@ -232,7 +232,7 @@ async def _serve(server, sock: socket.socket, frontend, proc, args: ServerArgs) 
 
 
 async def _drain(frontend, signals: list[int], timeout: float) -> None:
-    from freetoken.server.errors import SHUTTING_DOWN
+    from freetoken.serving.errors import SHUTTING_DOWN
 
     frontend.draining = True
     name = signal.Signals(signals[0]).name
@@ -288,7 +288,7 @@ def launch_server(argv: list[str] | None = None, prog: str = "freetoken serve") 
     told_to_exit = False
     try:
         from freetoken.models.loader import ModelNotFound
-        from freetoken.server.api_server import create_app
+        from freetoken.serving.app import create_app
 
         try:
             frontend, proc = build_frontend(replace(args, port=port), ipc_dir, procs)

@@ -13,7 +13,7 @@ import pytest
 
 from freetoken.core import TokenLogprob
 from freetoken.message import UserReply
-from freetoken.server.openai_api import CompletionRequest, handle_completion
+from freetoken.serving.completion import CompletionRequest, handle_completion
 
 
 class State:
@@ -106,7 +106,7 @@ def test_seed_script_copy_is_verbatim():
 
 def test_fakes_and_the_frontend_satisfy_the_engine_client_protocol(tmp_path):
     from freetoken.config import FrontendConfig
-    from freetoken.server.api_server import EngineClient, FrontendManager
+    from freetoken.serving.client import EngineClient, FrontendManager
 
     assert isinstance(State(), EngineClient)
     assert not isinstance(SimpleNamespace(config=State.config), EngineClient)
@@ -120,7 +120,7 @@ def test_fakes_and_the_frontend_satisfy_the_engine_client_protocol(tmp_path):
 
 def _chat(state, stream: bool):
     """The response, and for a stream its SSE frames, read on the same event loop."""
-    from freetoken.server.openai_api import ChatCompletionRequest, handle_chat_completion
+    from freetoken.serving.chat import ChatCompletionRequest, handle_chat_completion
 
     req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
                                 max_tokens=8, stream=stream)

@@ -1,7 +1,7 @@
 """Pydantic request and response models: the HTTP edge, and the only place pydantic is used.
 
 Requests keep `extra="allow"` as upstream, so a field we do not declare is still seen:
-`openai_api` answers every undeclared field that could change the result with a 400 instead of
+`validation.unsupported_reason` answers every undeclared field that could change the result with a 400 instead of
 dropping it.
 """
 
@@ -41,7 +41,7 @@ class _SamplingFields(OpenAIBaseModel):
     stream_options: StreamOptions | None = None
     allowed_token_ids: TokenIds | None = None
     return_tokens_as_token_ids: StrictBool | None = None
-    # Declared so their neutral values pass; any other value is refused in openai_api.
+    # Declared so their neutral values pass; any other value is refused in validation.py.
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None

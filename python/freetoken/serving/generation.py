@@ -19,8 +19,8 @@ from freetoken.message import TokenizeMsg, UserReply
 from freetoken.parsing import Label, LogprobRouter, LogprobsUnavailable, Step, validate_tools
 from freetoken.parsing import registry
 from freetoken.parsing.family import special_ids
-from freetoken.server.api_models import ChatCompletionRequest, Message
-from freetoken.server.errors import RequestError, reply_error
+from freetoken.serving.api_models import ChatCompletionRequest, Message
+from freetoken.serving.errors import RequestError, reply_error
 
 
 @dataclass

@@ -1,0 +1,236 @@
+"""`/v1/completions`: validate, submit every prompt x n, shape JSON or SSE from the replies.
+
+`state` is an `EngineClient` (client.py): `FrontendManager`, or a test's fake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, AsyncIterator
+
+from fastapi.responses import StreamingResponse
+
+from freetoken.core import SamplingParams, TokenLogprob
+from freetoken.message import TokenizeMsg, UserReply
+from freetoken.serving.api_models import CompletionRequest
+from freetoken.serving.errors import RequestError, error_body, error_from, reply_error
+from freetoken.serving.handling import (
+    check_model,
+    check_sampling_defaults,
+    limits_of,
+    sse,
+    token_texts,
+    until_disconnected,
+    usage_dict,
+)
+from freetoken.serving.logprob_format import completion_logprobs
+from freetoken.serving.validation import prompt_list, to_sampling_params, unsupported_reason
+
+if TYPE_CHECKING:
+    from freetoken.serving.client import EngineClient
+
+
+@dataclass
+class Choice:
+    """One completion choice as it accumulates replies."""
+
+    index: int
+    uid: int
+    prefix: str = ""  # the echoed prompt
+    text: str = ""
+    entries: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, reply: UserReply) -> None:
+        if reply.error:
+            raise reply_error(reply.error, reply.error_code)
+        self.text += reply.incremental_output
+        self.entries += [e for e in [*reply.logprobs, reply.stop_logprob] if e is not None]
+        self.prompt_tokens += reply.prompt_tokens_delta
+        self.completion_tokens += reply.completion_tokens_delta
+        self.cached_tokens = max(self.cached_tokens, reply.cached_tokens)
+        if reply.finished:
+            self.finish_reason = reply.finish_reason
+
+
+async def handle_completion(req: CompletionRequest, raw_request, state: EngineClient,
+                            model_sampling: dict | None = None):
+    """`raw_request`: the Starlette request, watched for a client that leaves (None in tests)."""
+    try:
+        check_sampling_defaults(model_sampling)
+        check_model(req, state)
+        if (err := unsupported_reason(req)) is not None:
+            raise err
+        limits = limits_of(state)
+        params = to_sampling_params(req, limits)
+        choices, msgs = _completion_choices(state, req, prompt_list(req, limits), params)
+        # A request's prompts enter the engine a window at a time, so that one request with many
+        # prompts does not queue ahead of every request that arrives after it.
+        window = getattr(state.config, "max_running_requests", 64)  # fakes may lack it
+        streams = _choice_streams(state, msgs, asyncio.Semaphore(window))
+        if req.stream:
+            return await stream_completion_chunks(state, req, params, choices, streams, window)
+        await until_disconnected(raw_request, _all_or_none(
+            [_drain(c, replies) for c, replies in zip(choices, streams)]))
+    except RequestError as exc:
+        return error_from(exc)
+    texts = token_texts(state)
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": req.model or state.config.served_model_name,
+        "choices": [
+            {
+                "index": c.index,
+                "text": c.prefix + c.text,
+                "logprobs": completion_logprobs(c.entries, texts, params.return_tokens_as_token_ids)[0]
+                if params.logprobs is not None else None,
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
+        ],
+        "usage": _sum_usage(choices),
+    }
+
+
+def _sum_usage(choices: list[Choice]) -> dict:
+    return usage_dict(sum(c.prompt_tokens for c in choices),
+                      sum(c.completion_tokens for c in choices),
+                      sum(c.cached_tokens for c in choices))
+
+
+def _completion_choices(state, req: CompletionRequest, prompts,
+                        params: SamplingParams) -> tuple[list[Choice], list[TokenizeMsg]]:
+    """One choice and one engine request per prompt x n."""
+    choices, msgs = [], []
+    tokenizer = getattr(state, "tokenizer", None)
+    for p_index, prompt in enumerate(prompts):
+        prefix = ""
+        if req.echo:
+            prefix = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
+        for j in range(req.n):
+            # Choices of one prompt must differ: each draws from its own seed.
+            seed = None if params.seed is None else params.seed + j
+            uid = state.new_user()
+            msgs.append(TokenizeMsg(uid, prompt, replace(params, seed=seed)))
+            choices.append(Choice(index=p_index * req.n + j, uid=uid, prefix=prefix))
+    return choices, msgs
+
+
+def _choice_streams(state, msgs: list[TokenizeMsg], window: asyncio.Semaphore):
+    async def replies(msg: TokenizeMsg) -> AsyncIterator[UserReply]:
+        async with window:
+            await state.send_one(msg)
+            async for reply in state.wait_for_ack(msg.uid):
+                yield reply
+
+    return [replies(m) for m in msgs]
+
+
+async def _drain(choice: Choice, replies: AsyncIterator[UserReply]) -> None:
+    async for reply in replies:
+        choice.add(reply)
+
+
+async def _all_or_none(coros: list) -> list:
+    """Run `coros` together; the first error cancels the rest (whose requests are then aborted
+    by `wait_for_ack`) instead of leaving them running for nobody."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _merged_replies(choices: list[Choice], streams, window: int):
+    """Replies of all choices in arrival order. The first reply of each choice in the first
+    window is read before streaming starts, so an error such as an over-long prompt is still
+    a plain 400."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(c: Choice, replies) -> None:
+        try:
+            async for reply in replies:
+                queue.put_nowait((c, reply))
+        finally:
+            queue.put_nowait((c, None))
+
+    tasks = [asyncio.create_task(pump(c, s)) for c, s in zip(choices, streams)]
+    try:
+        awaited, early = {c.uid for c in choices[:window]}, []
+        while awaited:
+            c, reply = await queue.get()
+            early.append((c, reply))
+            awaited.discard(c.uid)
+            if reply is not None and reply.error:
+                c.add(reply)  # raises RequestError
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        raise
+
+    async def generator():
+        open_choices = len(choices)
+        try:
+            for c, reply in early:
+                open_choices -= reply is None
+                if reply is not None:
+                    yield c, reply
+            while open_choices:
+                c, reply = await queue.get()
+                if reply is None:
+                    open_choices -= 1
+                else:
+                    yield c, reply
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    return generator()
+
+
+async def stream_completion_chunks(state, req, params: SamplingParams, choices: list[Choice],
+                                   streams, window: int):
+    replies = await _merged_replies(choices, streams, window)
+    texts, as_ids = token_texts(state), params.return_tokens_as_token_ids
+    cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    model = req.model or state.config.served_model_name
+    offsets = {c.uid: 0 for c in choices}
+
+    def chunk(choices_payload: list[dict], **extra) -> str:
+        return sse({"id": cid, "object": "text_completion", "created": created, "model": model,
+                     "choices": choices_payload, **extra})
+
+    async def body():
+        for c in choices:
+            if c.prefix:  # echo: the prompt text comes first, as its own chunk
+                yield chunk([{"index": c.index, "text": c.prefix, "logprobs": None,
+                              "finish_reason": None}])
+        try:
+            async for c, reply in replies:
+                c.add(reply)
+                logprobs = None
+                if params.logprobs is not None:
+                    entries = [e for e in [*reply.logprobs, reply.stop_logprob] if e is not None]
+                    logprobs, offsets[c.uid] = completion_logprobs(entries, texts, as_ids, offsets[c.uid])
+                if not reply.incremental_output and not reply.finished and not reply.logprobs:
+                    continue
+                yield chunk([{"index": c.index, "text": reply.incremental_output,
+                              "logprobs": logprobs, "finish_reason": c.finish_reason}])
+            if req.stream_options and req.stream_options.include_usage:
+                yield chunk([], usage=_sum_usage(choices))
+        except RequestError as exc:
+            yield sse(error_body(exc))
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+

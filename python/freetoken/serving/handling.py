@@ -1,0 +1,80 @@
+"""What the completion and chat handlers share: request checks, the limits a request must fit,
+disconnect watching, usage and SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import TYPE_CHECKING, Any
+
+from freetoken.serving.errors import RequestError
+from freetoken.serving.validation import Limits
+from freetoken.tokenizer.detokenize import TokenTexts
+
+if TYPE_CHECKING:
+    from freetoken.serving.client import EngineClient
+
+
+def limits_of(state: EngineClient) -> Limits:
+    # A fake state's config may carry only some of FrontendConfig's fields (upstream's has two).
+    cfg = state.config
+    return Limits(
+        vocab_size=getattr(cfg, "vocab_size", None),
+        max_logprobs=getattr(cfg, "max_logprobs", 20),
+        max_output_tokens=getattr(cfg, "max_output_tokens", None),
+        return_tokens_as_token_ids=getattr(cfg, "return_tokens_as_token_ids", False),
+        max_prompts_per_request=getattr(cfg, "max_prompts_per_request", 1024),
+    )
+
+
+def token_texts(state: EngineClient) -> TokenTexts | None:
+    tokenizer = getattr(state, "tokenizer", None)  # not part of EngineClient: fakes lack it
+    return TokenTexts.of(tokenizer) if tokenizer is not None else None
+
+
+def check_model(req, state) -> None:
+    name = state.config.served_model_name
+    if req.model is not None and req.model != name:
+        raise RequestError(f"The model `{req.model}` does not exist.", param="model",
+                           code="model_not_found", status=404)
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return usage
+
+
+def check_sampling_defaults(model_sampling: dict | None) -> None:
+    """Upstream passes per-model sampling defaults (its `--sampling-defaults model`); this server
+    has none, so a caller that passes some is told rather than ignored."""
+    if model_sampling:
+        raise RequestError("per-model sampling defaults are not supported by this server",
+                           status=500, code="engine_error")
+
+
+DISCONNECT_POLL_S = 0.5
+
+
+async def until_disconnected(raw_request, awaitable):
+    """Await `awaitable`, cancelling it if the client goes away meanwhile: a non-streaming
+    client that gives up must not leave its requests running (a stream learns it on write)."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while raw_request is not None:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                break
+            if await raw_request.is_disconnected():
+                raise RequestError("The client disconnected", code="client_disconnected", status=499)
+        return await task
+    finally:
+        task.cancel()
+
+
+def sse(payload: Any) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
