@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from freetoken.tokenizer import detokenize
 from freetoken.tokenizer.detokenize import DetokStep, IncrementalDetokenizer, TokenTexts
@@ -223,3 +224,47 @@ def test_token_texts_specials_and_cache(qwen35_tokenizer: PreTrainedTokenizerFas
     assert tt.text(QWEN_SPECIALS["<think>"]) == "<think>" and tt.bytes(QWEN_SPECIALS["</tool_call>"]) == b"</tool_call>"
     assert {qwen35_tokenizer.convert_ids_to_tokens(i): i for i in QWEN_SPECIALS.values()} == QWEN_SPECIALS
     assert tt.bytes(qwen35_tokenizer.encode(" é")[0]) == " é".encode()
+
+
+BYTE_OF = {c: b for b, c in bytes_to_unicode().items()}  # GPT-2 byte-level vocab char -> byte
+
+
+def completed_texts(tok: Any, ids: list[int], skip: bool) -> list[str]:
+    """Reference for byte-level vocabularies, decoded by hand from the vocabulary: the text each
+    token completes (bytes pile up until they decode as whole UTF-8 characters)."""
+    out, pend = [], b""
+    for i in ids:
+        added = tok.added_tokens_decoder.get(i)
+        if added is not None:  # stored verbatim, not byte-mapped
+            pend += b"" if skip and added.special else added.content.encode()
+        else:
+            pend += bytes(BYTE_OF[c] for c in tok.convert_ids_to_tokens(i))
+        try:
+            out.append(pend.decode())
+            pend = b""
+        except UnicodeDecodeError:
+            out.append("")
+    return out
+
+
+@pytest.mark.parametrize("name", ["qwen", "bytelevel"])
+@HYP
+@given(data=st.data(), skip=st.booleans())
+def test_offsets_give_each_token_the_text_it_completes(toks: dict, name: str, data: st.DataObject, skip: bool) -> None:
+    tok, specials = toks[name]
+    text = data.draw(st.lists(st.sampled_from(PIECES + specials), min_size=1, max_size=16).map("".join))
+    ids = tok.encode(text, add_special_tokens=False)
+    steps = run(tok, ids, data.draw(sizes), [], skip)
+    for s in steps:  # no stop strings: nothing is held back, so the shares make up the whole text
+        assert len(s.offsets) == s.released and "".join(s.shares()) == s.text
+    assert [p for s in steps for p in s.shares()] == completed_texts(tok, ids, skip)
+
+
+def test_offsets_skip_held_back_text_of_earlier_tokens(qwen35_tokenizer: PreTrainedTokenizerFast) -> None:
+    ids = qwen35_tokenizer.encode("Hello world again")  # Hello | world | again
+    det = IncrementalDetokenizer(qwen35_tokenizer, ["lo wx", "rld ag"])
+    steps = [det.step(ids[:1], False), det.step(ids[1:2], False), det.step(ids[2:], True)]
+    # "lo" (held back, of "Hello") comes before " world"'s share; "rld" is cut by the stop.
+    assert [(s.text, s.offsets, s.shares()) for s in steps] == [
+        ("Hel", (0,), ["Hel"]), ("lo wo", (2,), [" wo"]), ("", (), [])]
+    assert steps[-1].stopped == "rld ag" and steps[-1].dropped == 1

@@ -10,18 +10,30 @@ UTF-8 character) is not committed until a later token completes it.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, NamedTuple, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 import weakref
 
 _FFFD = "\ufffd"
 _TRIM_AT = 4096  # drop ids before the window once this many pile up (memory only)
 
 
-class DetokStep(NamedTuple):
+@dataclass(slots=True)
+class DetokStep:
     text: str  # newly released text
     released: int  # how many fed tokens are newly released (in feed order)
     dropped: int  # how many fed tokens are dropped for good (only when stopped)
     stopped: str | None  # the stop string that matched in this step
+    # Per released token, where its share of `text` starts: the text it completed (committed
+    # while it was the newest token), cut to what is released. A share runs to the next offset,
+    # the last to the end of `text`; text before offsets[0] is the held-back rest of a token
+    # released earlier. Chat parsers need these; left out of == as they only split `text`.
+    offsets: tuple[int, ...] = field(default=(), compare=False)
+
+    def shares(self) -> list[str]:
+        """Each released token's share of `text` (see `offsets`)."""
+        o = self.offsets
+        return [self.text[a:b] for a, b in zip(o, (*o[1:], len(self.text)))]
 
 
 def _make_decode(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
@@ -54,14 +66,15 @@ class IncrementalDetokenizer:
         self._done_len = 0  # chars committed (released + held in _buf)
         self._buf = ""  # committed, not yet released (held back as a possible stop-string start)
         self._shown = 0  # chars released
-        self._starts: deque[int] = deque()  # start offsets of fed, unreleased tokens
+        # Fed, unreleased tokens: (start offset, chars committed when fed = where its share starts)
+        self._fed: deque[tuple[int, int]] = deque()
         self._ended = False
 
     def step(self, new_ids: Sequence[int], finished: bool) -> DetokStep:
         if self._ended:  # not expected after a stop / finish; nothing more is released
             return DetokStep("", 0, len(new_ids), None)
         for n, tid in enumerate(new_ids, 1):
-            self._starts.append(self._done_len + self._pend_len)
+            self._fed.append((self._done_len + self._pend_len, self._done_len))
             self._ids.append(tid)
             text = self._decode(self._ids[self._prefix :])
             # Empty growth (skipped special) must not advance: the next token would then
@@ -82,13 +95,12 @@ class IncrementalDetokenizer:
                     return self._stop(*hit, unfed=0)
             text, self._buf = self._buf, ""
             self._shown += len(text)
-            released = len(self._starts)
-            self._starts.clear()
-            return DetokStep(text, released, 0, None)
+            return DetokStep(text, len(self._fed), 0, None, self._release(text, everything=True))
         keep = len(self._buf) - self._holdback()
         text, self._buf = self._buf[:keep], self._buf[keep:]
         self._shown += len(text)
-        return DetokStep(text, self._release(), 0, None)
+        offsets = self._release(text)
+        return DetokStep(text, len(offsets), 0, None, offsets)
 
     def _advance(self) -> None:
         self._prefix, self._read = self._read, len(self._ids)
@@ -116,11 +128,11 @@ class IncrementalDetokenizer:
     def _stop(self, pos: int, stop: str, unfed: int) -> DetokStep:
         text, self._buf = self._buf[:pos], ""
         self._shown += pos
-        released = self._release()
-        dropped = len(self._starts) + unfed  # their text starts at/after the cut
-        self._starts.clear()
+        offsets = self._release(text)
+        dropped = len(self._fed) + unfed  # their text starts at/after the cut
+        self._fed.clear()
         self._ended = True
-        return DetokStep(text, released, dropped, stop)
+        return DetokStep(text, len(offsets), dropped, stop, offsets)
 
     def _holdback(self) -> int:
         """Length of the longest suffix of _buf that is a proper prefix of a stop string.
@@ -133,12 +145,14 @@ class IncrementalDetokenizer:
                 return k
         return 0
 
-    def _release(self) -> int:
-        n = 0
-        while self._starts and self._starts[0] < self._shown:
-            self._starts.popleft()
-            n += 1
-        return n
+    def _release(self, text: str, everything: bool = False) -> tuple[int, ...]:
+        """Pop the released tokens (all if `everything`); their offsets in `text`, just released."""
+        lo, fed, out = self._shown - len(text), self._fed, []
+        while fed and (everything or fed[0][0] < self._shown):
+            # A share never starts past `text`'s end (committed <= start < shown, or all shown at
+            # finish), but may start before it: that part was shown with an earlier step's tokens.
+            out.append(max(fed.popleft()[1] - lo, 0))
+        return tuple(out)
 
 
 def _byte_decoder() -> dict[str, int]:
