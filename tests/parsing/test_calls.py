@@ -15,21 +15,11 @@ from freetoken.parsing.calls import Detector, ToolCallItem
 from freetoken.parsing.harmony import HarmonyDetector
 from freetoken.parsing.hermes import HermesDetector
 from freetoken.parsing.qwen3_coder import Qwen3CoderDetector, convert_param_value
+from tests.parsing.support import TOOLS
 
 FAST = settings(max_examples=120, deadline=None)
 
 
-def tool(name: str, **props: dict) -> dict:
-    return {"type": "function", "function": {"name": name, "description": name,
-                                             "parameters": {"type": "object", "properties": props}}}
-
-
-TOOLS = [
-    tool("get_weather", city={"type": "string"}, days={"type": "integer"}, metric={"type": "boolean"}),
-    tool("write_file", path={"type": "string"}, content={"type": "string"}),
-    tool("configure", ratio={"type": "number"}, opts={"type": "object"}, tags={"type": "array"},
-         limit={"type": ["integer", "null"]}, note={"type": ["string", "null"]}),
-]
 FORMATS = ["hermes", "qwen3_coder", "gpt_oss"]
 
 

@@ -5,19 +5,7 @@ from __future__ import annotations
 import pytest
 
 from freetoken.parsing.tools import validate_tools
-
-
-def tool(name: str, **props: dict) -> dict:
-    return {"type": "function", "function": {"name": name, "description": name,
-                                             "parameters": {"type": "object", "properties": props}}}
-
-
-TOOLS = [
-    tool("get_weather", city={"type": "string"}, days={"type": "integer"}, metric={"type": "boolean"}),
-    tool("write_file", path={"type": "string"}, content={"type": "string"}),
-    tool("configure", ratio={"type": "number"}, opts={"type": "object"}, tags={"type": "array"},
-         limit={"type": ["integer", "null"]}, note={"type": ["string", "null"]}),
-]
+from tests.parsing.support import TOOLS, tool
 
 
 @pytest.mark.parametrize("tools,choice,error", [
