@@ -131,3 +131,24 @@ def test_bad_tools_are_a_400_naming_the_field(scripted_server, fields, param, st
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and "tool" in err["message"]
+
+
+def test_openai_sdk_tool_loop_sends_the_call_back(scripted_server):
+    """call -> tool result -> next turn, as the openai SDK does it: the assistant message goes
+    back as the SDK returned it (content null beside tool_calls), then a tool message."""
+    client = scripted_server.client()
+    messages: list = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = client.chat.completions.create(model=None, messages=messages, tools=[WEATHER],
+                                           temperature=0)
+    turn = first.choices[0].message
+    assert turn.content is None and turn.tool_calls[0].function.name == "get_weather"
+    messages += [turn, {"role": "tool", "tool_call_id": turn.tool_calls[0].id,
+                        "content": '{"temperature_c": 21}'}]
+    # The template renders both the call and its result into the next prompt.
+    ids = httpx.post(f"{scripted_server.url}/tokenize", json={"messages": [
+        m if isinstance(m, dict) else m.model_dump() for m in messages]}).json()["tokens"]
+    prompt = httpx.post(f"{scripted_server.url}/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert '"name": "get_weather"' in prompt and '{"temperature_c": 21}' in prompt
+    second = client.chat.completions.create(model=None, messages=messages, tools=[WEATHER],
+                                            temperature=0)
+    assert second.choices[0].finish_reason == "tool_calls"  # the script asks again

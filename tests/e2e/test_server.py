@@ -167,3 +167,20 @@ def test_tokenize_takes_messages_as_chat_does_on_the_default_template(default_se
         assert tok.status_code == 200 and tok.json()["count"] > 0
     else:
         assert tok.status_code == 400 and tok.json()["error"]["param"] == "messages"
+
+
+def test_assistant_tool_call_turn_with_null_content_renders(default_server):
+    """The turn the openai SDK and LangChain send back after a tool call (content null beside
+    tool_calls), then the tool's result: SmolLM2's template reads `message.content` of every turn."""
+    messages = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C"},
+    ]
+    reply = default_server.client().chat.completions.create(
+        model=None, messages=messages, max_tokens=4, temperature=0)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    tok = httpx.post(f"{default_server.url}/tokenize", json={"messages": messages})
+    assert tok.status_code == 200 and tok.json()["count"] == reply.usage.prompt_tokens

@@ -93,6 +93,8 @@ def render_messages(messages: list[Message]) -> list[dict]:
     out = []
     for i, m in enumerate(messages):
         msg = m.model_dump(exclude_none=True)
+        if m.role == "assistant" and m.tool_calls and m.content is None:
+            msg["content"] = ""  # the openai SDK and LangChain send null beside tool_calls
         if isinstance(m.content, list):
             for part in m.content:
                 if part.type != "text" or part.text is None:
