@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from freetoken.config import FrontendConfig
 from freetoken.core import TokenLogprob
 from freetoken.message import UserReply
 from freetoken.serving.completion import CompletionRequest, handle_completion
@@ -19,7 +20,7 @@ from freetoken.serving.completion import CompletionRequest, handle_completion
 class State:
     """Only what upstream's fake state has: config, new_user, send_one, wait_for_ack."""
 
-    config = SimpleNamespace(served_model_name="m", max_output_tokens=None)
+    config = FrontendConfig(served_model_name="m", max_model_len=8192, vocab_size=49152)
 
     def __init__(self, replies=None):
         self.sent = []
@@ -105,7 +106,6 @@ def test_seed_script_copy_is_verbatim():
 
 
 def test_fakes_and_the_frontend_satisfy_the_engine_client_protocol(tmp_path):
-    from freetoken.config import FrontendConfig
     from freetoken.serving.client import EngineClient, FrontendManager
 
     assert isinstance(State(), EngineClient)

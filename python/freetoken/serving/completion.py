@@ -72,7 +72,7 @@ async def handle_completion(req: CompletionRequest, raw_request, state: EngineCl
         choices, msgs = _completion_choices(state, req, prompt_list(req, limits), params)
         # A request's prompts enter the engine a window at a time, so that one request with many
         # prompts does not queue ahead of every request that arrives after it.
-        window = getattr(state.config, "max_running_requests", 64)  # fakes may lack it
+        window = limits.max_running_requests
         streams = _choice_streams(state, msgs, asyncio.Semaphore(window))
         if req.stream:
             return await stream_completion_chunks(state, req, params, choices, streams, window)

@@ -14,6 +14,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from freetoken.config import FrontendConfig
 from freetoken.core import SamplingParams, TokenLogprob
 from freetoken.message import TokenizeMsg, UserReply
 from freetoken.parsing import Label, LogprobRouter, LogprobsUnavailable, Step, validate_tools
@@ -117,11 +118,10 @@ def _json_or_text(text: str) -> Any:
         return text
 
 
-def reply_options(config, chat: bool) -> dict:
+def reply_options(config: FrontendConfig, chat: bool) -> dict:
     """How a request's replies are built (`ReplyBuilder`'s options): chat output that a parser
     reads needs each token's text, and some families' markers are special tokens kept in it."""
-    reasoning = getattr(config, "reasoning_parser", None)
-    tool = getattr(config, "tool_call_parser", None)
+    reasoning, tool = config.reasoning_parser, config.tool_call_parser
     parsed = chat and (reasoning is not None or tool is not None)
     keep = parsed and registry.keeps_special_tokens(reasoning, tool)
     return {"skip_special_tokens": not keep, "token_texts": parsed}
@@ -139,10 +139,10 @@ def chat_request_to_genspec(req: ChatCompletionRequest, params: SamplingParams, 
     if isinstance(req.tool_choice, dict) and tools:
         wanted = req.tool_choice["function"]["name"]
         template_tools = [t for t in tools if t["function"]["name"] == wanted]
-    tool_parser = getattr(cfg, "tool_call_parser", None)
+    tool_parser = cfg.tool_call_parser
     parser_tools = tools if tools and req.tool_choice != "none" and tool_parser else None
     ctk = dict(req.chat_template_kwargs or {})
-    reasoning = getattr(cfg, "reasoning_parser", None)
+    reasoning = cfg.reasoning_parser
     if req.include_reasoning_logprobs and not req.logprobs:
         raise RequestError("include_reasoning_logprobs needs logprobs: true",
                            param="include_reasoning_logprobs")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 from freetoken.serving.errors import RequestError
@@ -16,15 +17,11 @@ if TYPE_CHECKING:
 
 
 def limits_of(state: EngineClient) -> Limits:
-    # A fake state's config may carry only some of FrontendConfig's fields (upstream's has two).
-    cfg = state.config
-    return Limits(
-        vocab_size=getattr(cfg, "vocab_size", None),
-        max_logprobs=getattr(cfg, "max_logprobs", 20),
-        max_output_tokens=getattr(cfg, "max_output_tokens", None),
-        return_tokens_as_token_ids=getattr(cfg, "return_tokens_as_token_ids", False),
-        max_prompts_per_request=getattr(cfg, "max_prompts_per_request", 1024),
-    )
+    """The limits in `state.config`: a `FrontendConfig`, or a fake's namespace with only some of
+    its fields (upstream's fake state, which the seed-000 script uses, has two), read over
+    `Limits`' defaults."""
+    names = [f.name for f in fields(Limits)]
+    return Limits(**{n: getattr(state.config, n) for n in names if hasattr(state.config, n)})
 
 
 def token_texts(state: EngineClient) -> TokenTexts | None:
