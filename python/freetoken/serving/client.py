@@ -112,10 +112,15 @@ class FrontendManager:
             return self._fail(msg.uid, errors.ENGINE_DEAD, "engine_dead")
         try:
             ids = await self.tokenize(msg, "messages" if chat else "prompt")
+            # The engine checks the context length (prompt, and prompt + max_tokens) exactly.
+            await self._to_engine.send(pickle.dumps(UserMsg(msg.uid, ids, params)))
         except RequestError as exc:
             return self._fail(msg.uid, exc.message, exc.code or "invalid_prompt")
-        # The engine checks the context length (prompt, and prompt + max_tokens) exactly.
-        await self._to_engine.send(pickle.dumps(UserMsg(msg.uid, ids, params)))
+        except asyncio.CancelledError:
+            # The client left before wait_for_ack (whose exit aborts) began: abort here, or the
+            # request would run, and its state stay, for nobody.
+            await self.abort_user(msg.uid)
+            raise
 
     async def abort_user(self, uid: int) -> None:
         state = self._states.pop(uid, None)
