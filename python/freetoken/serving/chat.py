@@ -15,8 +15,7 @@ from freetoken.serving import generation
 from freetoken.serving.api_models import ChatCompletionRequest
 from freetoken.serving.errors import RequestError, error_body, error_from
 from freetoken.serving.handling import (
-    check_model,
-    check_sampling_defaults,
+    check_request,
     limits_of,
     sse,
     token_texts,
@@ -24,7 +23,7 @@ from freetoken.serving.handling import (
     usage_dict,
 )
 from freetoken.serving.logprob_format import chat_entries
-from freetoken.serving.validation import to_sampling_params, unsupported_reason
+from freetoken.serving.validation import to_sampling_params
 
 if TYPE_CHECKING:
     from freetoken.serving.client import EngineClient
@@ -33,10 +32,7 @@ if TYPE_CHECKING:
 async def handle_chat_completion(req: ChatCompletionRequest, raw_request, state: EngineClient,
                                  model_sampling: dict | None = None):
     try:
-        check_sampling_defaults(model_sampling)
-        check_model(req, state)
-        if (err := unsupported_reason(req)) is not None:
-            raise err
+        check_request(req, state, model_sampling)
         spec = generation.chat_request_to_genspec(req, to_sampling_params(req, limits_of(state)), state)
         if req.stream:
             events = await generation.generate_events(state, spec)

@@ -18,8 +18,7 @@ from freetoken.message import TokenizeMsg, UserReply
 from freetoken.serving.api_models import CompletionRequest
 from freetoken.serving.errors import RequestError, error_body, error_from, reply_error
 from freetoken.serving.handling import (
-    check_model,
-    check_sampling_defaults,
+    check_request,
     limits_of,
     sse,
     token_texts,
@@ -27,7 +26,7 @@ from freetoken.serving.handling import (
     usage_dict,
 )
 from freetoken.serving.logprob_format import completion_logprobs
-from freetoken.serving.validation import prompt_list, to_sampling_params, unsupported_reason
+from freetoken.serving.validation import prompt_list, to_sampling_params
 
 if TYPE_CHECKING:
     from freetoken.serving.client import EngineClient
@@ -63,10 +62,7 @@ async def handle_completion(req: CompletionRequest, raw_request, state: EngineCl
                             model_sampling: dict | None = None):
     """`raw_request`: the Starlette request, watched for a client that leaves (None in tests)."""
     try:
-        check_sampling_defaults(model_sampling)
-        check_model(req, state)
-        if (err := unsupported_reason(req)) is not None:
-            raise err
+        check_request(req, state, model_sampling)
         limits = limits_of(state)
         params = to_sampling_params(req, limits)
         choices, msgs = _completion_choices(state, req, prompt_list(req, limits), params)

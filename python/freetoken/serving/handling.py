@@ -9,7 +9,7 @@ from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 from freetoken.serving.errors import RequestError
-from freetoken.serving.validation import Limits
+from freetoken.serving.validation import Limits, unsupported_reason
 from freetoken.tokenizer.detokenize import TokenTexts
 
 if TYPE_CHECKING:
@@ -29,11 +29,20 @@ def token_texts(state: EngineClient) -> TokenTexts | None:
     return TokenTexts.of(tokenizer) if tokenizer is not None else None
 
 
-def check_model(req, state) -> None:
+def check_request(req, state: EngineClient, model_sampling: dict | None) -> None:
+    """What both endpoints refuse before building anything: an unknown model (404), a field we
+    do not implement (400), and upstream's per-model sampling defaults (its `--sampling-defaults
+    model`), which this server does not have, so a caller that passes some is told rather than
+    ignored."""
+    if model_sampling:
+        raise RequestError("per-model sampling defaults are not supported by this server",
+                           status=500, code="engine_error")
     name = state.config.served_model_name
     if req.model is not None and req.model != name:
         raise RequestError(f"The model `{req.model}` does not exist.", param="model",
                            code="model_not_found", status=404)
+    if (err := unsupported_reason(req)) is not None:
+        raise err
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
@@ -42,14 +51,6 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
     if cached_tokens:
         usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
     return usage
-
-
-def check_sampling_defaults(model_sampling: dict | None) -> None:
-    """Upstream passes per-model sampling defaults (its `--sampling-defaults model`); this server
-    has none, so a caller that passes some is told rather than ignored."""
-    if model_sampling:
-        raise RequestError("per-model sampling defaults are not supported by this server",
-                           status=500, code="engine_error")
 
 
 DISCONNECT_POLL_S = 0.5
