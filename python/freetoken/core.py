@@ -31,6 +31,21 @@ class SamplingParams:
     # Vocabulary mask; a masked row that asks for logprobs gets them renormalised over these ids.
     allowed_token_ids: list[int] | None = None
     return_tokens_as_token_ids: bool = False
+    # Logit processing (engine/sample.py applies it in vLLM's order; raw logprobs ignore it).
+    min_tokens: int = 0  # EOS and stop_token_ids banned, stop strings ignored, until this many
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    bad_words: list[str] = field(default_factory=list)
+    # bad_words as token sequences, filled in by the frontend's tokenizer before the engine sees it.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # Alternatives per prompt position; None: no prompt logprobs.
+    prompt_logprobs: int | None = None
+    # Output text controls (the frontend's detokenizer).
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     @property
     def is_greedy(self) -> bool:

@@ -26,12 +26,12 @@ def _round_up(n: int, block: int) -> int:
 
 class Engine:
     def __init__(self, model: torch.nn.Module, num_kv_slots: int, device: torch.device,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, eos_token_ids: tuple[int, ...] = ()):
         self.model = model
         self.device = device
         cfg = getattr(model, "cfg", model)
         self.kv = KVPool(num_kv_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, device)
-        self.sampler = Sampler(model.vocab_size, device)
+        self.sampler = Sampler(model.vocab_size, device, eos_token_ids)
         # Token rows and logit rows are padded so that a row's matmul bits never depend on
         # how many rows the step has (models/linear.py).
         self.row_padding = getattr(model, "row_padding", MKL_ROWS)
@@ -50,7 +50,8 @@ class Engine:
         ctx = self.build_context(batch)
         logits = self.model(batch, ctx)[: len(batch.logit_reqs)]
         args = self.sampler.prepare([r.params for r in batch.logit_reqs],
-                                    [r.generator for r in batch.logit_reqs])
+                                    [r.generator for r in batch.logit_reqs],
+                                    [(r.prompt_ids, r.output_ids) for r in batch.logit_reqs])
         return self.sampler.sample(logits, args)
 
     def _prompt_groups(self, chunks: list[tuple[int, int, list[int]]]) -> list[PromptGroup]:

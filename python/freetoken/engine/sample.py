@@ -73,9 +73,11 @@ class SampleOutput(NamedTuple):
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, vocab_size: int, device: torch.device | str = "cpu",
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        self.eos_token_ids = eos_token_ids  # banned with stop_token_ids before min_tokens
 
     def _rows(self, rows: list[int]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.long, device=self.device)
@@ -84,8 +86,11 @@ class Sampler:
         return torch.tensor(values, dtype=dtype, device=self.device).unsqueeze(1)
 
     def prepare(
-        self, params: list[SamplingParams], generators: list[torch.Generator]
+        self, params: list[SamplingParams], generators: list[torch.Generator],
+        histories: list[tuple[list[int], list[int]]] | None = None,
     ) -> BatchSamplingArgs:
+        """`histories`: per row, its (prompt ids, output ids so far), which penalties, min_tokens
+        and bad_words read; None when no row uses them."""
         assert len(params) == len(generators), "one generator per row"
         V, B = self.vocab_size, len(params)
         greedy = [i for i, p in enumerate(params) if p.is_greedy]

@@ -59,6 +59,9 @@ class DetokenizeMsg:
     cached_tokens: int = 0
     error: str | None = None
     error_code: str | None = None
+    # With params.prompt_logprobs, on the first message: one entry per prompt token (the first
+    # is None: nothing precedes it), each scoring that prompt token given the ones before it.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -82,3 +85,4 @@ class UserReply:
     # When asked for (chat parsers): each released token's part of `incremental_output`, which
     # ends with them; what comes before them is held-back text of earlier tokens.
     token_texts: list[str] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # as DetokenizeMsg's, on the first

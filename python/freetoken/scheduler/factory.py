@@ -15,7 +15,8 @@ def build_scheduler(loaded: LoadedModel, config: EngineConfig = EngineConfig(),
     """`overrides` replace fields of `config` (tests: `build_scheduler(m, kv_slots=64)`); the
     device and dtype are the loaded model's."""
     config = replace(config, **overrides)
-    engine = Engine(loaded.model, config.kv_slots, loaded.device, loaded.dtype)
+    engine = Engine(loaded.model, config.kv_slots, loaded.device, loaded.dtype,
+                    tuple(loaded.eos_token_ids))
     return Scheduler(engine, SchedulerConfig(
         max_model_len=context_length(config.max_model_len, loaded.max_model_len),
         eos_token_ids=tuple(loaded.eos_token_ids),
