@@ -10,9 +10,12 @@ very same weights in the same process and the same thread count:
 Our decode time is likewise the steps after every request has its first token. The prefix cache
 is off here (repeats reuse prompts); bench_scoring.py measures it.
 The second table is the cost of logprobs: our decode at batch 8 with logprobs None / 0 / 5 / 20.
+The third is the cost of the logit processors: our decode at batch 32 with every one of them on
+(processor_fields) against the same run without.
 
     python scripts/bench_engine.py                 # float32, about 2-3 minutes on 2 cores
     python scripts/bench_engine.py --quick
+    python scripts/bench_engine.py --tables processors   # one table (no HF: no engine table)
     python scripts/bench_engine.py --dtype bfloat16
     python scripts/bench_engine.py --profile       # also: where a decode step's time goes
 """
@@ -32,6 +35,7 @@ from freetoken.core import SamplingParams  # noqa: E402
 from freetoken.scheduler.factory import build_scheduler  # noqa: E402
 from freetoken.message import UserMsg  # noqa: E402
 from freetoken.models.loader import load_model  # noqa: E402
+from freetoken.tokenizer.tokenize import bad_words_token_ids  # noqa: E402
 
 
 class Ours:
@@ -42,23 +46,23 @@ class Ours:
         self.scheduler = build_scheduler(self.loaded, kv_slots=kv_slots, prefix_cache=False)
         self.uid = 0
 
-    def _add(self, prompts: list[list[int]], max_tokens: int, logprobs: int | None) -> None:
+    def _add(self, prompts: list[list[int]], max_tokens: int, **fields) -> None:
+        """Greedy requests; `fields` override or add SamplingParams fields."""
         for ids in prompts:
             self.uid += 1
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                                    logprobs=logprobs)
+            params = SamplingParams(**{"temperature": 0.0, "max_tokens": max_tokens,
+                                       "ignore_eos": True, **fields})
             assert not self.scheduler.add(UserMsg(self.uid, list(ids), params))
 
     def prefill(self, prompts: list[list[int]]) -> None:
         """Every prompt's forward and its first token (max_tokens = 1)."""
-        self._add(prompts, 1, None)
+        self._add(prompts, 1)
         while self.scheduler.has_work:
             self.scheduler.step()
 
-    def decode(self, prompts: list[list[int]], new_tokens: int,
-               logprobs: int | None = None) -> tuple[float, int]:
+    def decode(self, prompts: list[list[int]], new_tokens: int, **fields) -> tuple[float, int]:
         """(seconds, steps) of the decode steps, after every request has its first token."""
-        self._add(prompts, new_tokens, logprobs)
+        self._add(prompts, new_tokens, **fields)
         started: set[int] = set()
         while len(started) < len(prompts):
             started |= {m.uid for m in self.scheduler.step()}
@@ -87,6 +91,16 @@ class HF:
                             pad_token_id=self.tokenizer.pad_token_id)
 
 
+def processor_fields(loaded) -> dict:
+    """Every logit processor on. EOS is banned by min_tokens, then biased away so that every
+    request still runs to max_tokens, as in the run without."""
+    [the], [and_] = (loaded.tokenizer.encode(w, add_special_tokens=False) for w in (" the", " and"))
+    return dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5,
+                min_tokens=4, ignore_eos=False,
+                logit_bias={**{t: -100.0 for t in loaded.eos_token_ids}, the: 1.0, and_: -1.0},
+                bad_words_token_ids=bad_words_token_ids(loaded.tokenizer, ["world peace"]))
+
+
 def main() -> None:
     p = bc.base_parser(__doc__.split("\n")[0])
     p.add_argument("--dtype", default="float32", choices=list(bc.DTYPES), help="both sides")
@@ -95,6 +109,10 @@ def main() -> None:
     p.add_argument("--decode-prompt-len", type=int, default=32, help="prompt tokens before decode")
     p.add_argument("--new-tokens", type=int, default=None, help="decode length (default 32, quick 16)")
     p.add_argument("--logprobs-batch", type=int, default=8, help="batch of the logprobs table")
+    p.add_argument("--processors-batch", type=int, default=32,
+                   help="batch of the logit processors table")
+    p.add_argument("--tables", default="engine,logprobs,processors",
+                   help="tables to print, comma-separated")
     p.add_argument("--kv-slots", type=int, default=16384, help="our KV pool, in tokens")
     p.add_argument("--profile", action="store_true",
                    help="profile our decode steps at batch 1 and 32 (torch.profiler + cProfile)")
@@ -102,6 +120,8 @@ def main() -> None:
     args = p.parse_args()
     bc.setup(args)
     batches = [int(b) for b in args.batches.split(",")]
+    tables = set(args.tables.split(","))
+    assert tables <= {"engine", "logprobs", "processors"}, f"unknown tables: {args.tables}"
     prefill_len = args.prefill_len or (64 if args.quick else 128)
     new_tokens = args.new_tokens or (16 if args.quick else 32)
     print(f"# dtype {args.dtype}; prefill prompts of {prefill_len} tokens; decode {new_tokens} "
@@ -109,18 +129,32 @@ def main() -> None:
 
     ours = Ours(args.dtype, args.kv_slots)
     tok = ours.loaded.tokenizer
-    n = max(batches + [args.logprobs_batch])
+    n = max(batches + [args.logprobs_batch, args.processors_batch])
     pre_prompts = bc.token_prompts(tok, n, prefill_len, seed=1)
     dec_prompts = bc.token_prompts(tok, n, args.decode_prompt_len, seed=2)
 
     # Warm-up both sides (first calls allocate and pick kernels).
     ours.prefill(pre_prompts[:8])
     ours.decode(dec_prompts[:8], 4)
-    hf = None if args.skip_hf else HF(args.dtype)
+    hf = None if args.skip_hf or "engine" not in tables else HF(args.dtype)
     if hf:
         hf.prefill(pre_prompts[:8])
         hf.generate(dec_prompts[:8], 4)
 
+    if "engine" in tables:
+        engine_table(ours, hf, batches, pre_prompts, dec_prompts, prefill_len, new_tokens, args)
+    if "logprobs" in tables:
+        logprobs_table(ours, dec_prompts[:args.logprobs_batch], new_tokens, args)
+    if "processors" in tables:
+        processors_table(ours, dec_prompts[:args.processors_batch], new_tokens, args)
+    bc.load_note()
+    if args.profile:
+        del hf
+        profile(ours, dec_prompts, new_tokens)
+
+
+def engine_table(ours: Ours, hf: HF | None, batches: list[int], pre_prompts: list[list[int]],
+                 dec_prompts: list[list[int]], prefill_len: int, new_tokens: int, args) -> None:
     rows = []
     for b in batches:
         pre, dec = pre_prompts[:b], dec_prompts[:b]
@@ -141,8 +175,9 @@ def main() -> None:
         ["batch", "prefill ours", "prefill HF", "ratio", "decode ours", "decode HF", "ratio",
          "ours ms/step"], rows)
 
-    b = args.logprobs_batch
-    dec = dec_prompts[:b]
+
+def logprobs_table(ours: Ours, dec: list[list[int]], new_tokens: int, args) -> None:
+    b = len(dec)
     base = None
     rows = []
     for k in (None, 0, 5, 20):
@@ -153,10 +188,21 @@ def main() -> None:
     bc.print_table(f"Cost of logprobs: our decode at batch {b}, {args.dtype} (ratio to none)",
                    ["logprobs", "decode tok/s", "ratio", "ms/step"], rows)
 
-    bc.load_note()
-    if args.profile:
-        del hf
-        profile(ours, dec_prompts, new_tokens)
+
+def processors_table(ours: Ours, dec: list[list[int]], new_tokens: int, args) -> None:
+    b, fields = len(dec), processor_fields(ours.loaded)
+    best: dict[str, tuple[float, int]] = {}
+    for _ in range(args.repeats):
+        for name, run_fields in (("none", {}), ("all", fields)):  # alternated: load drift hits both
+            run = ours.decode(dec, new_tokens, **run_fields)
+            best[name] = min(best.get(name, run), run)
+    base = b * (new_tokens - 1) / best["none"][0]
+    rows = []
+    for name, (t, steps) in best.items():
+        rate = b * (new_tokens - 1) / t
+        rows.append([name, rate, bc.ratio(rate, base), bc.ms(t / steps)])
+    bc.print_table(f"Cost of the logit processors: our decode at batch {b}, {args.dtype} "
+                   "(ratio to none)", ["processors", "decode tok/s", "ratio", "ms/step"], rows)
 
 
 def profile(ours: Ours, prompts: list[list[int]], new_tokens: int) -> None:

@@ -82,6 +82,9 @@ class Req:
     # Its sampling stream, made when it is added and kept across preemptions: a seeded stream
     # continues where it was.
     generator: torch.Generator | None = None
+    # With params.prompt_logprobs, until its first message carries them: the entries of the
+    # prompt tokens scored so far, from [None] (the first token has no context).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def all_ids(self) -> list[int]:
@@ -105,8 +108,14 @@ class Batch:
     `logit_reqs` are the requests that sample this step (a chunked prefill that has not reached
     its last prompt token does not). They keep the order of `reqs`, and the model returns one
     logit row per entry, in that order.
+
+    `prompt_rows` are the requests that score their prompt (prompt logprobs), each with the
+    number n of its new tokens, from the first, whose next token is a prompt token. After the
+    sampling rows, the model returns n rows per entry, in that order, the row of a token giving
+    the distribution of the token after it.
     """
 
     reqs: list[Req]
     new_ids: list[list[int]]
     logit_reqs: list[Req]
+    prompt_rows: list[tuple[Req, int]] = field(default_factory=list)

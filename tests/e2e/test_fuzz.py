@@ -49,7 +49,9 @@ COMMON_KINDS = {
     "top_k": "int", "min_p": "float", "seed": "int", "n": "int", "stop": "str",
     "stop_token_ids": "ids", "ignore_eos": "bool", "stream": "bool", "allowed_token_ids": "ids",
     "return_tokens_as_token_ids": "bool", "presence_penalty": "float", "best_of": "int",
-    "user": "str",
+    "user": "str", "frequency_penalty": "float", "repetition_penalty": "float", "min_tokens": "int",
+    "prompt_logprobs": "int", "include_stop_str_in_output": "bool", "skip_special_tokens": "bool",
+    "spaces_between_special_tokens": "bool", "add_special_tokens": "bool",
 }
 COMPLETION_KINDS = {**COMMON_KINDS, "prompt": "str", "logprobs": "int", "echo": "bool",
                     "suffix": "str"}
@@ -60,7 +62,8 @@ COMMON = {
     "model": st.sampled_from(["tiny", "other", ""]),
     "stop": STRS | st.lists(STRS, max_size=3),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
-    "logit_bias": st.dictionaries(STRS, FLOATS, max_size=2),
+    "logit_bias": st.dictionaries(STRS | st.integers(-2, 50_000).map(str), FLOATS, max_size=2),
+    "bad_words": st.lists(STRS, max_size=3),
     "response_format": st.fixed_dictionaries({"type": STRS}),
     "made_up_field": GARBAGE,
 }

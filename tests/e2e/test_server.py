@@ -124,7 +124,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hello " * 9000}, 400, None),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2,
+      "temperature": 0}, 400, "n"),  # greedy n > 1, as vLLM
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      400, "messages"),
 ]

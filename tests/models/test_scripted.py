@@ -139,6 +139,21 @@ def test_batch_rows_follow_logit_reqs(load: Callable[..., Any]) -> None:
     assert step(model, r2).argmax(-1).tolist() == [20]
 
 
+def test_prompt_rows_follow_sampling_rows(load: Callable[..., Any]) -> None:
+    # The configuration of tests/engine/test_prompt_logprobs.py, so the folder is built once.
+    model = load([{"trigger": None, "token_ids": [5, 6]}], base_logit=-1.0,
+                 alternatives=[[7, 2.0], [8, 1.0]])  # fmt: skip
+    r1, r2 = req([1, 2, 3], uid=1), req([4, 5, 6, 7], uid=2)
+    batch = Batch(reqs=[r1, r2], new_ids=[[1, 2, 3], [4, 5]], logit_reqs=[r1],
+                  prompt_rows=[(r2, 2), (r1, 2)])  # fmt: skip
+    logits = model(batch, None)
+    assert logits.shape == (5, V) and int(logits[0].argmax()) == 5
+    # Any prompt row: the alternatives over a flat base, no scripted token.
+    expected = torch.full((V,), -1.0)
+    expected[7], expected[8] = 2.0, 1.0
+    assert all(torch.equal(row, expected) for row in logits[1:])
+
+
 def test_folder_config_format(
     make_scripted_model: Callable[..., Path], qwen35_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -196,6 +196,10 @@ def test_request_failing_alone_fails_once(tiny, caplog):
     ([5, 49152], SamplingParams(), "prompt"),
     ([], SamplingParams(), "prompt"),
     ([5, 6], SamplingParams(allowed_token_ids=[3, -1]), "allowed_token_ids"),
+    ([5, 6], SamplingParams(logit_bias={49152: 1.0}), "logit_bias"),
+    ([5, 6], SamplingParams(bad_words_token_ids=[[5, 60000]]), "bad_words"),
+    ([5, 6], SamplingParams(bad_words_token_ids=[[5], []]), "bad_words"),
+    ([5, 6], SamplingParams(stop_token_ids=[49152]), "stop_token_ids"),
 ])
 def test_invalid_request_is_refused_alone(tiny, ids, params, field):
     scheduler = build_scheduler(tiny, kv_slots=256)

@@ -2,20 +2,24 @@
 
 Reference semantics used below (byte-level and byte-fallback decoders, valid UTF-8 text):
 - committed text after t tokens = decode(ids[:j]) for the largest j <= t not ending in U+FFFD;
-- shown text = committed text minus its longest suffix that is a proper prefix of a stop;
+- shown text = committed text minus its longest suffix that is a proper prefix of a stop
+  (nothing held back with include_stop_str_in_output);
 - start(i) = len(decode(ids[:j]) without trailing U+FFFDs), maximised over j <= i;
-- a stop match is the one ending first in decode(all) (then the one starting first).
+- a stop match is the one ending first in decode(all) (then the one starting first), among
+  those ending after the text committed by the first min_tokens tokens (vLLM's v1 detokenizer);
+- the text is cut before the match, or after it with include_stop_str_in_output.
 """
 
 from __future__ import annotations
 
 import json
-from itertools import accumulate
+from itertools import accumulate, combinations
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -67,8 +71,8 @@ def dec(tok: Any, ids: list[int], skip: bool = True) -> str:
     return tok.decode(ids, skip_special_tokens=skip)
 
 
-def run(tok: Any, ids: list[int], sizes: list[int], stops: list[str] = (), skip: bool = True) -> list[DetokStep]:
-    det, out, pos = IncrementalDetokenizer(tok, stops, skip), [], 0
+def run(tok: Any, ids: list[int], sizes: list[int], stops: list[str] = (), skip: bool = True, **opts: Any) -> list[DetokStep]:
+    det, out, pos = IncrementalDetokenizer(tok, stops, skip, **opts), [], 0
     for k, n in enumerate([*sizes, len(ids)]):  # the last chunk takes the rest and finishes
         last = k == len(sizes) or pos + n >= len(ids)
         out.append(det.step(ids[pos : pos + n] if not last else ids[pos:], finished=last))
@@ -82,25 +86,38 @@ def holdback(text: str, stops: list[str]) -> int:
     return max((k for k in range(1, len(text) + 1) for s in stops if len(s) > k and s.startswith(text[-k:])), default=0)
 
 
-def check_stream(tok: Any, ids: list[int], sizes: list[int], stops: list[str], skip: bool = True) -> None:
+def committed(tok: Any, ids: list[int], t: int, skip: bool = True) -> str:
+    return dec(tok, ids[: max(j for j in range(t + 1) if not dec(tok, ids[:j], skip).endswith(FFFD))], skip)
+
+
+def first_stop(full: str, stops: list[str], include: bool = False, after: int = 0) -> tuple[int, str | None]:
+    """(cut, stop) of the match ending first (then starting first) and after `after` chars."""
+    found = [(i + len(s), i, s) for s in stops if (i := full.find(s, max(0, after - len(s) + 1))) >= 0]
+    if not found:
+        return len(full), None
+    end, start, stop = min(found)
+    return (end if include else start), stop
+
+
+def check_stream(tok: Any, ids: list[int], sizes: list[int], stops: list[str], skip: bool = True,
+                 include: bool = False, min_tokens: int = 0) -> None:
     """Runs the detokenizer and checks every step against the reference semantics (module doc)."""
-    steps = run(tok, ids, sizes, stops, skip)
+    steps = run(tok, ids, sizes, stops, skip, include_stop_str_in_output=include, min_tokens=min_tokens)
     full = dec(tok, ids, skip)
-    hits = [(full.find(s) + len(s), full.find(s), s) for s in stops if s in full]
-    _, cut, stop = min(hits) if hits else (0, len(full), None)
+    live = stops if min_tokens < len(ids) else []  # a stop ends no text of the first min_tokens tokens
+    cut, stop = first_stop(full, live, include, len(committed(tok, ids, min_tokens, skip)))
     # Running max: byte fallback turns a whole run of byte pieces into U+FFFDs while its last
     # character is incomplete, hiding characters that were already complete.
     starts = list(accumulate((len(dec(tok, ids[:i], skip).rstrip(FFFD)) for i in range(len(ids))), max))
-    shown, released, fed, committed = "", 0, 0, ""
+    shown, released, fed = "", 0, 0
     for k, st_ in enumerate(steps):
         shown += st_.text
         released += st_.released
         fed = min(len(ids), fed + (sizes[k] if k < len(sizes) else len(ids)))
         assert full[:cut].startswith(shown)  # never shows text at/after the cut
         if st_.stopped is None and k < len(steps) - 1:  # mid-stream: exact hold-back and release
-            j = max(j for j in range(fed + 1) if not dec(tok, ids[:j], skip).endswith(FFFD))
-            committed = dec(tok, ids[:j], skip)
-            assert shown == committed[: len(committed) - holdback(committed, stops)]
+            done = committed(tok, ids, fed, skip)
+            assert shown == (done if include else done[: len(done) - holdback(done, stops)])
             assert st_.dropped == 0 and released == sum(s < len(shown) for s in starts[:fed])
     assert shown == full[:cut]
     assert steps[-1].stopped == stop
@@ -130,8 +147,8 @@ def test_random_text_random_splits(toks: dict, name: str, data: st.DataObject, s
 
 @pytest.mark.parametrize("name", ["qwen", "bytelevel", "spm"])
 @HYP
-@given(data=st.data())
-def test_stop_strings(toks: dict, name: str, data: st.DataObject) -> None:
+@given(data=st.data(), include=st.booleans())
+def test_stop_strings(toks: dict, name: str, data: st.DataObject, include: bool) -> None:
     tok, specials = toks[name]
     text = data.draw(st.lists(st.sampled_from(PIECES + specials), min_size=1, max_size=16).map("".join))
     ids = tok.encode(text, add_special_tokens=False)
@@ -141,7 +158,8 @@ def test_stop_strings(toks: dict, name: str, data: st.DataObject) -> None:
         i = data.draw(st.integers(0, max(0, len(full) - 1)))
         sub = full[i : i + data.draw(st.integers(1, 6))] or "x"
         stops.append(sub if data.draw(st.booleans()) else sub + "\x00")  # a match, or a prefix-only decoy
-    check_stream(tok, ids, data.draw(sizes), stops)
+    min_tokens = data.draw(st.sampled_from([0, 0, data.draw(st.integers(1, len(ids) + 1))]))
+    check_stream(tok, ids, data.draw(sizes), stops, include=include, min_tokens=min_tokens)
 
 
 @pytest.mark.parametrize("name", ["qwen", "bytelevel"])
@@ -268,3 +286,87 @@ def test_offsets_skip_held_back_text_of_earlier_tokens(qwen35_tokenizer: PreTrai
     assert [(s.text, s.offsets, s.shares()) for s in steps] == [
         ("Hel", (0,), ["Hel"]), ("lo wo", (2,), [" wo"]), ("", (), [])]
     assert steps[-1].stopped == "rld ag" and steps[-1].dropped == 1
+
+
+def splits(n: int) -> list[list[int]]:
+    """Every way to cut n tokens into consecutive steps, as `run` sizes."""
+    return [[b - a for a, b in zip((0, *cuts), cuts)] for k in range(n) for cuts in combinations(range(1, n), k)]
+
+
+@pytest.mark.parametrize("text,stops", [
+    ("Hello world again", ["lo wo"]),  # across a token boundary, starting in text not held back
+    ("Hello world again", ["o world", "wor"]),  # first-ending match wins
+    ("Hello world again", ["rld", "ello"]),  # the match inside the first token
+    ("👍🏽 🤖😀 done", ["😀", "🤖"]),  # ends with a character made of byte tokens
+])
+def test_include_stop_str_every_split(qwen35_tokenizer: PreTrainedTokenizerFast, text: str, stops: list[str]) -> None:
+    ids = qwen35_tokenizer.encode(text)
+    full = dec(qwen35_tokenizer, ids)
+    end, stop = min((full.find(s) + len(s), s) for s in stops if s in full)
+    starts = [len(dec(qwen35_tokenizer, ids[:i]).rstrip(FFFD)) for i in range(len(ids))]
+    done = [0, *accumulate(map(len, completed_texts(qwen35_tokenizer, ids, True)))]  # where shares start
+    shares = [full[a:b][: max(0, end - a)] for a, b, s in zip(done, done[1:], starts) if s < end]
+    for sz in splits(len(ids)):
+        check_stream(qwen35_tokenizer, ids, sz, stops, include=True)
+        steps = run(qwen35_tokenizer, ids, sz, stops, include_stop_str_in_output=True)
+        assert "".join(s.text for s in steps) == full[:end] and steps[-1].stopped == stop
+        assert sum(s.released for s in steps) == sum(a < end for a in starts)  # the rest is dropped
+        assert [p for s in steps for p in s.shares()] == shares  # each token's text up to the cut
+
+
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("min_tokens,stop,expect", [
+    (0, "e", "H"),
+    (5, "e", "Hello, my name is L"),  # the e's of the first 5 tokens end no match (vLLM's test)
+    (5, "is Lee", "Hello, my name "),  # starts in the first 5 tokens' text, ends after it
+    (6, "is Lee", None),  # ends in the first 6 tokens' text: never matches
+    (10, "a", "Hello, my name is Lee, and I'm "),
+    (12, "e", None),
+])
+def test_min_tokens(qwen35_tokenizer: PreTrainedTokenizerFast, include: bool, min_tokens: int, stop: str, expect: str | None) -> None:
+    tok = qwen35_tokenizer
+    ids = tok.encode("Hello, my name is Lee, and I'm a student")  # 12 tokens, one per word
+    assert len(ids) == 12 and dec(tok, ids[:5]) == "Hello, my name is"
+    full = dec(tok, ids)
+    want = full if expect is None else (expect + stop if include else expect)
+    for sz in ([1] * 12, [3, 4, 5], [12], [5, 1, 6], [6, 6]):
+        check_stream(tok, ids, sz, [stop], include=include, min_tokens=min_tokens)
+        steps = run(tok, ids, sz, [stop], include_stop_str_in_output=include, min_tokens=min_tokens)
+        assert "".join(s.text for s in steps) == want
+        assert steps[-1].stopped == (None if expect is None else stop)
+
+
+def test_skip_special_tokens_false_keeps_specials(qwen35_tokenizer: PreTrainedTokenizerFast) -> None:
+    ids = qwen35_tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<think>\n🤖</think>ok<|im_end|>")
+    assert ids[0] == qwen35_tokenizer.convert_tokens_to_ids("<|im_start|>")
+    for sz in ([1] * len(ids), [len(ids)], [2, 3]):
+        text = "".join(s.text for s in run(qwen35_tokenizer, ids, sz, [], skip=False))
+        assert text == "<|im_start|>user\nhi<|im_end|>\n<think>\n🤖</think>ok<|im_end|>"
+        assert "".join(s.text for s in run(qwen35_tokenizer, ids, sz, [])) == "user\nhi\n<think>\n🤖</think>ok"
+
+
+def _tiny_wordpiece() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece()  # puts a space before every word-initial token, specials too
+    tok.train_from_iterator(CORPUS, trainers.WordPieceTrainer(vocab_size=200, special_tokens=["[UNK]", "[CLS]", "[SEP]"]))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False)
+
+
+@pytest.mark.parametrize("name", ["wordpiece", "qwen"])
+def test_spaces_between_special_tokens(toks: dict, name: str) -> None:
+    tok = _tiny_wordpiece() if name == "wordpiece" else toks["qwen"][0]
+    a, b = tok.convert_tokens_to_ids(["[CLS]", "[SEP]"] if name == "wordpiece" else ["<|im_start|>", "<|im_end|>"])
+    ids = [a, b, *tok.encode("Hello world", add_special_tokens=False), b, a, b]
+    # Reference: vLLM's fast detokenizer, DecodeStream text per token with an added token right
+    # after another taken verbatim.
+    stream, added, parts = DecodeStream(skip_special_tokens=False), tok.added_tokens_decoder, []
+    for i, t in enumerate(ids):
+        piece = stream.step(tok.backend_tokenizer, t) or ""
+        parts.append(added[t].content if t in added and i and ids[i - 1] in added else piece)
+    for spaces in (True, False):
+        for sz in ([1] * len(ids), [len(ids)], [2, 3]):
+            text = "".join(s.text for s in run(tok, ids, sz, [], skip=False, spaces_between_special_tokens=spaces))
+            assert text == (dec(tok, ids, skip=False) if spaces else "".join(parts))
+            assert "".join(s.text for s in run(tok, ids, sz, [], spaces_between_special_tokens=spaces)) == dec(tok, ids)
+    assert ("".join(parts) == dec(tok, ids, skip=False)) == (name == "qwen")  # byte-level: no-op

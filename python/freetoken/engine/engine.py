@@ -1,14 +1,15 @@
-"""One forward step: build the batch's tensors, run the model, sample."""
+"""One forward step: build the batch's tensors, run the model, sample, score prompt tokens."""
 
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import torch
 
-from freetoken.core import Batch, SamplingParams
+from freetoken.core import Batch, SamplingParams, TokenLogprob
 from freetoken.engine.kv_pool import KVPool
-from freetoken.engine.sample import Sampler, SampleOutput
+from freetoken.engine.sample import SampleOutput, Sampler, logprob_entries
 from freetoken.models.linear import MKL_ROWS
 from freetoken.models.llama import DecodeGroup, ForwardContext, PromptGroup
 
@@ -22,6 +23,21 @@ DECODE_KV_BLOCK = 64
 
 def _round_up(n: int, block: int) -> int:
     return -(-n // block) * block
+
+
+class StepOutput(NamedTuple):
+    sampled: SampleOutput  # one row per batch.logit_reqs
+    prompt_logprobs: list[TokenLogprob]  # one per row of batch.prompt_rows, in order
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], ks: list[int]) -> list[TokenLogprob]:
+    """Entries of prompt tokens `targets`, each scored by its row of `logits`, with its top
+    ks[i] alternatives. As vLLM's prompt logprobs, the raw distribution: the request's allowed
+    ids, penalties and temperature only shape what it samples. The sampler's numerics, so a
+    prompt entry matches a sampled one."""
+    if not targets:
+        return []
+    return logprob_entries(logits.float(), torch.tensor(targets, device=logits.device), ks)
 
 
 class Engine:
@@ -45,14 +61,23 @@ class Engine:
         return gen
 
     @torch.inference_mode()
-    def forward_batch(self, batch: Batch) -> SampleOutput:
+    def forward_batch(self, batch: Batch) -> StepOutput:
         """Run `batch`; the caller has already given every new token a KV slot."""
         ctx = self.build_context(batch)
-        logits = self.model(batch, ctx)[: len(batch.logit_reqs)]
+        logits = self.model(batch, ctx)
+        n = len(batch.logit_reqs)
         args = self.sampler.prepare([r.params for r in batch.logit_reqs],
                                     [r.generator for r in batch.logit_reqs],
                                     [(r.prompt_ids, r.output_ids) for r in batch.logit_reqs])
-        return self.sampler.sample(logits, args)
+        sampled = self.sampler.sample(logits[:n], args)
+        # Row i of a chunk starting at position s scores prompt token s + i + 1.
+        start = {id(r): r.num_computed - len(new) for r, new in zip(batch.reqs, batch.new_ids)}
+        targets, ks = [], []
+        for req, rows in batch.prompt_rows:
+            first = start[id(req)] + 1
+            targets += req.prompt_ids[first : first + rows]
+            ks += [req.params.prompt_logprobs] * rows
+        return StepOutput(sampled, prompt_logprobs(logits[n : n + len(targets)], targets, ks))
 
     def _prompt_groups(self, chunks: list[tuple[int, int, list[int]]]) -> list[PromptGroup]:
         """Groups for prompt chunks given as (first row, new tokens q, slots of all keys)."""
@@ -110,6 +135,7 @@ class Engine:
     def build_context(self, batch: Batch) -> ForwardContext:
         ids, positions, out_slots, logit_rows, chunks, decoding = [], [], [], [], [], []
         logit_set = {id(r) for r in batch.logit_reqs}
+        first_row = {}
         dev = self.device
         for req, new in zip(batch.reqs, batch.new_ids):
             total, q = req.num_computed, len(new)  # slots for `new` were appended before the step
@@ -121,11 +147,14 @@ class Engine:
                 decoding.append((len(ids), req.slots))
             else:
                 chunks.append((len(ids), q, req.slots))
+            first_row[id(req)] = len(ids)
             ids += new
             positions += range(total - q, total)
             out_slots += req.slots[total - q :]
             if id(req) in logit_set:
                 logit_rows.append(len(ids) - 1)
+        for req, n in batch.prompt_rows:
+            logit_rows += range(first_row[id(req)], first_row[id(req)] + n)
         pad = self.row_padding.pad(len(ids))
         ids += [0] * pad
         positions += [0] * pad

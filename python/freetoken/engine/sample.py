@@ -8,16 +8,23 @@ Order of operations, per row (mirrors vLLM's v1 sampler, "raw_logprobs" mode):
 4. Masked rows that want logprobs: log_softmax of the *masked* logits, i.e. renormalised over the
    allowed ids. Steps 2 and 4 are one batched log_softmax (x - logsumexp(x)) taken after the mask,
    since the mask is the identity on unmasked rows.
-5. Greedy rows (params.is_greedy: temperature < 1e-5, as vLLM, or top_k == 1): exact argmax of
-   the masked logits.
-6. Random rows: divide by temperature, then min_p (drop tokens with prob < min_p * max prob), then
+5. Logit processors (engine/logit_processing.py); the logprobs of steps 2/4 never see them.
+   In vLLM's order: bad_words (the last id of each word whose other ids end the output
+   becomes -inf), min_tokens (while the output is shorter, stop_token_ids and, unless
+   ignore_eos, the EOS ids become -inf), logit_bias (added), then the penalties: repetition
+   (ids in the prompt or output: positive logits divided by it, others multiplied), then
+   frequency (times the id's count in the output) and presence (ids in the output) subtracted.
+6. Greedy rows (params.is_greedy: temperature < 1e-5, as vLLM, or top_k == 1): exact argmax of
+   the processed logits.
+7. Random rows: divide by temperature, then min_p (drop tokens with prob < min_p * max prob), then
    top-k, then top-p (smallest set whose cumulative prob >= top_p, renormalised over the top-k
    set; the top token is always kept; ties with the last kept logit are kept), then an
    exponential race, argmax(probs / Exp(1)), with the noise of row i drawn from generators[i]
    only, so seeded rows do not depend on their batch neighbours or row position.
-7. Logprobs from the distribution of step 2/4: the sampled token's logprob, its rank
+8. Logprobs from the distribution of step 2/4: the sampled token's logprob, its rank
    (1 + number of tokens with a strictly greater logprob) and the top-K sorted descending,
-   K = params.logprobs. Temperature, min_p, top-k and top-p never change logprobs.
+   K = params.logprobs. The logit processors, temperature, min_p, top-k and top-p never change
+   logprobs.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from typing import NamedTuple
 import torch
 
 from freetoken.core import SamplingParams, TokenLogprob
+from freetoken.engine.logit_processing import History, LogitProcessing
 
 _NEG_INF = float("-inf")
 # top-k/top-p look at this many largest logits first (a topk, not a vocabulary sort); a top-p row
@@ -53,6 +61,7 @@ class BatchSamplingArgs:
     top_k_max: int  # largest enabled top_k, on the host so topk sizes need no device sync
     top_p: torch.Tensor | None  # [R, 1]; 2.0 disables the row
     mask: torch.Tensor | None  # [B, V] bool, True = banned; None: no row is masked
+    processing: LogitProcessing | None  # None: no row uses a logit processor
     lp_rows: torch.Tensor | None  # [L] long rows that want logprobs; None: nobody does
     lp_k: list[int]  # K per row of lp_rows
     lp_masked: list[bool]  # per row of lp_rows: drop -inf entries from its top-K
@@ -87,7 +96,7 @@ class Sampler:
 
     def prepare(
         self, params: list[SamplingParams], generators: list[torch.Generator],
-        histories: list[tuple[list[int], list[int]]] | None = None,
+        histories: list[History] | None = None,
     ) -> BatchSamplingArgs:
         """`histories`: per row, its (prompt ids, output ids so far), which penalties, min_tokens
         and bad_words read; None when no row uses them."""
@@ -137,6 +146,7 @@ class Sampler:
             top_k_max=max([k for k in ks if k < V], default=1),
             top_p=top_p,
             mask=mask,
+            processing=LogitProcessing.build(params, histories, self.eos_token_ids, V, self.device),
             lp_rows=self._rows(lp) if lp else None,
             lp_k=[min(k, V) if k >= 0 else V for k in (int(params[i].logprobs or 0) for i in lp)],
             lp_masked=[params[i].allowed_token_ids is not None for i in lp],
@@ -147,6 +157,11 @@ class Sampler:
         x = logits.float()
         if args.mask is not None:
             x = x.masked_fill(args.mask, _NEG_INF)  # out of place: never edit the caller's logits
+        raw = x  # the logprobs' distribution: before the processors
+        if args.processing is not None:
+            if x is logits or args.lp_rows is not None:  # the caller's logits or `raw`: keep them
+                x = x.clone()
+            args.processing.apply(x)
 
         if args.rand_rows is None:  # all greedy: argmax only, no softmax
             tokens = x.argmax(dim=-1)
@@ -160,7 +175,7 @@ class Sampler:
         token_ids: list[int] = tokens.tolist()
         logprobs: list[TokenLogprob | None] = [None] * args.batch_size
         if args.lp_rows is not None:
-            for row, lp in zip(args.lp_rows.tolist(), self._logprobs(x, tokens, args)):
+            for row, lp in zip(args.lp_rows.tolist(), self._logprobs(raw, tokens, args)):
                 logprobs[row] = lp
         return SampleOutput(token_ids, logprobs)
 
@@ -215,30 +230,37 @@ class Sampler:
     def _logprobs(
         self, x: torch.Tensor, tokens: torch.Tensor, args: BatchSamplingArgs
     ) -> list[TokenLogprob]:
-        """One batched log_softmax / gather / topk over the rows that want logprobs."""
+        """The entries of the rows that want logprobs (masked rows: renormalised over their
+        allowed ids, since `x` is masked)."""
         assert args.lp_rows is not None
         if len(args.lp_k) == args.batch_size:
-            sub, tok = x, tokens
-        else:
-            sub, tok = x[args.lp_rows], tokens[args.lp_rows]
-        # x - logsumexp, not log_softmax: on AVX2 CPUs torch's fused fp32 log_softmax sums the
-        # vocabulary in vector lanes and is off by ~3e-4 over 248k ids; logsumexp is within 2e-7.
-        lp = sub - _logsumexp(sub)  # masked rows: renormalised over allowed ids
-        tok_lp = lp.gather(1, tok.unsqueeze(1))
-        ranks = ((lp > tok_lp).sum(dim=-1) + 1).tolist()
-        tok_ids, tok_lps = tok.tolist(), tok_lp.squeeze(1).tolist()
-        k_max = max(args.lp_k)
-        top_v: list[list[float]] = [[] for _ in args.lp_k]
-        top_i: list[list[int]] = [[] for _ in args.lp_k]
-        if k_max > 0:
-            v, i = lp.topk(k_max, dim=-1)
-            top_v, top_i = v.tolist(), i.tolist()
+            return logprob_entries(x, tokens, args.lp_k, args.lp_masked)
+        return logprob_entries(x[args.lp_rows], tokens[args.lp_rows], args.lp_k, args.lp_masked)
 
-        out = []
-        for j, (k, masked) in enumerate(zip(args.lp_k, args.lp_masked)):
-            vals, ids = top_v[j][:k], top_i[j][:k]
-            if masked:  # fewer allowed ids than K: the tail is banned (-inf) ids, drop it
-                n = sum(1 for val in vals if val != _NEG_INF)
-                vals, ids = vals[:n], ids[:n]
-            out.append(TokenLogprob(tok_ids[j], tok_lps[j], ranks[j], ids, vals))
-        return out
+
+def logprob_entries(x: torch.Tensor, tokens: torch.Tensor, ks: list[int],
+                    masked: list[bool] | None = None) -> list[TokenLogprob]:
+    """One batched log-softmax / gather / topk: for row i of logits `x` [N, V], the logprob and
+    rank of tokens[i] and the top ks[i]; a `masked` row drops its -inf alternatives (banned
+    ids, when it allows fewer than K)."""
+    # x - logsumexp, not log_softmax: on AVX2 CPUs torch's fused fp32 log_softmax sums the
+    # vocabulary in vector lanes and is off by ~3e-4 over 248k ids; logsumexp is within 2e-7.
+    lp = x - _logsumexp(x)
+    tok_lp = lp.gather(1, tokens.unsqueeze(1))
+    ranks = ((lp > tok_lp).sum(dim=-1) + 1).tolist()
+    tok_ids, tok_lps = tokens.tolist(), tok_lp.squeeze(1).tolist()
+    k_max = min(max(ks), lp.shape[1])
+    top_v: list[list[float]] = [[] for _ in ks]
+    top_i: list[list[int]] = [[] for _ in ks]
+    if k_max > 0:
+        v, i = lp.topk(k_max, dim=-1)
+        top_v, top_i = v.tolist(), i.tolist()
+
+    out = []
+    for j, k in enumerate(ks):
+        vals, ids = top_v[j][:k], top_i[j][:k]
+        if masked is not None and masked[j]:
+            n = sum(1 for val in vals if val != _NEG_INF)
+            vals, ids = vals[:n], ids[:n]
+        out.append(TokenLogprob(tok_ids[j], tok_lps[j], ranks[j], ids, vals))
+    return out

@@ -19,7 +19,7 @@ class TokenizeMsg:
     sampling_params: SamplingParams
     chat_template_kwargs: dict | None = None
     tools: list[dict] | None = None
-    add_special_tokens: bool = True  # raw string prompts only; a chat template brings its own
+    add_special_tokens: bool = True  # text prompts only; id prompts are taken as they are
 
 
 @dataclass
@@ -86,3 +86,4 @@ class UserReply:
     # ends with them; what comes before them is held-back text of earlier tokens.
     token_texts: list[str] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # as DetokenizeMsg's, on the first
+    prompt_token_ids: list[int] | None = None  # beside prompt_logprobs

@@ -244,7 +244,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, ctx)
-        # Only rows that sample need the norm and the LM head (the scoring fast path).
+        # Only rows with logits (sampling or prompt logprobs) need the norm and the LM head.
         x = self.model.norm(x.index_select(0, ctx.logit_rows))
         return self.lm_head(x).float()
 

@@ -30,6 +30,12 @@ vocabulary gets b. With n_alt the number of alternatives different from t_j:
     logprob(t_j) = A - log(e^A + sum_{alt != t_j} e^{a_i} + (V - 1 - n_alt) e^b)
 
 and an alternative's logprob is the same expression with a_i in place of the leading A.
+
+Prompt rows (Batch.prompt_rows, for prompt logprobs) have no scripted token: each alternative i
+gets a_i and every other id b, whatever the position, so with n the number of alternatives
+
+    logprob(i) = logit_i - log(sum_alt e^{a_i} + (V - n) e^b).
+
 Only req.prompt_ids and req.output_ids are read; there is no state between calls.
 """
 
@@ -162,13 +168,16 @@ class ScriptedForCausalLM(torch.nn.Module):
         return alts.get(token_id, self.base_logit) - log_z
 
     def forward(self, batch: Batch, ctx: object = None) -> torch.Tensor:
-        """float32 logits [len(batch.logit_reqs), vocab_size]; `ctx` (attention state) unused."""
+        """float32 logits, a row per batch.logit_reqs then per prompt row of batch.prompt_rows,
+        [rows, vocab_size]; `ctx` (attention state) unused."""
         device = self.alt_ids.device
         targets = torch.tensor([self.scripted_token(r) for r in batch.logit_reqs],
                                dtype=torch.long, device=device)  # fmt: skip
-        logits = torch.full((len(targets), self.vocab_size), self.base_logit,
+        rows = len(targets) + sum(n for _, n in batch.prompt_rows)
+        logits = torch.full((rows, self.vocab_size), self.base_logit,
                             dtype=torch.float32, device=device)  # fmt: skip
         if self.alt_ids.numel():
-            logits.index_copy_(1, self.alt_ids, self.alt_logits.expand(len(targets), -1))
+            logits.index_copy_(1, self.alt_ids, self.alt_logits.expand(rows, -1))
         # Written last, so an alternative equal to t_j is overridden by the scripted logit.
-        return logits.scatter_(1, targets[:, None], self.scripted_logit)
+        logits[: len(targets)].scatter_(1, targets[:, None], self.scripted_logit)
+        return logits

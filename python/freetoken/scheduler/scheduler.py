@@ -11,6 +11,9 @@ admitted request is preempted (vLLM's and SGLang's recompute): its slots are rel
 waits at the front of the queue, keeping its output and generator, to prefill its prompt and
 output again once it fits.
 
+A request that asks for prompt logprobs skips the prefix cache: each prefill chunk also scores
+its prompt tokens, and the entries go out with its first message.
+
 A step that raises is run again request by request, so that only the requests that fail alone
 fail: KV writes of a re-run are idempotent and the forward is batch-invariant in float32.
 """
@@ -20,14 +23,18 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
+from itertools import islice
 
 from freetoken.core import Batch, Req
-from freetoken.engine.engine import Engine
-from freetoken.engine.sample import SampleOutput
+from freetoken.engine.engine import Engine, StepOutput
 from freetoken.message import DetokenizeMsg, UserMsg
 from freetoken.scheduler.cache import PrefixCache
 
 log = logging.getLogger("freetoken")
+
+# Prompt tokens scored for prompt logprobs per step: each is a logit row over the vocabulary
+# (about 1 MB at 248k ids, and a log-softmax of the same size).
+PROMPT_LOGPROB_ROWS = 256
 
 # A seed is a non-negative signed 64-bit integer (torch's manual_seed would remap a negative one,
 # or raise past 2**64).
@@ -85,7 +92,8 @@ class Scheduler:
         if invalid:
             return [_error(uid, invalid, "invalid_request")]
         self.waiting.append(Req(uid=uid, prompt_ids=list(msg.input_ids), params=params,
-                                generator=self.engine.new_generator(params)))
+                                generator=self.engine.new_generator(params),
+                                prompt_logprobs=None if params.prompt_logprobs is None else [None]))
         return []
 
     def _invalid(self, msg: UserMsg) -> str | None:
@@ -98,9 +106,14 @@ class Scheduler:
         ):
             return f"'seed' must be an integer in [0, 2**63), got {params.seed!r}."
         for name, ids in (("prompt", msg.input_ids),
-                          ("allowed_token_ids", params.allowed_token_ids)):
+                          ("allowed_token_ids", params.allowed_token_ids),
+                          ("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias", list(params.logit_bias or ())),
+                          ("bad_words", [t for word in params.bad_words_token_ids for t in word])):
             if ids and (min(ids) < 0 or max(ids) >= vocab):
                 return f"'{name}' has token ids outside the vocabulary [0, {vocab})."
+        if not all(params.bad_words_token_ids):
+            return "'bad_words' has a word of no tokens."
         return None
 
     def abort(self, uid: int) -> list[DetokenizeMsg]:
@@ -119,17 +132,20 @@ class Scheduler:
             return []
         done, replies = self._forward(batch)
         for part, out in done:
+            scored = iter(out.prompt_logprobs)
+            for req, n in part.prompt_rows:
+                req.prompt_logprobs += islice(scored, n)
             if self.cache is not None:
                 for req in part.logit_reqs:
                     if not req.output_ids:  # its prompt's KV is complete as of this step
                         self.cache.insert(req.prompt_ids, req.slots[: len(req.prompt_ids)])
             replies += [self._append(req, token, logprob) for req, token, logprob
-                        in zip(part.logit_reqs, out.token_ids, out.logprobs)]
+                        in zip(part.logit_reqs, out.sampled.token_ids, out.sampled.logprobs)]
         return replies
 
     def _forward(
         self, batch: Batch
-    ) -> tuple[list[tuple[Batch, SampleOutput]], list[DetokenizeMsg]]:
+    ) -> tuple[list[tuple[Batch, StepOutput]], list[DetokenizeMsg]]:
         """Run `batch`; if it raises, run each of its requests alone, and fail those that raise
         alone. Returns the batches that ran with their outputs, and the error replies."""
         # A re-run must not find a seeded stream advanced by the failed run's draws (an unseeded
@@ -150,7 +166,8 @@ class Scheduler:
             generator.set_state(state)
         done, failed = [], []
         for req, new_ids in zip(batch.reqs, batch.new_ids):
-            d, f = self._forward(Batch([req], [new_ids], [r for r in batch.logit_reqs if r is req]))
+            d, f = self._forward(Batch([req], [new_ids], [r for r in batch.logit_reqs if r is req],
+                                       [(r, n) for r, n in batch.prompt_rows if r is req]))
             done += d
             failed += f
         return done, failed
@@ -167,7 +184,9 @@ class Scheduler:
         need = sum(r.num_pending for r in self.running)
         while self.waiting and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
-            if self.cache is not None:
+            # A prompt scored for prompt logprobs is computed whole: a cached position has no
+            # logits, and recomputing it gives the exact ones (as vLLM). Its KV is still cached.
+            if self.cache is not None and req.prompt_logprobs is None:
                 # After a preemption the output so far is recomputed too; it may hit the cache.
                 req.slots, hit = self.cache.match(req.all_ids)
                 if not req.output_ids:  # reported on the first message only
@@ -184,22 +203,34 @@ class Scheduler:
         req.slots += self.engine.kv.allocate(n)
 
     def _prefill_batch(self) -> Batch | None:
-        budget = self.config.max_prefill_tokens
-        reqs, new_ids, logit_reqs = [], [], []
+        budget, score_budget = self.config.max_prefill_tokens, PROMPT_LOGPROB_ROWS
+        reqs, new_ids, logit_reqs, prompt_rows = [], [], [], []
         for req in self.running:
             left = req.num_pending
             # One token left after sampling is a decode; a readmitted request has more.
             if budget <= 0 or (left == 1 and req.output_ids):
                 continue
+            size = min(left, budget)
+            if req.prompt_logprobs is not None:
+                # Each scored token is a vocabulary-wide logit row: bound how many one step makes.
+                if score_budget <= 0:
+                    continue
+                size = min(size, score_budget)
+                score_budget -= size
             done = req.num_computed
-            chunk = req.all_ids[done : done + min(left, budget)]
+            chunk = req.all_ids[done : done + size]
             budget -= len(chunk)
             self._take(req, len(chunk))
             reqs.append(req)
             new_ids.append(chunk)
             if req.num_pending == 0:
                 logit_reqs.append(req)
-        return Batch(reqs, new_ids, logit_reqs) if reqs else None
+            if req.prompt_logprobs is not None:
+                # Every chunk token but the prompt's last is followed by a prompt token.
+                scored = min(len(chunk), len(req.prompt_ids) - 1 - done)
+                if scored > 0:
+                    prompt_rows.append((req, scored))
+        return Batch(reqs, new_ids, logit_reqs, prompt_rows) if reqs else None
 
     def _decode_batch(self) -> Batch | None:
         # Prefill runs first, so every running request decodes and needs one slot; the newest
@@ -223,6 +254,8 @@ class Scheduler:
         msg = DetokenizeMsg(req.uid, token_ids=[token], logprobs=[logprob])
         if len(req.output_ids) == 1:
             msg.prompt_tokens, msg.cached_tokens = len(req.prompt_ids), req.cached_tokens
+            # Handed over, not kept: the request no longer holds a long prompt's entries.
+            msg.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
         if token in params.stop_token_ids or (
             not params.ignore_eos and token in self.config.eos_token_ids
         ):

@@ -41,14 +41,19 @@ class _SamplingFields(OpenAIBaseModel):
     stream_options: StreamOptions | None = None
     allowed_token_ids: TokenIds | None = None
     return_tokens_as_token_ids: StrictBool | None = None
-    # Declared so their neutral values pass; any other value is refused in validation.py.
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    min_tokens: StrictInt | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: StrictInt | None = None
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
+    # Declared so their neutral values pass; any other value is refused in validation.py.
     response_format: dict[str, Any] | None = None
     best_of: StrictInt | None = None
-    min_tokens: StrictInt | None = None
     user: str | None = None
 
 
@@ -57,6 +62,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: StrictInt | None = None
     echo: StrictBool = False
     suffix: str | None = None
+    add_special_tokens: StrictBool = True  # a raw prompt gets the tokenizer's BOS etc.
 
 
 class FunctionDef(OpenAIBaseModel):
@@ -104,13 +110,14 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: StrictBool = False  # the chat template brings its own
 
 
 class TokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = None
-    add_special_tokens: StrictBool = True
+    add_special_tokens: StrictBool | None = None  # prompt: true, messages: false (vLLM's)
 
 
 class DetokenizeRequest(OpenAIBaseModel):

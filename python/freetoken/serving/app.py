@@ -67,12 +67,19 @@ def create_app(get_state: Callable[[], FrontendManager]):
         state = get_state()
         if (req.prompt is None) == (req.messages is None):
             raise RequestError("give exactly one of prompt or messages", param="prompt")
+        # vLLM's defaults: a prompt gets the tokenizer's special tokens, a chat its template's.
+        add = req.add_special_tokens if req.add_special_tokens is not None else req.prompt is not None
         if req.prompt is not None:
-            msg = TokenizeMsg(0, req.prompt, None, add_special_tokens=req.add_special_tokens)
+            msg = TokenizeMsg(0, req.prompt, None, add_special_tokens=add)
         else:
-            msg = TokenizeMsg(0, generation.render_messages(req.messages), None)
+            msg = TokenizeMsg(0, generation.render_messages(req.messages), None,
+                              add_special_tokens=add)
         ids = await state.tokenize(msg, "prompt" if req.prompt is not None else "messages")
         return {"tokens": ids, "count": len(ids), "max_model_len": state.config.max_model_len}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return tokenizer_config(get_state().tokenizer)
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
@@ -83,6 +90,27 @@ def create_app(get_state: Callable[[], FrontendManager]):
         return {"prompt": await asyncio.to_thread(state.tokenizer.decode, req.tokens)}
 
     return _Gate(errors.BodyLimit(app, lambda: get_state().config.max_request_bytes), get_state)
+
+
+def tokenizer_config(tokenizer) -> dict:
+    """vLLM's `/tokenizer_info`: the tokenizer's init arguments (special tokens as their text,
+    no file paths), its class and chat template; lm-eval's remote tokenizer reads it."""
+
+    def plain(value):
+        if hasattr(value, "content"):  # AddedToken
+            return value.content
+        if isinstance(value, dict):
+            return {str(k): plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return value if value is None or isinstance(value, (str, int, float, bool)) else str(value)
+
+    config = {k: plain(v) for k, v in (getattr(tokenizer, "init_kwargs", None) or {}).items()
+              if k not in ("vocab_file", "merges_file")}
+    config["tokenizer_class"] = type(tokenizer).__name__
+    if getattr(tokenizer, "chat_template", None):
+        config["chat_template"] = tokenizer.chat_template
+    return config
 
 
 class _Gate:

@@ -22,7 +22,7 @@ from freetoken.message import AbortMsg, DetokenizeMsg, ExitMsg, TokenizeMsg, Use
 from freetoken.serving import errors, generation
 from freetoken.serving.errors import RequestError
 from freetoken.tokenizer.reply import ReplyBuilder
-from freetoken.tokenizer.tokenize import TokenizeManager
+from freetoken.tokenizer.tokenize import TokenizeManager, bad_words_token_ids
 
 log = logging.getLogger("freetoken")
 
@@ -48,6 +48,7 @@ class _ReqState:
     replies: list[UserReply] = field(default_factory=list)
     event: asyncio.Event = field(default_factory=asyncio.Event)
     done: bool = False
+    prompt_ids: list[int] = field(default_factory=list)  # kept for prompt logprobs only
 
 
 class FrontendManager:
@@ -106,12 +107,16 @@ class FrontendManager:
         params = msg.sampling_params
         chat = isinstance(msg.text, list) and bool(msg.text) and isinstance(msg.text[0], dict)
         # Parsed chat output needs each token's text (and Harmony's markers, special tokens).
-        self._states[msg.uid] = _ReqState(ReplyBuilder(
-            self.tokenizer, params.stop_strs, **generation.reply_options(self.config, chat)))
+        state = self._states[msg.uid] = _ReqState(ReplyBuilder(
+            self.tokenizer, params.stop_strs, **generation.reply_options(self.config, chat, params)))
         if self.dead:
             return self._fail(msg.uid, errors.ENGINE_DEAD, "engine_dead")
         try:
             ids = await self.tokenize(msg, "messages" if chat else "prompt")
+            if params.prompt_logprobs is not None:
+                state.prompt_ids = ids
+            if params.bad_words:
+                params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
             # The engine checks the context length (prompt, and prompt + max_tokens) exactly.
             await self._to_engine.send(pickle.dumps(UserMsg(msg.uid, ids, params)))
         except RequestError as exc:
@@ -201,6 +206,8 @@ class FrontendManager:
         if msg.error:
             return self._fail(msg.uid, msg.error, msg.error_code or "error")
         reply = state.builder.build(msg)
+        if reply.prompt_logprobs is not None:
+            reply.prompt_token_ids = state.prompt_ids
         if reply.finished and not msg.finished:  # a stop string matched
             await self._to_engine.send(pickle.dumps(AbortMsg(msg.uid)))
         self._push(msg.uid, reply)

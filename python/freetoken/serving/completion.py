@@ -18,6 +18,7 @@ from freetoken.message import TokenizeMsg, UserReply
 from freetoken.serving.api_models import CompletionRequest
 from freetoken.serving.errors import RequestError, error_body, error_from, reply_error
 from freetoken.serving.handling import (
+    all_or_none,
     check_request,
     limits_of,
     sse,
@@ -25,8 +26,12 @@ from freetoken.serving.handling import (
     until_disconnected,
     usage_dict,
 )
-from freetoken.serving.logprob_format import completion_logprobs
-from freetoken.serving.validation import prompt_list, to_sampling_params
+from freetoken.serving.logprob_format import (
+    completion_logprobs,
+    prompt_items,
+    vllm_prompt_logprobs,
+)
+from freetoken.serving.validation import echo_only, prompt_list, to_sampling_params
 
 if TYPE_CHECKING:
     from freetoken.serving.client import EngineClient
@@ -39,23 +44,40 @@ class Choice:
     index: int
     uid: int
     prefix: str = ""  # the echoed prompt
+    echo_only: bool = False  # `echo` with `max_tokens: 0`: the generated token is dropped
+    counts_prompt: bool = True  # the first of its prompt's n choices: usage counts the prompt once
     text: str = ""
     entries: list[TokenLogprob] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)
+    prompt_entries: list[TokenLogprob | None] | None = None
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
 
-    def add(self, reply: UserReply) -> None:
+    def add(self, reply: UserReply) -> tuple[str, list[TokenLogprob]]:
+        """Take `reply` in; returns the text and logprob entries it adds to the choice."""
         if reply.error:
             raise reply_error(reply.error, reply.error_code)
-        self.text += reply.incremental_output
-        self.entries += [e for e in [*reply.logprobs, reply.stop_logprob] if e is not None]
+        if reply.prompt_logprobs is not None:
+            self.prompt_entries, self.prompt_ids = reply.prompt_logprobs, reply.prompt_token_ids or []
+        text = "" if self.echo_only else reply.incremental_output
+        entries = [] if self.echo_only else [e for e in [*reply.logprobs, reply.stop_logprob]
+                                             if e is not None]
+        self.text += text
+        self.entries += entries
         self.prompt_tokens += reply.prompt_tokens_delta
         self.completion_tokens += reply.completion_tokens_delta
         self.cached_tokens = max(self.cached_tokens, reply.cached_tokens)
         if reply.finished:
             self.finish_reason = reply.finish_reason
+        return text, entries
+
+    def echoed_items(self, echo: bool) -> list[TokenLogprob | int]:
+        """The echoed prompt's logprob items, which come before the generated ones."""
+        if not echo or self.prompt_entries is None:
+            return []
+        return prompt_items(self.prompt_ids, self.prompt_entries)
 
 
 async def handle_completion(req: CompletionRequest, raw_request, state: EngineClient,
@@ -72,34 +94,38 @@ async def handle_completion(req: CompletionRequest, raw_request, state: EngineCl
         streams = _choice_streams(state, msgs, asyncio.Semaphore(window))
         if req.stream:
             return await stream_completion_chunks(state, req, params, choices, streams, window)
-        await until_disconnected(raw_request, _all_or_none(
+        await until_disconnected(raw_request, all_or_none(
             [_drain(c, replies) for c, replies in zip(choices, streams)]))
     except RequestError as exc:
         return error_from(exc)
     texts = token_texts(state)
+
+    def choice(c: Choice) -> dict:
+        out = {"index": c.index, "text": c.prefix + c.text, "logprobs": None,
+               "finish_reason": c.finish_reason}
+        if params.logprobs is not None:
+            out["logprobs"] = completion_logprobs(c.echoed_items(req.echo) + c.entries, texts,
+                                                  params.return_tokens_as_token_ids)[0]
+        if params.prompt_logprobs is not None:
+            out["prompt_logprobs"] = vllm_prompt_logprobs(c.prompt_entries or [], texts)
+        return out
+
     return {
         "id": f"cmpl-{uuid.uuid4().hex}",
         "object": "text_completion",
         "created": int(time.time()),
         "model": req.model or state.config.served_model_name,
-        "choices": [
-            {
-                "index": c.index,
-                "text": c.prefix + c.text,
-                "logprobs": completion_logprobs(c.entries, texts, params.return_tokens_as_token_ids)[0]
-                if params.logprobs is not None else None,
-                "finish_reason": c.finish_reason,
-            }
-            for c in choices
-        ],
+        "choices": [choice(c) for c in choices],
         "usage": _sum_usage(choices),
     }
 
 
 def _sum_usage(choices: list[Choice]) -> dict:
-    return usage_dict(sum(c.prompt_tokens for c in choices),
+    # The n choices of a prompt share it: its tokens (and cache hits) count once, as vLLM.
+    firsts = [c for c in choices if c.counts_prompt]
+    return usage_dict(sum(c.prompt_tokens for c in firsts),
                       sum(c.completion_tokens for c in choices),
-                      sum(c.cached_tokens for c in choices))
+                      sum(c.cached_tokens for c in firsts))
 
 
 def _completion_choices(state, req: CompletionRequest, prompts,
@@ -115,8 +141,10 @@ def _completion_choices(state, req: CompletionRequest, prompts,
             # Choices of one prompt must differ: each draws from its own seed.
             seed = None if params.seed is None else params.seed + j
             uid = state.new_user()
-            msgs.append(TokenizeMsg(uid, prompt, replace(params, seed=seed)))
-            choices.append(Choice(index=p_index * req.n + j, uid=uid, prefix=prefix))
+            msgs.append(TokenizeMsg(uid, prompt, replace(params, seed=seed),
+                                    add_special_tokens=req.add_special_tokens))
+            choices.append(Choice(index=p_index * req.n + j, uid=uid, prefix=prefix,
+                                  echo_only=echo_only(req), counts_prompt=j == 0))
     return choices, msgs
 
 
@@ -133,17 +161,6 @@ def _choice_streams(state, msgs: list[TokenizeMsg], window: asyncio.Semaphore):
 async def _drain(choice: Choice, replies: AsyncIterator[UserReply]) -> None:
     async for reply in replies:
         choice.add(reply)
-
-
-async def _all_or_none(coros: list) -> list:
-    """Run `coros` together; the first error cancels the rest (whose requests are then aborted
-    by `wait_for_ack`) instead of leaving them running for nobody."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        for t in tasks:
-            t.cancel()
 
 
 async def _merged_replies(choices: list[Choice], streams, window: int):
@@ -206,20 +223,20 @@ async def stream_completion_chunks(state, req, params: SamplingParams, choices: 
                      "choices": choices_payload, **extra})
 
     async def body():
-        for c in choices:
-            if c.prefix:  # echo: the prompt text comes first, as its own chunk
-                yield chunk([{"index": c.index, "text": c.prefix, "logprobs": None,
-                              "finish_reason": None}])
+        echoed: set[int] = set()
         try:
             async for c, reply in replies:
-                c.add(reply)
+                text, entries = c.add(reply)
+                if req.echo and c.uid not in echoed:
+                    # The echoed prompt (and its logprobs) leads the choice's first chunk, as vLLM.
+                    echoed.add(c.uid)
+                    text, entries = c.prefix + text, [*c.echoed_items(True), *entries]
                 logprobs = None
                 if params.logprobs is not None:
-                    entries = [e for e in [*reply.logprobs, reply.stop_logprob] if e is not None]
                     logprobs, offsets[c.uid] = completion_logprobs(entries, texts, as_ids, offsets[c.uid])
-                if not reply.incremental_output and not reply.finished and not reply.logprobs:
+                if not text and not reply.finished and not entries:
                     continue
-                yield chunk([{"index": c.index, "text": reply.incremental_output,
+                yield chunk([{"index": c.index, "text": text,
                               "logprobs": logprobs, "finish_reason": c.finish_reason}])
             if req.stream_options and req.stream_options.include_usage:
                 yield chunk([], usage=_sum_usage(choices))

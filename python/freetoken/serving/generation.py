@@ -37,6 +37,7 @@ class GenSpec:
     logprobs: bool
     include_reasoning_logprobs: bool
     special_ids: frozenset[int] = frozenset()  # labelled SPECIAL for chat logprobs
+    add_special_tokens: bool = False  # the template brings its own; true adds the tokenizer's too
 
 
 @dataclass
@@ -74,6 +75,7 @@ class GenDone:
     cached_tokens: int
     logprobs: list[TokenLogprob] = field(default_factory=list)  # content entries still held
     reasoning_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -87,6 +89,7 @@ class GenResult:
     cached_tokens: int
     content_logprobs: list[TokenLogprob]
     reasoning_logprobs: list[TokenLogprob]
+    prompt_logprobs: list[TokenLogprob | None] | None
 
 
 def render_messages(messages: list[Message]) -> list[dict]:
@@ -118,13 +121,18 @@ def _json_or_text(text: str) -> Any:
         return text
 
 
-def reply_options(config: FrontendConfig, chat: bool) -> dict:
+def reply_options(config: FrontendConfig, chat: bool, params: SamplingParams) -> dict:
     """How a request's replies are built (`ReplyBuilder`'s options): chat output that a parser
-    reads needs each token's text, and some families' markers are special tokens kept in it."""
+    reads needs each token's text, and some families' markers are special tokens kept in it
+    whatever `skip_special_tokens` says (the parser takes them out of the content)."""
     reasoning, tool = config.reasoning_parser, config.tool_call_parser
     parsed = chat and (reasoning is not None or tool is not None)
     keep = parsed and registry.keeps_special_tokens(reasoning, tool)
-    return {"skip_special_tokens": not keep, "token_texts": parsed}
+    return {"skip_special_tokens": params.skip_special_tokens and not keep,
+            "token_texts": parsed,
+            "include_stop_str_in_output": params.include_stop_str_in_output,
+            "min_tokens": params.min_tokens,
+            "spaces_between_special_tokens": params.spaces_between_special_tokens}
 
 
 def chat_request_to_genspec(req: ChatCompletionRequest, params: SamplingParams, state) -> GenSpec:
@@ -157,6 +165,7 @@ def chat_request_to_genspec(req: ChatCompletionRequest, params: SamplingParams, 
         force_reasoning=registry.starts_in_reasoning(reasoning, ctk),
         logprobs=req.logprobs,
         include_reasoning_logprobs=req.include_reasoning_logprobs,
+        add_special_tokens=req.add_special_tokens,
     )
     if req.logprobs and (spec.reasoning_parser or spec.tool_call_parser):
         try:
@@ -173,7 +182,8 @@ async def generate_events(state, spec: GenSpec) -> AsyncIterator:
     uid = state.new_user()
     await state.send_one(TokenizeMsg(uid, spec.messages, spec.sampling_params,
                                      chat_template_kwargs=spec.chat_template_kwargs,
-                                     tools=spec.template_tools))
+                                     tools=spec.template_tools,
+                                     add_special_tokens=spec.add_special_tokens))
     replies = state.wait_for_ack(uid).__aiter__()
     first = await replies.__anext__()
     if first.error:
@@ -226,7 +236,7 @@ async def _events(spec: GenSpec, first: UserReply, replies) -> AsyncIterator:
     if called and finish != "length":
         finish = "tool_calls"
     yield GenDone(finish, prompt_tokens, completion_tokens, cached,
-                  router.take(Label.CONTENT), router.take(Label.REASONING))
+                  router.take(Label.CONTENT), router.take(Label.REASONING), first.prompt_logprobs)
 
 
 async def collect(events: AsyncIterator) -> GenResult:
@@ -260,4 +270,5 @@ async def collect(events: AsyncIterator) -> GenResult:
         cached_tokens=done.cached_tokens,
         content_logprobs=content_lps,
         reasoning_logprobs=reasoning_lps,
+        prompt_logprobs=done.prompt_logprobs,
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from freetoken.serving.errors import RequestError
 from freetoken.serving.validation import Limits, unsupported_reason
@@ -70,6 +70,47 @@ async def until_disconnected(raw_request, awaitable):
         return await task
     finally:
         task.cancel()
+
+
+async def all_or_none(coros: list) -> list:
+    """Run `coros` together; the first error cancels the rest (whose requests are then aborted
+    by `wait_for_ack`) instead of leaving them running for nobody."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def merged(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
+    """The items of all `streams` as they arrive, each with its stream's index. The first error
+    in any stream is raised here, and leaving early stops them all."""
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(i: int, stream: AsyncIterator) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait((i, item))
+            queue.put_nowait((i, end))
+        except Exception as exc:
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_streams = len(streams)
+        while open_streams:
+            i, item = await queue.get()
+            if item is end:
+                open_streams -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 def sse(payload: Any) -> str:

@@ -6,6 +6,7 @@ OpenAI-shaped 400.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -45,25 +46,14 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "guided_whitespace_pattern": _neutral(None),
     "structured_outputs": _neutral(None),
     "response_format": lambda v: v is None or v == {"type": "text"},
-    "prompt_logprobs": _neutral(None),
     "best_of": _neutral(None, 1),
     "use_beam_search": _neutral(None, False),
     "length_penalty": _neutral(None, 1, 1.0),
-    "min_tokens": _neutral(None, 0),
-    "bad_words": _neutral(None, []),
     "logits_processors": _neutral(None, []),
-    "logit_bias": _neutral(None, {}),
     "suffix": _neutral(None, ""),
     "truncate_prompt_tokens": _neutral(None),
     "prompt_embeds": _neutral(None),
-    "repetition_penalty": _neutral(None, 1, 1.0),
-    "presence_penalty": _neutral(None, 0, 0.0),
-    "frequency_penalty": _neutral(None, 0, 0.0),
     "vllm_xargs": _neutral(None, {}),
-    "include_stop_str_in_output": _neutral(None, False),
-    "skip_special_tokens": _neutral(None, True),
-    "spaces_between_special_tokens": _neutral(None, True),
-    "add_special_tokens": _neutral(None, True),
     "logprob_token_ids": _neutral(None),
     "function_call": _neutral(None),
     "functions": _neutral(None),
@@ -85,9 +75,6 @@ def unsupported_reason(req: CompletionRequest | ChatCompletionRequest) -> Reques
     for name in req.model_extra or {}:
         if name not in UNSUPPORTED_FIELDS and name not in HARMLESS_FIELDS:
             return RequestError(f"Unknown field {name!r}: refused rather than ignored", param=name)
-    if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
-        return RequestError("echo together with logprobs (prompt logprobs) is not supported",
-                            param="echo")
     return None
 
 
@@ -120,14 +107,84 @@ def prompt_list(req: CompletionRequest, limits: Limits) -> list[str | list[int]]
     return prompts
 
 
-def _check_logprobs(k: int, limits: Limits, param: str) -> None:
+def _check_logprobs(k: int, limits: Limits, param: str, kind: str = "sample") -> int:
+    """`k` checked against the cap, with -1 (the whole vocabulary) resolved."""
     if k == -1:
         k = limits.vocab_size or 1 << 30
     if k < 0:
         raise RequestError(f"`{param}` must be a positive value or -1.", param=param)
     if k > limits.max_logprobs:
-        raise RequestError(f"Requested sample logprobs of {k}, which is greater than max "
+        raise RequestError(f"Requested {kind} logprobs of {k}, which is greater than max "
                            f"allowed: {limits.max_logprobs}", param=param)
+    return k
+
+
+def echo_only(req: CompletionRequest | ChatCompletionRequest) -> bool:
+    """`echo` with `max_tokens: 0`: the prompt (and its logprobs) alone. As vLLM, one token is
+    generated and dropped, and counted in `usage`."""
+    return (isinstance(req, CompletionRequest) and req.echo and req.max_tokens == 0
+            and req.max_completion_tokens is None)
+
+
+def _penalties(req: CompletionRequest | ChatCompletionRequest, limits: Limits,
+               max_tokens: int | None) -> dict[str, Any]:
+    """The logit-processing fields of `SamplingParams`, checked (vLLM's bounds)."""
+    out: dict[str, Any] = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if value is not None:
+            if not -2.0 <= value <= 2.0:
+                raise RequestError(f"{name} must be in [-2, 2], got {value}.", param=name)
+            out[name] = value
+    if req.repetition_penalty is not None:
+        if not (0.0 < req.repetition_penalty and math.isfinite(req.repetition_penalty)):
+            raise RequestError("repetition_penalty must be a finite number greater than zero, "
+                               f"got {req.repetition_penalty}.", param="repetition_penalty")
+        out["repetition_penalty"] = req.repetition_penalty
+    if req.logit_bias:
+        out["logit_bias"] = _logit_bias(req.logit_bias, limits.vocab_size)
+    min_tokens = req.min_tokens or 0
+    if min_tokens < 0:
+        raise RequestError(f"min_tokens must be greater than or equal to 0, got {min_tokens}.",
+                           param="min_tokens")
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise RequestError(f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
+                           f"got {min_tokens}.", param="min_tokens")
+    out["min_tokens"] = min_tokens
+    for word in req.bad_words or []:
+        if not word.strip():
+            raise RequestError("bad_words must not contain empty or blank words", param="bad_words")
+        if not _is_utf8(word):
+            raise RequestError("bad_words must be valid UTF-8 text (a lone surrogate is not)",
+                               param="bad_words")
+    out["bad_words"] = list(req.bad_words or [])
+    return out
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _logit_bias(bias: dict[str, float], vocab_size: int | None) -> dict[int, float]:
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise RequestError(f"logit_bias keys must be token ids, got {key!r}.",
+                               param="logit_bias") from None
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            raise RequestError(f"token_id(s) [{token}] in logit_bias contain out-of-vocab token "
+                               f"ids. Vocabulary size: {vocab_size}", param="logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise RequestError(f"logit_bias values must be in [-100, 100], got {value} for token "
+                               f"{token}.", param="logit_bias")
+        out[token] = value
+    return out
 
 
 def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, limits: Limits) -> SamplingParams:
@@ -147,8 +204,6 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, limits: L
         raise RequestError("min_p must be in [0, 1]", param="min_p")
     if not 1 <= req.n <= MAX_N:
         raise RequestError(f"n must be between 1 and {MAX_N}", param="n")
-    if chat and req.n != 1:
-        raise RequestError("Only n=1 is supported on chat completions", param="n")
     if req.n > 1 and (temperature < SAMPLING_EPS or top_k == 1):
         raise RequestError(f"n must be 1 when using greedy sampling, got {req.n}.", param="n")
     if req.seed is not None and not 0 <= req.seed <= MAX_SEED - (req.n - 1):
@@ -162,6 +217,8 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, limits: L
     if max_tokens is None:
         # Chat: None, the rest of the context (resolved by the engine); completions: the legacy 16.
         max_tokens = limits.max_output_tokens or (None if chat else DEFAULT_COMPLETION_MAX_TOKENS)
+    elif echo_only(req):
+        max_tokens = 1
     elif max_tokens < 1:
         raise RequestError(f"{field} must be at least 1, got {max_tokens}.", param=field)
     elif limits.max_output_tokens is not None and max_tokens > limits.max_output_tokens:
@@ -193,6 +250,14 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, limits: L
         logprobs = req.logprobs
     if logprobs == -1:
         logprobs = limits.vocab_size
+    prompt_logprobs = None
+    if req.prompt_logprobs is not None:
+        if req.stream:
+            raise RequestError("`prompt_logprobs` are not available when `stream=True`.",
+                               param="prompt_logprobs")
+        prompt_logprobs = _check_logprobs(req.prompt_logprobs, limits, "prompt_logprobs", "prompt")
+    elif not chat and req.echo and logprobs is not None:
+        prompt_logprobs = logprobs  # echoed prompt tokens come with their logprobs, as vLLM
 
     as_ids = req.return_tokens_as_token_ids
     return SamplingParams(
@@ -208,4 +273,9 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, limits: L
         logprobs=logprobs,
         allowed_token_ids=list(allowed) if allowed is not None else None,
         return_tokens_as_token_ids=limits.return_tokens_as_token_ids if as_ids is None else as_ids,
+        prompt_logprobs=prompt_logprobs,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+        **_penalties(req, limits, None if max_tokens is None else max_tokens),
     )

@@ -50,21 +50,40 @@ class IncrementalDetokenizer:
 
     A token's start offset is the length of the complete text before it; a step releases the
     tokens whose start offset < length of the text released so far (all of them at finish).
+    Output controls follow vLLM's v1 detokenizer: the cut falls after the stop string with
+    `include_stop_str_in_output`; text completed by the first `min_tokens` tokens ends no stop
+    match; with `spaces_between_special_tokens=False` (and specials kept) an added token right
+    after another adds its bare content, not what the decoder makes of it.
     """
 
     def __init__(
-        self, tokenizer: Any, stop_strs: Sequence[str] = (), skip_special_tokens: bool = True
+        self, tokenizer: Any, stop_strs: Sequence[str] = (), skip_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False, min_tokens: int = 0,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         self._decode = _make_decode(tokenizer, skip_special_tokens)
         self._stops = [s for s in dict.fromkeys(stop_strs) if s]
         self._max_hold = max(map(len, self._stops), default=1) - 1
+        self._include_stop = include_stop_str_in_output
+        # Released text a match may still start in: none unless nothing is held back.
+        self._context = self._max_hold if include_stop_str_in_output else 0
+        self._min_tokens = min_tokens
+        self._added: dict[int, str] = {}
+        if not (skip_special_tokens or spaces_between_special_tokens):
+            backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+            self._added = {i: t.content for i, t in backend.get_added_tokens_decoder().items()}
+        self._after_added = False
         self._ids: list[int] = []
+        self._count = 0  # tokens fed
         self._prefix = 0  # window start: first id of the last complete chunk
         self._read = 0  # ids before this have committed their text
         self._prefix_len = 0  # len(decode(ids[prefix:read]))
         self._pend_len = 0  # complete chars decoded past `read` but not committed (before a U+FFFD)
-        self._done_len = 0  # chars committed (released + held in _buf)
-        self._buf = ""  # committed, not yet released (held back as a possible stop-string start)
+        self._done_len = 0  # chars committed
+        # Committed text: `_kept` released chars kept as stop-match context, then the unreleased
+        # rest (held back as a possible stop-string start).
+        self._buf = ""
+        self._kept = 0
         self._shown = 0  # chars released
         # Fed, unreleased tokens: (start offset, chars committed when fed = where its share starts)
         self._fed: deque[tuple[int, int]] = deque()
@@ -74,31 +93,38 @@ class IncrementalDetokenizer:
         if self._ended:  # not expected after a stop / finish; nothing more is released
             return DetokStep("", 0, len(new_ids), None)
         for n, tid in enumerate(new_ids, 1):
+            self._count += 1
             self._fed.append((self._done_len + self._pend_len, self._done_len))
             self._ids.append(tid)
-            text = self._decode(self._ids[self._prefix :])
+            delta = self._decode(self._ids[self._prefix :])[self._prefix_len :]
+            raw = self._added.get(tid)
+            if raw is not None and self._after_added:
+                delta = raw  # e.g. WordPiece would put a space before it
+            self._after_added = raw is not None
             # Empty growth (skipped special) must not advance: the next token would then
             # decode without context and lose its sentencepiece leading space.
-            if len(text) > self._prefix_len and not text.endswith(_FFFD):
-                hit = self._commit(text[self._prefix_len :])
+            if delta and not delta.endswith(_FFFD):
+                hit = self._commit(delta)
                 if hit is not None:
                     return self._stop(*hit, unfed=len(new_ids) - n)
                 self._advance()
             else:
-                pend = text[self._prefix_len :].rstrip(_FFFD)
-                self._pend_len = max(self._pend_len, len(pend))  # keep starts monotonic
+                pend = len(delta.rstrip(_FFFD))
+                self._pend_len = max(self._pend_len, pend)  # keep starts monotonic
         if finished:
             self._ended = True
             if self._read < len(self._ids):  # flush a dangling partial character as decode() does
                 hit = self._commit(self._decode(self._ids[self._prefix :])[self._prefix_len :])
                 if hit is not None:
                     return self._stop(*hit, unfed=0)
-            text, self._buf = self._buf, ""
+            text = self._buf[self._kept :]
             self._shown += len(text)
             return DetokStep(text, len(self._fed), 0, None, self._release(text, everything=True))
         keep = len(self._buf) - self._holdback()
-        text, self._buf = self._buf[:keep], self._buf[keep:]
+        text = self._buf[self._kept : keep]
         self._shown += len(text)
+        trim = max(0, keep - self._context)
+        self._buf, self._kept = self._buf[trim:], keep - trim
         offsets = self._release(text)
         return DetokStep(text, len(offsets), 0, None, offsets)
 
@@ -112,22 +138,27 @@ class IncrementalDetokenizer:
         self._pend_len = 0
 
     def _commit(self, delta: str) -> tuple[int, str] | None:
-        """Append complete text; return (position in _buf, stop) of the first-ending match."""
+        """Append complete text; return (where _buf is cut, stop) for the first-ending match."""
         old = len(self._buf)
         self._buf += delta
         self._done_len += len(delta)
+        if self._count <= self._min_tokens:
+            return None
         best: tuple[int, int, str] | None = None
         for s in self._stops:
-            # _buf[:old] held no match, so only matches ending in the new text are possible.
+            # _buf[:old] held no match (or was completed within min_tokens), so only matches
+            # ending in the new text count; they may start in released context.
             pos = self._buf.find(s, max(0, old - len(s) + 1))
             # Earliest end (then earliest start) wins: independent of how tokens were batched.
             if pos >= 0 and (best is None or (pos + len(s), pos) < best[:2]):
                 best = (pos + len(s), pos, s)
-        return None if best is None else (best[1], best[2])
+        if best is None:
+            return None
+        return (best[0] if self._include_stop else best[1]), best[2]
 
-    def _stop(self, pos: int, stop: str, unfed: int) -> DetokStep:
-        text, self._buf = self._buf[:pos], ""
-        self._shown += pos
+    def _stop(self, cut: int, stop: str, unfed: int) -> DetokStep:
+        text, self._buf = self._buf[self._kept : cut], ""
+        self._shown += len(text)
         offsets = self._release(text)
         dropped = len(self._fed) + unfed  # their text starts at/after the cut
         self._fed.clear()
@@ -135,10 +166,13 @@ class IncrementalDetokenizer:
         return DetokStep(text, len(offsets), dropped, stop, offsets)
 
     def _holdback(self) -> int:
-        """Length of the longest suffix of _buf that is a proper prefix of a stop string.
+        """Length of the longest suffix of the unreleased text that is a proper prefix of a stop
+        string (none when the stop string is released too: the cut then falls after it).
 
-        Released text never holds a match start: it would have been such a suffix when released.
+        Else released text never holds a match start: it would have been such a suffix.
         """
+        if self._include_stop:
+            return 0
         for k in range(min(len(self._buf), self._max_hold), 0, -1):
             tail = self._buf[-k:]
             if any(len(s) > k and s.startswith(tail) for s in self._stops):

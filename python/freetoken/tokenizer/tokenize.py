@@ -19,13 +19,14 @@ class TokenizeManager:
         )
 
     def tokenize(self, msg: TokenizeMsg) -> list[int]:
-        """Token ids of a request: id prompts pass through untouched; a rendered chat prompt
-        already carries its special tokens, a raw completion prompt gets the tokenizer's."""
+        """Token ids of a request: id prompts pass through untouched; text gets the tokenizer's
+        special tokens (BOS, ...) as `add_special_tokens` says (chat's default is no: the
+        template brings its own)."""
         if isinstance(msg.text, list) and (not msg.text or isinstance(msg.text[0], int)):
             return list(msg.text)
         if isinstance(msg.text, list):
             prompt = self.render_prompt(msg.text, msg.tools, msg.chat_template_kwargs)
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+            return self.tokenizer.encode(prompt, add_special_tokens=msg.add_special_tokens)
         return self.tokenizer.encode(msg.text, add_special_tokens=msg.add_special_tokens)
 
     @cached_property
@@ -45,3 +46,20 @@ class TokenizeManager:
         else:
             chars = sum(len(m["content"]) for m in msg.text if isinstance(m.get("content"), str))
         return chars // (2 * self.max_chars_per_token)
+
+
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """The token sequences that `SamplingParams.bad_words` ban, by vLLM's
+    `SamplingParams.update_from_tokenizer`: each word as spelled at the start of a text, and
+    as spelled after a space when that is as many tokens with another first one (the space
+    merged into it). A word that tokenizes to nothing bans nothing (vLLM fails on it)."""
+    sequences = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not bare:
+            continue
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        sequences.append(bare)
+        if spaced[0] != bare[0] and len(spaced) == len(bare):
+            sequences.append(spaced)
+    return sequences
