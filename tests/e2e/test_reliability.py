@@ -173,8 +173,12 @@ def test_a_non_streaming_client_that_leaves_is_aborted(server, http):
     with pytest.raises(httpx.TimeoutException):
         http.post("/v1/completions", json=body, timeout=1.5)
     deadline = time.monotonic() + 10
-    while http.get("/v1/stats").json()["engine"].get("running", 0) > 0:
+
+    def held() -> bool:  # by the engine, or by the frontend (still tokenizing, say)
+        stats = http.get("/v1/stats").json()
+        return stats["engine"].get("running", 0) > 0 or stats["frontend_requests"] > 0
+
+    while held():
         assert time.monotonic() < deadline, "the abandoned request is still running"
         time.sleep(0.2)
-    assert http.get("/v1/stats").json()["frontend_requests"] == 0
     _still_serving(http)
