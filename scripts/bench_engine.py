@@ -12,16 +12,21 @@ is off here (repeats reuse prompts); bench_scoring.py measures it.
 The second table is the cost of logprobs: our decode at batch 8 with logprobs None / 0 / 5 / 20.
 The third is the cost of the logit processors: our decode at batch 32 with every one of them on
 (processor_fields) against the same run without.
+The fourth is the cost of structured outputs: our decode at batch 32 with every row under a JSON
+schema (GRAMMAR_SCHEMA: an array of objects that cannot end within the run, so that every step
+masks every row) against the same rows without, and the mean grammar mask time per step.
 
     python scripts/bench_engine.py                 # float32, about 2-3 minutes on 2 cores
     python scripts/bench_engine.py --quick
     python scripts/bench_engine.py --tables processors   # one table (no HF: no engine table)
+    python scripts/bench_engine.py --tables grammar
     python scripts/bench_engine.py --dtype bfloat16
     python scripts/bench_engine.py --profile       # also: where a decode step's time goes
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -31,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench_common as bc  # noqa: E402
 
-from freetoken.core import SamplingParams  # noqa: E402
+from freetoken.core import SamplingParams, StructuredSpec  # noqa: E402
 from freetoken.scheduler.factory import build_scheduler  # noqa: E402
 from freetoken.message import UserMsg  # noqa: E402
 from freetoken.models.loader import load_model  # noqa: E402
@@ -101,6 +106,14 @@ def processor_fields(loaded) -> dict:
                 bad_words_token_ids=bad_words_token_ids(loaded.tokenizer, ["world peace"]))
 
 
+# Items of a few typed properties; minItems keeps EOS banned, so every row masks every step.
+GRAMMAR_SCHEMA = {"type": "array", "minItems": 1000, "items": {
+    "type": "object", "required": ["id", "name", "tags", "active"],
+    "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 24},
+                   "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}},
+                   "active": {"type": "boolean"}}}}
+
+
 def main() -> None:
     p = bc.base_parser(__doc__.split("\n")[0])
     p.add_argument("--dtype", default="float32", choices=list(bc.DTYPES), help="both sides")
@@ -111,7 +124,9 @@ def main() -> None:
     p.add_argument("--logprobs-batch", type=int, default=8, help="batch of the logprobs table")
     p.add_argument("--processors-batch", type=int, default=32,
                    help="batch of the logit processors table")
-    p.add_argument("--tables", default="engine,logprobs,processors",
+    p.add_argument("--grammar-batch", type=int, default=32,
+                   help="batch of the structured outputs table")
+    p.add_argument("--tables", default="engine,logprobs,processors,grammar",
                    help="tables to print, comma-separated")
     p.add_argument("--kv-slots", type=int, default=16384, help="our KV pool, in tokens")
     p.add_argument("--profile", action="store_true",
@@ -121,7 +136,8 @@ def main() -> None:
     bc.setup(args)
     batches = [int(b) for b in args.batches.split(",")]
     tables = set(args.tables.split(","))
-    assert tables <= {"engine", "logprobs", "processors"}, f"unknown tables: {args.tables}"
+    known = {"engine", "logprobs", "processors", "grammar"}
+    assert tables <= known, f"unknown tables: {args.tables}"
     prefill_len = args.prefill_len or (64 if args.quick else 128)
     new_tokens = args.new_tokens or (16 if args.quick else 32)
     print(f"# dtype {args.dtype}; prefill prompts of {prefill_len} tokens; decode {new_tokens} "
@@ -129,7 +145,7 @@ def main() -> None:
 
     ours = Ours(args.dtype, args.kv_slots)
     tok = ours.loaded.tokenizer
-    n = max(batches + [args.logprobs_batch, args.processors_batch])
+    n = max(batches + [args.logprobs_batch, args.processors_batch, args.grammar_batch])
     pre_prompts = bc.token_prompts(tok, n, prefill_len, seed=1)
     dec_prompts = bc.token_prompts(tok, n, args.decode_prompt_len, seed=2)
 
@@ -147,6 +163,8 @@ def main() -> None:
         logprobs_table(ours, dec_prompts[:args.logprobs_batch], new_tokens, args)
     if "processors" in tables:
         processors_table(ours, dec_prompts[:args.processors_batch], new_tokens, args)
+    if "grammar" in tables:
+        grammar_table(ours, dec_prompts[:args.grammar_batch], new_tokens, args)
     bc.load_note()
     if args.profile:
         del hf
@@ -203,6 +221,34 @@ def processors_table(ours: Ours, dec: list[list[int]], new_tokens: int, args) ->
         rows.append([name, rate, bc.ratio(rate, base), bc.ms(t / steps)])
     bc.print_table(f"Cost of the logit processors: our decode at batch {b}, {args.dtype} "
                    "(ratio to none)", ["processors", "decode tok/s", "ratio", "ms/step"], rows)
+
+
+def grammar_table(ours: Ours, dec: list[list[int]], new_tokens: int, args) -> None:
+    b = len(dec)
+    spec = StructuredSpec("json_schema", json.dumps(GRAMMAR_SCHEMA))
+    # EOS stays allowed to the grammar rows (it is banned by the schema's minItems instead).
+    fields = dict(structured=spec, ignore_eos=False)
+    ours.decode(dec, 4, **fields)  # warm-up: llguidance's tokenizer and the compile
+    masks = ours.scheduler.engine.sampler.grammar_masks
+    best: dict[str, tuple[float, int]] = {}
+    mask_s = mask_steps = 0.0
+    for _ in range(args.repeats):
+        for name, run_fields in (("none", {}), ("json_schema", fields)):  # alternated for drift
+            before = masks.seconds, masks.steps
+            run = ours.decode(dec, new_tokens, **run_fields)
+            best[name] = min(best.get(name, run), run)
+            mask_s += masks.seconds - before[0]
+            mask_steps += masks.steps - before[1]
+    base = b * (new_tokens - 1) / best["none"][0]
+    rows = []
+    for name, (t, steps) in best.items():
+        rate = b * (new_tokens - 1) / t
+        rows.append([name, rate, bc.ratio(rate, base), bc.ms(t / steps)])
+    bc.print_table(f"Cost of structured outputs: our decode at batch {b}, every row under a JSON "
+                   f"schema, {args.dtype} (ratio to none)",
+                   ["rows", "decode tok/s", "ratio", "ms/step"], rows)
+    bc.note(f"grammar masks: {mask_s / max(mask_steps, 1) * 1000:.2f} ms per step of {b} rows "
+            "(all runs, prefill steps included)")
 
 
 def profile(ours: Ours, prompts: list[list[int]], new_tokens: int) -> None:

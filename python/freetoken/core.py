@@ -8,9 +8,27 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from freetoken.structured.matcher import RequestGrammar
+
 # Temperatures below this are greedy (vLLM's rule): logits divided by a tiny temperature overflow
 # float32, and one that underflows float32 divides by zero; either way sampling gets NaN.
 SAMPLING_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class StructuredSpec:
+    """A grammar the output must follow (structured outputs, enforced tool_choice).
+
+    `kind` and `value`: "json_schema" (the schema as JSON text), "json_object" (value ""),
+    "regex", "choice" (a JSON list of the allowed strings), "grammar" (Lark or GBNF text, as a
+    client sends it), "lark" (a Lark grammar in the grammar engine's dialect, as the tool-call
+    grammars are built). The grammar starts once the output ends with `after_ids` (the
+    reasoning parser's end marker, so that reasoning stays free), or at once when it is empty.
+    """
+
+    kind: str
+    value: str
+    after_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -46,6 +64,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured: StructuredSpec | None = None  # None: free output
 
     @property
     def is_greedy(self) -> bool:
@@ -85,6 +104,9 @@ class Req:
     # With params.prompt_logprobs, until its first message carries them: the entries of the
     # prompt tokens scored so far, from [None] (the first token has no context).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # With params.structured: its matcher, made when it is added and kept across preemptions
+    # (the output it has consumed is kept too).
+    grammar: RequestGrammar | None = None
 
     @property
     def all_ids(self) -> list[int]:

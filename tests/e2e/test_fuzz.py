@@ -64,7 +64,19 @@ COMMON = {
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
     "logit_bias": st.dictionaries(STRS | st.integers(-2, 50_000).map(str), FLOATS, max_size=2),
     "bad_words": st.lists(STRS, max_size=3),
-    "response_format": st.fixed_dictionaries({"type": STRS}),
+    "response_format": st.fixed_dictionaries({"type": STRS}) | st.fixed_dictionaries(
+        {"type": st.sampled_from(["json_object", "json_schema", "text"])},
+        optional={"json_schema": st.fixed_dictionaries({}, optional={"name": STRS,
+                                                                     "schema": GARBAGE})}),
+    "guided_json": GARBAGE | st.sampled_from([{"type": "object"}, {"type": "integer"}]),
+    "guided_regex": STRS | st.sampled_from(["[a-z]{1,3}", "a("]),
+    "guided_choice": st.lists(STRS, max_size=3),
+    "guided_grammar": STRS | st.sampled_from(['root ::= "a" | "b"', "start: x"]),
+    "guided_decoding_backend": STRS | st.sampled_from(["xgrammar", "guidance"]),
+    "guided_whitespace_pattern": STRS,
+    "structured_outputs": st.dictionaries(st.sampled_from(
+        ["json", "regex", "choice", "grammar", "json_object", "whitespace_pattern"]),
+        GARBAGE, max_size=2),
     "made_up_field": GARBAGE,
 }
 COMPLETION = {**{k: OF_KIND[v] for k, v in COMPLETION_KINDS.items()}, **COMMON,

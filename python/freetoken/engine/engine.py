@@ -66,9 +66,11 @@ class Engine:
         ctx = self.build_context(batch)
         logits = self.model(batch, ctx)
         n = len(batch.logit_reqs)
-        args = self.sampler.prepare([r.params for r in batch.logit_reqs],
-                                    [r.generator for r in batch.logit_reqs],
-                                    [(r.prompt_ids, r.output_ids) for r in batch.logit_reqs])
+        reqs = batch.logit_reqs
+        grammars = [r.grammar.constraining if r.grammar else None for r in reqs]
+        args = self.sampler.prepare([r.params for r in reqs], [r.generator for r in reqs],
+                                    [(r.prompt_ids, r.output_ids) for r in reqs],
+                                    grammars if any(g is not None for g in grammars) else None)
         sampled = self.sampler.sample(logits[:n], args)
         # Row i of a chunk starting at position s scores prompt token s + i + 1.
         start = {id(r): r.num_computed - len(new) for r, new in zip(batch.reqs, batch.new_ids)}

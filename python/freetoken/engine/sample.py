@@ -4,10 +4,17 @@ Order of operations, per row (mirrors vLLM's v1 sampler, "raw_logprobs" mode):
 
 1. Cast the logits to fp32.
 2. Raw logprobs = log_softmax(logits), for rows that want logprobs and have no allowed_token_ids.
-3. allowed_token_ids mask: logits outside the allowed set become -inf (other rows untouched).
-4. Masked rows that want logprobs: log_softmax of the *masked* logits, i.e. renormalised over the
-   allowed ids. Steps 2 and 4 are one batched log_softmax (x - logsumexp(x)) taken after the mask,
-   since the mask is the identity on unmasked rows.
+3. Masks: logits outside allowed_token_ids, and those the row's grammar forbids (structured
+   outputs, once its grammar is active; structured/matcher.py), become -inf. Both come before
+   the logit processors, as vLLM applies its grammar bitmask before its sampler. A stopped
+   grammar allows only EOS; other rows are untouched.
+4. Rows with allowed_token_ids that want logprobs: log_softmax of the *masked* logits, i.e.
+   renormalised over what the row may sample (its allowed ids, and of those what its grammar
+   allows). A grammar row without allowed_token_ids keeps the raw logprobs of step 2: the grammar
+   shapes what it samples, not its logprobs (vLLM masks the logits before its sampler, so its
+   logprobs are renormalised over what the grammar allows). Steps 2 and 4 are one batched
+   log_softmax (x - logsumexp(x)) taken after the masks that logprobs see (the allowed ids, and
+   the grammar on rows with allowed ids), which are the identity on the other rows.
 5. Logit processors (engine/logit_processing.py); the logprobs of steps 2/4 never see them.
    In vLLM's order: bad_words (the last id of each word whose other ids end the output
    becomes -inf), min_tokens (while the output is shorter, stop_token_ids and, unless
@@ -31,12 +38,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from freetoken.core import SamplingParams, TokenLogprob
 from freetoken.engine.logit_processing import History, LogitProcessing
+from freetoken.structured.matcher import GrammarMasks
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 _NEG_INF = float("-inf")
 # top-k/top-p look at this many largest logits first (a topk, not a vocabulary sort); a top-p row
@@ -61,6 +72,7 @@ class BatchSamplingArgs:
     top_k_max: int  # largest enabled top_k, on the host so topk sizes need no device sync
     top_p: torch.Tensor | None  # [R, 1]; 2.0 disables the row
     mask: torch.Tensor | None  # [B, V] bool, True = banned; None: no row is masked
+    sample_mask: torch.Tensor | None  # [B, V] bool: grammar bans that raw logprobs do not see
     processing: LogitProcessing | None  # None: no row uses a logit processor
     lp_rows: torch.Tensor | None  # [L] long rows that want logprobs; None: nobody does
     lp_k: list[int]  # K per row of lp_rows
@@ -87,6 +99,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.eos_token_ids = eos_token_ids  # banned with stop_token_ids before min_tokens
+        self.grammar_masks = GrammarMasks(vocab_size, self.device)
 
     def _rows(self, rows: list[int]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.long, device=self.device)
@@ -96,10 +109,11 @@ class Sampler:
 
     def prepare(
         self, params: list[SamplingParams], generators: list[torch.Generator],
-        histories: list[History] | None = None,
+        histories: list[History] | None = None, grammars: list[LLMatcher | None] | None = None,
     ) -> BatchSamplingArgs:
         """`histories`: per row, its (prompt ids, output ids so far), which penalties, min_tokens
-        and bad_words read; None when no row uses them."""
+        and bad_words read; None when no row uses them. `grammars`: per row, the matcher that
+        constrains it or None; None when no row is constrained."""
         assert len(params) == len(generators), "one generator per row"
         V, B = self.vocab_size, len(params)
         greedy = [i for i, p in enumerate(params) if p.is_greedy]
@@ -124,7 +138,7 @@ class Sampler:
             # top_p >= 1 becomes 2: cumsum rounding near 1.0 can then never cut such a row's tail.
             top_p = self._col([p.top_p if p.top_p < 1.0 else 2.0 for p in rp], torch.float32)
 
-        mask = None
+        mask = sample_mask = None
         masked = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
         if masked:
             # One index_put for all masked rows: start banned, then free the allowed ids.
@@ -133,6 +147,17 @@ class Sampler:
             ids = [params[i].allowed_token_ids or [] for i in masked]
             r = [i for i, row_ids in zip(masked, ids) for _ in row_ids]
             mask[self._rows(r), self._rows([t for row_ids in ids for t in row_ids])] = False
+        if grammars is not None and any(m is not None for m in grammars):
+            banned = self.grammar_masks.banned(grammars)
+            if any(m is not None and p.logprobs is not None and p.allowed_token_ids is None
+                   for p, m in zip(params, grammars)):
+                # Raw logprobs never see the grammar: its bans go to a mask that sampling alone
+                # applies, and to `mask` on the rows whose logprobs see their allowed ids.
+                sample_mask = banned
+                if mask is not None:
+                    mask[masked] |= banned[masked]
+            else:
+                mask = banned if mask is None else mask | banned
 
         lp = [i for i, p in enumerate(params) if p.logprobs is not None]
         return BatchSamplingArgs(
@@ -146,6 +171,7 @@ class Sampler:
             top_k_max=max([k for k in ks if k < V], default=1),
             top_p=top_p,
             mask=mask,
+            sample_mask=sample_mask,
             processing=LogitProcessing.build(params, histories, self.eos_token_ids, V, self.device),
             lp_rows=self._rows(lp) if lp else None,
             lp_k=[min(k, V) if k >= 0 else V for k in (int(params[i].logprobs or 0) for i in lp)],
@@ -158,8 +184,10 @@ class Sampler:
         if args.mask is not None:
             x = x.masked_fill(args.mask, _NEG_INF)  # out of place: never edit the caller's logits
         raw = x  # the logprobs' distribution: before the processors
+        if args.sample_mask is not None:
+            x = x.masked_fill(args.sample_mask, _NEG_INF)
         if args.processing is not None:
-            if x is logits or args.lp_rows is not None:  # the caller's logits or `raw`: keep them
+            if x is logits or (x is raw and args.lp_rows is not None):  # keep the caller's or `raw`
                 x = x.clone()
             args.processing.apply(x)
 
@@ -230,8 +258,8 @@ class Sampler:
     def _logprobs(
         self, x: torch.Tensor, tokens: torch.Tensor, args: BatchSamplingArgs
     ) -> list[TokenLogprob]:
-        """The entries of the rows that want logprobs (masked rows: renormalised over their
-        allowed ids, since `x` is masked)."""
+        """The entries of the rows that want logprobs (rows with allowed ids: renormalised over
+        what they may sample, since `x` is masked)."""
         assert args.lp_rows is not None
         if len(args.lp_k) == args.batch_size:
             return logprob_entries(x, tokens, args.lp_k, args.lp_masked)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from freetoken.parsing import tool_grammar
 from freetoken.parsing.calls import CallStream
 from freetoken.parsing.family import Family, check_logprobs as _check_logprobs
 from freetoken.parsing.harmony import HARMONY_MARKERS, HarmonyDetector, HarmonySplitter
@@ -98,3 +99,37 @@ def keeps_special_tokens(reasoning: str | None, tool: str | None) -> bool:
     """Whether chat output must be detokenized with special tokens kept (Harmony's markers)."""
     return any(f is not None and f.keeps_special_tokens
                for f in (reasoning_family(reasoning), tool_family(tool)))
+
+
+# Structured outputs. The text after which a reasoning family's answer starts: a grammar on the
+# answer applies from there, and the reasoning before it stays free.
+ANSWER_MARKERS = {"qwen3": "</think>", "gpt_oss": "<|channel|>final<|message|>"}
+_ALWAYS_HEADED = {"gpt_oss"}  # Harmony output opens with a channel header, thinking or not
+
+# Grammars of tool calls in each tool format (tool_choice required / named), and whether the
+# grammar spans the family's own reasoning too (Harmony's analysis comes before its call).
+TOOL_GRAMMARS = {"hermes": (tool_grammar.hermes, False),
+                 "qwen3_coder": (tool_grammar.qwen3_coder, False),
+                 "gpt_oss": (tool_grammar.harmony, True)}
+
+
+def answer_marker(reasoning: str | None, chat_template_kwargs: dict) -> str | None:
+    """The marker after which the answer starts, when the output starts before it (in
+    reasoning, or in Harmony's headers); None when the output is the answer from its start."""
+    family = reasoning_family(reasoning)
+    if family is None or family.name not in ANSWER_MARKERS:
+        return None
+    if family.name in _ALWAYS_HEADED or family.starts_in_reasoning(chat_template_kwargs):
+        return ANSWER_MARKERS[family.name]
+    return None
+
+
+def tool_call_grammar(tool: str | None, tools: list[dict], name: str | None, parallel: bool,
+                      literal: tool_grammar.Literal) -> tuple[str, bool] | None:
+    """The Lark grammar that forces tool calls in `tool`'s format (one of `name`, or one or more
+    of any tool), and whether it spans the reasoning; None when the format has none."""
+    family = tool_family(tool)
+    if family is None or family.name not in TOOL_GRAMMARS:
+        return None
+    build, spans_reasoning = TOOL_GRAMMARS[family.name]
+    return build(tools, name, parallel, literal), spans_reasoning

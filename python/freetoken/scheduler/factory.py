@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 from freetoken.config import EngineConfig, context_length
 from freetoken.engine.engine import Engine
 from freetoken.models.loader import LoadedModel
 from freetoken.scheduler.scheduler import Scheduler, SchedulerConfig
+from freetoken.structured.grammar import ll_tokenizer
+from freetoken.structured.matcher import GrammarCompiler
 
 
 def build_scheduler(loaded: LoadedModel, config: EngineConfig = EngineConfig(),
@@ -23,4 +26,5 @@ def build_scheduler(loaded: LoadedModel, config: EngineConfig = EngineConfig(),
         max_running_requests=config.max_running_requests,
         max_prefill_tokens=config.max_prefill_tokens,
         prefix_cache=config.prefix_cache,
-    ))
+    ), GrammarCompiler(partial(ll_tokenizer, loaded.tokenizer, loaded.vocab_size,
+                               list(loaded.eos_token_ids))))

@@ -14,6 +14,10 @@ output again once it fits.
 A request that asks for prompt logprobs skips the prefix cache: each prefill chunk also scores
 its prompt tokens, and the entries go out with its first message.
 
+A request with a grammar (params.structured) waits until its matcher has compiled in the
+compiler's thread pool; the requests behind it go ahead meanwhile. Its matcher consumes each
+token as it is appended here, never in the forward, so a re-run step cannot feed it twice.
+
 A step that raises is run again request by request, so that only the requests that fail alone
 fail: KV writes of a re-run are idempotent and the forward is batch-invariant in float32.
 """
@@ -29,6 +33,7 @@ from freetoken.core import Batch, Req
 from freetoken.engine.engine import Engine, StepOutput
 from freetoken.message import DetokenizeMsg, UserMsg
 from freetoken.scheduler.cache import PrefixCache
+from freetoken.structured.matcher import GrammarCompiler, wait_any
 
 log = logging.getLogger("freetoken")
 
@@ -39,6 +44,10 @@ PROMPT_LOGPROB_ROWS = 256
 # A seed is a non-negative signed 64-bit integer (torch's manual_seed would remap a negative one,
 # or raise past 2**64).
 _SEED_LIMIT = 2**63
+
+# A step with nothing to run but grammars compiling waits this long for one, then returns so
+# that the worker can take new requests: spinning would take a core from the compile.
+GRAMMAR_IDLE_WAIT_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -51,21 +60,25 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, config: SchedulerConfig):
-        self.engine, self.config = engine, config
+    def __init__(self, engine: Engine, config: SchedulerConfig, grammars: GrammarCompiler):
+        self.engine, self.config, self.grammars = engine, config, grammars
         self.cache = PrefixCache(engine.kv) if config.prefix_cache else None
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # in order of admission
+        self.compiling: list[Req] = []  # waiting requests whose grammar is not compiled yet
         self.preemptions = 0
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         return {"running": len(self.running), "waiting": len(self.waiting),
                 "kv_free": self.engine.kv.num_free, "kv_total": self.engine.kv.num_slots,
-                "preemptions": self.preemptions}
+                "preemptions": self.preemptions, "grammar_compiling": len(self.compiling),
+                "grammar_compiles": self.grammars.compiled,
+                "grammar_cache_hits": self.grammars.cache_hits,
+                **self.engine.sampler.grammar_masks.stats()}
 
     def add(self, msg: UserMsg) -> list[DetokenizeMsg]:
         """Queue a request, or answer it with an error reply: this never raises for a request."""
@@ -91,9 +104,13 @@ class Scheduler:
         invalid = self._invalid(msg)
         if invalid:
             return [_error(uid, invalid, "invalid_request")]
-        self.waiting.append(Req(uid=uid, prompt_ids=list(msg.input_ids), params=params,
-                                generator=self.engine.new_generator(params),
-                                prompt_logprobs=None if params.prompt_logprobs is None else [None]))
+        req = Req(uid=uid, prompt_ids=list(msg.input_ids), params=params,
+                  generator=self.engine.new_generator(params),
+                  prompt_logprobs=None if params.prompt_logprobs is None else [None])
+        if params.structured is not None:
+            req.grammar = self.grammars.start(params.structured)
+            self.compiling.append(req)
+        self.waiting.append(req)
         return []
 
     def _invalid(self, msg: UserMsg) -> str | None:
@@ -122,15 +139,20 @@ class Scheduler:
                 if req.uid == uid:
                     queue.remove(req)
                     self._release(req)
+                    self.compiling = [r for r in self.compiling if r is not req]
                     return [DetokenizeMsg(uid, finished=True, finish_reason="abort")]
         return []
 
     def step(self) -> list[DetokenizeMsg]:
+        replies = self._resolve_grammars() if self.compiling else []
         self._admit()
         batch = self._prefill_batch() or self._decode_batch()
         if batch is None:
-            return []
-        done, replies = self._forward(batch)
+            if self.compiling:
+                wait_any([r.grammar for r in self.compiling], GRAMMAR_IDLE_WAIT_S)
+            return replies
+        done, failed = self._forward(batch)
+        replies += failed
         for part, out in done:
             scored = iter(out.prompt_logprobs)
             for req, n in part.prompt_rows:
@@ -141,6 +163,16 @@ class Scheduler:
                         self.cache.insert(req.prompt_ids, req.slots[: len(req.prompt_ids)])
             replies += [self._append(req, token, logprob) for req, token, logprob
                         in zip(part.logit_reqs, out.sampled.token_ids, out.sampled.logprobs)]
+        return replies
+
+    def _resolve_grammars(self) -> list[DetokenizeMsg]:
+        """Refuse the requests whose grammar failed to compile (never admitted: they wait)."""
+        replies = []
+        for req in [r for r in self.compiling if r.grammar.resolve()]:
+            self.compiling.remove(req)
+            if req.grammar.error is not None:
+                self.waiting.remove(req)
+                replies.append(_error(req.uid, req.grammar.error, "invalid_request"))
         return replies
 
     def _forward(
@@ -182,8 +214,12 @@ class Scheduler:
     def _admit(self) -> None:
         # Slots the running requests need to reach their next sample.
         need = sum(r.num_pending for r in self.running)
+        held = []
         while self.waiting and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
+            if req.grammar is not None and req.grammar.matcher is None:
+                held.append(self.waiting.popleft())  # still compiling: the next ones go on
+                continue
             # A prompt scored for prompt logprobs is computed whole: a cached position has no
             # logits, and recomputing it gives the exact ones (as vLLM). Its KV is still cached.
             if self.cache is not None and req.prompt_logprobs is None:
@@ -198,6 +234,7 @@ class Scheduler:
             need += req.num_pending + 1
             self.waiting.popleft()
             self.running.append(req)
+        self.waiting.extendleft(reversed(held))  # back in their places
 
     def _take(self, req: Req, n: int) -> None:
         req.slots += self.engine.kv.allocate(n)
@@ -251,6 +288,10 @@ class Scheduler:
     def _append(self, req: Req, token: int, logprob) -> DetokenizeMsg:
         params = req.params
         req.output_ids.append(token)
+        error = req.grammar.advance(req.output_ids) if req.grammar else None
+        if error is not None:
+            self._finish(req)
+            return _error(req.uid, error, "invalid_request")
         msg = DetokenizeMsg(req.uid, token_ids=[token], logprobs=[logprob])
         if len(req.output_ids) == 1:
             msg.prompt_tokens, msg.cached_tokens = len(req.prompt_ids), req.cached_tokens

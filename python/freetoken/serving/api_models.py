@@ -51,8 +51,9 @@ class _SamplingFields(OpenAIBaseModel):
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
     spaces_between_special_tokens: StrictBool = True
-    # Declared so their neutral values pass; any other value is refused in validation.py.
-    response_format: dict[str, Any] | None = None
+    # Any shape: structured.py checks it and names what is wrong.
+    response_format: Any = None
+    # Declared so its neutral values pass; any other value is refused in validation.py.
     best_of: StrictInt | None = None
     user: str | None = None
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
-from freetoken.serving import generation
+from freetoken.serving import generation, structured
 from freetoken.serving.api_models import ChatCompletionRequest
 from freetoken.serving.errors import RequestError, error_body, error_from
 from freetoken.serving.handling import (
@@ -37,6 +37,7 @@ async def handle_chat_completion(req: ChatCompletionRequest, raw_request, state:
     try:
         check_request(req, state, model_sampling)
         spec = generation.chat_request_to_genspec(req, to_sampling_params(req, limits_of(state)), state)
+        await structured.check(state, spec.sampling_params.structured, spec.structured_param)
         specs = _choice_specs(spec, req.n)
         if req.stream:
             streams = await all_or_none([generation.generate_events(state, s) for s in specs])

@@ -15,6 +15,7 @@ from fastapi.responses import StreamingResponse
 
 from freetoken.core import SamplingParams, TokenLogprob
 from freetoken.message import TokenizeMsg, UserReply
+from freetoken.serving import structured
 from freetoken.serving.api_models import CompletionRequest
 from freetoken.serving.errors import RequestError, error_body, error_from, reply_error
 from freetoken.serving.handling import (
@@ -87,6 +88,7 @@ async def handle_completion(req: CompletionRequest, raw_request, state: EngineCl
         check_request(req, state, model_sampling)
         limits = limits_of(state)
         params = to_sampling_params(req, limits)
+        await structured.check(state, params.structured, structured.source_field(req))
         choices, msgs = _completion_choices(state, req, prompt_list(req, limits), params)
         # A request's prompts enter the engine a window at a time, so that one request with many
         # prompts does not queue ahead of every request that arrives after it.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
 from freetoken.config import FrontendConfig
@@ -20,6 +20,7 @@ from freetoken.message import TokenizeMsg, UserReply
 from freetoken.parsing import Label, LogprobRouter, LogprobsUnavailable, Step, validate_tools
 from freetoken.parsing import registry
 from freetoken.parsing.family import special_ids
+from freetoken.serving import structured
 from freetoken.serving.api_models import ChatCompletionRequest, Message
 from freetoken.serving.errors import RequestError, reply_error
 
@@ -37,6 +38,7 @@ class GenSpec:
     logprobs: bool
     include_reasoning_logprobs: bool
     special_ids: frozenset[int] = frozenset()  # labelled SPECIAL for chat logprobs
+    structured_param: str | None = None  # the field named if its grammar does not compile
     add_special_tokens: bool = False  # the template brings its own; true adds the tokenizer's too
 
 
@@ -154,9 +156,11 @@ def chat_request_to_genspec(req: ChatCompletionRequest, params: SamplingParams, 
     if req.include_reasoning_logprobs and not req.logprobs:
         raise RequestError("include_reasoning_logprobs needs logprobs: true",
                            param="include_reasoning_logprobs")
+    grammar, grammar_param = structured.for_chat(req, params.structured, tools, tool_parser,
+                                                 reasoning, ctk, getattr(state, "tokenizer", None))
     spec = GenSpec(
         messages=render_messages(req.messages),
-        sampling_params=params,
+        sampling_params=replace(params, structured=grammar),
         chat_template_kwargs=ctk,
         template_tools=template_tools,
         parser_tools=parser_tools,
@@ -166,6 +170,7 @@ def chat_request_to_genspec(req: ChatCompletionRequest, params: SamplingParams, 
         logprobs=req.logprobs,
         include_reasoning_logprobs=req.include_reasoning_logprobs,
         add_special_tokens=req.add_special_tokens,
+        structured_param=grammar_param,
     )
     if req.logprobs and (spec.reasoning_parser or spec.tool_call_parser):
         try:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from freetoken.core import SAMPLING_EPS, SamplingParams
+from freetoken.serving import structured
 from freetoken.serving.api_models import ChatCompletionRequest, CompletionRequest
 from freetoken.serving.errors import RequestError
 
@@ -38,14 +39,6 @@ def _neutral(*values: Any) -> Callable[[Any], bool]:
 # Fields that would change the result and that we do not implement: refused unless neutral.
 # One list for both endpoints; docs/scoring.md mirrors it.
 UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
-    "guided_json": _neutral(None),
-    "guided_regex": _neutral(None),
-    "guided_choice": _neutral(None),
-    "guided_grammar": _neutral(None),
-    "guided_decoding_backend": _neutral(None),
-    "guided_whitespace_pattern": _neutral(None),
-    "structured_outputs": _neutral(None),
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "best_of": _neutral(None, 1),
     "use_beam_search": _neutral(None, False),
     "length_penalty": _neutral(None, 1, 1.0),
@@ -63,6 +56,8 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
 # Accepted because they cannot change the generated result.
 HARMLESS_FIELDS = {"user", "request_id", "priority", "cache_salt", "metadata", "store",
                    "service_tier", "parallel_tool_calls", "documents", "return_token_ids"}
+# Read by structured.requested (structured outputs), not ignored.
+STRUCTURED_FIELDS = {*structured.SPEC_FIELDS, "guided_decoding_backend", "guided_whitespace_pattern"}
 
 
 def unsupported_reason(req: CompletionRequest | ChatCompletionRequest) -> RequestError | None:
@@ -73,7 +68,7 @@ def unsupported_reason(req: CompletionRequest | ChatCompletionRequest) -> Reques
         if check is not None and not check(value):
             return RequestError(f"{name} is not supported by this server", param=name)
     for name in req.model_extra or {}:
-        if name not in UNSUPPORTED_FIELDS and name not in HARMLESS_FIELDS:
+        if name not in UNSUPPORTED_FIELDS and name not in HARMLESS_FIELDS | STRUCTURED_FIELDS:
             return RequestError(f"Unknown field {name!r}: refused rather than ignored", param=name)
     return None
 
@@ -260,6 +255,7 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, limits: L
         prompt_logprobs = logprobs  # echoed prompt tokens come with their logprobs, as vLLM
 
     as_ids = req.return_tokens_as_token_ids
+    found = structured.requested(req)
     return SamplingParams(
         temperature=temperature,
         top_k=top_k,
@@ -277,5 +273,6 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, limits: L
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
+        structured=found.spec if found is not None else None,  # chat adds where it starts
         **_penalties(req, limits, None if max_tokens is None else max_tokens),
     )

@@ -1,0 +1,46 @@
+"""LangChain's `with_structured_output` against `freetoken serve`: `method="json_schema"` (a
+response_format) and `method="function_calling"` (a named tool_choice) return the pydantic
+object."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import httpx
+import pytest
+from pydantic import BaseModel, Field
+
+from tests.e2e.test_structured_outputs import NO_THINKING, coder_args, hermes_args, shared_server
+
+pytestmark = pytest.mark.slow
+
+langchain_openai = pytest.importorskip("langchain_openai")
+
+
+class Trip(BaseModel):
+    """A trip to plan."""
+
+    city: Literal["Paris", "Oslo"]
+    days: int = Field(ge=1, le=7)
+    by_train: bool
+
+
+def chat_model(server, **extra):
+    model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
+    return langchain_openai.ChatOpenAI(base_url=f"{server.url}/v1", api_key="x", model=model,
+                                       max_tokens=60, temperature=0, max_retries=0,
+                                       timeout=600, extra_body=extra or None)
+
+
+def test_json_schema_method_returns_the_model(default_server):
+    llm = chat_model(default_server).with_structured_output(Trip, method="json_schema")
+    assert isinstance(llm.invoke("Plan a three-day train trip to Paris."), Trip)
+
+
+@pytest.mark.parametrize("args", [hermes_args, coder_args], ids=["hermes", "qwen3_coder"])
+def test_function_calling_method_returns_the_model(tiny_qwen3_path, args):
+    server = shared_server(*args(tiny_qwen3_path))
+    llm = chat_model(server, **NO_THINKING)
+    for method in ("function_calling", "json_schema"):
+        out = llm.with_structured_output(Trip, method=method).invoke("Plan a trip to Oslo.")
+        assert isinstance(out, Trip)
