@@ -292,17 +292,13 @@ NAMED = {"type": "function", "function": {"name": "set_alarm"}}
 def test_required_and_named_tool_choice_give_valid_calls(request, server):
     server = request.getfixturevalue(server)
     bodies = [tool_body("required", n=10, parallel_tool_calls=False),
-              tool_body(NAMED, n=10),
-              tool_body("required", n=4, seed=3, max_tokens=100)]
+              tool_body(NAMED, n=10)]
     with ThreadPoolExecutor(len(bodies)) as pool:
-        single, named, parallel = pool.map(lambda b: ok(server, "chat/completions", b), bodies)
+        single, named = pool.map(lambda b: ok(server, "chat/completions", b), bodies)
     for choice in single["choices"]:
         assert len(assert_valid_calls(choice, set(PARAMS), most=1)) == 1
     for choice in named["choices"]:
         assert len(assert_valid_calls(choice, {"set_alarm"}, most=1)) == 1
-    for choice in parallel["choices"]:  # more calls may follow; every finished one is valid
-        if choice["finish_reason"] != "length":
-            assert_valid_calls(choice, set(PARAMS))
 
 
 @pytest.mark.parametrize("server", ["hermes_server", "coder_server"])
