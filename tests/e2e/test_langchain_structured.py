@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Literal
 
 import httpx
+import langchain_openai
 import pytest
 from pydantic import BaseModel, Field
 
@@ -14,7 +15,6 @@ from tests.e2e.test_structured_outputs import NO_THINKING, hermes_args, shared_s
 
 pytestmark = pytest.mark.slow
 
-langchain_openai = pytest.importorskip("langchain_openai")
 
 
 class Trip(BaseModel):
