@@ -68,3 +68,17 @@ def reference_logprobs(folder: Path, prompt_ids: list[int], output_ids: list[int
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt_ids) - 1 :]
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+def drain(scheduler, requests: dict | None = None) -> dict[int, list]:
+    """Add `requests` ({uid: (prompt ids, SamplingParams)}) and step `scheduler` until it has
+    no work; returns each request's DetokenizeMsgs in order."""
+    from freetoken.message import UserMsg
+
+    for uid, (ids, params) in (requests or {}).items():
+        assert scheduler.add(UserMsg(uid, ids, params)) == []
+    out: dict[int, list] = {}
+    while scheduler.has_work:
+        for msg in scheduler.step():
+            out.setdefault(msg.uid, []).append(msg)
+    return out

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from freetoken.core import SamplingParams
-from freetoken.message import DetokenizeMsg, UserMsg
+from freetoken.message import DetokenizeMsg
 from freetoken.models.loader import load_model
 from freetoken.scheduler.factory import build_scheduler
-from tests.model_fixtures import hf_reference, tiny_random_folder
+from tests.model_fixtures import drain, hf_reference, tiny_random_folder
 
 K = 5
 # HF's and our kernels round differently; measured max difference ~2e-6.
@@ -35,15 +35,7 @@ def _params(prompt_logprobs: int | None = K, **kw) -> SamplingParams:
                           prompt_logprobs=prompt_logprobs, **kw)
 
 
-def _run(scheduler, requests: dict[int, tuple[list[int], SamplingParams]]
-         ) -> dict[int, list[DetokenizeMsg]]:
-    for uid, (ids, params) in requests.items():
-        assert scheduler.add(UserMsg(uid, ids, params)) == []
-    out: dict[int, list[DetokenizeMsg]] = {}
-    while scheduler.has_work:
-        for msg in scheduler.step():
-            out.setdefault(msg.uid, []).append(msg)
-    return out
+_run = drain
 
 
 def _hf_logprobs(ids: list[int]) -> torch.Tensor:

@@ -15,7 +15,7 @@ from freetoken.core import SamplingParams
 from freetoken.scheduler.factory import build_scheduler
 from freetoken.message import DetokenizeMsg, UserMsg
 from freetoken.models.loader import load_model
-from tests.model_fixtures import tiny_random_folder
+from tests.model_fixtures import drain, tiny_random_folder
 
 SEEDED = {1, 4}  # these sample at temperature 1 from a seed; the others are greedy
 
@@ -38,13 +38,7 @@ def _params(uid: int, max_tokens: int | None = 24) -> SamplingParams:
 
 
 def _run(scheduler, requests: dict[int, list[int]]) -> dict[int, list[DetokenizeMsg]]:
-    for uid, ids in requests.items():
-        assert scheduler.add(UserMsg(uid, ids, _params(uid))) == []
-    out: dict[int, list[DetokenizeMsg]] = {}
-    while scheduler.has_work:
-        for msg in scheduler.step():
-            out.setdefault(msg.uid, []).append(msg)
-    return out
+    return drain(scheduler, {uid: (ids, _params(uid)) for uid, ids in requests.items()})
 
 
 def _tokens(msgs: list[DetokenizeMsg]) -> list[int]:

@@ -19,7 +19,7 @@ from freetoken.message import DetokenizeMsg, UserMsg
 from freetoken.models.loader import load_model
 from freetoken.scheduler.factory import build_scheduler
 from freetoken.structured.matcher import GrammarCompiler
-from tests.model_fixtures import default_model, tiny_random_folder
+from tests.model_fixtures import default_model, drain, tiny_random_folder
 
 PERSON = {"type": "object", "additionalProperties": False,
           "required": ["name", "age", "member"],
@@ -48,15 +48,7 @@ def _params(spec: StructuredSpec | None, seed: int | None = None, **kw) -> Sampl
                           **kw)
 
 
-def _run(scheduler, requests: dict[int, tuple[list[int], SamplingParams]] | None = None
-         ) -> dict[int, list[DetokenizeMsg]]:
-    for uid, (ids, params) in (requests or {}).items():
-        assert scheduler.add(UserMsg(uid, ids, params)) == []
-    out: dict[int, list[DetokenizeMsg]] = {}
-    while scheduler.has_work:
-        for msg in scheduler.step():
-            out.setdefault(msg.uid, []).append(msg)
-    return out
+_run = drain
 
 
 def _tokens(msgs: list[DetokenizeMsg]) -> list[int]:
