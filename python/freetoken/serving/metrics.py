@@ -6,7 +6,7 @@ Three sources, none of which adds a channel to the engine or work to a step:
 - HTTP requests by endpoint and status are counted by an ASGI wrapper (`HttpMetrics`);
 - what lives in the engine process (running and waiting requests, KV usage, the prefix cache,
   preemptions) is read at scrape time from the stats snapshot that every engine message
-  already carries (`_EngineCollector`), so a scrape costs the engine nothing.
+  already carries (`_Snapshot`, with the token counts), so a scrape costs the engine nothing.
 Only the HTTP process serves them; with tensor parallelism that is the frontend on node 0, and
 the stats it holds are rank 0's scheduler's, which schedules for the whole group.
 """
@@ -67,11 +67,9 @@ class Metrics:
         self._success = Counter("freetoken:request_success", "Engine requests that finished, by "
                                 "finish reason (errors are not counted).",
                                 [*labels, "finished_reason"], registry=registry)
-        self._prompt_tokens = Counter("freetoken:prompt_tokens", "Prompt tokens of the engine "
-                                      "requests (cached ones included).", labels,
-                                      registry=registry).labels(*model)
-        self._generation_tokens = Counter("freetoken:generation_tokens", "Generated tokens.",
-                                          labels, registry=registry).labels(*model)
+        # Plain ints, exported at scrape time: they move on every engine message, where a
+        # prometheus_client Counter would take a lock each time (the event loop is one thread).
+        self.prompt_tokens = self.generation_tokens = 0
         self._ttft = Histogram("freetoken:time_to_first_token_seconds", "Time from the request's "
                                "arrival to its first token.", labels, buckets=TTFT_BUCKETS,
                                registry=registry).labels(*model)
@@ -86,7 +84,7 @@ class Metrics:
         # changes() of this start time counts them.
         Gauge("freetoken:engine_start_time_seconds", "Unix time at which the engine serving "
               "now became ready.", labels, registry=registry).labels(*model).set(time.time())
-        registry.register(_EngineCollector(model_name, get_stats))
+        registry.register(_Snapshot(self, get_stats))
 
     def on_tokens(self, timer: RequestTimer, prompt_tokens: int, new_tokens: int) -> None:
         """An engine message with `new_tokens` tokens (and, on the first, the prompt's size)."""
@@ -96,9 +94,8 @@ class Metrics:
         else:
             self._itl.observe(now - timer.last)
         timer.last = now
-        if prompt_tokens:
-            self._prompt_tokens.inc(prompt_tokens)
-        self._generation_tokens.inc(new_tokens)
+        self.prompt_tokens += prompt_tokens
+        self.generation_tokens += new_tokens
 
     def on_finish(self, timer: RequestTimer, finish_reason: str | None) -> None:
         if finish_reason == "error":
@@ -111,12 +108,13 @@ class Metrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
-class _EngineCollector(Collector):
-    """The engine's gauges and counters from the snapshot of its last message (empty before the
-    first: zeros). The engine counts since it started, which is a Prometheus counter's rule."""
+class _Snapshot(Collector):
+    """Series read when Prometheus scrapes: the frontend's token counts, and the engine's gauges
+    and counters from the snapshot of its last message (empty before the first: zeros). The
+    engine counts since it started, which is a Prometheus counter's rule."""
 
-    def __init__(self, model_name: str, get_stats: Callable[[], dict]):
-        self.model, self.get_stats = [model_name], get_stats
+    def __init__(self, metrics: Metrics, get_stats: Callable[[], dict]):
+        self.metrics, self.model, self.get_stats = metrics, [metrics.model_name], get_stats
 
     def collect(self):
         stats = self.get_stats()
@@ -133,7 +131,10 @@ class _EngineCollector(Collector):
                     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                      stats.get("prefix_cache_queries", 0)),
                     ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                     stats.get("prefix_cache_hits", 0))]
+                     stats.get("prefix_cache_hits", 0)),
+                    ("prompt_tokens", "Prompt tokens of the engine requests (cached ones "
+                     "included).", self.metrics.prompt_tokens),
+                    ("generation_tokens", "Generated tokens.", self.metrics.generation_tokens)]
         for name, doc, value in gauges:
             family = GaugeMetricFamily(f"freetoken:{name}", doc, labels=["model_name"])
             family.add_metric(self.model, value)
