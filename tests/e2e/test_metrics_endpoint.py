@@ -63,7 +63,9 @@ def test_metrics_after_a_few_requests(default_server):
     _idle(url)
     after = _scrape(url)
 
-    d = lambda name, **labels: _delta(before, after, name, **labels)  # noqa: E731
+    def d(name: str, **labels) -> float:
+        return _delta(before, after, name, **labels)
+
     assert d("freetoken:http_requests_total", endpoint="/v1/completions", status="200") == 2
     assert d("freetoken:http_requests_total", endpoint="/v1/completions", status="400") == 1
     assert d("freetoken:http_requests_total", endpoint="/v1/chat/completions", status="200") == 1
