@@ -87,8 +87,8 @@ def scrape(url: str, times: int = 20) -> tuple[float, dict[str, float]]:
     for _ in range(times):
         text = httpx.get(url + "/metrics", timeout=30).text
     per_scrape = (time.perf_counter() - t0) / times
-    values = {s.name + str(sorted((k, v) for k, v in s.labels.items() if k != "model_name")): s.value
-              for family in text_string_to_metric_families(text) for s in family.samples}
+    values = {s.name + str(sorted((k, v) for k, v in s.labels.items() if k != "model_name")):
+              s.value for family in text_string_to_metric_families(text) for s in family.samples}
     return per_scrape, values
 
 
