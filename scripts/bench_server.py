@@ -8,6 +8,12 @@ and KV pool size, prefix cache on (the default; every prompt is new to both). Th
 offline is what HTTP, JSON, tokenization, the ZMQ hop and the separate processes cost.
 Each level runs once (a repeat would hit the prefix cache).
 
+Metrics overhead, same run: the server always observes its Prometheus metrics, so the cost is
+measured as what observing adds to one request of this shape (the very calls the server makes per
+request and per engine message, timed in this process), set against the server's time per
+request at each level; and a `/metrics` scrape of the loaded server, whose counters must equal
+the requests and tokens sent.
+
     python scripts/bench_server.py              # about 2-3 minutes on 2 cores
     python scripts/bench_server.py --quick
 """
@@ -38,6 +44,52 @@ def offline(llm: LLM, prompts: list[str], concurrency: int, max_tokens: int):
         latencies += [time.perf_counter() - g0] * len(group)
         texts += [o.text for o in outs]
     return time.perf_counter() - t0, latencies, texts
+
+
+def observe_cost_us(prompt_tokens: int, tokens: int, requests: int = 3000) -> float:
+    """Microseconds that metrics add to one request: its timer, one observation per engine
+    message (one token per step), the finish, and the HTTP counter."""
+    from freetoken.serving.metrics import Metrics, RequestTimer
+
+    metrics = Metrics("bench", dict)
+    t0 = time.perf_counter()
+    for _ in range(requests):
+        timer = RequestTimer()
+        metrics.on_tokens(timer, prompt_tokens, 1)
+        for _ in range(tokens - 1):
+            metrics.on_tokens(timer, 0, 1)
+        metrics.on_finish(timer, "length")
+        metrics.http_requests.labels("/v1/completions", "200").inc()
+    return (time.perf_counter() - t0) / requests * 1e6
+
+
+def detokenize_cost_us(tokenizer, ids: list[int], requests: int = 300) -> float:
+    """Microseconds the frontend spends turning one request's messages (one token each) into
+    replies: the per-token work that observing sits beside."""
+    from freetoken.message import DetokenizeMsg
+    from freetoken.tokenizer.reply import ReplyBuilder
+
+    t0 = time.perf_counter()
+    for _ in range(requests):
+        builder = ReplyBuilder(tokenizer, [])
+        for i, token in enumerate(ids):
+            builder.build(DetokenizeMsg(0, token_ids=[token], logprobs=[None],
+                                        finished=i == len(ids) - 1))
+    return (time.perf_counter() - t0) / requests * 1e6
+
+
+def scrape(url: str, times: int = 20) -> tuple[float, dict[str, float]]:
+    """(seconds per GET /metrics, {sample name with labels: value}) of the running server."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    t0 = time.perf_counter()
+    for _ in range(times):
+        text = httpx.get(url + "/metrics", timeout=30).text
+    per_scrape = (time.perf_counter() - t0) / times
+    values = {s.name + str(sorted((k, v) for k, v in s.labels.items() if k != "model_name")):
+              s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    return per_scrape, values
 
 
 def main() -> None:
@@ -85,6 +137,7 @@ def main() -> None:
         bc.run_load(url, payloads(warmup), 8)
         for c in levels:
             on[c] = bc.run_load(url, payloads(prompts[c]), c)
+        scrape_s, scraped = scrape(server.url)
 
     rows = []
     for c in levels:
@@ -103,6 +156,27 @@ def main() -> None:
     bc.load_note()
     bc.note("\nOffline latency is the wall time of the generate() call that held the request "
             "(a group of `clients` prompts).")
+
+    sent = len(warmup) + sum(counts.values())
+    got = scraped.get("freetoken:http_requests_total[('endpoint', '/v1/completions'), "
+                      "('status', '200')]")
+    tokens = sum(on[c].usage_sum("completion_tokens") for c in levels)
+    cost = observe_cost_us(args.prompt_tokens, args.max_tokens)
+    output_ids = tokenizer.encode(on[levels[0]].responses[0]["choices"][0]["text"],
+                                  add_special_tokens=False)[: args.max_tokens]
+    detok = detokenize_cost_us(tokenizer, output_ids)
+    rows = [[c, f"{on[c].wall_s / on[c].n * 1e3:,.1f}", f"{cost:.1f}",
+             f"{cost / (on[c].wall_s / on[c].n * 1e6) * 100:.3f} %"] for c in levels]
+    bc.print_table(f"Metrics overhead: {cost:.1f} us of observing per request "
+                   f"({args.max_tokens} tokens), against the server's time per request "
+                   "(wall / requests)", ["clients", "server ms/request", "observing us",
+                                         "share"], rows)
+    bc.note(f"\nThe frontend's detokenizing of the same request takes {detok:.0f} us: observing "
+            f"adds {cost / detok * 100:.0f} % to the frontend's per-token work.")
+    bc.note(f"\nGET /metrics on the loaded server: {scrape_s * 1000:.1f} ms; it counted {got:.0f} "
+            f"completions (sent {sent}) and "
+            f"{scraped.get('freetoken:generation_tokens_total[]', 0):.0f} generated tokens "
+            f"(measured here {tokens} + warm-up).")
 
 
 if __name__ == "__main__":

@@ -41,9 +41,16 @@ def test_hit_equals_miss_and_reports_cached_tokens():
     miss, _ = _run(cold, prompts)
     warm = build_scheduler(default_model(), kv_slots=4096)
     _run(warm, prompts[:1], first_uid=100)
+    queried, found = warm.prefix_queries, warm.prefix_hits
     hit, cached = _run(warm, prompts)
     n_prefix = len(default_model().tokenizer.encode(PREFIX))
     assert all(c >= n_prefix - 1 for c in cached.values())
+    # The counters /metrics reads: every admitted prompt token looked up, the cached ones found.
+    stats = warm.stats()
+    assert stats["prefix_cache_hits"] - found == sum(cached.values())
+    assert stats["prefix_cache_queries"] - queried == sum(
+        len(default_model().tokenizer.encode(p)) for p in prompts)
+    assert stats["kv_used"] == 0  # what the cache alone holds counts as free in the usage
     for uid in miss:
         _same(hit[uid], miss[uid])
 
@@ -68,6 +75,8 @@ def test_abort_releases_the_requests_references():
     scheduler.add(UserMsg(7, tok.encode(PREFIX + "second."), SamplingParams(max_tokens=50)))
     scheduler.step()
     scheduler.step()
+    assert scheduler.engine.kv.num_used > len(tok.encode(PREFIX))  # shared slots included
     scheduler.abort(7)
+    assert scheduler.engine.kv.num_used == 0
     scheduler.cache.evict(scheduler.engine.kv.num_slots)
     assert scheduler.engine.kv.num_free == scheduler.engine.kv.num_slots

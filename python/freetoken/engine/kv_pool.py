@@ -1,7 +1,10 @@
 """A preallocated KV pool addressed by token slots (page size 1, as mini-sglang).
 
 A request owns a list of slots; the prefix cache can hand the same slots to several requests,
-so slots are reference-counted and return to the free list only when nobody holds them.
+so slots are reference-counted and return to the free list only when nobody holds them. The
+cache's own reference is marked (`cache_hold`), so that `num_used` counts the slots some request
+holds: a slot only the cache holds is evictable, and counts as free for the usage metric (as
+vLLM's `kv_cache_usage_perc`), though not on the free list.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ class KVPool:
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
         self._refs = [0] * num_slots
+        self._cached = bytearray(num_slots)  # 1 where the prefix cache holds a reference
+        self.num_used = 0  # slots that some request holds
 
     @property
     def num_free(self) -> int:
@@ -39,14 +44,30 @@ class KVPool:
         slots = [self._free.pop() for _ in range(n)]
         for s in slots:
             self._refs[s] = 1
+        self.num_used += n
         return slots
 
     def retain(self, slots: list[int]) -> None:
         for s in slots:
+            if self._refs[s] == self._cached[s]:  # no request held it
+                self.num_used += 1
             self._refs[s] += 1
 
     def release(self, slots: list[int]) -> None:
         for s in slots:
             self._refs[s] -= 1
+            if self._refs[s] == self._cached[s]:  # the last request let go of it
+                self.num_used -= 1
             if self._refs[s] == 0:
                 self._free.append(s)
+
+    def cache_hold(self, slot: int) -> None:
+        """The prefix cache's reference on `slot` (one at most), which `num_used` leaves out."""
+        self._cached[slot] = 1
+        self._refs[slot] += 1
+
+    def cache_drop(self, slot: int) -> None:
+        self._cached[slot] = 0
+        self._refs[slot] -= 1
+        if self._refs[slot] == 0:
+            self._free.append(slot)

@@ -48,7 +48,7 @@ class PrefixCache:
             child = node.children.get(token)
             if child is None:
                 child = node.children[token] = _Node(slot=slot, parent=node)
-                self.kv.retain([slot])
+                self.kv.cache_hold(slot)
             child.last_used = now
             node = child
 
@@ -62,7 +62,7 @@ class PrefixCache:
             leaves.sort(key=lambda x: x.last_used)
             for leaf in leaves[: n - freed]:
                 del leaf.parent.children[next(t for t, c in leaf.parent.children.items() if c is leaf)]
-                self.kv.release([leaf.slot])
+                self.kv.cache_drop(leaf.slot)
                 freed += 1
         return freed
 

@@ -67,6 +67,8 @@ class Scheduler:
         self.running: list[Req] = []  # in order of admission
         self.compiling: list[Req] = []  # waiting requests whose grammar is not compiled yet
         self.preemptions = 0
+        # Prompt tokens looked up in the prefix cache at admission, and those found (vLLM's).
+        self.prefix_queries = self.prefix_hits = 0
 
     @property
     def has_work(self) -> bool:
@@ -75,7 +77,9 @@ class Scheduler:
     def stats(self) -> dict[str, int | float]:
         return {"running": len(self.running), "waiting": len(self.waiting),
                 "kv_free": self.engine.kv.num_free, "kv_total": self.engine.kv.num_slots,
-                "preemptions": self.preemptions, "grammar_compiling": len(self.compiling),
+                "kv_used": self.engine.kv.num_used, "prefix_cache_queries": self.prefix_queries,
+                "prefix_cache_hits": self.prefix_hits, "preemptions": self.preemptions,
+                "grammar_compiling": len(self.compiling),
                 "grammar_compiles": self.grammars.compiled,
                 "grammar_cache_hits": self.grammars.cache_hits,
                 **self.engine.sampler.grammar_masks.stats()}
@@ -222,7 +226,8 @@ class Scheduler:
                 continue
             # A prompt scored for prompt logprobs is computed whole: a cached position has no
             # logits, and recomputing it gives the exact ones (as vLLM). Its KV is still cached.
-            if self.cache is not None and req.prompt_logprobs is None:
+            looked_up = self.cache is not None and req.prompt_logprobs is None
+            if looked_up:
                 # After a preemption the output so far is recomputed too; it may hit the cache.
                 req.slots, hit = self.cache.match(req.all_ids)
                 if not req.output_ids:  # reported on the first message only
@@ -231,6 +236,9 @@ class Scheduler:
             if not self._fits(need + req.num_pending + 1):
                 self._release(req)
                 break  # stays queued until running requests free their slots
+            if looked_up:  # counted once admitted: a request that waits is looked up again
+                self.prefix_queries += len(req.all_ids)
+                self.prefix_hits += hit
             need += req.num_pending + 1
             self.waiting.popleft()
             self.running.append(req)

@@ -6,10 +6,10 @@ import asyncio
 import hmac
 from typing import Callable
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 
 from freetoken.message import TokenizeMsg
-from freetoken.serving import chat, completion, errors, generation
+from freetoken.serving import chat, completion, errors, generation, metrics
 from freetoken.serving.api_models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -46,6 +46,11 @@ def create_app(get_state: Callable[[], FrontendManager]):
     async def stats():
         state = get_state()
         return {"engine": state.engine_stats, "frontend_requests": state.num_running}
+
+    @app.get(metrics.PATH)
+    async def prometheus_metrics():
+        body, content_type = get_state().metrics.exposition()
+        return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
     async def models():
@@ -89,7 +94,10 @@ def create_app(get_state: Callable[[], FrontendManager]):
             raise RequestError(f"Token id {bad[0]} is out of vocabulary", param="tokens")
         return {"prompt": await asyncio.to_thread(state.tokenizer.decode, req.tokens)}
 
-    return _Gate(errors.BodyLimit(app, lambda: get_state().config.max_request_bytes), get_state)
+    gated = _Gate(errors.BodyLimit(app, lambda: get_state().config.max_request_bytes), get_state)
+    # getattr: the tests' fake states have no metrics.
+    return metrics.HttpMetrics(gated, lambda: getattr(get_state(), "metrics", None),
+                               {route.path for route in app.routes})
 
 
 def tokenizer_config(tokenizer) -> dict:
@@ -126,7 +134,9 @@ class _Gate:
         await self.app(scope, receive, send)
 
     def _refusal(self, scope):
-        if scope["path"] == "/health":  # open to probes; it tells no more than up or down
+        # Open to probes and scrapers, as vLLM's: they tell up or down, and counts, no content;
+        # and a draining or dead server's metrics are still worth a scrape.
+        if scope["path"] in ("/health", metrics.PATH):
             return None
         state = self.get_state()
         key = state.config.api_key

@@ -21,6 +21,7 @@ from freetoken.config import FrontendConfig
 from freetoken.message import AbortMsg, DetokenizeMsg, ExitMsg, TokenizeMsg, UserMsg, UserReply
 from freetoken.serving import errors, generation
 from freetoken.serving.errors import RequestError
+from freetoken.serving.metrics import Metrics, RequestTimer
 from freetoken.tokenizer.reply import ReplyBuilder
 from freetoken.tokenizer.tokenize import TokenizeManager, bad_words_token_ids
 
@@ -49,6 +50,7 @@ class _ReqState:
     event: asyncio.Event = field(default_factory=asyncio.Event)
     done: bool = False
     prompt_ids: list[int] = field(default_factory=list)  # kept for prompt logprobs only
+    timer: RequestTimer = field(default_factory=RequestTimer)
 
 
 class FrontendManager:
@@ -68,6 +70,7 @@ class FrontendManager:
         self.engine_stats: dict[str, int] = {}  # as of the engine's last message
         self.draining = False  # shutting down: new requests get 503, running ones may finish
         self._dead = False
+        self.metrics = Metrics(config.served_model_name, lambda: self.engine_stats)
 
     @property
     def dead(self) -> bool:
@@ -155,6 +158,8 @@ class FrontendManager:
         state = self._states.get(uid)
         if state is None:
             return
+        if reply.finished and not state.done:
+            self.metrics.on_finish(state.timer, reply.finish_reason)
         state.done = state.done or reply.finished
         state.replies.append(reply)
         state.event.set()
@@ -206,6 +211,8 @@ class FrontendManager:
         if msg.error:
             return self._fail(msg.uid, msg.error, msg.error_code or "error")
         reply = state.builder.build(msg)
+        if msg.token_ids:
+            self.metrics.on_tokens(state.timer, msg.prompt_tokens, len(msg.token_ids))
         if reply.prompt_logprobs is not None:
             reply.prompt_token_ids = state.prompt_ids
         if reply.finished and not msg.finished:  # a stop string matched

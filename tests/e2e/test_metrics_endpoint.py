@@ -1,0 +1,94 @@
+"""`/metrics` of a real server after a few requests: counters moved by exactly what the
+responses report, histograms filled, and every name docs/server.md lists is served."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e.support import ROOT
+
+pytestmark = pytest.mark.slow
+
+SHARED = "Here is a long shared preamble that both requests begin with, word for word. " * 3
+
+
+def _scrape(url: str) -> dict[tuple, float]:
+    r = httpx.get(f"{url}/metrics", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))):
+            s.value for family in text_string_to_metric_families(r.text) for s in family.samples}
+
+
+def _idle(url: str) -> None:
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        stats = httpx.get(f"{url}/v1/stats").json()
+        if stats["frontend_requests"] == 0 and stats["engine"].get("running", 0) == 0:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"server not idle: {stats}")
+
+
+def _delta(before: dict, after: dict, name: str, **labels) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def test_metrics_after_a_few_requests(default_server):
+    url = default_server.url
+    _idle(url)  # earlier tests on this session server must not move the counters meanwhile
+    before = _scrape(url)
+    usages, reasons = [], []
+    for tail in ("Continue: one", "Continue: two"):
+        body = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "prompt": SHARED + tail, "max_tokens": 5, "temperature": 0, "ignore_eos": True}).json()
+        usages.append(body["usage"])
+        reasons.append(body["choices"][0]["finish_reason"])
+    with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: {")]
+    assert '"usage"' in lines[-1]
+    usages.append(json.loads(lines[-1][6:])["usage"])
+    reasons += [json.loads(line[6:])["choices"][0]["finish_reason"] for line in lines
+                if '"finish_reason": "' in line]
+    bad = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": "ten"})
+    assert bad.status_code == 400
+    _idle(url)
+    after = _scrape(url)
+
+    def d(name: str, **labels) -> float:
+        return _delta(before, after, name, **labels)
+
+    assert d("freetoken:http_requests_total", endpoint="/v1/completions", status="200") == 2
+    assert d("freetoken:http_requests_total", endpoint="/v1/completions", status="400") == 1
+    assert d("freetoken:http_requests_total", endpoint="/v1/chat/completions", status="200") == 1
+    assert d("freetoken:prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages)
+    assert d("freetoken:generation_tokens_total") == sum(u["completion_tokens"] for u in usages)
+    for reason in set(reasons):
+        assert d("freetoken:request_success_total", finished_reason=reason) == reasons.count(reason)
+    assert d("freetoken:time_to_first_token_seconds_count") == 3
+    assert d("freetoken:e2e_request_latency_seconds_count") == 3
+    # One interval per token after the first (the engine sends one token per step).
+    assert d("freetoken:inter_token_latency_seconds_count") == sum(
+        u["completion_tokens"] - 1 for u in usages)
+    assert d("freetoken:time_to_first_token_seconds_sum") > 0
+    assert d("freetoken:e2e_request_latency_seconds_bucket", le="+Inf") == 3
+    # The second completion found the first one's preamble in the prefix cache.
+    cached = usages[1]["prompt_tokens_details"]["cached_tokens"]
+    assert d("freetoken:prefix_cache_hits_total") >= cached > 0
+    assert d("freetoken:prefix_cache_queries_total") == sum(u["prompt_tokens"] for u in usages)
+    # Idle: no request holds KV (what the prefix cache keeps is evictable), none runs or waits.
+    for gauge in ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting"):
+        assert after[(f"freetoken:{gauge}", ())] == 0
+
+    documented = set(re.findall(r"`(freetoken:[a-z0-9_]+)`", (ROOT / "docs/server.md").read_text()))
+    served = {re.sub(r"_(bucket|count|sum)$", "", name) for name, _ in after}
+    assert len(documented) >= 14 and documented <= served, documented - served
+    assert {name for name in served if name.startswith("freetoken:")} <= documented
