@@ -1,0 +1,110 @@
+"""Mixture-of-experts execution grouped by expert, batch-invariant like the dense layers.
+
+A step's (token, expert) assignments are sorted by expert id; each active expert runs one GEMM
+over its tokens' rows, padded by repeating its last row up to the model's `RowPadding` (the row
+counts at which a packed `Linear` gives a row the same bits whatever the count, checked at load
+by `pack_linears` on the experts' own shapes). A token's outputs are then summed over its experts
+in ascending expert id, one elementwise add at a time, as transformers' reference loop adds
+them, so a row's result does not depend on which other rows shared its experts.
+
+The family supplies the router (which experts, with which weights) and the activation between
+an expert's fused gate/up projection and its down projection.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from freetoken.models.linear import MKL_ROWS, Linear, RowPadding
+
+Activation = Callable[[torch.Tensor], torch.Tensor]
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU over a fused projection whose first half is the gate (Llama, Qwen)."""
+    half = gate_up.shape[-1] // 2
+    return F.silu(gate_up[:, :half]).mul_(gate_up[:, half:])
+
+
+def softmax_topk(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen-MoE routing: softmax over all experts in fp32, the k largest, optionally renormalised
+    to sum to 1 (`norm_topk_prob`). Returns (weights [T, k] fp32, expert ids [T, k])."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class Expert(nn.Module):
+    """One expert: fused gate/up projection, activation, down projection."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool):
+        super().__init__()
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
+
+
+class Experts(nn.Module):
+    """`num_experts` experts (`experts.{e}.gate_up_proj`, `experts.{e}.down_proj`) run grouped."""
+
+    # Set by the model once the loader knows which rule its packed layers follow.
+    row_padding: RowPadding = MKL_ROWS
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, bias: bool,
+                 activation: Activation):
+        super().__init__()
+        self.experts = nn.ModuleList(Expert(hidden, intermediate, bias) for _ in range(num_experts))
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; ids [T, k] expert of each of a token's k slots; weights [T, k]."""
+        t, k = ids.shape
+        # Each token's slots in ascending expert id: the order its outputs are summed in.
+        ids, order = ids.sort(dim=1)
+        weights = weights.gather(1, order).to(x.dtype)
+        flat = ids.reshape(-1)
+        # Stable: within an expert, its tokens keep their order (not that any row depends on it).
+        by_expert = torch.argsort(flat, stable=True)
+        rows = x.index_select(0, by_expert // k)
+        out = torch.empty_like(rows)
+        start = 0
+        for e, n in enumerate(torch.bincount(flat, minlength=len(self.experts)).tolist()):
+            if n == 0:
+                continue
+            group = rows[start : start + n]
+            pad = self.row_padding.pad(n)
+            if pad:
+                group = torch.cat([group, group[-1:].expand(pad, -1)])
+            expert = self.experts[e]
+            out[start : start + n] = expert.down_proj(self.activation(expert.gate_up_proj(group)))[:n]
+            start += n
+        per_slot = torch.empty_like(out).index_copy_(0, by_expert, out).view(t, k, -1)
+        total = per_slot[:, 0] * weights[:, :1]
+        for j in range(1, k):
+            total += per_slot[:, j] * weights[:, j : j + 1]
+        return total
+
+
+def split_stacked_experts(state: dict[str, torch.Tensor], name: str, transpose: bool = False,
+                          target: str | None = None) -> dict[str, torch.Tensor]:
+    """Turn a stacked expert tensor `...experts.<name>` ([E, out, in], or [E, in, out] with
+    `transpose`) into per-expert `...experts.<e>.<target or name>.weight` entries; a stacked bias
+    `...experts.<name>_bias` ([E, out]) into `....bias`. Other entries pass through."""
+    result = {}
+    for key, value in state.items():
+        prefix, dot, leaf = key.rpartition("experts.")
+        base = leaf.removesuffix("_bias")
+        if not dot or base != name:
+            result[key] = value
+            continue
+        kind = "bias" if leaf.endswith("_bias") else "weight"
+        for e, tensor in enumerate(value.unbind(0)):
+            if kind == "weight" and transpose:
+                tensor = tensor.T
+            result[f"{prefix}experts.{e}.{target or name}.{kind}"] = tensor.contiguous()
+    return result
