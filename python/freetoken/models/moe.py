@@ -90,6 +90,14 @@ class Experts(nn.Module):
         return total
 
 
+def set_row_padding(model: nn.Module, padding: RowPadding) -> None:
+    """Give `model` and each of its Experts the row rule its packed layers follow."""
+    model.row_padding = padding
+    for module in model.modules():
+        if isinstance(module, Experts):
+            module.row_padding = padding
+
+
 def split_stacked_experts(state: dict[str, torch.Tensor], name: str, transpose: bool = False,
                           target: str | None = None) -> dict[str, torch.Tensor]:
     """Turn a stacked expert tensor `...experts.<name>` ([E, out, in], or [E, in, out] with
