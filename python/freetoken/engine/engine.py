@@ -170,6 +170,7 @@ class Engine:
                 logit_rows.append(len(ids) - 1)
         for req, n in batch.prompt_rows:
             logit_rows += range(first_row[id(req)], first_row[id(req)] + n)
+        num_tokens = len(ids)
         pad = self.row_padding.pad(len(ids))
         ids += [0] * pad
         positions += [0] * pad
@@ -183,4 +184,5 @@ class Engine:
             decode_groups=self._decode_groups(decoding),
             logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev),
             kv_cache=self.kv.kv,
+            num_tokens=num_tokens,
         )

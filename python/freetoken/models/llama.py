@@ -15,6 +15,7 @@ from torch import nn
 
 from freetoken.core import Batch
 from freetoken.models.linear import MKL_ROWS, Linear, RowPadding
+from freetoken.models.moe import Experts
 from freetoken.models.rope import Yarn, rope_frequencies
 
 
@@ -128,6 +129,7 @@ class ForwardContext:
     decode_groups: list[DecodeGroup]
     logit_rows: torch.Tensor  # [R] rows of T whose hidden state produces logits
     kv_cache: list[torch.Tensor]  # per layer [num_slots + 1, 2 * kv_heads, head_dim], K then V
+    num_tokens: int | None = None  # rows of T before the padding (None: all)
 
 
 class RMSNorm(nn.Module):
@@ -234,7 +236,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, ctx: ForwardContext) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, Experts) and ctx.num_tokens is not None:
+            # Experts pad their own GEMMs: the step's padding rows (garbage) pick no experts.
+            return x + F.pad(self.mlp(h[: ctx.num_tokens]), (0, 0, 0, len(h) - ctx.num_tokens))
+        return x + self.mlp(h)
 
 
 class Backbone(nn.Module):

@@ -168,7 +168,7 @@ def load_model(
         weights_dtype = module.dtype
     else:
         weights_dtype = resolve_dtype(dtype, dev)
-        module = _build_llama(folder, hf_config, weights_dtype, dev, arch)
+        module = _build_llama(folder, hf_config, weights_dtype, dev)
     return LoadedModel(
         model=module.eval(),
         tokenizer=tokenizer,
@@ -182,18 +182,25 @@ def load_model(
     )
 
 
-def _build_llama(folder: Path, hf_config: dict, dtype: torch.dtype, device: torch.device, arch: str):
-    """The Llama-style decoder of `arch` (models/llama.py or a family's subclass of it)."""
+def import_model_class(hf_config: dict) -> type:
+    """Our module class for the config's architecture (models/llama.py's unless it has its own)."""
+    arch = (hf_config.get("architectures") or ["LlamaForCausalLM"])[0]
+    if arch in MODEL_CLASSES:
+        name, cls_name = MODEL_CLASSES[arch]
+        return getattr(importlib.import_module(name), cls_name)
+    from freetoken.models.llama import LlamaForCausalLM
+
+    return LlamaForCausalLM
+
+
+def _build_llama(folder: Path, hf_config: dict, dtype: torch.dtype, device: torch.device):
+    """Our module for the folder: models/llama.py's decoder or a family's subclass of it."""
     from safetensors.torch import load_file
 
     from freetoken.models.linear import pack_linears
-    from freetoken.models.llama import LlamaForCausalLM
     from freetoken.models.moe import set_row_padding
 
-    model_class = LlamaForCausalLM
-    if arch in MODEL_CLASSES:
-        name, cls_name = MODEL_CLASSES[arch]
-        model_class = getattr(importlib.import_module(name), cls_name)
+    model_class = import_model_class(hf_config)
     cfg = model_class.config_class.from_hf(hf_config)
     with torch.device("meta"):
         module = model_class(cfg)
