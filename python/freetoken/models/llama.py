@@ -2,7 +2,9 @@
 
 Module names mirror transformers', except that q/k/v and gate/up projections are fused into one
 matmul each (`fuse_hf_weights` maps a transformers state dict). The three families differ only
-in q/k/v bias (Qwen2) and per-head q/k RMSNorm (Qwen3).
+in q/k/v bias (Qwen2) and per-head q/k RMSNorm (Qwen3). Sliding-window layers, YaRN and an
+o_proj bias are config fields too, so that the families built on this decoder (qwen3_moe.py,
+gpt_oss.py) bring only their own MLP and attention softmax.
 """
 
 from __future__ import annotations
