@@ -3,9 +3,10 @@
 A step's (token, expert) assignments are sorted by expert id; each active expert runs one GEMM
 over its tokens' rows, padded by repeating its last row up to the model's `RowPadding` (the row
 counts at which a packed `Linear` gives a row the same bits whatever the count, checked at load
-by `pack_linears` on the experts' own shapes). A token's outputs are then summed over its experts
-in ascending expert id, one elementwise add at a time, as transformers' reference loop adds
-them, so a row's result does not depend on which other rows shared its experts.
+by `pack_linears` on the experts' own shapes). Each expert's weighted outputs are then added
+into its tokens' rows (`index_add_`), expert after expert in ascending id, as transformers'
+reference loop adds them: a token's sum runs in that fixed order, so a row's result does not
+depend on which other rows shared its experts.
 
 The family supplies the router (which experts, with which weights) and the activation between
 an expert's fused gate/up projection and its down projection.
@@ -63,15 +64,13 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; ids [T, k] expert of each of a token's k slots; weights [T, k]."""
-        t, k = ids.shape
-        # Each token's slots in ascending expert id: the order its outputs are summed in.
-        ids, order = ids.sort(dim=1)
-        weights = weights.gather(1, order).to(x.dtype)
+        k = ids.shape[1]
         flat = ids.reshape(-1)
-        # Stable: within an expert, its tokens keep their order (not that any row depends on it).
         by_expert = torch.argsort(flat, stable=True)
-        rows = x.index_select(0, by_expert // k)
-        out = torch.empty_like(rows)
+        tokens = by_expert // k
+        rows = x.index_select(0, tokens)
+        row_weights = weights.reshape(-1, 1).index_select(0, by_expert).to(x.dtype)
+        total = torch.zeros_like(x)
         start = 0
         for e, n in enumerate(torch.bincount(flat, minlength=len(self.experts)).tolist()):
             if n == 0:
@@ -81,12 +80,10 @@ class Experts(nn.Module):
             if pad:
                 group = torch.cat([group, group[-1:].expand(pad, -1)])
             expert = self.experts[e]
-            out[start : start + n] = expert.down_proj(self.activation(expert.gate_up_proj(group)))[:n]
+            out = expert.down_proj(self.activation(expert.gate_up_proj(group)))[:n]
+            # One expert at a time, in ascending id: each token's sum runs in that fixed order.
+            total.index_add_(0, tokens[start : start + n], out.mul_(row_weights[start : start + n]))
             start += n
-        per_slot = torch.empty_like(out).index_copy_(0, by_expert, out).view(t, k, -1)
-        total = per_slot[:, 0] * weights[:, :1]
-        for j in range(1, k):
-            total += per_slot[:, j] * weights[:, j : j + 1]
         return total
 
 
