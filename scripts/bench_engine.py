@@ -202,7 +202,7 @@ def engine_table(ours: Ours, hf: HF | None, batches: list[int], pre_prompts: lis
                      dec_tokens / t_dec, hf_dec, bc.ratio(dec_tokens / t_dec, hf_dec),
                      bc.ms(t_dec / steps)])
     bc.print_table(
-        f"{title}, {args.dtype} (tokens/s; ratio = ours / HF)",
+        f"{title}, {str(ours.loaded.dtype).removeprefix('torch.')} (tokens/s; ratio = ours / HF)",
         ["batch", "prefill ours", "prefill HF", "ratio", "decode ours", "decode HF", "ratio",
          "ours ms/step"], rows)
 

@@ -3,9 +3,9 @@
 A step's (token, expert) assignments are sorted by expert id; each active expert runs one GEMM
 over its tokens' rows, padded by repeating its last row up to the model's `RowPadding` (the row
 counts at which a packed `Linear` gives a row the same bits whatever the count, checked at load
-by `pack_linears` on the experts' own shapes). Each expert's weighted outputs are then added
-into its tokens' rows (`index_add_`), expert after expert in ascending id, as transformers'
-reference loop adds them: a token's sum runs in that fixed order, so a row's result does not
+by `pack_linears` on the experts' own shapes). The weighted outputs are then added into their
+tokens' rows in ascending expert id (`index_add_` adds in row order), the order transformers'
+reference loop adds them in: a token's sum runs in that fixed order, so a row's result does not
 depend on which other rows shared its experts.
 
 The family supplies the router (which experts, with which weights) and the activation between
@@ -68,23 +68,27 @@ class Experts(nn.Module):
         flat = ids.reshape(-1)
         by_expert = torch.argsort(flat, stable=True)
         tokens = by_expert // k
-        rows = x.index_select(0, tokens)
-        row_weights = weights.reshape(-1, 1).index_select(0, by_expert).to(x.dtype)
-        total = torch.zeros_like(x)
-        start = 0
-        for e, n in enumerate(torch.bincount(flat, minlength=len(self.experts)).tolist()):
-            if n == 0:
-                continue
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        active = [(self.experts[e], n) for e, n in enumerate(counts) if n]
+        # Elementwise work runs once over all rows, not once per expert.
+        hidden = self.activation(self._grouped(active, "gate_up_proj", x.index_select(0, tokens)))
+        out = self._grouped(active, "down_proj", hidden)
+        out.mul_(weights.reshape(-1, 1).index_select(0, by_expert).to(x.dtype))
+        # Rows are in ascending expert id, and index_add_ adds them in row order: each token's
+        # sum runs over its experts in that fixed order.
+        return torch.zeros_like(x).index_add_(0, tokens, out)
+
+    def _grouped(self, active: list[tuple[Expert, int]], name: str, rows: torch.Tensor) -> torch.Tensor:
+        """Each active expert's layer `name` over its run of `rows`, padded to the row rule."""
+        outs, start = [], 0
+        for expert, n in active:
             group = rows[start : start + n]
             pad = self.row_padding.pad(n)
             if pad:
                 group = torch.cat([group, group[-1:].expand(pad, -1)])
-            expert = self.experts[e]
-            out = expert.down_proj(self.activation(expert.gate_up_proj(group)))[:n]
-            # One expert at a time, in ascending id: each token's sum runs in that fixed order.
-            total.index_add_(0, tokens[start : start + n], out.mul_(row_weights[start : start + n]))
+            outs.append(getattr(expert, name)(group)[:n])
             start += n
-        return total
+        return torch.cat(outs)
 
 
 def set_row_padding(model: nn.Module, padding: RowPadding) -> None:
