@@ -110,12 +110,13 @@ def load_tokenizer():
     return AutoTokenizer.from_pretrained(model_folder())
 
 
-def load_hf(dtype: str):
-    """HF transformers on the very weights our engine loads; returns (model, tokenizer)."""
-    from transformers import AutoModelForCausalLM
+def load_hf(dtype: str, folder: Path | None = None):
+    """HF transformers on the very weights our engine loads (the default model's, or those in
+    `folder`); returns (model, tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(model_folder(), dtype=DTYPES[dtype]).eval()
-    tokenizer = load_tokenizer()
+    model = AutoModelForCausalLM.from_pretrained(folder or model_folder(), dtype=DTYPES[dtype]).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder) if folder else load_tokenizer()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer

@@ -15,12 +15,18 @@ The third is the cost of the logit processors: our decode at batch 32 with every
 The fourth is the cost of structured outputs: our decode at batch 32 with every row under a JSON
 schema (GRAMMAR_SCHEMA: an array of objects that cannot end within the run, so that every step
 masks every row) against the same rows without, and the mean grammar mask time per step.
+The MoE table (`--tables moe`, not in the default set) runs the engine table on a Qwen3-MoE built
+from a config with random weights (MOE_CONFIG: ~270M parameters, 64 experts, top 8, ~50M active
+per token), in each of --moe-dtypes (bfloat16 up to batch 8), against HF transformers on the same folder (its default
+experts implementation), and notes the experts' share of a decode step and the part of it spent
+outside the expert GEMMs (routing, sorting, gathering, padding, the weighted sum).
 
     python scripts/bench_engine.py                 # float32, about 2-3 minutes on 2 cores
     python scripts/bench_engine.py --quick
     python scripts/bench_engine.py --tables processors   # one table (no HF: no engine table)
     python scripts/bench_engine.py --tables grammar
     python scripts/bench_engine.py --dtype bfloat16
+    python scripts/bench_engine.py --tables moe    # the MoE table alone, float32 and bfloat16
     python scripts/bench_engine.py --profile       # also: where a decode step's time goes
 """
 
@@ -44,8 +50,8 @@ from freetoken.tokenizer.tokenize import bad_words_token_ids  # noqa: E402
 
 
 class Ours:
-    def __init__(self, dtype: str, kv_slots: int):
-        self.loaded = load_model(None, dtype=dtype, device="cpu")
+    def __init__(self, dtype: str, kv_slots: int, model: Path | None = None):
+        self.loaded = load_model(model, dtype=dtype, device="cpu")
         # No prefix cache: repeats reuse prompts, and a cache hit would skip the prefill we time
         # (bench_scoring.py measures the cache).
         self.scheduler = build_scheduler(self.loaded, kv_slots=kv_slots, prefix_cache=False)
@@ -79,8 +85,8 @@ class Ours:
 
 
 class HF:
-    def __init__(self, dtype: str):
-        self.model, self.tokenizer = bc.load_hf(dtype)
+    def __init__(self, dtype: str, model: Path | None = None):
+        self.model, self.tokenizer = bc.load_hf(dtype, model)
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]]) -> None:
@@ -127,7 +133,8 @@ def main() -> None:
     p.add_argument("--grammar-batch", type=int, default=32,
                    help="batch of the structured outputs table")
     p.add_argument("--tables", default="engine,logprobs,processors,grammar",
-                   help="tables to print, comma-separated")
+                   help="tables to print, comma-separated (also: moe)")
+    p.add_argument("--moe-dtypes", default="float32,bfloat16", help="dtypes of the MoE table")
     p.add_argument("--kv-slots", type=int, default=16384, help="our KV pool, in tokens")
     p.add_argument("--profile", action="store_true",
                    help="profile our decode steps at batch 1 and 32 (torch.profiler + cProfile)")
@@ -136,12 +143,17 @@ def main() -> None:
     bc.setup(args)
     batches = [int(b) for b in args.batches.split(",")]
     tables = set(args.tables.split(","))
-    known = {"engine", "logprobs", "processors", "grammar"}
+    known = {"engine", "logprobs", "processors", "grammar", "moe"}
     assert tables <= known, f"unknown tables: {args.tables}"
     prefill_len = args.prefill_len or (64 if args.quick else 128)
     new_tokens = args.new_tokens or (16 if args.quick else 32)
     print(f"# dtype {args.dtype}; prefill prompts of {prefill_len} tokens; decode {new_tokens} "
           f"new tokens after {args.decode_prompt_len}-token prompts; greedy, ignore_eos")
+    if "moe" in tables:
+        moe_tables(batches, prefill_len, new_tokens, args)
+        tables.discard("moe")
+        if not tables:
+            return
 
     ours = Ours(args.dtype, args.kv_slots)
     tok = ours.loaded.tokenizer
@@ -172,7 +184,8 @@ def main() -> None:
 
 
 def engine_table(ours: Ours, hf: HF | None, batches: list[int], pre_prompts: list[list[int]],
-                 dec_prompts: list[list[int]], prefill_len: int, new_tokens: int, args) -> None:
+                 dec_prompts: list[list[int]], prefill_len: int, new_tokens: int, args,
+                 title: str = "Engine vs HF transformers") -> None:
     rows = []
     for b in batches:
         pre, dec = pre_prompts[:b], dec_prompts[:b]
@@ -189,9 +202,107 @@ def engine_table(ours: Ours, hf: HF | None, batches: list[int], pre_prompts: lis
                      dec_tokens / t_dec, hf_dec, bc.ratio(dec_tokens / t_dec, hf_dec),
                      bc.ms(t_dec / steps)])
     bc.print_table(
-        f"Engine vs HF transformers, {args.dtype} (tokens/s; ratio = ours / HF)",
+        f"{title}, {str(ours.loaded.dtype).removeprefix('torch.')} (tokens/s; ratio = ours / HF)",
         ["batch", "prefill ours", "prefill HF", "ratio", "decode ours", "decode HF", "ratio",
          "ours ms/step"], rows)
+
+
+# Qwen3-30B-A3B's shape scaled down: 64 experts, top 8, renormalised; the default model's vocabulary.
+MOE_CONFIG = dict(hidden_size=512, intermediate_size=1536, moe_intermediate_size=256,
+                  num_hidden_layers=8, num_experts=64, num_experts_per_tok=8, norm_topk_prob=True,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                  max_position_embeddings=4096, tie_word_embeddings=False)
+
+
+def moe_folder() -> Path:
+    """MOE_CONFIG with random weights (seed 0) as an HF folder, built once."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from freetoken.models.loader import cache_root
+
+    folder = cache_root() / "bench-models" / "qwen3-moe-random-v1"
+    if (folder / "config.json").is_file():
+        return folder
+    tokenizer = bc.load_tokenizer()
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=len(tokenizer), **MOE_CONFIG)
+    tmp = folder.with_name(folder.name + ".tmp")
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.replace(folder)
+    return folder
+
+
+def moe_tables(all_batches: list[int], prefill_len: int, new_tokens: int, args) -> None:
+    folder = moe_folder()
+    for dtype in bc.parse_dtypes(args.moe_dtypes):
+        # bfloat16 GEMMs are slow on CPUs without native bf16: its rows stop at batch 8.
+        batches = [b for b in all_batches if dtype == "float32" or b <= 8] or all_batches[:1]
+        ours = Ours(dtype, args.kv_slots, folder)
+        tok = ours.loaded.tokenizer
+        pre_prompts = bc.token_prompts(tok, max(batches), prefill_len, seed=1)
+        dec_prompts = bc.token_prompts(tok, max(batches), args.decode_prompt_len, seed=2)
+        ours.prefill(pre_prompts[:8])
+        ours.decode(dec_prompts[:8], 4)
+        hf = None
+        if not args.skip_hf:
+            hf = HF(dtype, folder)
+            hf.prefill(pre_prompts[:8])
+            hf.generate(dec_prompts[:8], 4)
+        params = sum(p.numel() for p in hf.model.parameters()) if hf else None
+        title = (f"Qwen3-MoE ({params / 1e6:.0f}M params, " if params else "Qwen3-MoE (")
+        title += "64 experts, top 8) vs HF transformers"
+        if hf:
+            title += f" (experts: {hf.model.config._experts_implementation})"
+        engine_table(ours, hf, batches, pre_prompts, dec_prompts, prefill_len, new_tokens, args, title)
+        for b in sorted({min(8, max(batches)), max(batches)}):
+            experts_share(ours, dec_prompts[:b], new_tokens)
+        del ours, hf
+
+
+def experts_share(ours: Ours, prompts: list[list[int]], new_tokens: int) -> None:
+    """Note the experts' share of our decode steps at this batch, timed by module hooks (in a
+    run of its own: the hooks add a little time)."""
+    from freetoken.models.moe import Experts
+
+    spent = {"experts": 0.0, "gemms": 0.0}
+    handles = []
+
+    def timed(module, key):
+        def pre(*_):
+            module._t0 = time.perf_counter()
+
+        def post(*_):
+            spent[key] += time.perf_counter() - module._t0
+
+        handles.extend([module.register_forward_pre_hook(pre), module.register_forward_hook(post)])
+
+    for module in ours.loaded.model.modules():
+        if isinstance(module, Experts):
+            timed(module, "experts")
+            for expert in module.experts:
+                timed(expert.gate_up_proj, "gemms")
+                timed(expert.down_proj, "gemms")
+    # Only the decode steps count: the prompts are added and prefilled before the hooks count.
+    ours._add(prompts, new_tokens)
+    started: set[int] = set()
+    while len(started) < len(prompts):
+        started |= {m.uid for m in ours.scheduler.step()}
+    spent.update(experts=0.0, gemms=0.0)
+    steps, t0 = 0, time.perf_counter()
+    while ours.scheduler.has_work:
+        ours.scheduler.step()
+        steps += 1
+    t = time.perf_counter() - t0
+    for h in handles:
+        h.remove()
+    bc.note(f"batch {len(prompts)}: decode {bc.ms(t / steps)} ms/step (hooked); experts "
+            f"{spent['experts'] / t:.0%} of it, and of the experts' time "
+            f"{(spent['experts'] - spent['gemms']) / max(spent['experts'], 1e-9):.0%} outside "
+            "their GEMMs (routing, sort, gather, padding, activation, weighted sum)")
 
 
 def logprobs_table(ours: Ours, dec: list[list[int]], new_tokens: int, args) -> None:

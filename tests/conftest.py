@@ -36,6 +36,18 @@ def tiny_harmony_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_moe_path() -> Path:
+    """Qwen3MoeForCausalLM (random, 3 layers, 8 experts) on the real Qwen3.5 vocabulary."""
+    return bm.cached("tiny-qwen3-moe", bm.build_tiny_qwen3_moe)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_oss_path() -> Path:
+    """GptOssForCausalLM (random, 2 layers, window 8, 8 experts) on the Harmony tokenizer."""
+    return bm.cached("tiny-gpt-oss", bm.build_tiny_gpt_oss)
+
+
+@pytest.fixture(scope="session")
 def make_scripted_model() -> Callable[..., Path]:
     """`make_scripted_model(outputs, **opts)` -> cached folder of `bm.build_scripted`."""
 

@@ -82,3 +82,35 @@ def drain(scheduler, requests: dict | None = None) -> dict[int, list]:
         for msg in scheduler.step():
             out.setdefault(msg.uid, []).append(msg)
     return out
+
+
+def greedy_run(scheduler, prompts: dict[int, list[int]], steps: int = 16) -> tuple[dict, dict]:
+    """Greedy decode of `prompts` ({uid: ids}) together on `scheduler`, top 5 logprobs:
+    ({uid: [(token, TokenLogprob)]}, {uid: prompt tokens the prefix cache supplied})."""
+    from freetoken.core import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=steps, logprobs=5, ignore_eos=True)
+    msgs = drain(scheduler, {uid: (ids, params) for uid, ids in prompts.items()})
+    runs = {uid: [pair for m in ms for pair in zip(m.token_ids, m.logprobs)] for uid, ms in msgs.items()}
+    return runs, {uid: max(m.cached_tokens for m in ms) for uid, ms in msgs.items()}
+
+
+def assert_same_run(a: list, b: list, tol: float = 1e-5) -> None:
+    """Two greedy runs of one request: the same tokens, logprobs (top ones too) within `tol`."""
+    assert [t for t, _ in a] == [t for t, _ in b]
+    for (_, x), (_, y) in zip(a, b):
+        assert abs(x.logprob - y.logprob) <= tol
+        assert x.top_ids == y.top_ids
+        assert max(abs(p - q) for p, q in zip(x.top_logprobs, y.top_logprobs)) <= tol
+
+
+def assert_matches_reference(folder: Path, prompt: list[int], run: list, tol: float = 1e-4) -> None:
+    """A greedy run against transformers' fp32 forward on the same weights: each token is the
+    reference's argmax, and its logprob and the top ones are within `tol`."""
+    tokens = [t for t, _ in run]
+    ref = reference_logprobs(folder, prompt, tokens)
+    assert ref[:-1].argmax(-1).tolist() == tokens
+    for step, (token, entry) in enumerate(run):
+        assert abs(ref[step, token].item() - entry.logprob) <= tol
+        got = torch.tensor(entry.top_logprobs)
+        assert torch.allclose(ref[step, torch.tensor(entry.top_ids)], got, atol=tol, rtol=0)

@@ -51,6 +51,8 @@ class Engine:
         # Token rows and logit rows are padded so that a row's matmul bits never depend on
         # how many rows the step has (models/linear.py).
         self.row_padding = getattr(model, "row_padding", MKL_ROWS)
+        # Sliding-window layers get masks of their own in every attention group.
+        self.window = getattr(cfg, "sliding_window", None) if getattr(cfg, "sliding_layers", None) else None
 
     def new_generator(self, params: SamplingParams) -> torch.Generator:
         gen = torch.Generator(device=self.device)
@@ -101,17 +103,24 @@ class Engine:
                 table += self._padded(slots, kv_len)
                 kept += range(i * q_len, i * q_len + q)
                 out_rows += rows
-            mask = None
-            if not causal:
-                # Query j sits at position len(slots) - q + j and sees the keys up to it; padded
-                # queries repeat the last one.
+            mask = window_mask = None
+            if not causal or self.window:
+                # Query j sits at position len(slots) - q + j and sees the keys up to it (and,
+                # in a sliding layer, none `window` or more before it); padded queries repeat
+                # the last one. Keys are addressed by position, so a prefix-cache hit or an
+                # earlier chunk gives the same mask as a one-shot prefill.
                 positions = torch.tensor([[len(slots) - q + min(j, q - 1) for j in range(q_len)]
-                                          for _, q, slots in members])
-                mask = (torch.arange(kv_len)[None, None, :] <= positions[:, :, None])[:, None]
-                mask = mask.to(self.device)
+                                          for _, q, slots in members])[:, :, None]
+                keys = torch.arange(kv_len)[None, None, :]
+                seen = keys <= positions
+                if not causal:
+                    mask = seen[:, None].to(self.device)
+                if self.window:
+                    window_mask = (seen & (keys > positions - self.window))[:, None].to(self.device)
             groups.append(PromptGroup(shape=(len(members), q_len, kv_len),
                                       query_rows=on_device(query_rows), kv_slots=on_device(table),
-                                      mask=mask, kept=on_device(kept), out_rows=on_device(out_rows)))
+                                      mask=mask, kept=on_device(kept), out_rows=on_device(out_rows),
+                                      window_mask=window_mask))
         return groups
 
     def _padded(self, slots: list[int], length: int) -> list[int]:
@@ -127,11 +136,15 @@ class Engine:
         for length, members in by_length.items():
             table = [s for _, slots in members for s in self._padded(slots, length)]
             lengths = torch.tensor([len(slots) for _, slots in members])
-            valid = torch.arange(length)[None, :] < lengths[:, None]
+            keys = torch.arange(length)[None, :]
+            valid = keys < lengths[:, None]
+            window = None
+            if self.window:
+                window = (valid & (keys >= lengths[:, None] - self.window))[:, None, None, :].to(self.device)
             groups.append(DecodeGroup(
                 rows=torch.tensor([row for row, _ in members], device=self.device),
                 kv_slots=torch.tensor(table, device=self.device),
-                valid=valid[:, None, None, :].to(self.device)))
+                valid=valid[:, None, None, :].to(self.device), window_valid=window))
         return groups
 
     def build_context(self, batch: Batch) -> ForwardContext:
@@ -157,6 +170,7 @@ class Engine:
                 logit_rows.append(len(ids) - 1)
         for req, n in batch.prompt_rows:
             logit_rows += range(first_row[id(req)], first_row[id(req)] + n)
+        num_tokens = len(ids)
         pad = self.row_padding.pad(len(ids))
         ids += [0] * pad
         positions += [0] * pad
@@ -170,4 +184,5 @@ class Engine:
             decode_groups=self._decode_groups(decoding),
             logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev),
             kv_cache=self.kv.kv,
+            num_tokens=num_tokens,
         )

@@ -2,7 +2,9 @@
 
 Module names mirror transformers', except that q/k/v and gate/up projections are fused into one
 matmul each (`fuse_hf_weights` maps a transformers state dict). The three families differ only
-in q/k/v bias (Qwen2) and per-head q/k RMSNorm (Qwen3).
+in q/k/v bias (Qwen2) and per-head q/k RMSNorm (Qwen3). Sliding-window layers, YaRN and an
+o_proj bias are config fields too, so that the families built on this decoder (qwen3_moe.py,
+gpt_oss.py) bring only their own MLP and attention softmax.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from torch import nn
 
 from freetoken.core import Batch
 from freetoken.models.linear import MKL_ROWS, Linear, RowPadding
+from freetoken.models.moe import Experts
+from freetoken.models.rope import Yarn, rope_frequencies
 
 
 @dataclass(frozen=True)
@@ -32,28 +36,46 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     qk_norm: bool
+    o_proj_bias: bool = False
+    rope_yarn: Yarn | None = None
+    sliding_window: int | None = None  # keys a sliding layer's query sees, itself included
+    sliding_layers: frozenset[int] = frozenset()
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> ModelConfig:
+    def from_hf(cls, cfg: dict, **extra) -> ModelConfig:
+        """The fields transformers' config gives; `extra`: a subclass's own fields."""
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        if rope.get("rope_type", "default") not in ("default", None):
-            raise ValueError(f"rope_type {rope['rope_type']!r} is not supported")
-        heads = cfg["num_attention_heads"]
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "yarn", None):
+            raise ValueError(f"rope_type {rope_type!r} is not supported")
+        heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
+        max_positions = cfg.get("max_position_embeddings", 4096)
+        # Qwen configs keep a sliding_window value with use_sliding_window false.
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        # Without layer_types, layers from max_window_layers on slide (transformers' Qwen rule).
+        types = cfg.get("layer_types") or ["full_attention" if i < cfg.get("max_window_layers", 0)
+                                           else "sliding_attention" for i in range(layers)]
+        bias = cfg.get("attention_bias", arch == "Qwen2ForCausalLM")
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            attention_bias=bias,
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            o_proj_bias=bias and arch != "Qwen2ForCausalLM",  # Qwen2 biases q/k/v only
+            rope_yarn=Yarn.from_hf(rope, max_positions) if rope_type == "yarn" else None,
+            sliding_window=window,
+            sliding_layers=frozenset(i for i, t in enumerate(types) if window and t == "sliding_attention"),
+            **extra,
         )
 
 
@@ -78,6 +100,7 @@ class PromptGroup:
     mask: torch.Tensor | None  # [B, 1, Q, L] bool: the key is visible to the query; None: causal
     kept: torch.Tensor  # [N] positions in the flattened [B * Q] output of the real queries
     out_rows: torch.Tensor  # [N] their indices into the step's tokens
+    window_mask: torch.Tensor | None = None  # [B, 1, Q, L] bool, for sliding-window layers
 
 
 @dataclass
@@ -90,6 +113,7 @@ class DecodeGroup:
     rows: torch.Tensor  # [B] indices into the step's tokens
     kv_slots: torch.Tensor  # [B * L]: member after member, each padded to L
     valid: torch.Tensor  # [B, 1, 1, L] bool, False on padding
+    window_valid: torch.Tensor | None = None  # as valid, for sliding-window layers
 
 
 @dataclass
@@ -107,6 +131,7 @@ class ForwardContext:
     decode_groups: list[DecodeGroup]
     logit_rows: torch.Tensor  # [R] rows of T whose hidden state produces logits
     kv_cache: list[torch.Tensor]  # per layer [num_slots + 1, 2 * kv_heads, head_dim], K then V
+    num_tokens: int | None = None  # rows of T before the padding (None: all)
 
 
 class RMSNorm(nn.Module):
@@ -135,7 +160,8 @@ class Attention(nn.Module):
         self.cfg, self.layer = cfg, layer
         h, d, heads, kvh = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         self.qkv_proj = Linear(h, (heads + 2 * kvh) * d, bias=cfg.attention_bias)
-        self.o_proj = Linear(heads * d, h, bias=False)
+        self.o_proj = Linear(heads * d, h, bias=cfg.o_proj_bias)
+        self.sliding = layer in cfg.sliding_layers
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -166,9 +192,8 @@ class Attention(nn.Module):
         q = q.index_select(0, group.query_rows).view(b, -1, cfg.num_heads, cfg.head_dim)
         kv = kv_cache.index_select(0, group.kv_slots).view(b, length, 2 * kvh, cfg.head_dim)
         kv = kv.permute(0, 2, 1, 3)
-        attn = F.scaled_dot_product_attention(q.transpose(1, 2), kv[:, :kvh], kv[:, kvh:],
-                                              attn_mask=group.mask, is_causal=group.mask is None,
-                                              enable_gqa=True)
+        mask = group.window_mask if self.sliding else group.mask
+        attn = self._sdpa(q.transpose(1, 2), kv[:, :kvh], kv[:, kvh:], mask, folded=False)
         return attn.transpose(1, 2).reshape(-1, cfg.num_heads, cfg.head_dim).index_select(0, group.kept)
 
     def _decode(self, q, kv_cache, group: DecodeGroup) -> torch.Tensor:
@@ -178,8 +203,16 @@ class Attention(nn.Module):
         if per_kv_head < MIN_QUERY_ROWS:
             q = torch.cat([q, q[:, :, -1:].expand(-1, -1, MIN_QUERY_ROWS - per_kv_head, -1)], dim=2)
         kv = kv_cache.index_select(0, group.kv_slots).view(b, -1, 2 * kvh, cfg.head_dim).permute(0, 2, 1, 3)
-        attn = F.scaled_dot_product_attention(q, kv[:, :kvh], kv[:, kvh:], attn_mask=group.valid)
+        valid = group.window_valid if self.sliding else group.valid
+        attn = self._sdpa(q, kv[:, :kvh], kv[:, kvh:], valid, folded=True)
         return attn[:, :, :per_kv_head].reshape(b, cfg.num_heads, cfg.head_dim)
+
+    def _sdpa(self, q, k, v, mask: torch.Tensor | None, folded: bool) -> torch.Tensor:
+        """SDPA over q [B, heads, Q, d] and k, v [B, kv heads, L, d], causal when `mask` is
+        None. `folded`: a decode call, whose q is [B, kv heads, rows, d] with each kv head's
+        query heads as rows (padded by repeating the last)."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                              enable_gqa=not folded)
 
 
 class MLP(nn.Module):
@@ -205,7 +238,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, ctx: ForwardContext) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, Experts) and ctx.num_tokens is not None:
+            # Experts pad their own GEMMs: the step's padding rows (garbage) pick no experts.
+            return x + F.pad(self.mlp(h[: ctx.num_tokens]), (0, 0, 0, len(h) - ctx.num_tokens))
+        return x + self.mlp(h)
 
 
 class Backbone(nn.Module):
@@ -220,6 +257,7 @@ class LlamaForCausalLM(nn.Module):
     # Row counts that keep a row's bits whatever else is in the step; the loader sets it
     # when it packs the linear layers (models/linear.py).
     row_padding: RowPadding = MKL_ROWS
+    config_class = ModelConfig  # a family's subclass reads its own fields
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -233,15 +271,22 @@ class LlamaForCausalLM(nn.Module):
     def vocab_size(self) -> int:
         return self.cfg.vocab_size
 
+    @staticmethod
+    def convert_hf_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """transformers' names and layouts to this module's."""
+        return fuse_hf_weights(state)
+
     def forward(self, batch: Batch, ctx: ForwardContext) -> torch.Tensor:
         x = self.model.embed_tokens(ctx.input_ids)
         # Rotary angles in fp32 whatever the weights' dtype, as transformers computes them.
-        dim = self.cfg.head_dim
-        exponent = torch.arange(0, dim, 2, dtype=torch.float32, device=ctx.positions.device) / dim
-        inv_freq = 1.0 / (self.cfg.rope_theta**exponent)
+        cfg = self.cfg
+        inv_freq, scale = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_yarn, ctx.positions.device)
         freqs = ctx.positions.float()[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, dim], broadcast over heads
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, ctx)
         # Only rows with logits (sampling or prompt logprobs) need the norm and the LM head.

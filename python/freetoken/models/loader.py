@@ -24,8 +24,15 @@ SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "GptOssForCausalLM",
     "ScriptedForCausalLM",
 )
+# Architectures with a module of their own (module, class); the others run on models/llama.py.
+MODEL_CLASSES = {
+    "Qwen3MoeForCausalLM": ("freetoken.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "GptOssForCausalLM": ("freetoken.models.gpt_oss", "GptOssForCausalLM"),
+}
 
 
 class ModelNotFound(RuntimeError):
@@ -175,29 +182,42 @@ def load_model(
     )
 
 
+def import_model_class(hf_config: dict) -> type:
+    """Our module class for the config's architecture (models/llama.py's unless it has its own)."""
+    arch = (hf_config.get("architectures") or ["LlamaForCausalLM"])[0]
+    if arch in MODEL_CLASSES:
+        name, cls_name = MODEL_CLASSES[arch]
+        return getattr(importlib.import_module(name), cls_name)
+    from freetoken.models.llama import LlamaForCausalLM
+
+    return LlamaForCausalLM
+
+
 def _build_llama(folder: Path, hf_config: dict, dtype: torch.dtype, device: torch.device):
+    """Our module for the folder: models/llama.py's decoder or a family's subclass of it."""
     from safetensors.torch import load_file
 
     from freetoken.models.linear import pack_linears
-    from freetoken.models.llama import LlamaForCausalLM, ModelConfig, fuse_hf_weights
+    from freetoken.models.moe import set_row_padding
 
-    cfg = ModelConfig.from_hf(hf_config)
+    model_class = import_model_class(hf_config)
+    cfg = model_class.config_class.from_hf(hf_config)
     with torch.device("meta"):
-        module = LlamaForCausalLM(cfg)
+        module = model_class(cfg)
     state: dict[str, torch.Tensor] = {}
     for file in sorted(folder.glob("*.safetensors")):
         state.update(load_file(file))
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     module.to_empty(device=device)
-    missing, unexpected = module.load_state_dict(fuse_hf_weights(state), strict=False)
+    missing, unexpected = module.load_state_dict(model_class.convert_hf_weights(state), strict=False)
     missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
         raise ModelNotFound(f"Weights do not match the architecture: missing {missing[:3]}, unexpected {unexpected[:3]}")
     if cfg.tie_word_embeddings:
         module.lm_head.weight = module.model.embed_tokens.weight
     module.to(dtype).requires_grad_(False)
-    module.row_padding = pack_linears(module)
+    set_row_padding(module, pack_linears(module))
     return module
 
 

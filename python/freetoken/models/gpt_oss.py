@@ -1,0 +1,131 @@
+"""gpt-oss (gpt-oss-20b, gpt-oss-120b): attention with per-head sinks and q/k/v/o biases,
+sliding-window layers alternating with full ones, YaRN rotary angles, and in every layer a
+router with bias choosing the top k experts, weighted by a softmax over the chosen logits.
+
+An expert's gate/up projection comes interleaved (gate in even columns); it is split into
+halves at load so the clamped SwiGLU reads contiguous slices. Expert weights released in MXFP4
+are dequantised at load (models/mxfp4.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import nn
+
+from freetoken.models.linear import Linear
+from freetoken.models.llama import Attention, LlamaForCausalLM, ModelConfig, fuse_hf_weights
+from freetoken.models.moe import Experts, split_stacked_experts
+from freetoken.models.mxfp4 import dequantize_mxfp4
+
+
+@dataclass(frozen=True)
+class GptOssConfig(ModelConfig):
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+    @classmethod
+    def from_hf(cls, cfg: dict, **extra) -> GptOssConfig:
+        return super().from_hf(cfg, num_experts=cfg["num_local_experts"],
+                               num_experts_per_tok=cfg["num_experts_per_tok"],
+                               swiglu_alpha=cfg.get("swiglu_alpha", 1.702),
+                               swiglu_limit=cfg.get("swiglu_limit", 7.0), **extra)
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation over [gate | up]: gate clamped above, up both ways, then
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    half = gate_up.shape[-1] // 2
+    gate = gate_up[:, :half].clamp(max=limit)
+    up = gate_up[:, half:].clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+class SinkAttention(Attention):
+    """Attention whose softmax also counts a learned per-head logit with no value (a sink).
+
+    softmax over [scores, sink] then the sink dropped equals the plain attention output scaled
+    by Z / (Z + e^sink) = sigmoid(lse - sink), lse the log of the keys' normaliser Z. On CPU the
+    kernel F.scaled_dot_product_attention runs also returns lse, so a call costs what a plain
+    one does and keeps its row invariance."""
+
+    def __init__(self, cfg: GptOssConfig, layer: int):
+        super().__init__(cfg, layer)
+        self.sinks = nn.Parameter(torch.empty(cfg.num_heads))
+
+    def _sdpa(self, q, k, v, mask, folded):
+        cfg = self.cfg
+        sinks = self.sinks.float()
+        if folded:  # rows are a kv head's query heads, the last one repeated
+            per_kv_head = cfg.num_heads // cfg.num_kv_heads
+            sinks = sinks.view(cfg.num_kv_heads, per_kv_head)
+            sinks = torch.cat([sinks, sinks[:, -1:].expand(-1, q.shape[2] - per_kv_head)], dim=1)
+            sinks = sinks[None, :, :, None]
+        else:
+            sinks = sinks[None, :, None, None]
+        float_mask = None
+        if mask is not None:
+            float_mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, -math.inf)
+        if q.device.type == "cpu":
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, mask is None, attn_mask=float_mask)
+        else:
+            out, lse = _attention_with_lse(q, k, v, float_mask)
+        return out * torch.sigmoid(lse.float().unsqueeze(-1) - sinks).to(out.dtype)
+
+
+def _attention_with_lse(q, k, v, float_mask):
+    """Plain attention and its log-normaliser, for devices without the CPU kernel."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-1, -2)).float() / math.sqrt(q.shape[-1])
+    if float_mask is None:
+        causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+        float_mask = torch.zeros(causal.shape, device=q.device).masked_fill_(~causal, -math.inf)
+    scores = scores + float_mask.float()
+    lse = torch.logsumexp(scores, dim=-1)
+    return (torch.exp(scores - lse.unsqueeze(-1)).to(v.dtype) @ v), lse
+
+
+class GptOssMoe(Experts):
+    """The router (`router`, with bias) and the experts (with biases) of one layer."""
+
+    def __init__(self, cfg: GptOssConfig):
+        activation = partial(clamped_swiglu, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+        super().__init__(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, bias=True,
+                         activation=activation)
+        self.router = Linear(cfg.hidden_size, cfg.num_experts, bias=True)
+        self.top_k = cfg.num_experts_per_tok
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top, ids = torch.topk(self.router(x), self.top_k, dim=-1)
+        return super().forward(x, ids, torch.softmax(top, dim=-1))
+
+
+class GptOssForCausalLM(LlamaForCausalLM):
+    config_class = GptOssConfig
+
+    def __init__(self, cfg: GptOssConfig):
+        super().__init__(cfg)
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn = SinkAttention(cfg, i)
+            layer.mlp = GptOssMoe(cfg)
+
+    @staticmethod
+    def convert_hf_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        state = dict(state)
+        for name in [n for n in state if n.endswith("_blocks")]:
+            base = name.removesuffix("_blocks")
+            # Released [E, out, in]; transformers' parameters (and our split below) [E, in, out].
+            state[base] = dequantize_mxfp4(state.pop(name), state.pop(base + "_scales")).transpose(1, 2)
+        for stacked in ("gate_up_proj", "down_proj"):
+            state = split_stacked_experts(state, stacked, transpose=True)
+        for name, value in state.items():
+            if ".experts." in name and ".gate_up_proj." in name:
+                state[name] = torch.cat([value[0::2], value[1::2]])  # [gate | up]
+        return fuse_hf_weights(state)

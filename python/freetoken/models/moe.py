@@ -1,0 +1,119 @@
+"""Mixture-of-experts execution grouped by expert, batch-invariant like the dense layers.
+
+A step's (token, expert) assignments are sorted by expert id; each active expert runs one GEMM
+over its tokens' rows, padded by repeating its last row up to the model's `RowPadding` (the row
+counts at which a packed `Linear` gives a row the same bits whatever the count, checked at load
+by `pack_linears` on the experts' own shapes). The weighted outputs are then added into their
+tokens' rows in ascending expert id (`index_add_` adds in row order), the order transformers'
+reference loop adds them in: a token's sum runs in that fixed order, so a row's result does not
+depend on which other rows shared its experts.
+
+The family supplies the router (which experts, with which weights) and the activation between
+an expert's fused gate/up projection and its down projection.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from freetoken.models.linear import MKL_ROWS, Linear, RowPadding
+
+Activation = Callable[[torch.Tensor], torch.Tensor]
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU over a fused projection whose first half is the gate (Llama, Qwen)."""
+    half = gate_up.shape[-1] // 2
+    return F.silu(gate_up[:, :half]).mul_(gate_up[:, half:])
+
+
+def softmax_topk(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen-MoE routing: softmax over all experts in fp32, the k largest, optionally renormalised
+    to sum to 1 (`norm_topk_prob`). Returns (weights [T, k] fp32, expert ids [T, k])."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class Expert(nn.Module):
+    """One expert: fused gate/up projection, activation, down projection."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool):
+        super().__init__()
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
+
+
+class Experts(nn.Module):
+    """`num_experts` experts (`experts.{e}.gate_up_proj`, `experts.{e}.down_proj`) run grouped."""
+
+    # Set by the model once the loader knows which rule its packed layers follow.
+    row_padding: RowPadding = MKL_ROWS
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, bias: bool,
+                 activation: Activation):
+        super().__init__()
+        self.experts = nn.ModuleList(Expert(hidden, intermediate, bias) for _ in range(num_experts))
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; ids [T, k] expert of each of a token's k slots; weights [T, k]."""
+        k = ids.shape[1]
+        flat = ids.reshape(-1)
+        by_expert = torch.argsort(flat, stable=True)
+        tokens = by_expert // k
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        active = [(self.experts[e], n) for e, n in enumerate(counts) if n]
+        # Elementwise work runs once over all rows, not once per expert.
+        hidden = self.activation(self._grouped(active, "gate_up_proj", x.index_select(0, tokens)))
+        out = self._grouped(active, "down_proj", hidden)
+        out.mul_(weights.reshape(-1, 1).index_select(0, by_expert).to(x.dtype))
+        # Rows are in ascending expert id, and index_add_ adds them in row order: each token's
+        # sum runs over its experts in that fixed order.
+        return torch.zeros_like(x).index_add_(0, tokens, out)
+
+    def _grouped(self, active: list[tuple[Expert, int]], name: str, rows: torch.Tensor) -> torch.Tensor:
+        """Each active expert's layer `name` over its run of `rows`, padded to the row rule."""
+        outs, start = [], 0
+        for expert, n in active:
+            group = rows[start : start + n]
+            pad = self.row_padding.pad(n)
+            if pad:
+                group = torch.cat([group, group[-1:].expand(pad, -1)])
+            outs.append(getattr(expert, name)(group)[:n])
+            start += n
+        return torch.cat(outs)
+
+
+def set_row_padding(model: nn.Module, padding: RowPadding) -> None:
+    """Give `model` and each of its Experts the row rule its packed layers follow."""
+    model.row_padding = padding
+    for module in model.modules():
+        if isinstance(module, Experts):
+            module.row_padding = padding
+
+
+def split_stacked_experts(state: dict[str, torch.Tensor], name: str, transpose: bool = False,
+                          target: str | None = None) -> dict[str, torch.Tensor]:
+    """Turn a stacked expert tensor `...experts.<name>` ([E, out, in], or [E, in, out] with
+    `transpose`) into per-expert `...experts.<e>.<target or name>.weight` entries; a stacked bias
+    `...experts.<name>_bias` ([E, out]) into `....bias`. Other entries pass through."""
+    result = {}
+    for key, value in state.items():
+        prefix, dot, leaf = key.rpartition("experts.")
+        base = leaf.removesuffix("_bias")
+        if not dot or base != name:
+            result[key] = value
+            continue
+        kind = "bias" if leaf.endswith("_bias") else "weight"
+        for e, tensor in enumerate(value.unbind(0)):
+            if kind == "weight" and transpose:
+                tensor = tensor.T
+            result[f"{prefix}experts.{e}.{target or name}.{kind}"] = tensor.contiguous()
+    return result

@@ -1,0 +1,64 @@
+"""Rotary frequencies: the default schedule and YaRN (gpt-oss and long-context Qwen releases).
+
+YaRN blends, per frequency, the original angle (fast dimensions, extrapolated) with the angle
+divided by `factor` (slow dimensions, interpolated) along a linear ramp between the dimensions
+that turn `beta_fast` and `beta_slow` times over the original context, and scales cos and sin
+by an attention factor (0.1 ln(factor) + 1 unless the config gives one), as the YaRN paper and
+transformers' `rope_type="yarn"` do.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Yarn:
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+
+    @classmethod
+    def from_hf(cls, rope: dict, max_position_embeddings: int) -> Yarn:
+        original = rope["original_max_position_embeddings"]
+        factor = rope.get("factor") or max_position_embeddings / original
+        if rope.get("mscale") and rope.get("mscale_all_dim"):
+            raise ValueError("YaRN with mscale / mscale_all_dim is not supported")
+        return cls(factor=factor, original_max_position_embeddings=original,
+                   beta_fast=rope.get("beta_fast") or 32.0, beta_slow=rope.get("beta_slow") or 1.0,
+                   truncate=rope.get("truncate", True), attention_factor=rope.get("attention_factor"))
+
+
+def _correction_dim(rotations: float, dim: int, base: float, context: int) -> float:
+    """The dimension whose angle turns `rotations` times over `context` positions."""
+    return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+
+def rope_frequencies(dim: int, base: float, yarn: Yarn | None,
+                     device: torch.device) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [dim / 2] in fp32, and the factor cos and sin are scaled by."""
+    exponent = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
+    if yarn is None:
+        return 1.0 / (base**exponent), 1.0
+    pos_freqs = base**exponent
+    extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (yarn.factor * pos_freqs)
+    low = _correction_dim(yarn.beta_fast, dim, base, yarn.original_max_position_embeddings)
+    high = _correction_dim(yarn.beta_slow, dim, base, yarn.original_max_position_embeddings)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a one-point ramp would divide by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the original angle, 0: the interpolated one
+    inv_freq = interpolated * (1 - keep) + extrapolated * keep
+    scale = yarn.attention_factor
+    if scale is None:
+        scale = 0.1 * math.log(yarn.factor) + 1.0 if yarn.factor > 1 else 1.0
+    return inv_freq, scale
