@@ -8,6 +8,7 @@ in q/k/v bias (Qwen2) and per-head q/k RMSNorm (Qwen3).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -107,6 +108,7 @@ class ForwardContext:
     decode_groups: list[DecodeGroup]
     logit_rows: torch.Tensor  # [R] rows of T whose hidden state produces logits
     kv_cache: list[torch.Tensor]  # per layer [num_slots + 1, 2 * kv_heads, head_dim], K then V
+    linear: Any = None  # hybrid models: engine.state_pool.LinearContext
 
 
 class RMSNorm(nn.Module):
