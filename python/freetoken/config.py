@@ -53,6 +53,7 @@ def engine_config(args, model_folder: str) -> EngineConfig:
         max_running_requests=args.max_running_requests,
         max_prefill_tokens=args.max_prefill_tokens,
         prefix_cache=not args.no_prefix_cache,
+        state_snapshots=args.state_snapshots,
     )
 
 
