@@ -15,11 +15,17 @@ The third is the cost of the logit processors: our decode at batch 32 with every
 The fourth is the cost of structured outputs: our decode at batch 32 with every row under a JSON
 schema (GRAMMAR_SCHEMA: an array of objects that cannot end within the run, so that every step
 masks every row) against the same rows without, and the mean grammar mask time per step.
+`--tables hybrid` (not in the default run): the engine table on a Qwen3.5-shaped hybrid with
+random weights (HYBRID_SHAPE: Qwen3.5-0.8B's widths, 8 layers, 3 of 4 Gated DeltaNet, the
+248k vocabulary; about 425M parameters), HF transformers on its torch fallback for the delta
+rule, then the prefix cache's gain on the scoring B scenario (a shared 400-token prefix, 16
+items of 24 tokens, max_tokens 1, the cache warmed with one item) against no cache.
 
     python scripts/bench_engine.py                 # float32, about 2-3 minutes on 2 cores
     python scripts/bench_engine.py --quick
     python scripts/bench_engine.py --tables processors   # one table (no HF: no engine table)
     python scripts/bench_engine.py --tables grammar
+    python scripts/bench_engine.py --tables hybrid --repeats 1   # about 3-4 minutes on 2 cores
     python scripts/bench_engine.py --dtype bfloat16
     python scripts/bench_engine.py --profile       # also: where a decode step's time goes
 """
@@ -44,11 +50,12 @@ from freetoken.tokenizer.tokenize import bad_words_token_ids  # noqa: E402
 
 
 class Ours:
-    def __init__(self, dtype: str, kv_slots: int):
-        self.loaded = load_model(None, dtype=dtype, device="cpu")
+    def __init__(self, dtype: str, kv_slots: int, folder: Path | None = None,
+                 prefix_cache: bool = False):
+        self.loaded = load_model(folder, dtype=dtype, device="cpu")
         # No prefix cache: repeats reuse prompts, and a cache hit would skip the prefill we time
-        # (bench_scoring.py measures the cache).
-        self.scheduler = build_scheduler(self.loaded, kv_slots=kv_slots, prefix_cache=False)
+        # (bench_scoring.py and the hybrid table measure the cache).
+        self.scheduler = build_scheduler(self.loaded, kv_slots=kv_slots, prefix_cache=prefix_cache)
         self.uid = 0
 
     def _add(self, prompts: list[list[int]], max_tokens: int, **fields) -> None:
@@ -79,8 +86,14 @@ class Ours:
 
 
 class HF:
-    def __init__(self, dtype: str):
-        self.model, self.tokenizer = bc.load_hf(dtype)
+    def __init__(self, dtype: str, folder: Path | None = None):
+        if folder is None:
+            self.model, self.tokenizer = bc.load_hf(dtype)
+        else:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=bc.DTYPES[dtype]).eval()
+            self.tokenizer = AutoTokenizer.from_pretrained(folder)
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]]) -> None:
@@ -136,8 +149,10 @@ def main() -> None:
     bc.setup(args)
     batches = [int(b) for b in args.batches.split(",")]
     tables = set(args.tables.split(","))
-    known = {"engine", "logprobs", "processors", "grammar"}
+    known = {"engine", "logprobs", "processors", "grammar", "hybrid"}
     assert tables <= known, f"unknown tables: {args.tables}"
+    if tables == {"hybrid"}:
+        return hybrid_tables(args, batches)
     prefill_len = args.prefill_len or (64 if args.quick else 128)
     new_tokens = args.new_tokens or (16 if args.quick else 32)
     print(f"# dtype {args.dtype}; prefill prompts of {prefill_len} tokens; decode {new_tokens} "
@@ -172,7 +187,8 @@ def main() -> None:
 
 
 def engine_table(ours: Ours, hf: HF | None, batches: list[int], pre_prompts: list[list[int]],
-                 dec_prompts: list[list[int]], prefill_len: int, new_tokens: int, args) -> None:
+                 dec_prompts: list[list[int]], prefill_len: int, new_tokens: int, args,
+                 model: str = "") -> None:
     rows = []
     for b in batches:
         pre, dec = pre_prompts[:b], dec_prompts[:b]
@@ -189,9 +205,74 @@ def engine_table(ours: Ours, hf: HF | None, batches: list[int], pre_prompts: lis
                      dec_tokens / t_dec, hf_dec, bc.ratio(dec_tokens / t_dec, hf_dec),
                      bc.ms(t_dec / steps)])
     bc.print_table(
-        f"Engine vs HF transformers, {args.dtype} (tokens/s; ratio = ours / HF)",
+        f"Engine vs HF transformers{model}, {args.dtype} (tokens/s; ratio = ours / HF)",
         ["batch", "prefill ours", "prefill HF", "ratio", "decode ours", "decode HF", "ratio",
          "ours ms/step"], rows)
+
+
+# Qwen3.5-0.8B's widths with 8 of its 24 layers (the pattern: 3 Gated DeltaNet, 1 full attention).
+HYBRID_SHAPE = dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=8,
+                    num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+                    linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+                    linear_value_head_dim=128, vocab_size=248320, tie_word_embeddings=True,
+                    max_position_embeddings=32768)
+
+
+def hybrid_folder() -> Path:
+    """The random Qwen3.5-shaped model, built once (on the Qwen3.5 tokenizer of the tests)."""
+    from freetoken.models.loader import cache_root
+
+    folder = cache_root() / "bench-models" / "qwen3_5-random-425m-v1"
+    if (folder / "model.safetensors").is_file():
+        return folder
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from fixtures.build_models import write_qwen35_tokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen3_5TextConfig(**HYBRID_SHAPE), dtype=torch.float32)
+    tmp = folder.with_name(folder.name + ".tmp")
+    model.save_pretrained(tmp)
+    write_qwen35_tokenizer(tmp)
+    tmp.replace(folder)
+    return folder
+
+
+def hybrid_tables(args, batches: list[int]) -> None:
+    prefill_len = args.prefill_len or 64
+    new_tokens = args.new_tokens or 16
+    folder = hybrid_folder()
+    ours = Ours(args.dtype, args.kv_slots, folder)
+    tok = ours.loaded.tokenizer
+    pre_prompts = bc.token_prompts(tok, max(batches), prefill_len, seed=1)
+    dec_prompts = bc.token_prompts(tok, max(batches), args.decode_prompt_len, seed=2)
+    ours.prefill(pre_prompts[:2])
+    ours.decode(dec_prompts[:2], 2)
+    hf = None if args.skip_hf else HF(args.dtype, folder)
+    if hf:
+        hf.prefill(pre_prompts[:2])
+        hf.generate(dec_prompts[:2], 2)
+    params = sum(p.numel() for p in hf.model.parameters()) if hf else None
+    engine_table(ours, hf, batches, pre_prompts, dec_prompts, prefill_len, new_tokens, args,
+                 model=f" on a random Qwen3.5-shaped hybrid ({bc.fmt(params / 1e6 if params else None)}M "
+                 "parameters)")
+    del hf
+    prefix = bc.token_prompts(tok, 1, 400, seed=3)[0]
+    items = [prefix + ids for ids in bc.token_prompts(tok, 17, 24, seed=4)]
+    rows, times = [], {}
+    for name, cache in (("off", False), ("on", True)):
+        side = Ours(args.dtype, args.kv_slots, folder, prefix_cache=cache)
+        side.prefill(items[:1])  # warms the cache with the prefix (and the kernels)
+        times[name] = bc.best_time(lambda: side.prefill(items[1:]), args.repeats)
+        stats = side.scheduler.stats()
+        rows.append([name, len(items[1:]) / times[name], bc.ratio(times["off"], times[name]),
+                     stats["state_snapshots"]])
+    bc.print_table(f"Prefix cache on the hybrid: 16 items behind a shared 400-token prefix, "
+                   f"max_tokens 1, {args.dtype} (gain = time off / time on)",
+                   ["prefix cache", "items/s", "gain", "snapshots held"], rows)
+    bc.note(f"recurrent state per request (and per snapshot): "
+            f"{stats['state_bytes_per_slot'] / 2**20:.1f} MiB")
 
 
 def logprobs_table(ours: Ours, dec: list[list[int]], new_tokens: int, args) -> None:
