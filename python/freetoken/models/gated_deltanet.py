@@ -103,10 +103,12 @@ def chunked(q, k, v, g, beta, state: torch.Tensor | None, start: int, groups: in
 
 def recurrent(q, k, v, g, beta, state: torch.Tensor, groups: int):
     """One token per request: q, k [B, k_heads, dk], v [B, heads, dv], g, beta [B, heads],
-    state [B, heads, dk, dv]. Returns (out [B, heads, dv], new state)."""
+    state [B, heads, dk, dv] fp32, updated in place (the caller's gathered copy: decode is
+    memory-bound, and each pass over the states counts). Returns (out [B, heads, dv], state)."""
     q, k, v = _heads(q, k, v, groups)
-    s = state.float() * g.exp()[..., None, None]
-    remembered = (k[..., None, :] @ s).squeeze(-2)
-    delta = (v - remembered) * beta[..., None]
-    s = s + k[..., :, None] * delta[..., None, :]
+    b, heads, dk, dv = state.shape
+    s = state.mul_(g.exp()[..., None, None])
+    remembered = k[..., None, :] @ s
+    delta = (v[..., None, :] - remembered) * beta[..., None, None]
+    s.view(-1, dk, dv).baddbmm_(k.reshape(-1, dk, 1), delta.view(-1, 1, dv))
     return (q[..., None, :] @ s).squeeze(-2), s
