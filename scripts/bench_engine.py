@@ -20,11 +20,17 @@ from a config with random weights (MOE_CONFIG: ~270M parameters, 64 experts, top
 per token), in each of --moe-dtypes (bfloat16 up to batch 8), against HF transformers on the same folder (its default
 experts implementation), and notes the experts' share of a decode step and the part of it spent
 outside the expert GEMMs (routing, sorting, gathering, padding, the weighted sum).
+`--tables hybrid` (not in the default run): the engine table on a Qwen3.5-shaped hybrid with
+random weights (HYBRID_SHAPE: Qwen3.5-0.8B's widths, 8 layers, 3 of 4 Gated DeltaNet, the
+248k vocabulary; about 420M parameters), HF transformers on its torch fallback for the delta
+rule, then the prefix cache's gain on the scoring B scenario (a shared 400-token prefix, 8
+items of 24 tokens, max_tokens 1, the cache warmed with one item) against no cache.
 
     python scripts/bench_engine.py                 # float32, about 2-3 minutes on 2 cores
     python scripts/bench_engine.py --quick
     python scripts/bench_engine.py --tables processors   # one table (no HF: no engine table)
     python scripts/bench_engine.py --tables grammar
+    python scripts/bench_engine.py --tables hybrid --repeats 1   # about 3-4 minutes on 2 cores
     python scripts/bench_engine.py --dtype bfloat16
     python scripts/bench_engine.py --tables moe    # the MoE table alone, float32 and bfloat16
     python scripts/bench_engine.py --profile       # also: where a decode step's time goes
@@ -50,11 +56,12 @@ from freetoken.tokenizer.tokenize import bad_words_token_ids  # noqa: E402
 
 
 class Ours:
-    def __init__(self, dtype: str, kv_slots: int, model: Path | None = None):
+    def __init__(self, dtype: str, kv_slots: int, model: Path | None = None,
+                 prefix_cache: bool = False):
         self.loaded = load_model(model, dtype=dtype, device="cpu")
         # No prefix cache: repeats reuse prompts, and a cache hit would skip the prefill we time
-        # (bench_scoring.py measures the cache).
-        self.scheduler = build_scheduler(self.loaded, kv_slots=kv_slots, prefix_cache=False)
+        # (bench_scoring.py and the hybrid table measure the cache).
+        self.scheduler = build_scheduler(self.loaded, kv_slots=kv_slots, prefix_cache=prefix_cache)
         self.uid = 0
 
     def _add(self, prompts: list[list[int]], max_tokens: int, **fields) -> None:
@@ -133,7 +140,7 @@ def main() -> None:
     p.add_argument("--grammar-batch", type=int, default=32,
                    help="batch of the structured outputs table")
     p.add_argument("--tables", default="engine,logprobs,processors,grammar",
-                   help="tables to print, comma-separated (also: moe)")
+                   help="tables to print, comma-separated (also: moe, hybrid)")
     p.add_argument("--moe-dtypes", default="float32,bfloat16", help="dtypes of the MoE table")
     p.add_argument("--kv-slots", type=int, default=16384, help="our KV pool, in tokens")
     p.add_argument("--profile", action="store_true",
@@ -143,7 +150,7 @@ def main() -> None:
     bc.setup(args)
     batches = [int(b) for b in args.batches.split(",")]
     tables = set(args.tables.split(","))
-    known = {"engine", "logprobs", "processors", "grammar", "moe"}
+    known = {"engine", "logprobs", "processors", "grammar", "moe", "hybrid"}
     assert tables <= known, f"unknown tables: {args.tables}"
     prefill_len = args.prefill_len or (64 if args.quick else 128)
     new_tokens = args.new_tokens or (16 if args.quick else 32)
@@ -151,9 +158,11 @@ def main() -> None:
           f"new tokens after {args.decode_prompt_len}-token prompts; greedy, ignore_eos")
     if "moe" in tables:
         moe_tables(batches, prefill_len, new_tokens, args)
-        tables.discard("moe")
-        if not tables:
-            return
+    if "hybrid" in tables:
+        hybrid_tables(args, batches)
+    tables -= {"moe", "hybrid"}
+    if not tables:
+        return
 
     ours = Ours(args.dtype, args.kv_slots)
     tok = ours.loaded.tokenizer
@@ -236,6 +245,35 @@ def moe_folder() -> Path:
     return folder
 
 
+# Qwen3.5-0.8B's widths with 8 of its 24 layers (the pattern: 3 Gated DeltaNet, 1 full attention).
+HYBRID_SHAPE = dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=8,
+                    num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+                    linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+                    linear_value_head_dim=128, vocab_size=248320, tie_word_embeddings=True,
+                    max_position_embeddings=32768)
+
+
+def hybrid_folder() -> Path:
+    """The random Qwen3.5-shaped model, built once (on the Qwen3.5 tokenizer of the tests)."""
+    from freetoken.models.loader import cache_root
+
+    folder = cache_root() / "bench-models" / "qwen3_5-random-425m-v1"
+    if (folder / "model.safetensors").is_file():
+        return folder
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from fixtures.build_models import write_qwen35_tokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen3_5TextConfig(**HYBRID_SHAPE), dtype=torch.float32)
+    tmp = folder.with_name(folder.name + ".tmp")
+    model.save_pretrained(tmp)
+    write_qwen35_tokenizer(tmp)
+    tmp.replace(folder)
+    return folder
+
+
 def moe_tables(all_batches: list[int], prefill_len: int, new_tokens: int, args) -> None:
     folder = moe_folder()
     for dtype in bc.parse_dtypes(args.moe_dtypes):
@@ -303,6 +341,43 @@ def experts_share(ours: Ours, prompts: list[list[int]], new_tokens: int) -> None
             f"{spent['experts'] / t:.0%} of it, and of the experts' time "
             f"{(spent['experts'] - spent['gemms']) / max(spent['experts'], 1e-9):.0%} outside "
             "their GEMMs (routing, sort, gather, padding, activation, weighted sum)")
+
+
+def hybrid_tables(args, batches: list[int]) -> None:
+    prefill_len = args.prefill_len or 64
+    new_tokens = args.new_tokens or 16
+    folder = hybrid_folder()
+    ours = Ours(args.dtype, args.kv_slots, folder)
+    tok = ours.loaded.tokenizer
+    pre_prompts = bc.token_prompts(tok, max(batches), prefill_len, seed=1)
+    dec_prompts = bc.token_prompts(tok, max(batches), args.decode_prompt_len, seed=2)
+    ours.prefill(pre_prompts[:2])
+    ours.decode(dec_prompts[:2], 2)
+    hf = None if args.skip_hf else HF(args.dtype, folder)
+    if hf:
+        hf.prefill(pre_prompts[:2])
+        hf.generate(dec_prompts[:2], 2)
+    params = sum(p.numel() for p in hf.model.parameters()) if hf else None
+    engine_table(ours, hf, batches, pre_prompts, dec_prompts, prefill_len, new_tokens, args,
+                 f"Random Qwen3.5-shaped hybrid ({bc.fmt(params / 1e6 if params else None)}M "
+                 "parameters) vs HF transformers")
+    del hf, ours  # one model in memory at a time: the machine is shared
+    prefix = bc.token_prompts(tok, 1, 400, seed=3)[0]
+    items = [prefix + ids for ids in bc.token_prompts(tok, 9, 24, seed=4)]
+    rows, times = [], {}
+    for name, cache in (("off", False), ("on", True)):
+        side = Ours(args.dtype, args.kv_slots, folder, prefix_cache=cache)
+        side.prefill(items[:1])  # warms the cache with the prefix (and the kernels)
+        times[name] = bc.best_time(lambda: side.prefill(items[1:]), args.repeats)
+        stats = side.scheduler.stats()
+        rows.append([name, len(items[1:]) / times[name], bc.ratio(times["off"], times[name]),
+                     stats["state_snapshots"]])
+        del side
+    bc.print_table(f"Prefix cache on the hybrid: 8 items behind a shared 400-token prefix, "
+                   f"max_tokens 1, {args.dtype} (gain = time off / time on)",
+                   ["prefix cache", "items/s", "gain", "snapshots held"], rows)
+    bc.note(f"recurrent state per request (and per snapshot): "
+            f"{stats['state_bytes_per_slot'] / 2**20:.1f} MiB")
 
 
 def logprobs_table(ours: Ours, dec: list[list[int]], new_tokens: int, args) -> None:

@@ -30,6 +30,17 @@ def tiny_qwen3_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_hybrid_path() -> Callable[[str], Path]:
+    """`tiny_hybrid_path(variant)` -> folder of bm.build_tiny_hybrid: qwen3_5_text (default),
+    qwen3_5 (image-text layout), qwen3_5_moe_text or qwen3_next, random, on the Qwen3.5 vocab."""
+
+    def get(variant: str = "qwen3_5_text") -> Path:
+        return bm.cached(f"tiny-{variant}", bm.build_tiny_hybrid, variant)
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def tiny_harmony_path() -> Path:
     """LlamaForCausalLM (random, 2 layers) with a Harmony (gpt_oss) tokenizer and template."""
     return bm.cached("tiny-gpt-oss-harmony", bm.build_tiny_harmony)

@@ -17,6 +17,11 @@ def default_model():
 
 
 @functools.lru_cache(maxsize=None)
+def loaded_fp32(folder: Path):
+    return load_model(folder, dtype="float32", device="cpu")
+
+
+@functools.lru_cache(maxsize=None)
 def hf_reference(folder: Path):
     from transformers import AutoModelForCausalLM
 

@@ -22,6 +22,8 @@ class EngineConfig:
     max_running_requests: int = 64
     max_prefill_tokens: int = 2048
     prefix_cache: bool = True
+    # Hybrid models: recurrent-state snapshots the prefix cache may hold (engine/state_pool.py).
+    state_snapshots: int = 32
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ def engine_config(args, model_folder: str) -> EngineConfig:
         max_running_requests=args.max_running_requests,
         max_prefill_tokens=args.max_prefill_tokens,
         prefix_cache=not args.no_prefix_cache,
+        state_snapshots=args.state_snapshots,
     )
 
 
@@ -60,7 +63,7 @@ def frontend_config(args, hf_config: dict, name: str,
     return FrontendConfig(
         served_model_name=args.served_model_name or name,
         max_model_len=context_length(args.max_model_len, native_context(hf_config)),
-        vocab_size=hf_config["vocab_size"],
+        vocab_size=text_config(hf_config)["vocab_size"],
         max_output_tokens=args.max_output_tokens,
         max_logprobs=args.max_logprobs,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
@@ -73,5 +76,10 @@ def frontend_config(args, hf_config: dict, name: str,
     )
 
 
+def text_config(hf_config: dict) -> dict:
+    """The language model's config: nested under `text_config` in image-text layouts."""
+    return hf_config.get("text_config") or hf_config
+
+
 def native_context(hf_config: dict) -> int:
-    return hf_config.get("max_position_embeddings", 4096)
+    return text_config(hf_config).get("max_position_embeddings", 4096)

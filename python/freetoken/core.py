@@ -107,6 +107,10 @@ class Req:
     # With params.structured: its matcher, made when it is added and kept across preemptions
     # (the output it has consumed is kept too).
     grammar: RequestGrammar | None = None
+    # Hybrid models: its slot in the engine's recurrent-state pool while running, and the
+    # snapshot slots the next step fills at chunk boundaries of its prompt ({position: slot}).
+    state_slot: int | None = None
+    snapshots: dict[int, int] = field(default_factory=dict)
 
     @property
     def all_ids(self) -> list[int]:

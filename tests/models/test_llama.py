@@ -30,10 +30,10 @@ def _decode_with_engine(loaded, prompts, steps):
     return out
 
 
-def _check_against_hf(loaded, steps=16):
+def _check_against_hf(loaded, steps=16, prompts=PROMPTS):
     hf = hf_reference(loaded.folder)
-    ours = _decode_with_engine(loaded, PROMPTS, steps)
-    for uid, prompt in enumerate(PROMPTS):
+    ours = _decode_with_engine(loaded, prompts, steps)
+    for uid, prompt in enumerate(prompts):
         ids = loaded.tokenizer.encode(prompt)
         with torch.no_grad():
             ref = hf.generate(

@@ -10,6 +10,7 @@ import torch
 from freetoken.core import Batch, SamplingParams, TokenLogprob
 from freetoken.engine.kv_pool import KVPool
 from freetoken.engine.sample import SampleOutput, Sampler, logprob_entries
+from freetoken.engine.state_pool import LinearContext, PrefillPiece, StatePool
 from freetoken.models.linear import MKL_ROWS
 from freetoken.models.llama import DecodeGroup, ForwardContext, PromptGroup
 
@@ -42,11 +43,16 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int], ks: list[int]) -> 
 
 class Engine:
     def __init__(self, model: torch.nn.Module, num_kv_slots: int, device: torch.device,
-                 dtype: torch.dtype, eos_token_ids: tuple[int, ...] = ()):
+                 dtype: torch.dtype, eos_token_ids: tuple[int, ...] = (), num_state_slots: int = 0):
         self.model = model
         self.device = device
         cfg = getattr(model, "cfg", model)
-        self.kv = KVPool(num_kv_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+        # Hybrid models keep K/V for their full-attention layers only, and a recurrent state per
+        # request for the others (engine/state_pool.py).
+        self.kv = KVPool(num_kv_slots, getattr(cfg, "num_kv_layers", cfg.num_layers), cfg.num_kv_heads,
+                         cfg.head_dim, dtype, device)
+        shape = getattr(model, "state_shape", None)
+        self.states = StatePool(num_state_slots, shape, dtype, device) if shape else None
         self.sampler = Sampler(model.vocab_size, device, eos_token_ids)
         # Token rows and logit rows are padded so that a row's matmul bits never depend on
         # how many rows the step has (models/linear.py).
@@ -81,7 +87,10 @@ class Engine:
             first = start[id(req)] + 1
             targets += req.prompt_ids[first : first + rows]
             ks += [req.params.prompt_logprobs] * rows
-        return StepOutput(sampled, prompt_logprobs(logits[n : n + len(targets)], targets, ks))
+        out = StepOutput(sampled, prompt_logprobs(logits[n : n + len(targets)], targets, ks))
+        if ctx.linear is not None:  # the step went through: its new recurrent states stand
+            self.states.commit(ctx.linear)
+        return out
 
     def _prompt_groups(self, chunks: list[tuple[int, int, list[int]]]) -> list[PromptGroup]:
         """Groups for prompt chunks given as (first row, new tokens q, slots of all keys)."""
@@ -154,11 +163,7 @@ class Engine:
         dev = self.device
         for req, new in zip(batch.reqs, batch.new_ids):
             total, q = req.num_computed, len(new)  # slots for `new` were appended before the step
-            # A lone output token attends as a decode. Prompt tokens always attend as a prompt
-            # chunk, so that a prompt whose last token is all that is left after a prefix-cache
-            # hit gets the bits of a full prefill; so do output tokens recomputed together after
-            # a preemption.
-            if q == 1 and total > len(req.prompt_ids):
+            if _decodes(req, q):
                 decoding.append((len(ids), req.slots))
             else:
                 chunks.append((len(ids), q, req.slots))
@@ -185,4 +190,28 @@ class Engine:
             logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev),
             kv_cache=self.kv.kv,
             num_tokens=num_tokens,
+            linear=self._linear_context(batch, first_row) if self.states else None,
         )
+
+    def _linear_context(self, batch: Batch, first_row: dict[int, int]) -> LinearContext:
+        """Linear-attention layers: prompt pieces run one request at a time (chunked form),
+        decoding requests together (recurrent form)."""
+        prefills, rows, slots = [], [], []
+        for req, new in zip(batch.reqs, batch.new_ids):
+            row = first_row[id(req)]
+            if _decodes(req, len(new)):
+                rows.append(row)
+                slots.append(req.state_slot)
+            else:
+                prefills.append(PrefillPiece(row, len(new), req.num_computed - len(new), req.state_slot,
+                                             req.snapshots))
+        on_device = partial(torch.tensor, device=self.device)
+        return LinearContext(self.states, prefills, on_device(rows) if rows else None,
+                             on_device(slots) if slots else None)
+
+
+def _decodes(req, q: int) -> bool:
+    """A lone output token attends as a decode. Prompt tokens always attend as a prompt chunk,
+    so that a prompt whose last token is all that is left after a prefix-cache hit gets the bits
+    of a full prefill; so do output tokens recomputed together after a preemption."""
+    return q == 1 and req.num_computed > len(req.prompt_ids)

@@ -10,6 +10,7 @@ gpt_oss.py) bring only their own MLP and attention softmax.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -132,6 +133,7 @@ class ForwardContext:
     logit_rows: torch.Tensor  # [R] rows of T whose hidden state produces logits
     kv_cache: list[torch.Tensor]  # per layer [num_slots + 1, 2 * kv_heads, head_dim], K then V
     num_tokens: int | None = None  # rows of T before the padding (None: all)
+    linear: Any = None  # hybrid models: engine.state_pool.LinearContext
 
 
 class RMSNorm(nn.Module):

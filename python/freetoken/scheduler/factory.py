@@ -19,7 +19,8 @@ def build_scheduler(loaded: LoadedModel, config: EngineConfig = EngineConfig(),
     device and dtype are the loaded model's."""
     config = replace(config, **overrides)
     engine = Engine(loaded.model, config.kv_slots, loaded.device, loaded.dtype,
-                    tuple(loaded.eos_token_ids))
+                    tuple(loaded.eos_token_ids),
+                    num_state_slots=config.max_running_requests + config.state_snapshots)
     return Scheduler(engine, SchedulerConfig(
         max_model_len=context_length(config.max_model_len, loaded.max_model_len),
         eos_token_ids=tuple(loaded.eos_token_ids),

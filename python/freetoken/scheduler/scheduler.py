@@ -33,6 +33,7 @@ from freetoken.core import Batch, Req
 from freetoken.engine.engine import Engine, StepOutput
 from freetoken.message import DetokenizeMsg, UserMsg
 from freetoken.scheduler.cache import PrefixCache
+from freetoken.scheduler.states import RecurrentStates, SnapshotCache
 from freetoken.structured.matcher import GrammarCompiler, wait_any
 
 log = logging.getLogger("freetoken")
@@ -63,6 +64,10 @@ class Scheduler:
     def __init__(self, engine: Engine, config: SchedulerConfig, grammars: GrammarCompiler):
         self.engine, self.config, self.grammars = engine, config, grammars
         self.cache = PrefixCache(engine.kv) if config.prefix_cache else None
+        self.states = None  # hybrid models' recurrent states (scheduler/states.py)
+        if engine.states is not None:
+            self.cache = SnapshotCache(engine.kv, engine.states) if config.prefix_cache else None
+            self.states = RecurrentStates(engine.states, self.cache)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # in order of admission
         self.compiling: list[Req] = []  # waiting requests whose grammar is not compiled yet
@@ -82,7 +87,8 @@ class Scheduler:
                 "grammar_compiling": len(self.compiling),
                 "grammar_compiles": self.grammars.compiled,
                 "grammar_cache_hits": self.grammars.cache_hits,
-                **self.engine.sampler.grammar_masks.stats()}
+                **self.engine.sampler.grammar_masks.stats(),
+                **(self.states.stats() if self.states else {})}
 
     def add(self, msg: UserMsg) -> list[DetokenizeMsg]:
         """Queue a request, or answer it with an error reply: this never raises for a request."""
@@ -158,6 +164,8 @@ class Scheduler:
         done, failed = self._forward(batch)
         replies += failed
         for part, out in done:
+            if self.states:
+                self.states.after_step(part)
             scored = iter(out.prompt_logprobs)
             for req, n in part.prompt_rows:
                 req.prompt_logprobs += islice(scored, n)
@@ -242,6 +250,8 @@ class Scheduler:
             need += req.num_pending + 1
             self.waiting.popleft()
             self.running.append(req)
+            if self.states:
+                self.states.admit(req, len(req.slots))
         self.waiting.extendleft(reversed(held))  # back in their places
 
     def _take(self, req: Req, n: int) -> None:
@@ -256,6 +266,8 @@ class Scheduler:
             if budget <= 0 or (left == 1 and req.output_ids):
                 continue
             size = min(left, budget)
+            if self.states:
+                size = self.states.chunk_size(req.num_computed, size, left)
             if req.prompt_logprobs is not None:
                 # Each scored token is a vocabulary-wide logit row: bound how many one step makes.
                 if score_budget <= 0:
@@ -265,6 +277,8 @@ class Scheduler:
             done = req.num_computed
             chunk = req.all_ids[done : done + size]
             budget -= len(chunk)
+            if self.states:
+                self.states.plan_snapshots(req, done, len(chunk))
             self._take(req, len(chunk))
             reqs.append(req)
             new_ids.append(chunk)
@@ -323,6 +337,8 @@ class Scheduler:
     def _release(self, req: Req) -> None:
         self.engine.kv.release(req.slots)
         req.slots = []
+        if self.states:
+            self.states.release(req)
 
 
 def _error(uid: int, message: str, code: str) -> DetokenizeMsg:

@@ -30,6 +30,7 @@ class ServerArgs:
     shutdown_timeout: float = 30.0
     max_request_bytes: int = 32 * 1024 * 1024
     max_prompts_per_request: int = 1024
+    state_snapshots: int = 32
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -74,6 +75,9 @@ def build_parser(prog: str = "freetoken serve") -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-tokens", dest="kv_slots", metavar="KV_CACHE_TOKENS", type=int,
                    default=16384,
                    help="size of the preallocated KV pool, in tokens")
+    p.add_argument("--state-snapshots", type=int, default=32,
+                   help="hybrid (linear-attention) models: recurrent-state snapshots the prefix "
+                   "cache may keep, each the size of one request's state (see /v1/stats)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="do not reuse the KV of shared prompt prefixes across requests "
                    "(default: reuse them)")
@@ -130,6 +134,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "freetoken serve") -> 
         shutdown_timeout=ns.shutdown_timeout,
         max_request_bytes=ns.max_request_bytes,
         max_prompts_per_request=ns.max_prompts_per_request,
+        state_snapshots=ns.state_snapshots,
     )
 
 
