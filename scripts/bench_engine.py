@@ -16,10 +16,11 @@ The fourth is the cost of structured outputs: our decode at batch 32 with every 
 schema (GRAMMAR_SCHEMA: an array of objects that cannot end within the run, so that every step
 masks every row) against the same rows without, and the mean grammar mask time per step.
 The MoE table (`--tables moe`, not in the default set) runs the engine table on a Qwen3-MoE built
-from a config with random weights (MOE_CONFIG: ~270M parameters, 64 experts, top 8, ~50M active
-per token), in each of --moe-dtypes (bfloat16 up to batch 8), against HF transformers on the same folder (its default
-experts implementation), and notes the experts' share of a decode step and the part of it spent
-outside the expert GEMMs (routing, sorting, gathering, padding, the weighted sum).
+from a config with random weights (MOE_CONFIG: 258M parameters, 64 experts, top 8, ~50M active
+per token), in each of --moe-dtypes (bfloat16 up to batch 8), against HF transformers on the
+same folder (its default experts implementation), and notes the experts' share of a decode step
+and the part of it spent outside the expert GEMMs (routing, sorting, gathering, padding, the
+activation, the weighted sum); about 4 minutes with --quick on 2 busy cores.
 `--tables hybrid` (not in the default run): the engine table on a Qwen3.5-shaped hybrid with
 random weights (HYBRID_SHAPE: Qwen3.5-0.8B's widths, 8 layers, 3 of 4 Gated DeltaNet, the
 248k vocabulary; about 420M parameters), HF transformers on its torch fallback for the delta

@@ -50,7 +50,8 @@ def test_chat_logprobs_match_transformers_streamed_or_not(served):
             "include_reasoning_logprobs": True, **greedy}
     whole = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120).json()
     assert whole["usage"]["prompt_tokens"] == len(prompt)  # the template rendered as here
-    view, streamed = chat_view(whole["choices"][0]), merge_chat_stream(sse(server, "/v1/chat/completions", body))
+    view = chat_view(whole["choices"][0])
+    streamed = merge_chat_stream(sse(server, "/v1/chat/completions", body))
     view.pop("call_ids"), streamed.pop("call_ids")
     assert streamed == view
     # Each entry (reasoning, then content) is the completion's entry of a later output token.

@@ -17,7 +17,8 @@ from tests.model_fixtures import assert_matches_reference, assert_same_run, gree
 
 TEXTS = ["What is the capital of France? The capital is Paris.", "def add(a, b):\n    return a + b",
          "Write a short poem about the sea, the wind and the stars", "Numbers 0 1 2 3 4 5 6 7 8 9 10 42",
-         "The user asks about the weather in Paris. It is sunny.", "Monday, then Tuesday, then Wednesday, then Friday!",
+         "The user asks about the weather in Paris. It is sunny.",
+         "Monday, then Tuesday, then Wednesday, then Friday!",
          "Tokenizers split text into pieces, then merge the frequent pairs.",
          "A tiny model predicts the next word, one step at a time, then stops."]
 
@@ -66,7 +67,8 @@ def _quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     groups = weight.reshape(*weight.shape[:-1], -1, 32)
     exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-30) / 6.0))
-    codes = (groups / torch.exp2(exponent)[..., None]).unsqueeze(-1).sub(torch.tensor(FP4_VALUES)).abs().argmin(-1)
+    scaled = groups / torch.exp2(exponent)[..., None]
+    codes = (scaled.unsqueeze(-1) - torch.tensor(FP4_VALUES)).abs().argmin(-1)  # nearest value
     pairs = codes.to(torch.uint8).reshape(*codes.shape[:-1], 16, 2)
     return pairs[..., 0] | (pairs[..., 1] << 4), (exponent + 127).to(torch.uint8)
 
@@ -90,7 +92,8 @@ def test_mxfp4_experts_load_as_transformers_dequantises_them(tiny_gpt_oss_path, 
     for name, blocks in state.items():
         if not name.endswith("_blocks"):
             continue
-        ref = convert_moe_packed_tensors(blocks, state[name.replace("_blocks", "_scales")], dtype=torch.float32)
+        scales = state[name.replace("_blocks", "_scales")]
+        ref = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
         layer = int(name.split(".")[2])
         experts = ours.model.layers[layer].mlp
         for e, expert in enumerate(experts.experts):

@@ -57,4 +57,6 @@ def test_stacked_experts_convert_as_saved_ones(fixture, request):
     assert any(name.endswith("experts.gate_up_proj") for name in stacked)
     ours = model_class.convert_hf_weights(stacked)
     saved = model_class.convert_hf_weights(load_file(folder / "model.safetensors"))
-    assert ours.keys() == saved.keys() and all(torch.equal(ours[k], saved[k]) for k in ours)
+    # A tied head is in transformers' state dict, not in the file.
+    assert set(ours) - set(saved) <= {"lm_head.weight"}
+    assert all(torch.equal(ours[k], saved[k]) for k in saved)

@@ -9,9 +9,10 @@ from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
 from freetoken.scheduler.factory import build_scheduler
 from tests.model_fixtures import assert_matches_reference, assert_same_run, greedy_run
 
-TEXTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:", "Once upon a time, in a land far away,",
-         "Count with me: " + ", ".join(str(n) for n in range(1, 17)), "<think>\nThe user asks", "1 2 3 4",
-         "Write a haiku about the sea and the wind over the waves", "{\"name\": \"get_weather\", \"arguments\": {"]
+TEXTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:",
+         "Once upon a time, in a land far away,", "Count with me: " + ", ".join(str(n) for n in range(1, 17)),
+         "<think>\nThe user asks", "1 2 3 4", "Write a haiku about the sea and the wind over the waves",
+         '{"name": "get_weather", "arguments": {']
 
 
 @pytest.fixture(scope="module")

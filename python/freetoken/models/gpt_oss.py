@@ -70,7 +70,8 @@ class SinkAttention(Attention):
             sinks = sinks[None, :, None, None]
         float_mask = None
         if mask is not None:
-            float_mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, -math.inf)
+            float_mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+            float_mask.masked_fill_(~mask, -math.inf)
         if q.device.type == "cpu":
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q, k, v, 0.0, mask is None, attn_mask=float_mask)

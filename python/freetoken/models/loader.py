@@ -216,14 +216,15 @@ def _build_llama(folder: Path, hf_config: dict, dtype: torch.dtype, device: torc
         state.update(load_file(file))
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    module.to_empty(device=device)
+    # Allocated in the target dtype: a bfloat16 load never holds a float32 copy of the model.
+    module.to(dtype).to_empty(device=device)
     missing, unexpected = module.load_state_dict(model_class.convert_hf_weights(state), strict=False)
     missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
         raise ModelNotFound(f"Weights do not match the architecture: missing {missing[:3]}, unexpected {unexpected[:3]}")
     if cfg.tie_word_embeddings:
         module.lm_head.weight = module.model.embed_tokens.weight
-    module.to(dtype).requires_grad_(False)
+    module.requires_grad_(False)
     set_row_padding(module, pack_linears(module))
     return module
 
