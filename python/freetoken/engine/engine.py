@@ -25,6 +25,18 @@ def _round_up(n: int, block: int) -> int:
     return -(-n // block) * block
 
 
+class StepPlan(NamedTuple):
+    """A step's rows as plain lists, padded: what `Engine.context` turns into tensors, and what
+    tensor-parallel rank 0 sends the other ranks (engine/parallel.py)."""
+
+    ids: list[int]
+    positions: list[int]
+    out_slots: list[int]
+    logit_rows: list[int]
+    chunks: list[tuple[int, int, list[int]]]  # prompt chunks: (first row, new tokens, key slots)
+    decoding: list[tuple[int, list[int]]]  # decoding requests: (row, key slots)
+
+
 class StepOutput(NamedTuple):
     sampled: SampleOutput  # one row per batch.logit_reqs
     prompt_logprobs: list[TokenLogprob]  # one per row of batch.prompt_rows, in order
@@ -81,6 +93,9 @@ class Engine:
             ks += [req.params.prompt_logprobs] * rows
         return StepOutput(sampled, prompt_logprobs(logits[n : n + len(targets)], targets, ks))
 
+    def idle(self) -> None:
+        """Called by the scheduler on a step with nothing to run (engine/parallel.py)."""
+
     def _prompt_groups(self, chunks: list[tuple[int, int, list[int]]]) -> list[PromptGroup]:
         """Groups for prompt chunks given as (first row, new tokens q, slots of all keys)."""
         by_shape: dict[tuple[int, int, bool], list[tuple[int, int, list[int]]]] = {}
@@ -135,10 +150,12 @@ class Engine:
         return groups
 
     def build_context(self, batch: Batch) -> ForwardContext:
+        return self.context(self.plan(batch))
+
+    def plan(self, batch: Batch) -> StepPlan:
         ids, positions, out_slots, logit_rows, chunks, decoding = [], [], [], [], [], []
         logit_set = {id(r) for r in batch.logit_reqs}
         first_row = {}
-        dev = self.device
         for req, new in zip(batch.reqs, batch.new_ids):
             total, q = req.num_computed, len(new)  # slots for `new` were appended before the step
             # A lone output token attends as a decode. Prompt tokens always attend as a prompt
@@ -162,12 +179,16 @@ class Engine:
         positions += [0] * pad
         out_slots += [self.kv.scratch_slot] * pad
         logit_rows += [0] * self.row_padding.pad(len(logit_rows))
+        return StepPlan(ids, positions, out_slots, logit_rows, chunks, decoding)
+
+    def context(self, plan: StepPlan) -> ForwardContext:
+        dev = self.device
         return ForwardContext(
-            input_ids=torch.tensor(ids, device=dev),
-            positions=torch.tensor(positions, device=dev),
-            out_slots=torch.tensor(out_slots, device=dev),
-            prompt_groups=self._prompt_groups(chunks),
-            decode_groups=self._decode_groups(decoding),
-            logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev),
+            input_ids=torch.tensor(plan.ids, device=dev),
+            positions=torch.tensor(plan.positions, device=dev),
+            out_slots=torch.tensor(plan.out_slots, device=dev),
+            prompt_groups=self._prompt_groups(plan.chunks),
+            decode_groups=self._decode_groups(plan.decoding),
+            logit_rows=torch.tensor(plan.logit_rows, dtype=torch.long, device=dev),
             kv_cache=self.kv.kv,
         )

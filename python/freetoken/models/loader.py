@@ -13,6 +13,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -134,8 +135,11 @@ def resolve_device(device: str) -> torch.device:
 
 
 def load_model(
-    model: str | os.PathLike | None = None, dtype: str = "auto", device: str = "auto"
+    model: str | os.PathLike | None = None, dtype: str = "auto", device: str = "auto",
+    shard: Callable[[torch.nn.Module], None] | None = None,
 ) -> LoadedModel:
+    """`shard`: cuts the loaded module down in place before its layers are packed (one
+    tensor-parallel rank's slices, models/tensor_parallel.py)."""
     from transformers import AutoTokenizer
 
     path = default_model_path() if model is None else Path(model)
@@ -155,13 +159,15 @@ def load_model(
     tokenizer = AutoTokenizer.from_pretrained(folder)
     dev = resolve_device(device)
     if arch == "ScriptedForCausalLM":
+        if shard is not None:
+            raise ModelNotFound("The scripted test model does not support tensor parallelism")
         from freetoken.models.scripted import ScriptedForCausalLM
 
         module = ScriptedForCausalLM.from_folder(folder, tokenizer)
         weights_dtype = module.dtype
     else:
         weights_dtype = resolve_dtype(dtype, dev)
-        module = _build_llama(folder, hf_config, weights_dtype, dev)
+        module = _build_llama(folder, hf_config, weights_dtype, dev, shard)
     return LoadedModel(
         model=module.eval(),
         tokenizer=tokenizer,
@@ -175,7 +181,8 @@ def load_model(
     )
 
 
-def _build_llama(folder: Path, hf_config: dict, dtype: torch.dtype, device: torch.device):
+def _build_llama(folder: Path, hf_config: dict, dtype: torch.dtype, device: torch.device,
+                 shard: Callable[[torch.nn.Module], None] | None = None):
     from safetensors.torch import load_file
 
     from freetoken.models.linear import pack_linears
@@ -196,6 +203,8 @@ def _build_llama(folder: Path, hf_config: dict, dtype: torch.dtype, device: torc
         raise ModelNotFound(f"Weights do not match the architecture: missing {missing[:3]}, unexpected {unexpected[:3]}")
     if cfg.tie_word_embeddings:
         module.lm_head.weight = module.model.embed_tokens.weight
+    if shard is not None:
+        shard(module)
     module.to(dtype).requires_grad_(False)
     module.row_padding = pack_linears(module)
     return module

@@ -1,0 +1,174 @@
+"""Tensor-parallel ranks on torch.distributed: the process group, the collectives the sharded
+model calls (models/tensor_parallel.py), and the step loop of the ranks other than 0.
+
+Rank 0 runs the scheduler. Each step it sends the other ranks the step's plan (engine.StepPlan:
+ids, positions, KV slots, attention groups' members, logit rows), then every rank builds the
+same tensors and runs the forward on its slices; the logit rows are gathered on every rank and
+only rank 0 samples. When idle, rank 0 sends a heartbeat at least every HEARTBEAT_S, so that a
+rank waiting for its next step can tell a quiet group from a lost one.
+
+Failures: a collective that fails (a rank died: gloo sees its sockets close at once) or waits
+past `--distributed-timeout` (a rank hung) raises GroupLost in every rank still alive. It is
+not an Exception, so the scheduler's per-request fault handling lets it through: the process
+exits, which takes the rest of the group down the same way, and the server answers 503.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from freetoken.config import ParallelConfig
+from freetoken.engine.engine import Engine, StepPlan
+from freetoken.models.linear import MKL_ROWS
+
+# Joining the group and loading: every rank waits this long for the slowest (a big model's load,
+# a node started late); steps use ParallelConfig.timeout_s.
+SETUP_TIMEOUT_S = 600.0
+HEARTBEAT_S = 1.0
+STOP = "stop"
+
+
+class GroupLost(BaseException):
+    """A collective failed: a rank of the group died or hung."""
+
+
+def _backend(config: ParallelConfig, device: torch.device) -> str:
+    choice = config.backend if config.backend != "auto" else (
+        "nccl" if device.type == "cuda" else "gloo")
+    # NCCL carries the forward's tensors; gloo the step plans, which are Python objects.
+    return "cpu:gloo,cuda:nccl" if choice == "nccl" else "gloo"
+
+
+@dataclass
+class Group:
+    rank: int
+    world: int
+    steps: dist.ProcessGroup  # the forward's collectives and the step plans, timeout_s each
+    last_sent: float = 0.0
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cuda":
+            with _lost():
+                dist.all_reduce(x, group=self.steps)
+            return x
+        # Gathered, then added in rank order on every rank: an all-reduce's order depends on the
+        # tensor's size (its ring chunks) past 2 ranks, which would make a row's bits depend on
+        # the number of rows in the step.
+        parts = self._all_gather(x)
+        out = parts[0]
+        for part in parts[1:]:
+            out += part
+        return out
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's `x`, concatenated along the last dimension in rank order."""
+        return torch.cat(self._all_gather(x), dim=-1)
+
+    def _all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        with _lost():
+            dist.all_gather(parts, x.contiguous(), group=self.steps)
+        return parts
+
+    def send(self, message: StepPlan | str | None) -> None:
+        """Rank 0: a step's plan, None (a heartbeat) or STOP, to every other rank."""
+        with _lost():
+            dist.broadcast_object_list([message], src=0, group=self.steps, device=torch.device("cpu"))
+        self.last_sent = time.monotonic()
+
+    def receive(self) -> StepPlan | str | None:
+        box = [None]
+        with _lost():
+            dist.broadcast_object_list(box, src=0, group=self.steps, device=torch.device("cpu"))
+        return box[0]
+
+    def setup_barrier(self) -> None:
+        """Every rank is ready (with the setup timeout: the slowest load is waited for)."""
+        with _lost():
+            dist.all_reduce(torch.zeros(1))
+
+
+@contextmanager
+def _lost():
+    """A failed collective becomes GroupLost."""
+    try:
+        yield
+    except RuntimeError as exc:
+        raise GroupLost(f"tensor-parallel group lost: {exc}") from exc
+
+
+def init_group(config: ParallelConfig, rank: int, device: torch.device) -> Group:
+    """Join the group with torchrun's conventions: rank 0 hosts the store at master_addr:port."""
+    setup = timedelta(seconds=SETUP_TIMEOUT_S)
+    backend = _backend(config, device)
+    store = dist.TCPStore(config.master_addr, config.master_port, config.tp_size,
+                          is_master=rank == 0, timeout=setup)
+    with _lost():
+        dist.init_process_group(backend, store=store, rank=rank, world_size=config.tp_size,
+                                timeout=setup)
+        steps = dist.new_group(backend=backend, timeout=timedelta(seconds=config.timeout_s))
+    return Group(rank, config.tp_size, steps)
+
+
+def rank_device(device: torch.device, rank: int, config: ParallelConfig) -> torch.device:
+    """A CUDA rank takes the GPU of its local index."""
+    if device.type != "cuda":
+        return device
+    index = rank - config.local_ranks.start
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def load_rank(config, rank: int):
+    """This rank's slices of the model (`config` an EngineConfig): (LoadedModel, Group)."""
+    from functools import partial
+
+    from freetoken.models.loader import load_model, resolve_device
+    from freetoken.models.tensor_parallel import shard_model
+
+    device = rank_device(resolve_device(config.device), rank, config.parallel)
+    group = init_group(config.parallel, rank, device)
+    loaded = load_model(config.model_folder, dtype=config.dtype, device=str(device),
+                        shard=partial(shard_model, group=group))
+    # Rank 0 pads every step for all ranks: to the strictest rule any rank's kernels need
+    # (MKL's rows also suit oneDNN, not the reverse).
+    strict = torch.tensor([int(loaded.model.row_padding == MKL_ROWS)])
+    with _lost():
+        dist.all_reduce(strict, op=dist.ReduceOp.MAX)
+    if strict.item():
+        loaded.model.row_padding = MKL_ROWS
+    return loaded, group
+
+
+class ParallelEngine(Engine):
+    """Rank 0's engine: sends each step's plan to the other ranks before running it."""
+
+    def __init__(self, *args, group: Group, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.group = group
+
+    def build_context(self, batch):
+        plan = self.plan(batch)
+        self.group.send(plan)
+        return self.context(plan)
+
+    def idle(self) -> None:
+        if time.monotonic() - self.group.last_sent >= HEARTBEAT_S:
+            self.group.send(None)
+
+    def close(self) -> None:
+        self.group.send(STOP)
+
+
+def follow(engine: Engine, group: Group) -> None:
+    """Ranks other than 0: run the forward of every plan rank 0 sends, until STOP."""
+    with torch.inference_mode():
+        while (message := group.receive()) != STOP:
+            if message is not None:
+                engine.model(None, engine.context(message))
