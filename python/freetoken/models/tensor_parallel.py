@@ -110,7 +110,7 @@ def _span(start: int, part: range, size: int) -> torch.Tensor:
 def shard_model(model: nn.Module, group) -> None:
     """Keep `group.rank`'s slices of `model` (loaded whole, not yet packed), in place."""
     if not isinstance(model, LlamaForCausalLM):
-        raise ValueError(f"{type(model).__name__} does not support tensor parallelism")
+        raise TypeError(f"{type(model).__name__} does not support tensor parallelism")
     cfg, rank, world = model.cfg, group.rank, group.world
     q, kv = head_split(cfg.num_heads, cfg.num_kv_heads, rank, world)
     inter = even_part(cfg.intermediate_size, rank, world)
