@@ -111,6 +111,10 @@ def test_tiny_qwen3_tp2_matches_tp1_and_transformers(groups):
     folder = tiny_random_folder("qwen3")
     loaded = load_model(folder, dtype="float32", device="cpu")
     tp1, tok = build_scheduler(loaded, kv_slots=1024), loaded.tokenizer
+    labels = tok.encode(" yes")[:1] + tok.encode(" no")[:1]
+    score = _greedy(tok, max_tokens=1, logprobs=2, allowed_token_ids=labels)
+    # TP=1 first: rank 1 must not wait on it past its timeout.
+    expected, scored1 = _entries(drain(tp1, _greedy(tok))), _entries(drain(tp1, score))
     with rank0(configs["tiny"], ready) as tp2:
         assert tp2.engine.model.cfg.num_heads == 2 and tp2.engine.kv.kv[0].shape[1] == 2
         together = _entries(drain(tp2, _greedy(tok)))
@@ -118,11 +122,9 @@ def test_tiny_qwen3_tp2_matches_tp1_and_transformers(groups):
         for uid, ids_params in _greedy(tok).items():
             assert _entries(drain(tp2, {uid: ids_params}))[uid] == together[uid]
         # A scoring batch: two labels, renormalised logprobs.
-        labels = tok.encode(" yes")[:1] + tok.encode(" no")[:1]
-        score = _greedy(tok, max_tokens=1, logprobs=2, allowed_token_ids=labels)
         scored2 = _entries(drain(tp2, score))
-    assert _max_diff(together, _entries(drain(tp1, _greedy(tok)))) <= 1e-5
-    assert _max_diff(scored2, _entries(drain(tp1, score))) <= 1e-5
+    assert _max_diff(together, expected) <= 1e-5
+    assert _max_diff(scored2, scored1) <= 1e-5
     for uid, (tokens, entries) in scored2.items():
         assert tokens[0] in labels and sum(math.exp(v) for v in entries[0].top_logprobs) == pytest.approx(1)
     # Against transformers, teacher-forced on TP=2's own tokens.
@@ -135,8 +137,8 @@ def test_tiny_qwen3_tp2_matches_tp1_and_transformers(groups):
 
 def test_default_model_tp2_splits_uneven_heads_and_matches_tp1_then_a_lost_rank_raises(groups):
     configs, rank1, ready = groups
-    tp1 = build_scheduler(default_model(), kv_slots=1024)
     tok = default_model().tokenizer
+    expected = _entries(drain(build_scheduler(default_model(), kv_slots=1024), _greedy(tok)))
     with rank0(configs["default"], ready) as tp2:
         # 3 kv heads over 2 ranks: rank 0 holds one group of 3 query heads (rank 1 two).
         cfg = tp2.engine.model.cfg
@@ -144,7 +146,7 @@ def test_default_model_tp2_splits_uneven_heads_and_matches_tp1_then_a_lost_rank_
         out = _entries(drain(tp2, _greedy(tok)))
         # Not bit-identical: o_proj and down_proj sum two half-length dot products. Measured
         # here: median 5e-6, at most 4e-5 over 30 layers.
-        assert _max_diff(out, _entries(drain(tp1, _greedy(tok)))) <= 1e-4
+        assert _max_diff(out, expected) <= 1e-4
         rank1.kill()
         rank1.join(5)
         t0 = time.monotonic()

@@ -51,10 +51,14 @@ class Group:
     world: int
     steps: dist.ProcessGroup  # the forward's collectives and the step plans, timeout_s each
     last_sent: float = 0.0
+    # Collectives run and seconds spent in them, waits for the other ranks included
+    # (scripts/bench_engine.py --tensor-parallel-size).
+    collectives: int = 0
+    collective_s: float = 0.0
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cuda":
-            with _lost():
+            with self._timed():
                 dist.all_reduce(x, group=self.steps)
             return x
         # Gathered, then added in rank order on every rank: an all-reduce's order depends on the
@@ -72,13 +76,13 @@ class Group:
 
     def _all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         parts = [torch.empty_like(x) for _ in range(self.world)]
-        with _lost():
+        with self._timed():
             dist.all_gather(parts, x.contiguous(), group=self.steps)
         return parts
 
     def send(self, message: StepPlan | str | None) -> None:
         """Rank 0: a step's plan, None (a heartbeat) or STOP, to every other rank."""
-        with _lost():
+        with self._timed():
             dist.broadcast_object_list([message], src=0, group=self.steps, device=torch.device("cpu"))
         self.last_sent = time.monotonic()
 
@@ -87,6 +91,14 @@ class Group:
         with _lost():
             dist.broadcast_object_list(box, src=0, group=self.steps, device=torch.device("cpu"))
         return box[0]
+
+    @contextmanager
+    def _timed(self):
+        start = time.perf_counter()
+        with _lost():
+            yield
+        self.collectives += 1
+        self.collective_s += time.perf_counter() - start
 
     def setup_barrier(self) -> None:
         """Every rank is ready (with the setup timeout: the slowest load is waited for)."""
@@ -123,6 +135,15 @@ def rank_device(device: torch.device, rank: int, config: ParallelConfig) -> torc
     index = rank - config.local_ranks.start
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
+
+
+def share_cores(config) -> None:
+    """A CPU rank takes its share of this machine's cores (`config` an EngineConfig): the ranks
+    of a node each running torch's default of all cores would contend for them."""
+    from freetoken.models.loader import resolve_device
+
+    if resolve_device(config.device).type == "cpu":
+        torch.set_num_threads(max(1, torch.get_num_threads() // config.parallel.per_node))
 
 
 def load_rank(config, rank: int):

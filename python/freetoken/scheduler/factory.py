@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 from functools import partial
+from typing import TYPE_CHECKING
 
 from freetoken.config import EngineConfig, context_length
 from freetoken.engine.engine import Engine
-from freetoken.engine.parallel import Group, ParallelEngine
 from freetoken.models.loader import LoadedModel
 from freetoken.scheduler.scheduler import Scheduler, SchedulerConfig
 from freetoken.structured.grammar import ll_tokenizer
 from freetoken.structured.matcher import GrammarCompiler
+
+if TYPE_CHECKING:  # torch.distributed: imported by tensor-parallel engines only
+    from freetoken.engine.parallel import Group
 
 
 def build_scheduler(loaded: LoadedModel, config: EngineConfig = EngineConfig(),
@@ -33,4 +36,8 @@ def build_engine(loaded: LoadedModel, config: EngineConfig, group: Group | None 
     """The engine over a loaded model; `group`: rank 0 of a tensor-parallel group, which sends
     its steps to the other ranks."""
     args = (loaded.model, config.kv_slots, loaded.device, loaded.dtype, tuple(loaded.eos_token_ids))
-    return Engine(*args) if group is None else ParallelEngine(*args, group=group)
+    if group is None:
+        return Engine(*args)
+    from freetoken.engine.parallel import ParallelEngine
+
+    return ParallelEngine(*args, group=group)

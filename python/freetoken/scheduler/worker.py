@@ -136,8 +136,9 @@ def engine_main(config: EngineConfig, in_addr: str, out_addr: str, ready,
 
         quiet_progress_bars()
         if config.parallel.tp_size > 1:
-            from freetoken.engine.parallel import load_rank
+            from freetoken.engine.parallel import load_rank, share_cores
 
+            share_cores(config)
             loaded, group = load_rank(config, 0)
         else:
             loaded = load_model(config.model_folder, dtype=config.dtype, device=config.device)
@@ -169,11 +170,12 @@ def rank_main(config: EngineConfig, rank: int, ready, parent: int | None = None)
     if not _detach(parent):
         return
     try:
-        from freetoken.engine.parallel import GroupLost, follow, load_rank
+        from freetoken.engine.parallel import GroupLost, follow, load_rank, share_cores
         from freetoken.models.loader import quiet_progress_bars
         from freetoken.scheduler.factory import build_engine
 
         quiet_progress_bars()
+        share_cores(config)
         loaded, group = load_rank(config, rank)
         engine = build_engine(loaded, config)
         group.setup_barrier()

@@ -117,7 +117,7 @@ def build_parser(prog: str = "freetoken serve") -> argparse.ArgumentParser:
                       "each; every machine runs the same command with its own --node-rank")
     dist.add_argument("--node-rank", type=int, default=0,
                       help="this machine's index; node 0 serves HTTP, the others run their ranks "
-                      "and wait for the group")
+                      "and wait for the group (default: 0)")
     dist.add_argument("--master-addr", default="127.0.0.1",
                       help="address of node 0, where the ranks meet (torch.distributed's store)")
     dist.add_argument("--master-port", type=int, default=29500,
