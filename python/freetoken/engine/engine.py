@@ -75,8 +75,7 @@ class Engine:
     @torch.inference_mode()
     def forward_batch(self, batch: Batch) -> StepOutput:
         """Run `batch`; the caller has already given every new token a KV slot."""
-        ctx = self.build_context(batch)
-        logits = self.model(batch, ctx)
+        logits = self.logits(batch)
         n = len(batch.logit_reqs)
         reqs = batch.logit_reqs
         grammars = [r.grammar.constraining if r.grammar else None for r in reqs]
@@ -92,6 +91,10 @@ class Engine:
             targets += req.prompt_ids[first : first + rows]
             ks += [req.params.prompt_logprobs] * rows
         return StepOutput(sampled, prompt_logprobs(logits[n : n + len(targets)], targets, ks))
+
+    def logits(self, batch: Batch) -> torch.Tensor:
+        """The model's logit rows for `batch` (see Batch)."""
+        return self.model(batch, self.build_context(batch))
 
     def idle(self) -> None:
         """Called by the scheduler on a step with nothing to run (engine/parallel.py)."""

@@ -174,10 +174,16 @@ class ParallelEngine(Engine):
         super().__init__(*args, **kwargs)
         self.group = group
 
-    def build_context(self, batch):
+    def logits(self, batch):
         plan = self.plan(batch)
         self.group.send(plan)
-        return self.context(plan)
+        try:
+            return self.model(batch, self.context(plan))
+        except Exception as exc:
+            # The other ranks may be waiting in a collective of this forward: the group is out
+            # of step, and a re-run of the step (the scheduler's fault isolation) would pair
+            # its collectives with theirs.
+            raise GroupLost(f"rank 0 failed within a forward: {type(exc).__name__}: {exc}") from exc
 
     def idle(self) -> None:
         if time.monotonic() - self.group.last_sent >= HEARTBEAT_S:
