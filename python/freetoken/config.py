@@ -24,6 +24,9 @@ class ParallelConfig:
     master_port: int = 29500
     backend: str = "auto"  # gloo on CPU, nccl on CUDA
     timeout_s: float = 30.0  # longest wait of one collective within a step
+    # Joining the group and loading: every rank waits this long for the slowest (a big model's
+    # load, a node started late).
+    setup_timeout_s: float = 600.0
 
     @property
     def per_node(self) -> int:

@@ -1,6 +1,6 @@
 """Tensor parallelism over 2 CPU ranks (gloo, loopback): this process is rank 0 and runs the
-scheduler; one spawned process is rank 1, for a tiny Qwen3 (4 heads over 2 kv heads, untied
-LM head) and then the default model (9 heads over 3 kv heads, tied).
+scheduler; one spawned process is rank 1 of each group in turn, over a tiny Qwen3 (4 heads over
+2 kv heads, untied LM head) and over the default model (9 heads over 3 kv heads, tied).
 TP=2 is checked against TP=1 and transformers, and a lost rank against a hang."""
 
 from __future__ import annotations
@@ -26,42 +26,39 @@ from tests.model_fixtures import (default_folder, default_model, drain, referenc
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
 
 
-def _config(folder, port: int) -> EngineConfig:
-    return EngineConfig(model_folder=str(folder), dtype="float32", device="cpu", kv_slots=1024,
-                        parallel=ParallelConfig(tp_size=2, master_port=port, timeout_s=10))
-
-
-def _rank1(configs: list[EngineConfig], ready) -> None:
-    """Rank 1 of each config's group in turn (rank_main's steps, for several models)."""
-    for config in configs:
+def _rank1(link) -> None:
+    """Rank 1 of each group rank 0 asks for (rank_main's steps, for several models in turn)."""
+    while (config := link.recv()) is not None:
         loaded, group = load_rank(config, 1)
         engine = build_engine(loaded, config)
         group.setup_barrier()
-        ready.send("ok")
+        link.send("ok")
         follow(engine, group)
         dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def groups():
-    """{name: config} of the groups, their rank 1 started (it loads while rank 0 does)."""
-    configs = {"tiny": _config(tiny_random_folder("qwen3"), free_port()),
-               "default": _config(default_folder(), free_port())}
-    ctx = mp.get_context("spawn")
-    ready, ready_send = ctx.Pipe(duplex=False)
-    rank1 = ctx.Process(target=_rank1, args=(list(configs.values()), ready_send), daemon=True)
-    rank1.start()
-    yield configs, rank1, ready
-    rank1.kill()
-    rank1.join(5)
+def rank1():
+    """The process that is rank 1 of every group of this module (one spawn: torch imports once)."""
+    link, theirs = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(target=_rank1, args=(theirs,), daemon=True)
+    proc.start()
+    yield proc, link
+    proc.kill()
+    proc.join(5)
 
 
 @contextmanager
-def rank0(config: EngineConfig, ready):
+def rank0(folder, link):
+    """A TP=2 group over `folder` with this process as rank 0: its scheduler."""
+    config = EngineConfig(model_folder=str(folder), dtype="float32", device="cpu", kv_slots=1024,
+                          parallel=ParallelConfig(tp_size=2, master_port=free_port(), timeout_s=10,
+                                                  setup_timeout_s=120))
+    link.send(config)  # rank 1 loads while this process does
     loaded, group = load_rank(config, 0)
     scheduler = build_scheduler(loaded, config, group)
     group.setup_barrier()
-    assert ready.recv() == "ok"
+    assert link.recv() == "ok"
     try:
         yield scheduler
     finally:
@@ -106,8 +103,7 @@ def test_head_split_covers_every_head_once():
         head_split(2, 1, 2, 3)
 
 
-def test_tiny_qwen3_tp2_matches_tp1_and_transformers(groups):
-    configs, _, ready = groups
+def test_tiny_qwen3_tp2_matches_tp1_and_transformers(rank1):
     folder = tiny_random_folder("qwen3")
     loaded = load_model(folder, dtype="float32", device="cpu")
     tp1, tok = build_scheduler(loaded, kv_slots=1024), loaded.tokenizer
@@ -115,7 +111,7 @@ def test_tiny_qwen3_tp2_matches_tp1_and_transformers(groups):
     score = _greedy(tok, max_tokens=1, logprobs=2, allowed_token_ids=labels)
     # TP=1 first: rank 1 must not wait on it past its timeout.
     expected, scored1 = _entries(drain(tp1, _greedy(tok))), _entries(drain(tp1, score))
-    with rank0(configs["tiny"], ready) as tp2:
+    with rank0(folder, rank1[1]) as tp2:
         assert tp2.engine.model.cfg.num_heads == 2 and tp2.engine.kv.kv[0].shape[1] == 2
         together = _entries(drain(tp2, _greedy(tok)))
         # Batch invariance within TP=2: each request alone gets the bits it got in the batch.
@@ -135,11 +131,11 @@ def test_tiny_qwen3_tp2_matches_tp1_and_transformers(groups):
             assert abs(row[entry.token_id].item() - entry.logprob) <= 1e-4
 
 
-def test_default_model_tp2_splits_uneven_heads_and_matches_tp1_then_a_lost_rank_raises(groups):
-    configs, rank1, ready = groups
+def test_default_model_tp2_splits_uneven_heads_and_matches_tp1_then_a_lost_rank_raises(rank1):
+    proc, link = rank1
     tok = default_model().tokenizer
     expected = _entries(drain(build_scheduler(default_model(), kv_slots=1024), _greedy(tok)))
-    with rank0(configs["default"], ready) as tp2:
+    with rank0(default_folder(), link) as tp2:
         # 3 kv heads over 2 ranks: rank 0 holds one group of 3 query heads (rank 1 two).
         cfg = tp2.engine.model.cfg
         assert (cfg.num_heads, cfg.num_kv_heads) == (3, 1)
@@ -147,8 +143,8 @@ def test_default_model_tp2_splits_uneven_heads_and_matches_tp1_then_a_lost_rank_
         # Not bit-identical: o_proj and down_proj sum two half-length dot products. Measured
         # here: median 5e-6, at most 4e-5 over 30 layers.
         assert _max_diff(out, expected) <= 1e-4
-        rank1.kill()
-        rank1.join(5)
+        proc.kill()
+        proc.join(5)
         t0 = time.monotonic()
         with pytest.raises(GroupLost):
             drain(tp2, _greedy(tok, prompts=PROMPTS[:1]))

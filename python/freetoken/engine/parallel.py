@@ -27,9 +27,6 @@ from freetoken.config import ParallelConfig
 from freetoken.engine.engine import Engine, StepPlan
 from freetoken.models.linear import MKL_ROWS
 
-# Joining the group and loading: every rank waits this long for the slowest (a big model's load,
-# a node started late); steps use ParallelConfig.timeout_s.
-SETUP_TIMEOUT_S = 600.0
 HEARTBEAT_S = 1.0
 STOP = "stop"
 
@@ -117,7 +114,7 @@ def _lost():
 
 def init_group(config: ParallelConfig, rank: int, device: torch.device) -> Group:
     """Join the group with torchrun's conventions: rank 0 hosts the store at master_addr:port."""
-    setup = timedelta(seconds=SETUP_TIMEOUT_S)
+    setup = timedelta(seconds=config.setup_timeout_s)
     backend = _backend(config, device)
     store = dist.TCPStore(config.master_addr, config.master_port, config.tp_size,
                           is_master=rank == 0, timeout=setup)
