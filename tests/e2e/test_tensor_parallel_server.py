@@ -14,16 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from freetoken.core import SamplingParams
-from freetoken.models.loader import load_model
-from freetoken.scheduler.factory import build_scheduler
 from tests.e2e.support import ROOT, Server, _die_with_parent, children, free_port, wait_gone
-from tests.model_fixtures import drain, tiny_random_folder
+from tests.model_fixtures import tiny_random_folder
 
 pytestmark = pytest.mark.slow
 
 
-def test_two_nodes_serve_tp1_tokens_and_a_killed_rank_gives_503_then_both_exit():
+def test_two_nodes_serve_and_a_killed_rank_gives_503_then_both_exit():
     folder = str(tiny_random_folder("qwen3"))
     group = ["-tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
              "--master-port", str(free_port())]
@@ -35,13 +32,10 @@ def test_two_nodes_serve_tp1_tokens_and_a_killed_rank_gives_503_then_both_exit()
     server = Server("--model", folder, *group, "--node-rank", "0")
     try:
         body = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0,
-                "logprobs": 1, "return_tokens_as_token_ids": True}
+                "ignore_eos": True}
         r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
-        tokens = [int(t.removeprefix("token_id:")) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
-        loaded = load_model(folder, dtype="float32", device="cpu")
-        [msgs] = drain(build_scheduler(loaded, kv_slots=256), {0: (
-            loaded.tokenizer.encode(body["prompt"]), SamplingParams(temperature=0, max_tokens=8))}).values()
-        assert tokens == [t for m in msgs for t in m.token_ids]
+        # Parity with TP=1 is tests/engine/test_tensor_parallel.py's; here, the group serves.
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text
 
         long = {"prompt": "hello", "max_tokens": 400, "ignore_eos": True}
         with httpx.Client(timeout=60) as client, ThreadPoolExecutor(1) as pool:
