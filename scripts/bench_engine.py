@@ -40,6 +40,8 @@ items of 24 tokens, max_tokens 1, the cache warmed with one item) against no cac
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
+import os
 import sys
 import time
 from pathlib import Path
@@ -49,21 +51,42 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench_common as bc  # noqa: E402
 
+from freetoken.config import EngineConfig, ParallelConfig  # noqa: E402
 from freetoken.core import SamplingParams, StructuredSpec  # noqa: E402
+from freetoken.engine.parallel import load_rank, share_cores  # noqa: E402
 from freetoken.scheduler.factory import build_scheduler  # noqa: E402
 from freetoken.message import UserMsg  # noqa: E402
 from freetoken.models.loader import load_model  # noqa: E402
+from freetoken.scheduler.worker import rank_main  # noqa: E402
 from freetoken.tokenizer.tokenize import bad_words_token_ids  # noqa: E402
 
 
 class Ours:
     def __init__(self, dtype: str, kv_slots: int, model: Path | None = None,
-                 prefix_cache: bool = False):
-        self.loaded = load_model(model, dtype=dtype, device="cpu")
-        # No prefix cache: repeats reuse prompts, and a cache hit would skip the prefill we time
-        # (bench_scoring.py and the hybrid table measure the cache).
-        self.scheduler = build_scheduler(self.loaded, kv_slots=kv_slots, prefix_cache=prefix_cache)
+                 prefix_cache: bool = False, tp_size: int = 1):
+        # No prefix cache unless asked: repeats reuse prompts, and a cache hit would skip the
+        # prefill we time (bench_scoring.py and the hybrid table measure the cache).
+        config = EngineConfig(model_folder=str(model) if model else None, dtype=dtype, device="cpu",
+                              kv_slots=kv_slots, prefix_cache=prefix_cache,
+                              parallel=ParallelConfig(tp_size=tp_size, master_port=bc.free_port()))
+        self.group, self.ranks = None, []
+        if tp_size == 1:
+            self.loaded = load_model(model, dtype=dtype, device="cpu")
+        else:
+            self.ranks = start_ranks(config)
+            self.loaded, self.group = load_rank(config, 0)
+        self.scheduler = build_scheduler(self.loaded, config, self.group)
+        if self.group:
+            self.group.setup_barrier()
+            for ready, _ in self.ranks:
+                assert ready.recv() == "ok"
         self.uid = 0
+
+    def close(self) -> None:
+        if self.group:
+            self.scheduler.engine.close()
+            for _, proc in self.ranks:
+                proc.join(timeout=10)
 
     def _add(self, prompts: list[list[int]], max_tokens: int, **fields) -> None:
         """Greedy requests; `fields` override or add SamplingParams fields."""
@@ -86,10 +109,26 @@ class Ours:
         while len(started) < len(prompts):
             started |= {m.uid for m in self.scheduler.step()}
         steps, t0 = 0, time.perf_counter()
+        if self.group:
+            self.group.collectives, self.group.collective_s = 0, 0.0
         while self.scheduler.has_work:
             self.scheduler.step()
             steps += 1
         return time.perf_counter() - t0, steps
+
+
+def start_ranks(config: EngineConfig) -> list:
+    """Ranks 1.. of a CPU group on this machine, this process being rank 0: (ready pipe, process)
+    each. Every rank, this one included, takes its share of the cores (torch threads)."""
+    ctx = mp.get_context("spawn")
+    ranks = []
+    for rank in range(1, config.parallel.tp_size):
+        ready, ready_send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=rank_main, args=(config, rank, ready_send, os.getpid()), daemon=True)
+        proc.start()
+        ranks.append((ready, proc))
+    share_cores(config)
+    return ranks
 
 
 class HF:
@@ -147,11 +186,18 @@ def main() -> None:
     p.add_argument("--profile", action="store_true",
                    help="profile our decode steps at batch 1 and 32 (torch.profiler + cProfile)")
     p.add_argument("--skip-hf", action="store_true", help="our engine only (no ratios)")
+    p.add_argument("--tensor-parallel-size", "--tp-size", type=int, default=1,
+                   help="our engine over N CPU ranks on this machine (gloo): the tables run on "
+                   "them (no HF), and the tp table compares ms per step with TP=1 (default "
+                   "tables: engine,tp)")
     args = p.parse_args()
     bc.setup(args)
     batches = [int(b) for b in args.batches.split(",")]
+    tp = args.tensor_parallel_size
+    if tp > 1 and args.tables == p.get_default("tables"):
+        args.tables = "engine,tp"
     tables = set(args.tables.split(","))
-    known = {"engine", "logprobs", "processors", "grammar", "moe", "hybrid"}
+    known = {"engine", "logprobs", "processors", "grammar", "moe", "hybrid", "tp"}
     assert tables <= known, f"unknown tables: {args.tables}"
     prefill_len = args.prefill_len or (64 if args.quick else 128)
     new_tokens = args.new_tokens or (16 if args.quick else 32)
@@ -170,11 +216,16 @@ def main() -> None:
     n = max(batches + [args.logprobs_batch, args.processors_batch, args.grammar_batch])
     pre_prompts = bc.token_prompts(tok, n, prefill_len, seed=1)
     dec_prompts = bc.token_prompts(tok, n, args.decode_prompt_len, seed=2)
+    # TP=1 first, with every thread: the ranks of a group must not wait on it (their timeout).
+    baseline = tp_baseline(ours, batches, pre_prompts, dec_prompts, new_tokens, args) \
+        if "tp" in tables else None
+    if tp > 1:
+        ours = Ours(args.dtype, args.kv_slots, tp_size=tp)
 
     # Warm-up both sides (first calls allocate and pick kernels).
     ours.prefill(pre_prompts[:8])
     ours.decode(dec_prompts[:8], 4)
-    hf = None if args.skip_hf or "engine" not in tables else HF(args.dtype)
+    hf = None if args.skip_hf or tp > 1 or "engine" not in tables else HF(args.dtype)
     if hf:
         hf.prefill(pre_prompts[:8])
         hf.generate(dec_prompts[:8], 4)
@@ -187,6 +238,9 @@ def main() -> None:
         processors_table(ours, dec_prompts[:args.processors_batch], new_tokens, args)
     if "grammar" in tables:
         grammar_table(ours, dec_prompts[:args.grammar_batch], new_tokens, args)
+    if "tp" in tables:
+        tp_table(ours, baseline, batches, pre_prompts, dec_prompts, new_tokens, args)
+    ours.close()
     bc.load_note()
     if args.profile:
         del hf
@@ -369,7 +423,7 @@ def hybrid_tables(args, batches: list[int]) -> None:
     for name, cache in (("off", False), ("on", True)):
         side = Ours(args.dtype, args.kv_slots, folder, prefix_cache=cache)
         side.prefill(items[:1])  # warms the cache with the prefix (and the kernels)
-        times[name] = bc.best_time(lambda: side.prefill(items[1:]), args.repeats)
+        times[name] = bc.best_time(lambda s=side: s.prefill(items[1:]), args.repeats)
         stats = side.scheduler.stats()
         rows.append([name, len(items[1:]) / times[name], bc.ratio(times["off"], times[name]),
                      stats["state_snapshots"]])
@@ -379,6 +433,45 @@ def hybrid_tables(args, batches: list[int]) -> None:
                    ["prefix cache", "items/s", "gain", "snapshots held"], rows)
     bc.note(f"recurrent state per request (and per snapshot): "
             f"{stats['state_bytes_per_slot'] / 2**20:.1f} MiB")
+
+
+def tp_baseline(base: Ours, batches: list[int], pre_prompts: list[list[int]],
+                dec_prompts: list[list[int]], new_tokens: int, args) -> dict[int, tuple[float, float]]:
+    """{batch: (prefill s per batch, decode s per step)} at TP=1."""
+    base.decode(dec_prompts[:8], 4)  # warm-up
+    out = {}
+    for b in batches:
+        t_pre = bc.best_time(lambda: base.prefill(pre_prompts[:b]), args.repeats)
+        t_dec, steps = min(base.decode(dec_prompts[:b], new_tokens) for _ in range(args.repeats))
+        out[b] = (t_pre, t_dec / steps)
+    return out
+
+
+def tp_table(ours: Ours, baseline: dict[int, tuple[float, float]], batches: list[int],
+             pre_prompts: list[list[int]], dec_prompts: list[list[int]], new_tokens: int,
+             args) -> None:
+    """TP=1 (all threads) against TP=N (each rank its share of them), and the time rank 0 spends
+    in collectives per decode step: the forward's all-gathers and the step plan's broadcast,
+    waits for the other ranks included."""
+    group = ours.group
+    if group is None:
+        print("\n(tp table: needs --tensor-parallel-size 2 or more)")
+        return
+    rows = []
+    for b in batches:
+        t_pre = bc.best_time(lambda: ours.prefill(pre_prompts[:b]), args.repeats)
+        t_dec, steps = min(ours.decode(dec_prompts[:b], new_tokens) for _ in range(args.repeats))
+        calls, comm = group.collectives / steps, group.collective_s / steps  # the last repeat
+        pre1, dec1 = baseline[b]
+        rows.append([b, bc.ms(pre1), bc.ms(t_pre), f"{dec1 * 1000:.1f}", f"{t_dec / steps * 1000:.1f}",
+                     bc.ratio(t_dec / steps, dec1), f"{calls:.0f}", f"{comm * 1000:.1f}"])
+    w = group.world
+    bc.print_table(
+        f"Tensor parallelism: TP=1 ({args.threads} threads) vs TP={w} ({torch.get_num_threads()} "
+        f"per rank), {args.dtype}; prefill ms per batch, decode ms per step (ratio TP={w} / TP=1); "
+        "rank 0's collectives per decode step and their ms",
+        ["batch", "prefill TP=1", f"prefill TP={w}", "decode TP=1", f"decode TP={w}", "ratio",
+         "collectives", "collective ms"], rows)
 
 
 def logprobs_table(ours: Ours, dec: list[list[int]], new_tokens: int, args) -> None:

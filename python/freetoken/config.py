@@ -13,6 +13,31 @@ def context_length(requested: int | None, native: int) -> int:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism over torch.distributed, with torchrun's names: `tp_size` ranks spread
+    evenly over `nnodes` machines; this machine runs ranks node_rank * per_node onwards."""
+
+    tp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    backend: str = "auto"  # gloo on CPU, nccl on CUDA
+    timeout_s: float = 30.0  # longest wait of one collective within a step
+    # Joining the group and loading: every rank waits this long for the slowest (a big model's
+    # load, a node started late).
+    setup_timeout_s: float = 600.0
+
+    @property
+    def per_node(self) -> int:
+        return self.tp_size // self.nnodes
+
+    @property
+    def local_ranks(self) -> range:
+        return range(self.node_rank * self.per_node, (self.node_rank + 1) * self.per_node)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_folder: str | None = None  # an HF folder; None: the default model
     dtype: str = "auto"
@@ -24,6 +49,7 @@ class EngineConfig:
     prefix_cache: bool = True
     # Hybrid models: recurrent-state snapshots the prefix cache may hold (engine/state_pool.py).
     state_snapshots: int = 32
+    parallel: ParallelConfig = ParallelConfig()
 
 
 @dataclass(frozen=True)
@@ -54,6 +80,10 @@ def engine_config(args, model_folder: str) -> EngineConfig:
         max_prefill_tokens=args.max_prefill_tokens,
         prefix_cache=not args.no_prefix_cache,
         state_snapshots=args.state_snapshots,
+        parallel=ParallelConfig(
+            tp_size=args.tensor_parallel_size, nnodes=args.nnodes, node_rank=args.node_rank,
+            master_addr=args.master_addr, master_port=args.master_port,
+            backend=args.distributed_backend, timeout_s=args.distributed_timeout),
     )
 
 

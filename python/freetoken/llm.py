@@ -27,6 +27,9 @@ class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto", **kw):
         """`kw`: the other fields of `EngineConfig` (kv_slots, max_model_len, ...)."""
         config = EngineConfig(model_folder=model, dtype=dtype, device=device, **kw)
+        if config.parallel.tp_size > 1:
+            raise ValueError("LLM runs in this process: tensor parallelism is `freetoken serve "
+                             "--tensor-parallel-size N`")
         self.loaded = load_model(config.model_folder, dtype=config.dtype, device=config.device)
         self.tokenizer = self.loaded.tokenizer
         self.scheduler = build_scheduler(self.loaded, config)

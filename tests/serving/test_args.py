@@ -57,3 +57,16 @@ def test_auto_picks_nothing_without_single_id_markers():
 
     tok = AutoTokenizer.from_pretrained(default_folder())
     assert resolve_parsers(parse_args([]), tok) == (None, None)
+
+
+def test_tensor_parallel_flags_and_their_checks(capsys):
+    args = parse_args(["-tp", "4", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1",
+                       "--master-port", "29600", "--distributed-backend", "gloo"])
+    assert (args.tensor_parallel_size, args.nnodes, args.node_rank) == (4, 2, 1)
+    assert (args.master_addr, args.master_port, args.distributed_backend) == ("10.0.0.1", 29600, "gloo")
+    assert parse_args(["--tp-size", "2"]).tensor_parallel_size == 2
+    assert parse_args(["--tensor-parallel-size", "2"]).tensor_parallel_size == 2
+    for bad in (["-tp", "3", "--nnodes", "2"], ["--nnodes", "2", "--node-rank", "2", "-tp", "2"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+    assert "multiple of --nnodes" in capsys.readouterr().err

@@ -26,6 +26,19 @@ def _round_up(n: int, block: int) -> int:
     return -(-n // block) * block
 
 
+class StepPlan(NamedTuple):
+    """A step's rows as plain lists, padded: what `Engine.context` turns into tensors, and what
+    tensor-parallel rank 0 sends the other ranks (engine/parallel.py)."""
+
+    ids: list[int]
+    positions: list[int]
+    out_slots: list[int]
+    logit_rows: list[int]
+    chunks: list[tuple[int, int, list[int]]]  # prompt chunks: (first row, new tokens, key slots)
+    decoding: list[tuple[int, list[int]]]  # decoding requests: (row, key slots)
+    num_tokens: int  # rows before the padding
+
+
 class StepOutput(NamedTuple):
     sampled: SampleOutput  # one row per batch.logit_reqs
     prompt_logprobs: list[TokenLogprob]  # one per row of batch.prompt_rows, in order
@@ -71,8 +84,7 @@ class Engine:
     @torch.inference_mode()
     def forward_batch(self, batch: Batch) -> StepOutput:
         """Run `batch`; the caller has already given every new token a KV slot."""
-        ctx = self.build_context(batch)
-        logits = self.model(batch, ctx)
+        logits, ctx = self.run_model(batch)
         n = len(batch.logit_reqs)
         reqs = batch.logit_reqs
         grammars = [r.grammar.constraining if r.grammar else None for r in reqs]
@@ -91,6 +103,14 @@ class Engine:
         if ctx.linear is not None:  # the step went through: its new recurrent states stand
             self.states.commit(ctx.linear)
         return out
+
+    def run_model(self, batch: Batch) -> tuple[torch.Tensor, ForwardContext]:
+        """The model's logit rows for `batch` (see Batch), and the context they were run in."""
+        ctx = self.build_context(batch)
+        return self.model(batch, ctx), ctx
+
+    def idle(self) -> None:
+        """Called by the scheduler on a step with nothing to run (engine/parallel.py)."""
 
     def _prompt_groups(self, chunks: list[tuple[int, int, list[int]]]) -> list[PromptGroup]:
         """Groups for prompt chunks given as (first row, new tokens q, slots of all keys)."""
@@ -157,10 +177,15 @@ class Engine:
         return groups
 
     def build_context(self, batch: Batch) -> ForwardContext:
+        ctx = self.context(self.plan(batch))
+        if self.states:
+            ctx.linear = self._linear_context(batch)
+        return ctx
+
+    def plan(self, batch: Batch) -> StepPlan:
         ids, positions, out_slots, logit_rows, chunks, decoding = [], [], [], [], [], []
         logit_set = {id(r) for r in batch.logit_reqs}
         first_row = {}
-        dev = self.device
         for req, new in zip(batch.reqs, batch.new_ids):
             total, q = req.num_computed, len(new)  # slots for `new` were appended before the step
             if _decodes(req, q):
@@ -181,30 +206,34 @@ class Engine:
         positions += [0] * pad
         out_slots += [self.kv.scratch_slot] * pad
         logit_rows += [0] * self.row_padding.pad(len(logit_rows))
+        return StepPlan(ids, positions, out_slots, logit_rows, chunks, decoding, num_tokens)
+
+    def context(self, plan: StepPlan) -> ForwardContext:
+        dev = self.device
         return ForwardContext(
-            input_ids=torch.tensor(ids, device=dev),
-            positions=torch.tensor(positions, device=dev),
-            out_slots=torch.tensor(out_slots, device=dev),
-            prompt_groups=self._prompt_groups(chunks),
-            decode_groups=self._decode_groups(decoding),
-            logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev),
+            input_ids=torch.tensor(plan.ids, device=dev),
+            positions=torch.tensor(plan.positions, device=dev),
+            out_slots=torch.tensor(plan.out_slots, device=dev),
+            prompt_groups=self._prompt_groups(plan.chunks),
+            decode_groups=self._decode_groups(plan.decoding),
+            logit_rows=torch.tensor(plan.logit_rows, dtype=torch.long, device=dev),
             kv_cache=self.kv.kv,
-            num_tokens=num_tokens,
-            linear=self._linear_context(batch, first_row) if self.states else None,
+            num_tokens=plan.num_tokens,
         )
 
-    def _linear_context(self, batch: Batch, first_row: dict[int, int]) -> LinearContext:
+    def _linear_context(self, batch: Batch) -> LinearContext:
         """Linear-attention layers: prompt pieces run one request at a time (chunked form),
         decoding requests together (recurrent form)."""
         prefills, rows, slots = [], [], []
+        row = 0  # the request's first row, as plan() lays them out
         for req, new in zip(batch.reqs, batch.new_ids):
-            row = first_row[id(req)]
             if _decodes(req, len(new)):
                 rows.append(row)
                 slots.append(req.state_slot)
             else:
                 prefills.append(PrefillPiece(row, len(new), req.num_computed - len(new), req.state_slot,
                                              req.snapshots))
+            row += len(new)
         on_device = partial(torch.tensor, device=self.device)
         return LinearContext(self.states, prefills, on_device(rows) if rows else None,
                              on_device(slots) if slots else None)

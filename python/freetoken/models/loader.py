@@ -13,6 +13,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -143,8 +144,11 @@ def resolve_device(device: str) -> torch.device:
 
 
 def load_model(
-    model: str | os.PathLike | None = None, dtype: str = "auto", device: str = "auto"
+    model: str | os.PathLike | None = None, dtype: str = "auto", device: str = "auto",
+    shard: Callable[[torch.nn.Module], None] | None = None,
 ) -> LoadedModel:
+    """`shard`: cuts the loaded module down in place before its layers are packed (one
+    tensor-parallel rank's slices, models/tensor_parallel.py)."""
     from transformers import AutoTokenizer
 
     path = default_model_path() if model is None else Path(model)
@@ -164,18 +168,23 @@ def load_model(
     tokenizer = AutoTokenizer.from_pretrained(folder)
     dev = resolve_device(device)
     if arch == "ScriptedForCausalLM":
+        if shard is not None:
+            raise ModelNotFound("The scripted test model does not support tensor parallelism")
         from freetoken.models.scripted import ScriptedForCausalLM
 
         module = ScriptedForCausalLM.from_folder(folder, tokenizer)
         weights_dtype = module.dtype
     elif arch in HYBRID_ARCHITECTURES:
+        if shard is not None:
+            raise ModelNotFound(f"{arch}: tensor parallelism splits the attention-only decoders, "
+                                "not the hybrid (linear-attention) models")
         from freetoken.models.qwen3_5 import build_hybrid
 
         weights_dtype = resolve_dtype(dtype, dev)
         module = build_hybrid(folder, hf_config, weights_dtype, dev)
     else:
         weights_dtype = resolve_dtype(dtype, dev)
-        module = _build_llama(folder, hf_config, weights_dtype, dev)
+        module = _build_llama(folder, hf_config, weights_dtype, dev, shard)
     return LoadedModel(
         model=module.eval(),
         tokenizer=tokenizer,
@@ -200,7 +209,8 @@ def import_model_class(hf_config: dict) -> type:
     return LlamaForCausalLM
 
 
-def _build_llama(folder: Path, hf_config: dict, dtype: torch.dtype, device: torch.device):
+def _build_llama(folder: Path, hf_config: dict, dtype: torch.dtype, device: torch.device,
+                 shard: Callable[[torch.nn.Module], None] | None = None):
     """Our module for the folder: models/llama.py's decoder or a family's subclass of it."""
     from safetensors.torch import load_file
 
@@ -224,6 +234,8 @@ def _build_llama(folder: Path, hf_config: dict, dtype: torch.dtype, device: torc
         raise ModelNotFound(f"Weights do not match the architecture: missing {missing[:3]}, unexpected {unexpected[:3]}")
     if cfg.tie_word_embeddings:
         module.lm_head.weight = module.model.embed_tokens.weight
+    if shard is not None:
+        shard(module)
     module.requires_grad_(False)
     set_row_padding(module, pack_linears(module))
     return module

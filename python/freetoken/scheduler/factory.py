@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from functools import partial
+from typing import TYPE_CHECKING
 
 from freetoken.config import EngineConfig, context_length
 from freetoken.engine.engine import Engine
@@ -12,16 +13,16 @@ from freetoken.scheduler.scheduler import Scheduler, SchedulerConfig
 from freetoken.structured.grammar import ll_tokenizer
 from freetoken.structured.matcher import GrammarCompiler
 
+if TYPE_CHECKING:  # torch.distributed: imported by tensor-parallel engines only
+    from freetoken.engine.parallel import Group
+
 
 def build_scheduler(loaded: LoadedModel, config: EngineConfig = EngineConfig(),
-                    **overrides) -> Scheduler:
+                    group: Group | None = None, **overrides) -> Scheduler:
     """`overrides` replace fields of `config` (tests: `build_scheduler(m, kv_slots=64)`); the
-    device and dtype are the loaded model's."""
+    device and dtype are the loaded model's. `group`: rank 0 of a tensor-parallel group."""
     config = replace(config, **overrides)
-    engine = Engine(loaded.model, config.kv_slots, loaded.device, loaded.dtype,
-                    tuple(loaded.eos_token_ids),
-                    num_state_slots=config.max_running_requests + config.state_snapshots)
-    return Scheduler(engine, SchedulerConfig(
+    return Scheduler(build_engine(loaded, config, group), SchedulerConfig(
         max_model_len=context_length(config.max_model_len, loaded.max_model_len),
         eos_token_ids=tuple(loaded.eos_token_ids),
         max_running_requests=config.max_running_requests,
@@ -29,3 +30,14 @@ def build_scheduler(loaded: LoadedModel, config: EngineConfig = EngineConfig(),
         prefix_cache=config.prefix_cache,
     ), GrammarCompiler(partial(ll_tokenizer, loaded.tokenizer, loaded.vocab_size,
                                list(loaded.eos_token_ids))))
+
+
+def build_engine(loaded: LoadedModel, config: EngineConfig, group: Group | None = None) -> Engine:
+    """The engine over a loaded model; `group`: rank 0 of a tensor-parallel group, which sends
+    its steps to the other ranks."""
+    args = (loaded.model, config.kv_slots, loaded.device, loaded.dtype, tuple(loaded.eos_token_ids))
+    if group is None:
+        return Engine(*args, num_state_slots=config.max_running_requests + config.state_snapshots)
+    from freetoken.engine.parallel import ParallelEngine
+
+    return ParallelEngine(*args, group=group)

@@ -158,6 +158,7 @@ class Scheduler:
         self._admit()
         batch = self._prefill_batch() or self._decode_batch()
         if batch is None:
+            self.engine.idle()
             if self.compiling:
                 wait_any([r.grammar for r in self.compiling], GRAMMAR_IDLE_WAIT_S)
             return replies

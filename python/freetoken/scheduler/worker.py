@@ -110,29 +110,83 @@ def die_with_parent() -> None:
         pass
 
 
-def engine_main(config: EngineConfig, in_addr: str, out_addr: str, ready,
-                parent: int | None = None) -> None:
-    """Entry point of the spawned engine process; `ready` (the sending end of a one-way pipe)
-    gets "ok" or an error line. `parent` is the server's pid."""
+def _detach(parent: int | None) -> bool:
+    """Tie this engine process to the server; False if the server is gone already."""
     die_with_parent()
     if parent is not None and os.getppid() != parent:
-        return  # the server went away before the line above took effect
+        return False  # the server went away before the line above took effect
     # Ctrl-C reaches the whole process group and systemd's SIGTERM the whole cgroup: the server
     # decides when the engine stops (ExitMsg, or kill), so in-flight requests can drain.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return True
+
+
+def engine_main(config: EngineConfig, in_addr: str, out_addr: str, ready,
+                parent: int | None = None) -> None:
+    """Entry point of the spawned engine process (tensor-parallel rank 0); `ready` (the sending
+    end of a one-way pipe) gets "ok" or an error line. `parent` is the server's pid."""
+    if not _detach(parent):
+        return
+    group = None
     try:
         from freetoken.models.loader import load_model, quiet_progress_bars
         from freetoken.scheduler.factory import build_scheduler
 
         quiet_progress_bars()
-        loaded = load_model(config.model_folder, dtype=config.dtype, device=config.device)
-        scheduler = build_scheduler(loaded, config)
-    except Exception as exc:  # reported to the launcher as one line, not a traceback
+        if config.parallel.tp_size > 1:
+            from freetoken.engine.parallel import load_rank, share_cores
+
+            share_cores(config)
+            loaded, group = load_rank(config, 0)
+        else:
+            loaded = load_model(config.model_folder, dtype=config.dtype, device=config.device)
+        scheduler = build_scheduler(loaded, config, group)
+        if group is not None:
+            group.setup_barrier()
+    except BaseException as exc:  # GroupLost too; reported to the launcher as one line
         ready.send(f"error: {exc}")
         traceback.print_exc()
         return
     ready.send("ok")
     ready.close()
-    serve_scheduler(scheduler, in_addr, out_addr, parent)
+    if group is None:
+        serve_scheduler(scheduler, in_addr, out_addr, parent)
+        return
+    from freetoken.engine.parallel import GroupLost
+
+    try:
+        serve_scheduler(scheduler, in_addr, out_addr, parent)
+        scheduler.engine.close()  # the other ranks stop too
+    except GroupLost as exc:
+        log.error("engine: %s", exc)
+        sys.exit(1)
+
+
+def rank_main(config: EngineConfig, rank: int, ready, parent: int | None = None) -> None:
+    """Entry point of a tensor-parallel rank other than 0: load its slices, then run the steps
+    rank 0 sends until it stops. Exits 1 when the group is lost."""
+    if not _detach(parent):
+        return
+    try:
+        from freetoken.engine.parallel import GroupLost, follow, load_rank, share_cores
+        from freetoken.models.loader import quiet_progress_bars
+        from freetoken.scheduler.factory import build_engine
+
+        quiet_progress_bars()
+        share_cores(config)
+        loaded, group = load_rank(config, rank)
+        engine = build_engine(loaded, config)
+        group.setup_barrier()
+    except BaseException as exc:  # GroupLost too
+        ready.send(f"error: rank {rank}: {exc}")
+        traceback.print_exc()
+        sys.exit(1)
+    ready.send("ok")
+    ready.close()
+    try:
+        follow(engine, group)
+    except GroupLost as exc:
+        log.error("engine rank %d: %s", rank, exc)
+        sys.exit(1)

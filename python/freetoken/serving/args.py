@@ -31,6 +31,13 @@ class ServerArgs:
     max_request_bytes: int = 32 * 1024 * 1024
     max_prompts_per_request: int = 1024
     state_snapshots: int = 32
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    distributed_backend: str = "auto"
+    distributed_timeout: float = 30.0
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -105,6 +112,25 @@ def build_parser(prog: str = "freetoken serve") -> argparse.ArgumentParser:
                    help="largest request body accepted; larger bodies get 413")
     p.add_argument("--max-prompts-per-request", type=int, default=1024,
                    help="most prompts one /v1/completions request may carry")
+    dist = p.add_argument_group("tensor parallelism (torch.distributed, torchrun's conventions)")
+    dist.add_argument("--tensor-parallel-size", "--tp-size", "-tp", dest="tensor_parallel_size",
+                      type=int, default=1, metavar="N",
+                      help="engine processes (ranks) that split every layer of the model")
+    dist.add_argument("--nnodes", type=int, default=1,
+                      help="machines the ranks are spread over, tensor-parallel-size / nnodes "
+                      "each; every machine runs the same command with its own --node-rank")
+    dist.add_argument("--node-rank", type=int, default=0,
+                      help="this machine's index; node 0 serves HTTP, the others run their ranks "
+                      "and wait for the group (default: 0)")
+    dist.add_argument("--master-addr", default="127.0.0.1",
+                      help="address of node 0, where the ranks meet (torch.distributed's store)")
+    dist.add_argument("--master-port", type=int, default=29500,
+                      help="port of the store on node 0")
+    dist.add_argument("--distributed-backend", default="auto", choices=["auto", "gloo", "nccl"],
+                      help="collectives backend; auto is nccl on CUDA, gloo on CPU")
+    dist.add_argument("--distributed-timeout", type=float, default=30.0, metavar="SECONDS",
+                      help="longest wait of one collective in a step before the group is taken "
+                      "down (a dead rank is seen at once; this bounds a hung one)")
     return p
 
 
@@ -113,6 +139,10 @@ def parse_args(argv: list[str] | None = None, prog: str = "freetoken serve") -> 
     ns = p.parse_args(argv)
     if ns.model_pos and ns.model:
         p.error("give the model once, as MODEL or --model")
+    if ns.tensor_parallel_size < 1 or ns.nnodes < 1 or ns.tensor_parallel_size % ns.nnodes:
+        p.error("--tensor-parallel-size must be a positive multiple of --nnodes")
+    if not 0 <= ns.node_rank < ns.nnodes:
+        p.error("--node-rank must be in [0, --nnodes)")
     return ServerArgs(
         model=ns.model or ns.model_pos,
         host=ns.host,
@@ -135,6 +165,13 @@ def parse_args(argv: list[str] | None = None, prog: str = "freetoken serve") -> 
         max_request_bytes=ns.max_request_bytes,
         max_prompts_per_request=ns.max_prompts_per_request,
         state_snapshots=ns.state_snapshots,
+        tensor_parallel_size=ns.tensor_parallel_size,
+        nnodes=ns.nnodes,
+        node_rank=ns.node_rank,
+        master_addr=ns.master_addr,
+        master_port=ns.master_port,
+        distributed_backend=ns.distributed_backend,
+        distributed_timeout=ns.distributed_timeout,
     )
 
 

@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from dataclasses import replace
+from multiprocessing import connection
 from pathlib import Path
 
 from freetoken.config import EngineConfig
@@ -64,7 +65,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _model_folder(model: str | None) -> tuple[Path, str]:
+def model_folder(model: str | None) -> tuple[Path, str]:
     from freetoken.models.loader import default_model_path, gguf_to_folder
 
     path = default_model_path() if model is None else Path(model)
@@ -77,31 +78,44 @@ def _model_folder(model: str | None) -> tuple[Path, str]:
     return path, path.name
 
 
-def start_engine(config: EngineConfig, ipc_dir: str, procs: list):
-    """Spawn the engine process (appended to `procs` at once, so that an interrupted start is
-    still cleaned up); returns (process, in_addr, out_addr) once the model is loaded."""
+def start_engine(config: EngineConfig, ipc_dir: str, procs: list) -> tuple[str, str]:
+    """Spawn this node's engine processes, one per tensor-parallel rank (appended to `procs` at
+    once, so that an interrupted start is still cleaned up); returns (in_addr, out_addr) of
+    rank 0's sockets once every rank has loaded its model."""
     in_addr, out_addr = f"ipc://{ipc_dir}/in", f"ipc://{ipc_dir}/out"
     ctx = mp.get_context("spawn")
-    # A one-way pipe, not a Queue: no semaphore for the resource tracker to watch, and an engine
-    # that dies while loading shows as EOF instead of a wait forever.
-    ready_recv, ready_send = ctx.Pipe(duplex=False)
-    from freetoken.scheduler.worker import engine_main
+    from freetoken.scheduler.worker import engine_main, rank_main
 
-    proc = ctx.Process(target=engine_main, args=(config, in_addr, out_addr, ready_send, os.getpid()),
-                       daemon=True, name="freetoken-engine")
-    proc.start()
-    procs.append(proc)
-    ready_send.close()
-    try:
-        status = ready_recv.recv()
-    except EOFError:
-        proc.join(timeout=5)
-        status = f"error: the engine process exited while loading the model ({_exit_reason(proc)})"
-    finally:
-        ready_recv.close()
-    if status != "ok":
-        raise RuntimeError(status.removeprefix("error: "))
-    return proc, in_addr, out_addr
+    pending = {}
+    for rank in config.parallel.local_ranks:
+        # A one-way pipe, not a Queue: no semaphore for the resource tracker to watch, and an
+        # engine that dies while loading shows as EOF instead of a wait forever.
+        ready_recv, ready_send = ctx.Pipe(duplex=False)
+        if rank == 0:
+            target, args = engine_main, (config, in_addr, out_addr, ready_send, os.getpid())
+        else:
+            target, args = rank_main, (config, rank, ready_send, os.getpid())
+        proc = ctx.Process(target=target, args=args, daemon=True,
+                           name="freetoken-engine" + (f"-{rank}" if rank else ""))
+        proc.start()
+        procs.append(proc)
+        ready_send.close()
+        pending[ready_recv] = proc
+    # Any order: a rank that fails to load is reported at once, not after the others' waits.
+    while pending:
+        for ready_recv in connection.wait(list(pending)):
+            proc = pending.pop(ready_recv)
+            try:
+                status = ready_recv.recv()
+            except EOFError:
+                proc.join(timeout=5)
+                status = (f"error: the engine process exited while loading the model "
+                          f"({exit_reason(proc)})")
+            finally:
+                ready_recv.close()
+            if status != "ok":
+                raise RuntimeError(status.removeprefix("error: "))
+    return in_addr, out_addr
 
 
 class _Steps:
@@ -129,7 +143,8 @@ class _Steps:
 
 
 def build_frontend(args: ServerArgs, ipc_dir: str, procs: list):
-    """Load the model's tokenizer and config, start the engine, and return the frontend."""
+    """Load the model's tokenizer and config, start the engine processes (into `procs`), and
+    return the frontend."""
     from freetoken.models.loader import quiet_progress_bars
 
     quiet_progress_bars()
@@ -140,20 +155,24 @@ def build_frontend(args: ServerArgs, ipc_dir: str, procs: list):
 
     steps = _Steps(3)
     try:
-        folder, name = _model_folder(args.model)
+        folder, name = model_folder(args.model)
         steps.step(f"found {folder}")
         tokenizer = AutoTokenizer.from_pretrained(folder)
         hf_config = json.loads((folder / "config.json").read_text())
         steps.step("tokenizer loaded")
-        proc, in_addr, out_addr = start_engine(engine_config(args, str(folder)), ipc_dir, procs)
+        in_addr, out_addr = start_engine(engine_config(args, str(folder)), ipc_dir, procs)
         steps.step("engine ready")
     finally:
         steps.close()
     config = frontend_config(args, hf_config, name, resolve_parsers(args, tokenizer))
-    return FrontendManager(config, tokenizer, in_addr, out_addr, engine_alive=proc.is_alive), proc
+
+    def alive() -> bool:  # every rank on this node: one that dies takes the group down
+        return all(proc.is_alive() for proc in procs)
+
+    return FrontendManager(config, tokenizer, in_addr, out_addr, engine_alive=alive)
 
 
-def _exit_reason(proc) -> str:
+def exit_reason(proc) -> str:
     code = proc.exitcode
     if code is None:
         return "still running"
@@ -189,7 +208,7 @@ async def _wait(until, timeout: float) -> None:
         await asyncio.sleep(0.05)
 
 
-async def _serve(server, sock: socket.socket, frontend, proc, args: ServerArgs) -> int:
+async def _serve(server, sock: socket.socket, frontend, procs: list, args: ServerArgs) -> int:
     """Run uvicorn until a signal or the engine's death, then drain; returns the exit code."""
     signals: list[int] = []
 
@@ -210,7 +229,8 @@ async def _serve(server, sock: socket.socket, frontend, proc, args: ServerArgs) 
         elif frontend.dead:
             log.error("The engine process died (%s); ending %d request(s) with 503 and exiting "
                       "with status 1 so that a supervisor restarts the server",
-                      _exit_reason(proc), frontend.num_running)
+                      exit_reason(next((p for p in procs if not p.is_alive()), procs[0])),
+                      frontend.num_running)
             from freetoken.serving.errors import ENGINE_DEAD
 
             frontend.draining = True
@@ -274,6 +294,10 @@ def stop_engine(proc, told_to_exit: bool) -> None:
 def launch_server(argv: list[str] | None = None, prog: str = "freetoken serve") -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv, prog)
+    if args.node_rank > 0:
+        from freetoken.serving.node import serve_node
+
+        return serve_node(args)
     try:
         sock = listen_socket(args.host, args.port)
     except OSError as exc:
@@ -291,7 +315,7 @@ def launch_server(argv: list[str] | None = None, prog: str = "freetoken serve") 
         from freetoken.serving.app import create_app
 
         try:
-            frontend, proc = build_frontend(replace(args, port=port), ipc_dir, procs)
+            frontend = build_frontend(replace(args, port=port), ipc_dir, procs)
         except (ModelNotFound, RuntimeError) as exc:
             print(f"freetoken: {exc}", file=sys.stderr)
             return 1
@@ -301,7 +325,7 @@ def launch_server(argv: list[str] | None = None, prog: str = "freetoken serve") 
                  "parser: %s)", host, port, cfg.served_model_name, cfg.reasoning_parser,
                  cfg.tool_call_parser)
         server = _make_server(app, args)
-        code = _run(server, _serve(server, sock, frontend, proc, args))
+        code = _run(server, _serve(server, sock, frontend, procs, args))
         told_to_exit = True  # _serve ends by sending the engine an ExitMsg
         log.info("FreeToken stopped")
         return code
