@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from fixtures.build_models import QWEN_IDS
-from tests.e2e.support import Server, as_id, chat_triples
+from tests.e2e.support import Server, chat_triples
 from tests.model_fixtures import reference_logprobs
 
 pytestmark = pytest.mark.slow
