@@ -90,9 +90,9 @@ def test_tacit_one_forward_and_adaptive(server, folder):
         probs = [math.exp(v - m) for v in values]
         assert [p / sum(probs) for p in probs] == pytest.approx(list(d["probs"].values()), abs=1e-4)
         assert d["route"] == "one_forward"
-    adaptive = Tacit.from_pretrained(str(folder), engine="server", base_url=server.url,
-                                     served_model=model, adaptive=True, tau=1e9, max_cot_share=0.5,
-                                     cot_window=None, cot_max_tokens=16)
+    # Every decision wants a reasoning pass (tau), half may have one.
+    adaptive = Tacit(tacit.engine, tacit.tok, adaptive=True, tau=1e9, max_cot_share=0.5,
+                     cot_window=None, cot_max_tokens=16)
     routes = adaptive.decide_batch(items)
     assert sorted(d["route"] for d in routes) == ["cot", "one_forward"]
     for d in routes:

@@ -88,7 +88,8 @@ class HybridConfig:
             intermediate_size=cfg.get("intermediate_size") or 0, layer_types=tuple(types),
             num_heads=cfg["num_attention_heads"], num_kv_heads=cfg["num_key_value_heads"],
             head_dim=head_dim,
-            rotary_dim=int(head_dim * rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))),
+            rotary_dim=int(head_dim * rope.get("partial_rotary_factor",
+                                               cfg.get("partial_rotary_factor", 0.25))),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
             attention_bias=cfg.get("attention_bias", False),
@@ -126,7 +127,8 @@ class GatedAttention(Attention):
         qk = torch.cat([self.q_norm(query_gate[..., :d]), self.k_norm(kv[:, :kvh])], dim=1)
         qk = torch.cat([rotate(qk[..., :r], cos, sin), qk[..., r:]], dim=-1)
         kv_cache = ctx.kv_cache[self.layer]
-        kv_cache.index_copy_(0, ctx.out_slots, torch.cat([qk[:, heads:], kv[:, kvh:]], dim=1).to(kv_cache.dtype))
+        new_kv = torch.cat([qk[:, heads:], kv[:, kvh:]], dim=1).to(kv_cache.dtype)
+        kv_cache.index_copy_(0, ctx.out_slots, new_kv)
         q = qk[:, :heads]
         out = torch.zeros_like(q)  # padding rows past the requests' tokens stay zero
         for group in ctx.prompt_groups:
@@ -345,7 +347,8 @@ def build_hybrid(folder: Path, hf_config: dict, dtype: torch.dtype, device: torc
     if missing or unexpected:
         from freetoken.models.loader import ModelNotFound
 
-        raise ModelNotFound(f"Weights do not match the architecture: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise ModelNotFound(f"Weights do not match the architecture: missing {missing[:3]}, "
+                            f"unexpected {unexpected[:3]}")
     if tied:
         module.lm_head.weight = module.model.embed_tokens.weight
     module.to(dtype).requires_grad_(False)

@@ -20,6 +20,9 @@ token as it is appended here, never in the forward, so a re-run step cannot feed
 
 A step that raises is run again request by request, so that only the requests that fail alone
 fail: KV writes of a re-run are idempotent and the forward is batch-invariant in float32.
+
+Hybrid (linear-attention) models also hold a recurrent-state slot per running request and
+snapshots in the prefix cache; scheduler/states.py is their side of it.
 """
 
 from __future__ import annotations
