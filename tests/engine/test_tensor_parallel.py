@@ -103,8 +103,10 @@ def test_head_split_covers_every_head_once():
         head_split(2, 1, 2, 3)
 
 
-def test_tiny_qwen3_tp2_matches_tp1_and_transformers(rank1):
-    folder = tiny_random_folder("qwen3")
+@pytest.mark.parametrize("fixture", ["qwen3", "tiny_qwen3_moe_path", "tiny_gpt_oss_path"])
+def test_tiny_tp2_matches_tp1_and_transformers(rank1, fixture, request):
+    # Qwen3-MoE: experts sharded, a dense layer between; gpt-oss: sinks and biases everywhere.
+    folder = tiny_random_folder() if fixture == "qwen3" else request.getfixturevalue(fixture)
     loaded = load_model(folder, dtype="float32", device="cpu")
     tp1, tok = build_scheduler(loaded, kv_slots=1024), loaded.tokenizer
     labels = tok.encode(" yes")[:1] + tok.encode(" no")[:1]
