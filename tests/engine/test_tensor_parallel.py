@@ -125,6 +125,8 @@ def test_tiny_tp2_matches_tp1_and_transformers(rank1, fixture, request):
     assert _max_diff(scored2, scored1) <= 1e-5
     for uid, (tokens, entries) in scored2.items():
         assert tokens[0] in labels and sum(math.exp(v) for v in entries[0].top_logprobs) == pytest.approx(1)
+    if fixture != "qwen3":
+        return  # the MoE families' TP=1 runs are checked against transformers in tests/models/
     # Against transformers, teacher-forced on TP=2's own tokens.
     for uid, (ids, _) in _greedy(tok).items():
         tokens, entries = together[uid]
@@ -135,13 +137,14 @@ def test_tiny_tp2_matches_tp1_and_transformers(rank1, fixture, request):
 
 def test_default_model_tp2_splits_uneven_heads_and_matches_tp1_then_a_lost_rank_raises(rank1):
     proc, link = rank1
-    tok = default_model().tokenizer
-    expected = _entries(drain(build_scheduler(default_model(), kv_slots=1024), _greedy(tok)))
+    # Two prompts, four steps: 30 layers are slow, and a batch of two already mixes rows.
+    tok, requests = default_model().tokenizer, lambda: _greedy(tok, PROMPTS[1:], max_tokens=4)
+    expected = _entries(drain(build_scheduler(default_model(), kv_slots=1024), requests()))
     with rank0(default_folder(), link) as tp2:
         # 3 kv heads over 2 ranks: rank 0 holds one group of 3 query heads (rank 1 two).
         cfg = tp2.engine.model.cfg
         assert (cfg.num_heads, cfg.num_kv_heads) == (3, 1)
-        out = _entries(drain(tp2, _greedy(tok)))
+        out = _entries(drain(tp2, requests()))
         # Not bit-identical: o_proj and down_proj sum two half-length dot products. Measured
         # here: median 5e-6, at most 4e-5 over 30 layers.
         assert _max_diff(out, expected) <= 1e-4

@@ -1,5 +1,5 @@
-"""Tensor parallelism of the dense decoder (models/llama.py): a loaded model cut down to one
-rank's slices, before its linear layers are packed.
+"""Tensor parallelism of the decoder of models/llama.py and its MoE families (qwen3_moe.py,
+gpt_oss.py): a loaded model cut down to one rank's slices, before its linear layers are packed.
 
 Megatron's split, each rank keeping:
 - q/k/v (fused `qkv_proj`, rows [q heads | k heads | v heads]) column-parallel by kv-head
@@ -9,6 +9,10 @@ Megatron's split, each rank keeping:
 - `o_proj` row-parallel on the same heads, its partial outputs summed over the ranks.
 - gate/up (fused `gate_up_proj`, rows [gate | up]) column-parallel, both halves on the same
   rows of the intermediate size; `down_proj` row-parallel, summed.
+- MoE layers: every expert split as gate/up and down are (sharded experts, not expert
+  parallelism), the router whole on every rank, so all ranks route alike; the ranks' partial
+  outputs are summed once, after the experts' weighted sum, expert down biases on rank 0 only.
+  gpt-oss's attention sinks follow their query heads.
 - the embedding vocabulary-parallel (an id outside a rank's rows looks up zeros, then the sum);
   the LM head vocabulary-parallel, its logit rows gathered on every rank, so that the sampler,
   masks, grammars and logprobs see full rows.
