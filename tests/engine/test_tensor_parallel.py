@@ -1,6 +1,7 @@
 """Tensor parallelism over 2 CPU ranks (gloo, loopback): this process is rank 0 and runs the
 scheduler; one spawned process is rank 1 of each group in turn, over a tiny Qwen3 (4 heads over
-2 kv heads, untied LM head) and over the default model (9 heads over 3 kv heads, tied).
+2 kv heads, untied LM head), the tiny Qwen3-MoE and gpt-oss (sharded experts), and last the
+default model (9 heads over 3 kv heads, tied), whose rank 1 is then killed.
 TP=2 is checked against TP=1 and transformers, and a lost rank against a hang."""
 
 from __future__ import annotations
