@@ -1,6 +1,7 @@
 """Tensor parallelism over 2 CPU ranks (gloo, loopback): this process is rank 0 and runs the
 scheduler; one spawned process is rank 1 of each group in turn, over a tiny Qwen3 (4 heads over
-2 kv heads, untied LM head) and over the default model (9 heads over 3 kv heads, tied).
+2 kv heads, untied LM head), the tiny Qwen3-MoE and gpt-oss (sharded experts), and last the
+default model (9 heads over 3 kv heads, tied), whose rank 1 is then killed.
 TP=2 is checked against TP=1 and transformers, and a lost rank against a hang."""
 
 from __future__ import annotations
@@ -103,8 +104,10 @@ def test_head_split_covers_every_head_once():
         head_split(2, 1, 2, 3)
 
 
-def test_tiny_qwen3_tp2_matches_tp1_and_transformers(rank1):
-    folder = tiny_random_folder("qwen3")
+@pytest.mark.parametrize("fixture", ["qwen3", "tiny_qwen3_moe_path", "tiny_gpt_oss_path"])
+def test_tiny_tp2_matches_tp1_and_transformers(rank1, fixture, request):
+    # Qwen3-MoE: experts sharded, a dense layer between; gpt-oss: sinks and biases everywhere.
+    folder = tiny_random_folder() if fixture == "qwen3" else request.getfixturevalue(fixture)
     loaded = load_model(folder, dtype="float32", device="cpu")
     tp1, tok = build_scheduler(loaded, kv_slots=1024), loaded.tokenizer
     labels = tok.encode(" yes")[:1] + tok.encode(" no")[:1]
@@ -123,6 +126,8 @@ def test_tiny_qwen3_tp2_matches_tp1_and_transformers(rank1):
     assert _max_diff(scored2, scored1) <= 1e-5
     for uid, (tokens, entries) in scored2.items():
         assert tokens[0] in labels and sum(math.exp(v) for v in entries[0].top_logprobs) == pytest.approx(1)
+    if fixture != "qwen3":
+        return  # the MoE families' TP=1 runs are checked against transformers in tests/models/
     # Against transformers, teacher-forced on TP=2's own tokens.
     for uid, (ids, _) in _greedy(tok).items():
         tokens, entries = together[uid]
@@ -133,13 +138,14 @@ def test_tiny_qwen3_tp2_matches_tp1_and_transformers(rank1):
 
 def test_default_model_tp2_splits_uneven_heads_and_matches_tp1_then_a_lost_rank_raises(rank1):
     proc, link = rank1
-    tok = default_model().tokenizer
-    expected = _entries(drain(build_scheduler(default_model(), kv_slots=1024), _greedy(tok)))
+    # Two prompts, four steps: 30 layers are slow, and a batch of two already mixes rows.
+    tok, requests = default_model().tokenizer, lambda: _greedy(tok, PROMPTS[1:], max_tokens=4)
+    expected = _entries(drain(build_scheduler(default_model(), kv_slots=1024), requests()))
     with rank0(default_folder(), link) as tp2:
         # 3 kv heads over 2 ranks: rank 0 holds one group of 3 query heads (rank 1 two).
         cfg = tp2.engine.model.cfg
         assert (cfg.num_heads, cfg.num_kv_heads) == (3, 1)
-        out = _entries(drain(tp2, _greedy(tok)))
+        out = _entries(drain(tp2, requests()))
         # Not bit-identical: o_proj and down_proj sum two half-length dot products. Measured
         # here: median 5e-6, at most 4e-5 over 30 layers.
         assert _max_diff(out, expected) <= 1e-4

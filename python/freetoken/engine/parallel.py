@@ -148,6 +148,7 @@ def load_rank(config, rank: int):
     from functools import partial
 
     from freetoken.models.loader import load_model, resolve_device
+    from freetoken.models.moe import set_row_padding
     from freetoken.models.tensor_parallel import shard_model
 
     device = rank_device(resolve_device(config.device), rank, config.parallel)
@@ -160,7 +161,7 @@ def load_rank(config, rank: int):
     with _lost():
         dist.all_reduce(strict, op=dist.ReduceOp.MAX)
     if strict.item():
-        loaded.model.row_padding = MKL_ROWS
+        set_row_padding(loaded.model, MKL_ROWS)
     return loaded, group
 
 

@@ -55,6 +55,9 @@ class Experts(nn.Module):
 
     # Set by the model once the loader knows which rule its packed layers follow.
     row_padding: RowPadding = MKL_ROWS
+    # Set by models/tensor_parallel.py when each expert holds one rank's slice: the sum of the
+    # ranks' partial outputs.
+    sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, bias: bool,
                  activation: Activation):
@@ -76,7 +79,8 @@ class Experts(nn.Module):
         out.mul_(weights.reshape(-1, 1).index_select(0, by_expert).to(x.dtype))
         # Rows are in ascending expert id, and index_add_ adds them in row order: each token's
         # sum runs over its experts in that fixed order.
-        return torch.zeros_like(x).index_add_(0, tokens, out)
+        out = torch.zeros_like(x).index_add_(0, tokens, out)
+        return out if self.sum_over_ranks is None else self.sum_over_ranks(out)
 
     def _grouped(self, active: list[tuple[Expert, int]], name: str, rows: torch.Tensor) -> torch.Tensor:
         """Each active expert's layer `name` over its run of `rows`, padded to the row rule."""

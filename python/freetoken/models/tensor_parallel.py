@@ -1,5 +1,5 @@
-"""Tensor parallelism of the dense decoder (models/llama.py): a loaded model cut down to one
-rank's slices, before its linear layers are packed.
+"""Tensor parallelism of the decoder of models/llama.py and its MoE families (qwen3_moe.py,
+gpt_oss.py): a loaded model cut down to one rank's slices, before its linear layers are packed.
 
 Megatron's split, each rank keeping:
 - q/k/v (fused `qkv_proj`, rows [q heads | k heads | v heads]) column-parallel by kv-head
@@ -9,6 +9,10 @@ Megatron's split, each rank keeping:
 - `o_proj` row-parallel on the same heads, its partial outputs summed over the ranks.
 - gate/up (fused `gate_up_proj`, rows [gate | up]) column-parallel, both halves on the same
   rows of the intermediate size; `down_proj` row-parallel, summed.
+- MoE layers: every expert split as gate/up and down are (sharded experts, not expert
+  parallelism), the router whole on every rank, so all ranks route alike; the ranks' partial
+  outputs are summed once, after the experts' weighted sum, expert down biases on rank 0 only.
+  gpt-oss's attention sinks follow their query heads.
 - the embedding vocabulary-parallel (an id outside a rank's rows looks up zeros, then the sum);
   the LM head vocabulary-parallel, its logit rows gathered on every rank, so that the sampler,
   masks, grammars and logprobs see full rows.
@@ -28,6 +32,7 @@ from torch import nn
 
 from freetoken.models.linear import Linear
 from freetoken.models.llama import LlamaForCausalLM
+from freetoken.models.moe import Experts
 
 
 def even_part(n: int, rank: int, world: int) -> range:
@@ -54,9 +59,9 @@ def head_split(heads: int, kv_heads: int, rank: int, world: int) -> tuple[range,
 class RowParallelLinear(Linear):
     """A slice of a linear layer's input features; the partial outputs are summed over ranks."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group):
-        super().__init__(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
-        _set(self, weight, bias)
+    def __init__(self, part: Linear, group):
+        super().__init__(part.in_features, part.out_features, bias=part.bias is not None, device="meta")
+        _set(self, part.weight, part.bias)
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,10 +101,18 @@ def _set(layer: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> N
 
 
 def _rows(layer: nn.Linear, rows: torch.Tensor) -> Linear:
-    bias = None if layer.bias is None else layer.bias[rows]
-    sliced = Linear(layer.in_features, len(rows), bias=bias is not None, device="meta")
-    _set(sliced, layer.weight[rows], bias)
-    return sliced
+    return _linear(layer.weight[rows], None if layer.bias is None else layer.bias[rows])
+
+
+def _cols(layer: nn.Linear, cols: torch.Tensor, rank: int) -> Linear:
+    # The bias is added once, by rank 0, before the sum.
+    return _linear(layer.weight[:, cols], layer.bias if rank == 0 else None)
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+    layer = Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    _set(layer, weight, bias)
+    return layer
 
 
 def _span(start: int, part: range, size: int) -> torch.Tensor:
@@ -113,27 +126,36 @@ def shard_model(model: nn.Module, group) -> None:
         raise TypeError(f"{type(model).__name__} does not support tensor parallelism")
     cfg, rank, world = model.cfg, group.rank, group.world
     q, kv = head_split(cfg.num_heads, cfg.num_kv_heads, rank, world)
-    inter = even_part(cfg.intermediate_size, rank, world)
     d, heads, kvh = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     qkv_rows = torch.cat([_span(0, q, d), _span(heads * d, kv, d), _span((heads + kvh) * d, kv, d)])
-    gate_up_rows = torch.cat([_span(0, inter, 1), _span(cfg.intermediate_size, inter, 1)])
-    head_cols = _span(0, q, d)
-    # Per-rank sizes; vocab_size stays whole: the sampler works on gathered rows.
-    model.cfg = replace(cfg, num_heads=len(q), num_kv_heads=len(kv), intermediate_size=len(inter))
+    # Per-rank head counts, which attention reads; vocab_size stays whole (the sampler works on
+    # gathered rows), and feed-forward sizes are read off each layer (experts' differ).
+    model.cfg = replace(cfg, num_heads=len(q), num_kv_heads=len(kv))
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         attn.cfg = model.cfg
         attn.qkv_proj = _rows(attn.qkv_proj, qkv_rows)
-        attn.o_proj = _row_parallel(attn.o_proj, head_cols, rank, group)
-        mlp.gate_up_proj = _rows(mlp.gate_up_proj, gate_up_rows)
-        mlp.down_proj = _row_parallel(mlp.down_proj, _span(0, inter, 1), rank, group)
+        attn.o_proj = RowParallelLinear(_cols(attn.o_proj, _span(0, q, d), rank), group)
+        if hasattr(attn, "sinks"):  # gpt-oss: one per query head
+            attn.sinks = nn.Parameter(attn.sinks[q.start : q.stop].clone(), requires_grad=False)
+        if isinstance(mlp, Experts):
+            for expert in mlp.experts:
+                _shard_feed_forward(expert, group, summed=False)
+            mlp.sum_over_ranks = group.sum  # once, after the experts' weighted sum
+        else:
+            _shard_feed_forward(mlp, group, summed=True)
     _shard_vocabulary(model, group)
 
 
-def _row_parallel(layer: nn.Linear, cols: torch.Tensor, rank: int, group) -> RowParallelLinear:
-    # The bias is added once, by rank 0, before the sum.
-    bias = layer.bias if layer.bias is not None and rank == 0 else None
-    return RowParallelLinear(layer.weight[:, cols], bias, group)
+def _shard_feed_forward(block: nn.Module, group, summed: bool) -> None:
+    """`group.rank`'s part of the intermediate size: the same rows of the gate and up halves of
+    `gate_up_proj` ([gate | up]), those columns of `down_proj`, summed over the ranks if
+    `summed`."""
+    size = block.down_proj.in_features
+    inter = _span(0, even_part(size, group.rank, group.world), 1)
+    block.gate_up_proj = _rows(block.gate_up_proj, torch.cat([inter, inter + size]))
+    down = _cols(block.down_proj, inter, group.rank)
+    block.down_proj = RowParallelLinear(down, group) if summed else down
 
 
 def _shard_vocabulary(model: LlamaForCausalLM, group) -> None:

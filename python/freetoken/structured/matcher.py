@@ -17,7 +17,8 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import llguidance
-import llguidance.torch
+# numpy's helpers, not torch's: llguidance.torch imports torch.compile's stack (seconds).
+import llguidance.numpy
 import numpy as np
 import torch
 
@@ -147,13 +148,13 @@ class GrammarMasks:
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
         # One bit per token, set where allowed; rows without a matcher stay all set.
-        bitmask = torch.full(llguidance.torch.get_bitmask_shape(len(matchers), self.vocab_size),
-                             -1, dtype=torch.int32)
-        llguidance.torch.fill_next_token_bitmask_par(
+        bitmask = np.full(llguidance.numpy.get_bitmask_shape(len(matchers), self.vocab_size), -1,
+                          dtype=np.int32)
+        llguidance.numpy.fill_next_token_bitmask_par(
             self._executor, [(m, i) for i, m in enumerate(matchers) if m is not None], bitmask)
         # Token 32 w + k is bit k of int32 w: bit k % 8 of byte 4 w + k // 8 (little-endian),
         # which numpy unpacks in that order, 50x faster than a torch gather or shift.
-        clear = ~bitmask.numpy().view(np.uint8)
+        clear = ~bitmask.view(np.uint8)
         bits = np.unpackbits(clear, axis=1, count=self.vocab_size, bitorder="little")
         banned = torch.from_numpy(bits).view(torch.bool).to(self.device)
         self.steps += 1
