@@ -7,11 +7,18 @@ build; see tests/fixtures/build_models.py.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # The suite runs in two xdist workers (pyproject.toml) on CI's 2 cores: one OpenMP thread per
+    # worker, and per server it starts (they inherit the environment), so that no process waits
+    # at OpenMP barriers for a core another one holds. Set before anything imports torch.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 _TESTS = Path(__file__).resolve().parent
 # `fixtures` is importable as tests/ is on the path (pytest's rootdir-less "prepend" import

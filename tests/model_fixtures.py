@@ -119,3 +119,34 @@ def assert_matches_reference(folder: Path, prompt: list[int], run: list, tol: fl
         assert abs(ref[step, token].item() - entry.logprob) <= tol
         got = torch.tensor(entry.top_logprobs)
         assert torch.allclose(ref[step, torch.tensor(entry.top_ids)], got, atol=tol, rtol=0)
+
+
+def assert_batch_matches_alone_and_reference(loaded, texts: list[str]) -> None:
+    """Greedy runs of `texts` together: each equals its run alone and transformers' reference."""
+    from freetoken.scheduler.factory import build_scheduler
+
+    prompts = {uid: loaded.tokenizer.encode(text) for uid, text in enumerate(texts)}
+    together, _ = greedy_run(build_scheduler(loaded, kv_slots=1024, prefix_cache=False), prompts)
+    for uid, ids in prompts.items():
+        alone, _ = greedy_run(build_scheduler(loaded, kv_slots=256, prefix_cache=False), {uid: ids})
+        assert_same_run(together[uid], alone[uid])
+        assert_matches_reference(loaded.folder, ids, together[uid])
+
+
+def assert_cache_hit_and_chunks_give_the_cold_result(loaded, base: list[int], steps: int = 16) -> dict:
+    """`base` and a prompt sharing all but its last 3 tokens, cold, after a prefix-cache warm-up
+    and in 5-token prefill chunks: the same runs, and transformers' cold one. Returns the prompt tokens each hit reused."""
+    from freetoken.scheduler.factory import build_scheduler
+
+    prompts = {0: base, 1: base[:-3] + loaded.tokenizer.encode(" and back")}
+    cold, _ = greedy_run(build_scheduler(loaded, kv_slots=1024, prefix_cache=False), prompts, steps)
+    warm = build_scheduler(loaded, kv_slots=1024)
+    greedy_run(warm, {9: base}, steps=4)
+    hit, cached = greedy_run(warm, prompts, steps)
+    chunked, _ = greedy_run(build_scheduler(loaded, kv_slots=1024, prefix_cache=False,
+                                            max_prefill_tokens=5), prompts, steps)
+    for uid in prompts:
+        assert_same_run(hit[uid], cold[uid])
+        assert_same_run(chunked[uid], cold[uid])
+        assert_matches_reference(loaded.folder, prompts[uid], cold[uid])
+    return cached

@@ -12,8 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from freetoken.models.gpt_oss import GptOssForCausalLM
 from freetoken.models.loader import load_model
-from freetoken.scheduler.factory import build_scheduler
-from tests.model_fixtures import assert_matches_reference, assert_same_run, greedy_run
+from tests.model_fixtures import assert_batch_matches_alone_and_reference, assert_cache_hit_and_chunks_give_the_cold_result
 
 TEXTS = ["What is the capital of France? The capital is Paris.", "def add(a, b):\n    return a + b",
          "Write a short poem about the sea, the wind and the stars", "Numbers 0 1 2 3 4 5 6 7 8 9 10 42",
@@ -36,29 +35,14 @@ def test_config_has_a_window_shorter_than_the_prompts_and_yarn(loaded):
 
 
 def test_batch_of_8_matches_transformers_and_each_alone(loaded):
-    prompts = {uid: loaded.tokenizer.encode(text) for uid, text in enumerate(TEXTS)}
-    together, _ = greedy_run(build_scheduler(loaded, kv_slots=1024, prefix_cache=False), prompts)
-    for uid, ids in prompts.items():
-        alone, _ = greedy_run(build_scheduler(loaded, kv_slots=256, prefix_cache=False), {uid: ids})
-        assert_same_run(together[uid], alone[uid])
-        assert_matches_reference(loaded.folder, ids, together[uid])
+    assert_batch_matches_alone_and_reference(loaded, TEXTS)
 
 
 def test_prefix_hit_and_chunked_prefill_give_the_cold_result(loaded):
     base = loaded.tokenizer.encode(TEXTS[0] + " " + TEXTS[3])
-    prompts = {0: base, 1: base[:-3] + loaded.tokenizer.encode(" and back")}
-    cold, _ = greedy_run(build_scheduler(loaded, kv_slots=1024, prefix_cache=False), prompts)
-    warm = build_scheduler(loaded, kv_slots=1024)
-    greedy_run(warm, {9: base}, steps=4)
-    hit, cached = greedy_run(warm, prompts)
+    cached = assert_cache_hit_and_chunks_give_the_cold_result(loaded, base)
     # Cached prefixes much longer than the window of 8.
     assert cached[0] >= len(base) - 1 and cached[1] >= len(base) - 4 > 2 * 8
-    chunked, _ = greedy_run(build_scheduler(loaded, kv_slots=1024, prefix_cache=False,
-                                            max_prefill_tokens=5), prompts)
-    for uid in prompts:
-        assert_same_run(hit[uid], cold[uid])
-        assert_same_run(chunked[uid], cold[uid])
-        assert_matches_reference(loaded.folder, prompts[uid], cold[uid])
 
 
 def _quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,8 +6,7 @@ import pytest
 
 from freetoken.models.loader import load_model
 from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
-from freetoken.scheduler.factory import build_scheduler
-from tests.model_fixtures import assert_matches_reference, assert_same_run, greedy_run
+from tests.model_fixtures import assert_batch_matches_alone_and_reference, assert_cache_hit_and_chunks_give_the_cold_result
 
 TEXTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:",
          "Once upon a time, in a land far away,", "Count with me: " + ", ".join(str(n) for n in range(1, 17)),
@@ -27,24 +26,10 @@ def test_layers_follow_mlp_only_layers(loaded):
 
 
 def test_batch_of_8_matches_transformers_and_each_alone(loaded):
-    prompts = {uid: loaded.tokenizer.encode(text) for uid, text in enumerate(TEXTS)}
-    together, _ = greedy_run(build_scheduler(loaded, kv_slots=1024, prefix_cache=False), prompts)
-    for uid, ids in prompts.items():
-        alone, _ = greedy_run(build_scheduler(loaded, kv_slots=256, prefix_cache=False), {uid: ids})
-        assert_same_run(together[uid], alone[uid])
-        assert_matches_reference(loaded.folder, ids, together[uid])
+    assert_batch_matches_alone_and_reference(loaded, TEXTS)
 
 
 def test_prefix_hit_and_chunked_prefill_give_the_cold_result(loaded):
     base = loaded.tokenizer.encode(TEXTS[3])
-    prompts = {0: base, 1: base[:-3] + loaded.tokenizer.encode(" and back")}
-    cold, _ = greedy_run(build_scheduler(loaded, kv_slots=1024, prefix_cache=False), prompts, steps=8)
-    warm = build_scheduler(loaded, kv_slots=1024)
-    greedy_run(warm, {9: base}, steps=8)
-    hit, cached = greedy_run(warm, prompts, steps=8)
+    cached = assert_cache_hit_and_chunks_give_the_cold_result(loaded, base, steps=8)
     assert cached[0] >= len(base) - 1 and cached[1] >= len(base) - 4
-    chunked, _ = greedy_run(build_scheduler(loaded, kv_slots=1024, prefix_cache=False,
-                                            max_prefill_tokens=5), prompts, steps=8)
-    for uid in prompts:
-        assert_same_run(hit[uid], cold[uid])
-        assert_same_run(chunked[uid], cold[uid])

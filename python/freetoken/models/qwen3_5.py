@@ -22,7 +22,8 @@ from freetoken.core import Batch
 from freetoken.engine.state_pool import StateShape
 from freetoken.models import gated_deltanet as gdn
 from freetoken.models.linear import MKL_ROWS, Linear, RowPadding
-from freetoken.models.llama import MLP, Attention, ForwardContext, RMSNorm, fuse_hf_weights, rotate
+from freetoken.models.llama import (MLP, Attention, Backbone, ForwardContext, RMSNorm, fuse_hf_weights,
+                                    rotate)
 from freetoken.models.moe import Experts, silu_and_mul, softmax_topk
 
 log = logging.getLogger("freetoken")
@@ -247,21 +248,13 @@ class HybridLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class HybridBackbone(nn.Module):
-    def __init__(self, cfg: HybridConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(HybridLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
 class Qwen3_5ForCausalLM(nn.Module):
     row_padding: RowPadding = MKL_ROWS
 
     def __init__(self, cfg: HybridConfig):
         super().__init__()
         self.cfg = cfg
-        self.model = HybridBackbone(cfg)
+        self.model = Backbone(cfg, HybridLayer)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @property
