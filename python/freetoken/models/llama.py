@@ -178,16 +178,20 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
         qk = rotate(qk, cos, sin)
+        out = self._attend(qk[:, :heads], qk[:, heads:], qkv[:, heads + kvh :], ctx)
+        return self.o_proj(out.reshape(t, -1))
+
+    def _attend(self, q, k, v, ctx: ForwardContext) -> torch.Tensor:
+        """Store the step's keys and values [T, kv heads, d] in the pool, then attend the
+        queries [T, heads, d] in the step's groups."""
         kv_cache = ctx.kv_cache[self.layer]
-        new_kv = torch.cat([qk[:, heads:], qkv[:, heads + kvh :]], dim=1).to(kv_cache.dtype)
-        kv_cache.index_copy_(0, ctx.out_slots, new_kv)
-        q = qk[:, :heads]
+        kv_cache.index_copy_(0, ctx.out_slots, torch.cat([k, v], dim=1).to(kv_cache.dtype))
         out = torch.zeros_like(q)  # padding rows past the requests' tokens stay zero
         for group in ctx.prompt_groups:
             out.index_copy_(0, group.out_rows, self._prompt(q, kv_cache, group))
         for group in ctx.decode_groups:
             out.index_copy_(0, group.rows, self._decode(q.index_select(0, group.rows), kv_cache, group))
-        return self.o_proj(out.reshape(t, -1))
+        return out
 
     def _prompt(self, q, kv_cache, group: PromptGroup) -> torch.Tensor:
         cfg, kvh = self.cfg, self.cfg.num_kv_heads

@@ -127,15 +127,7 @@ class GatedAttention(Attention):
         kv = qkv[:, 2 * heads * d :].view(t, 2 * kvh, d)
         qk = torch.cat([self.q_norm(query_gate[..., :d]), self.k_norm(kv[:, :kvh])], dim=1)
         qk = torch.cat([rotate(qk[..., :r], cos, sin), qk[..., r:]], dim=-1)
-        kv_cache = ctx.kv_cache[self.layer]
-        new_kv = torch.cat([qk[:, heads:], kv[:, kvh:]], dim=1).to(kv_cache.dtype)
-        kv_cache.index_copy_(0, ctx.out_slots, new_kv)
-        q = qk[:, :heads]
-        out = torch.zeros_like(q)  # padding rows past the requests' tokens stay zero
-        for group in ctx.prompt_groups:
-            out.index_copy_(0, group.out_rows, self._prompt(q, kv_cache, group))
-        for group in ctx.decode_groups:
-            out.index_copy_(0, group.rows, self._decode(q.index_select(0, group.rows), kv_cache, group))
+        out = self._attend(qk[:, :heads], qk[:, heads:], kv[:, kvh:], ctx)
         gate = torch.sigmoid(query_gate[..., d:].reshape(t, -1))
         return self.o_proj(out.reshape(t, -1) * gate)
 
