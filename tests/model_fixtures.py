@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 from pathlib import Path
 
@@ -49,13 +50,16 @@ def tiny_random_folder(arch: str = "qwen3") -> Path:
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
-    tmp = folder.with_name(folder.name + ".tmp")
+    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")  # xdist workers may build at once
     model.save_pretrained(tmp)
     src = default_model().folder
     for name in src.iterdir():
         if name.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(name, tmp / name.name)
-    tmp.replace(folder)
+    try:
+        tmp.replace(folder)
+    except OSError:  # the other worker's build landed first
+        shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 

@@ -10,6 +10,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,7 +127,12 @@ def gguf_to_folder(gguf: Path) -> Path:
     if config.get("tie_word_embeddings"):
         tensors.pop("lm_head.weight", None)
     save_file(tensors, tmp / "model.safetensors")
-    tmp.replace(folder)  # atomic: a half-written cache folder is never picked up
+    try:
+        tmp.replace(folder)  # atomic: a half-written cache folder is never picked up
+    except OSError:  # another process (a test worker) finished the same conversion first
+        if not (folder / "model.safetensors").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 
