@@ -56,6 +56,7 @@ from freetoken.core import SamplingParams, StructuredSpec  # noqa: E402
 from freetoken.engine.parallel import load_rank, share_cores  # noqa: E402
 from freetoken.scheduler.factory import build_scheduler  # noqa: E402
 from freetoken.message import UserMsg  # noqa: E402
+import freetoken.models.moe as moe  # noqa: E402
 from freetoken.models.loader import load_model  # noqa: E402
 from freetoken.scheduler.worker import rank_main  # noqa: E402
 from freetoken.tokenizer.tokenize import bad_words_token_ids  # noqa: E402
@@ -347,7 +348,9 @@ def moe_tables(all_batches: list[int], prefill_len: int, new_tokens: int, args) 
             hf.generate(dec_prompts[:8], 4)
         params = sum(p.numel() for p in hf.model.parameters()) if hf else None
         title = (f"Qwen3-MoE ({params / 1e6:.0f}M params, " if params else "Qwen3-MoE (")
-        title += "64 experts, top 8) vs HF transformers"
+        stacked = any(m.stacked for m in ours.loaded.model.modules() if isinstance(m, moe.Experts))
+        title += "64 experts, top 8), ours on " + ("the grouped kernel" if stacked else "packed Linears")
+        title += " vs HF transformers"
         if hf:
             title += f" (experts: {hf.model.config._experts_implementation})"
         engine_table(ours, hf, batches, pre_prompts, dec_prompts, prefill_len, new_tokens, args, title)
@@ -358,9 +361,8 @@ def moe_tables(all_batches: list[int], prefill_len: int, new_tokens: int, args) 
 
 def experts_share(ours: Ours, prompts: list[list[int]], new_tokens: int) -> None:
     """Note the experts' share of our decode steps at this batch, timed by module hooks (in a
-    run of its own: the hooks add a little time)."""
-    from freetoken.models.moe import Experts
-
+    run of its own: the hooks add a little time), and the part of it in their GEMMs (the grouped
+    kernel's calls, or the per-expert Linears where the kernel does not run)."""
     spent = {"experts": 0.0, "gemms": 0.0}
     handles = []
 
@@ -373,10 +375,19 @@ def experts_share(ours: Ours, prompts: list[list[int]], new_tokens: int) -> None
 
         handles.extend([module.register_forward_pre_hook(pre), module.register_forward_hook(post)])
 
+    kernel = moe.grouped_gemm
+
+    def timed_kernel(*args):
+        t0 = time.perf_counter()
+        out = kernel(*args)
+        spent["gemms"] += time.perf_counter() - t0
+        return out
+
+    moe.grouped_gemm = timed_kernel
     for module in ours.loaded.model.modules():
-        if isinstance(module, Experts):
+        if isinstance(module, moe.Experts):
             timed(module, "experts")
-            for expert in module.experts:
+            for expert in module.experts or []:
                 timed(expert.gate_up_proj, "gemms")
                 timed(expert.down_proj, "gemms")
     # Only the decode steps count: the prompts are added and prefilled before the hooks count.
@@ -392,6 +403,7 @@ def experts_share(ours: Ours, prompts: list[list[int]], new_tokens: int) -> None
     t = time.perf_counter() - t0
     for h in handles:
         h.remove()
+    moe.grouped_gemm = kernel
     bc.note(f"batch {len(prompts)}: decode {bc.ms(t / steps)} ms/step (hooked); experts "
             f"{spent['experts'] / t:.0%} of it, and of the experts' time "
             f"{(spent['experts'] - spent['gemms']) / max(spent['experts'], 1e-9):.0%} outside "

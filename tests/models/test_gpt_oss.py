@@ -57,6 +57,18 @@ def _quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pairs[..., 0] | (pairs[..., 1] << 4), (exponent + 127).to(torch.uint8)
 
 
+def _expert_weight(experts, projection: str, e: int) -> torch.Tensor:
+    """Expert e's [out, in] weight as loaded, from the grouped kernel's strips or, where the
+    experts run on packed Linears (which free the plain weight), through a unit input."""
+    if experts.stacked is not None:
+        packed = experts.stacked[0 if projection == "gate_up" else 1]
+        strips = packed.weight[e].transpose(0, 1).reshape(packed.in_features, -1)
+        return strips[:, : packed.out_features].T
+    layer = getattr(experts.experts[e], f"{projection}_proj")
+    with torch.inference_mode():
+        return (layer(torch.eye(layer.in_features)) - layer.bias).T
+
+
 def test_mxfp4_experts_load_as_transformers_dequantises_them(tiny_gpt_oss_path, tmp_path):
     """A released-style folder (experts as *_blocks / *_scales, [E, out, in]): our loaded expert
     weights equal transformers' own dequantisation of the same bytes."""
@@ -80,15 +92,11 @@ def test_mxfp4_experts_load_as_transformers_dequantises_them(tiny_gpt_oss_path, 
         ref = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
         layer = int(name.split(".")[2])
         experts = ours.model.layers[layer].mlp
-        for e, expert in enumerate(experts.experts):
+        for e in range(experts.num_experts):
             if "gate_up" in name:
                 gate_up = ref[e].T  # [2I, H], gate rows even
                 expected = torch.cat([gate_up[0::2], gate_up[1::2]])
-                got = expert.gate_up_proj
             else:
-                expected, got = ref[e].T, expert.down_proj
-            # Packed layers free the plain weight: read it back through a unit input.
-            eye = torch.eye(got.in_features)
-            with torch.inference_mode():
-                weights = (got(eye) - got.bias).T
+                expected = ref[e].T
+            weights = _expert_weight(experts, "gate_up" if "gate_up" in name else "down", e)
             assert torch.allclose(weights, expected, atol=1e-6), (name, e)

@@ -221,7 +221,7 @@ def _build_llama(folder: Path, hf_config: dict, dtype: torch.dtype, device: torc
     from safetensors.torch import load_file
 
     from freetoken.models.linear import pack_linears
-    from freetoken.models.moe import set_row_padding
+    from freetoken.models.moe import set_row_padding, stack_experts
 
     model_class = import_model_class(hf_config)
     cfg = model_class.config_class.from_hf(hf_config)
@@ -243,6 +243,7 @@ def _build_llama(folder: Path, hf_config: dict, dtype: torch.dtype, device: torc
     if shard is not None:
         shard(module)
     module.requires_grad_(False)
+    stack_experts(module)
     set_row_padding(module, pack_linears(module))
     return module
 

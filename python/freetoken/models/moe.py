@@ -1,25 +1,29 @@
 """Mixture-of-experts execution grouped by expert, batch-invariant like the dense layers.
 
-A step's (token, expert) assignments are sorted by expert id; each active expert runs one GEMM
-over its tokens' rows, padded by repeating its last row up to the model's `RowPadding` (the row
-counts at which a packed `Linear` gives a row the same bits whatever the count, checked at load
-by `pack_linears` on the experts' own shapes). The weighted outputs are then added into their
-tokens' rows in ascending expert id (`index_add_` adds in row order), the order transformers'
-reference loop adds them in: a token's sum runs in that fixed order, so a row's result does not
-depend on which other rows shared its experts.
+A step's (token, expert) assignments are sorted by expert id, and the gathered rows run through
+each active expert's projections. Float32 on CPU, that is the grouped kernel of grouped_gemm.c,
+one call per projection for all experts, whose rows never depend on their group. Elsewhere each
+active expert runs its packed `Linear`s over its rows, padded by repeating its last row up to
+the model's `RowPadding` (the row counts at which a packed `Linear` gives a row the same bits
+whatever the count, checked at load by `pack_linears` on the experts' own shapes). The weighted
+outputs are then added into their tokens' rows in ascending expert id (`index_add_` adds in row
+order), the order transformers' reference loop adds them in: a token's sum runs in that fixed
+order, so a row's result does not depend on which other rows shared its experts.
 
 The family supplies the router (which experts, with which weights) and the activation between
-an expert's fused gate/up projection and its down projection.
-"""
+an expert's fused gate/up projection and its down projection."""
 
 from __future__ import annotations
 
+import ctypes
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from freetoken.models.grouped_gemm import PackedExperts, grouped_gemm, pack
+from freetoken.models.grouped_gemm import load as load_kernel
 from freetoken.models.linear import MKL_ROWS, Linear, RowPadding
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
@@ -58,12 +62,25 @@ class Experts(nn.Module):
     # Set by models/tensor_parallel.py when each expert holds one rank's slice: the sum of the
     # ranks' partial outputs.
     sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # Set by `stack`: the experts' projections in the grouped kernel's layout, and the kernel.
+    stacked: tuple[PackedExperts, PackedExperts] | None = None
+    kernel: ctypes.CDLL | None = None
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, bias: bool,
                  activation: Activation):
         super().__init__()
+        self.num_experts = num_experts
         self.experts = nn.ModuleList(Expert(hidden, intermediate, bias) for _ in range(num_experts))
         self.activation = activation
+
+    def stack(self, kernel: ctypes.CDLL) -> None:
+        """Run on the grouped kernel from now on: its packed weights replace the Linears."""
+        projections = []
+        for name in ("gate_up_proj", "down_proj"):
+            layers = [getattr(expert, name) for expert in self.experts]
+            projections.append(pack([layer.weight for layer in layers], [layer.bias for layer in layers]))
+        self.stacked, self.kernel = tuple(projections), kernel
+        self.experts = None
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; ids [T, k] expert of each of a token's k slots; weights [T, k]."""
@@ -71,16 +88,34 @@ class Experts(nn.Module):
         flat = ids.reshape(-1)
         by_expert = torch.argsort(flat, stable=True)
         tokens = by_expert // k
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
-        active = [(self.experts[e], n) for e, n in enumerate(counts) if n]
-        # Elementwise work runs once over all rows, not once per expert.
-        hidden = self.activation(self._grouped(active, "gate_up_proj", x.index_select(0, tokens)))
-        out = self._grouped(active, "down_proj", hidden)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        rows = x.index_select(0, tokens)
+        out = self._on_kernel(counts, rows) if self.stacked else self._on_linears(counts, rows)
         out.mul_(weights.reshape(-1, 1).index_select(0, by_expert).to(x.dtype))
         # Rows are in ascending expert id, and index_add_ adds them in row order: each token's
         # sum runs over its experts in that fixed order.
         out = torch.zeros_like(x).index_add_(0, tokens, out)
         return out if self.sum_over_ranks is None else self.sum_over_ranks(out)
+
+    def _on_kernel(self, counts: list[int], rows: torch.Tensor) -> torch.Tensor:
+        """Both projections as one kernel call each, over rows grouped by expert (no padding:
+        the kernel's rows never depend on their group)."""
+        groups, first = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                groups.append((e, first, n))
+                first += n
+        groups_t = torch.tensor(groups, dtype=torch.int64)
+        gate_up, down = self.stacked
+        hidden = self.activation(grouped_gemm(self.kernel, rows, gate_up, groups_t))
+        return grouped_gemm(self.kernel, hidden.contiguous(), down, groups_t)
+
+    def _on_linears(self, counts: list[int], rows: torch.Tensor) -> torch.Tensor:
+        """Each active expert's packed Linears over its rows, padded to the row rule."""
+        active = [(self.experts[e], n) for e, n in enumerate(counts) if n]
+        # Elementwise work runs once over all rows, not once per expert.
+        hidden = self.activation(self._grouped(active, "gate_up_proj", rows))
+        return self._grouped(active, "down_proj", hidden)
 
     def _grouped(self, active: list[tuple[Expert, int]], name: str, rows: torch.Tensor) -> torch.Tensor:
         """Each active expert's layer `name` over its run of `rows`, padded to the row rule."""
@@ -93,6 +128,18 @@ class Experts(nn.Module):
             outs.append(getattr(expert, name)(group)[:n])
             start += n
         return torch.cat(outs)
+
+
+def stack_experts(model: nn.Module) -> None:
+    """Put every float32 CPU Experts of `model` on the grouped kernel, where it runs here."""
+    layers = [m for m in model.modules() if isinstance(m, Experts)]
+    weight = layers[0].experts[0].down_proj.weight if layers else None
+    if weight is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return
+    kernel = load_kernel()
+    if kernel is not None:
+        for layer in layers:
+            layer.stack(kernel)
 
 
 def set_row_padding(model: nn.Module, padding: RowPadding) -> None:

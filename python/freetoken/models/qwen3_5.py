@@ -315,6 +315,7 @@ def build_hybrid(folder: Path, hf_config: dict, dtype: torch.dtype, device: torc
     from safetensors.torch import load_file
 
     from freetoken.models.linear import pack_linears
+    from freetoken.models.moe import stack_experts
 
     cfg = HybridConfig.from_hf(hf_config)
     if "vision_config" in hf_config:
@@ -337,5 +338,6 @@ def build_hybrid(folder: Path, hf_config: dict, dtype: torch.dtype, device: torc
     if tied:
         module.lm_head.weight = module.model.embed_tokens.weight
     module.to(dtype).requires_grad_(False)
+    stack_experts(module)
     module.set_row_padding(pack_linears(module))
     return module

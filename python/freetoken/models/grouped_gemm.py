@@ -1,0 +1,112 @@
+"""The grouped expert GEMM of grouped_gemm.c: built with the system's C compiler at first use,
+called through ctypes.
+
+Why our own kernel: a decode step gives each active expert a few rows, and torch's CPU GEMMs
+(oneDNN and MKL alike) read an expert's weights at about half the memory bandwidth one core
+reaches on a plain sum, and split a small GEMM poorly over threads (scripts/bench_engine.py
+--tables moe measures both paths). The kernel streams each weight strip once for all of its
+rows and is batch-invariant by construction (see the C file), so expert rows need no padding.
+
+Where it cannot be used (no C compiler, not x86-64 with AVX2/FMA, a dtype other than float32,
+not a CPU tensor, or FREETOKEN_NO_KERNELS set), `load()` returns None and the experts run on
+packed torch Linears as before; the server logs which.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("grouped_gemm.c")
+STRIP = 16
+
+
+@dataclass(frozen=True)
+class PackedExperts:
+    """One projection of all of a layer's experts in the kernel's layout."""
+
+    weight: torch.Tensor  # [E, strips, K, 16] float32
+    bias: torch.Tensor | None  # [E, strips * 16] float32, zero past N
+    in_features: int
+    out_features: int
+
+
+def pack(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> PackedExperts:
+    """Per-expert nn.Linear weights ([N, K] each) and biases ([N] or None) in strips of 16."""
+    n, k = weights[0].shape
+    strips = -(-n // STRIP)
+    stacked = torch.zeros(len(weights), strips * STRIP, k, dtype=torch.float32)
+    for e, w in enumerate(weights):
+        stacked[e, :n] = w
+    packed = stacked.view(len(weights), strips, STRIP, k).transpose(2, 3).contiguous()
+    bias = None
+    if biases[0] is not None:
+        bias = torch.zeros(len(weights), strips * STRIP, dtype=torch.float32)
+        for e, b in enumerate(biases):
+            bias[e, :n] = b
+    return PackedExperts(packed, bias, k, n)
+
+
+def grouped_gemm(lib: ctypes.CDLL, x: torch.Tensor, experts: PackedExperts,
+                 groups: torch.Tensor) -> torch.Tensor:
+    """x [R, K] float32 (rows grouped by expert); groups [G, 3] int64 (expert, first row, row
+    count), covering every row of x; returns [R, N]."""
+    assert x.dtype == torch.float32 and x.stride(1) == 1 and groups.is_contiguous()
+    y = torch.empty(x.shape[0], experts.out_features, dtype=torch.float32)
+    bias = experts.bias.data_ptr() if experts.bias is not None else None
+    lib.grouped_gemm_f32(x.data_ptr(), x.stride(0), experts.weight.data_ptr(), bias,
+                         y.data_ptr(), y.stride(0), groups.data_ptr(), groups.shape[0],
+                         experts.in_features, experts.out_features)
+    return y
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    """The built kernel, or None where it cannot run here (logged once)."""
+    if os.environ.get("FREETOKEN_NO_KERNELS"):
+        return None
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (OSError, subprocess.CalledProcessError, FileNotFoundError) as exc:
+        log.warning("grouped expert kernel unavailable (%s); experts run on torch Linears", exc)
+        return None
+    if not lib.grouped_gemm_supported():
+        log.info("this CPU lacks AVX2/FMA; experts run on torch Linears")
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.grouped_gemm_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64]
+    lib.grouped_gemm_f32.restype = None
+    return lib
+
+
+def build() -> Path:
+    """Compile the source once per content into the cache folder (atomic: concurrent first
+    uses each compile to their own file and keep whichever lands)."""
+    from freetoken.models.loader import cache_root
+
+    source = SOURCE.read_bytes()
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
+    digest = hashlib.sha256(source + compiler.encode()).hexdigest()[:16]
+    target = cache_root() / "kernels" / f"grouped_gemm-{digest}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    # -fopenmp links libgomp.so.1, which resolves to the copy torch already loaded.
+    subprocess.run([compiler, "-O3", "-fopenmp", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE)],
+                   check=True, capture_output=True)
+    os.replace(tmp, target)
+    return target
