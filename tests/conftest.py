@@ -60,6 +60,12 @@ def tiny_qwen3_moe_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen2_moe_path() -> Path:
+    """Qwen2MoeForCausalLM (random, 3 layers, 8 experts and a shared one, q/k/v biases)."""
+    return bm.cached("tiny-qwen2-moe", bm.build_tiny_qwen3_moe, family="qwen2_moe")
+
+
+@pytest.fixture(scope="session")
 def tiny_gpt_oss_path() -> Path:
     """GptOssForCausalLM (random, 2 layers, window 8, 8 experts) on the Harmony tokenizer."""
     return bm.cached("tiny-gpt-oss", bm.build_tiny_gpt_oss)

@@ -15,9 +15,9 @@ needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the grouped kernel can
 E, K, N = 5, 37, 53  # N not a multiple of the 16-column strip, K odd
 
 
-def _experts(bias: bool, seed: int = 0):
+def _experts(bias: bool, dtype: torch.dtype = torch.float32, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
-    weights = [torch.randn(N, K, generator=gen) for _ in range(E)]
+    weights = [torch.randn(N, K, generator=gen).to(dtype) for _ in range(E)]
     biases = [torch.randn(N, generator=gen) if bias else None for _ in range(E)]
     return weights, biases
 
@@ -42,9 +42,12 @@ def test_pack_lays_out_strips_of_sixteen_columns():
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_matches_float64_matmuls(bias):
-    weights, biases = _experts(bias)
+def test_matches_float64_matmuls(bias, dtype):
+    """bfloat16 weights are widened exactly and summed in float32: the rows (float32 here) get
+    float32 accuracy against the same bfloat16 weights in float64."""
+    weights, biases = _experts(bias, dtype)
     counts = [(0, 1), (2, 13), (3, 4), (4, 7), (1, 2)]
     groups = _groups(counts)
     x = torch.randn(sum(n for _, n in counts), K, generator=torch.Generator().manual_seed(1))
@@ -58,12 +61,13 @@ def test_matches_float64_matmuls(bias):
 
 
 @needs_kernel
-def test_a_rows_bits_do_not_depend_on_its_group_or_the_thread_count():
-    weights, biases = _experts(bias=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_bits_do_not_depend_on_its_group_or_the_thread_count(dtype):
+    weights, biases = _experts(bias=True, dtype=dtype)
     packed = gg.pack(weights, biases)
     counts = [(0, 3), (1, 9), (4, 6), (2, 1)]
     groups = _groups(counts)
-    x = torch.randn(19, K, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(19, K, generator=torch.Generator().manual_seed(2)).to(dtype)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

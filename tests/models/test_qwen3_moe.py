@@ -1,11 +1,12 @@
-"""Qwen3-MoE against transformers on the same tiny checkpoint, and batch / cache invariance."""
+"""Qwen3-MoE and Qwen2-MoE against transformers on the same tiny checkpoints, and batch / cache
+invariance."""
 
 from __future__ import annotations
 
 import pytest
 
 from freetoken.models.loader import load_model
-from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
+from freetoken.models.qwen3_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, SparseMoeBlock
 from tests.model_fixtures import assert_batch_matches_alone_and_reference, assert_cache_hit_and_chunks_give_the_cold_result
 
 TEXTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:",
@@ -14,15 +15,20 @@ TEXTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:",
          '{"name": "get_weather", "arguments": {']
 
 
-@pytest.fixture(scope="module")
-def loaded(tiny_qwen3_moe_path):
-    return load_model(tiny_qwen3_moe_path, dtype="float32", device="cpu")
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe"])
+def loaded(request):
+    return load_model(request.getfixturevalue(f"tiny_{request.param}_path"), dtype="float32", device="cpu")
 
 
 def test_layers_follow_mlp_only_layers(loaded):
-    assert isinstance(loaded.model, Qwen3MoeForCausalLM) and loaded.model.cfg.qk_norm
+    qwen2 = isinstance(loaded.model, Qwen2MoeForCausalLM)
+    assert isinstance(loaded.model, Qwen3MoeForCausalLM) and loaded.model.cfg.qk_norm != qwen2
     kinds = [isinstance(layer.mlp, SparseMoeBlock) for layer in loaded.model.model.layers]
     assert kinds == [True, False, True]  # mlp_only_layers=[1]
+    sparse = loaded.model.model.layers[0]
+    assert hasattr(sparse.mlp, "shared_expert") == qwen2
+    assert (sparse.self_attn.qkv_proj.bias is not None) == qwen2
+    assert sparse.self_attn.o_proj.bias is None
 
 
 def test_batch_of_8_matches_transformers_and_each_alone(loaded):

@@ -1,4 +1,5 @@
-/* Grouped GEMM for a step's experts: y[rows of group g] = x[rows of g] @ W[expert of g]^T + b.
+/* Grouped GEMM for a step's experts: y[rows of group g] = x[rows of g] @ W[expert of g]^T + b,
+ * x and y float32, W float32 or bfloat16 (widened to float32 as it is read).
  *
  * Every output element is one fused multiply-add chain over k = 0..K-1 from zero, then the bias
  * added: the same operations in the same order whatever the group's row count, the tile the
@@ -26,71 +27,86 @@ int grouped_gemm_supported(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
-__attribute__((target("avx2,fma"), always_inline)) static inline void
-tile(const float *x, int64_t ldx, const int rows, const float *w, int64_t K, float *y,
-     int64_t ldy, int cols, const float *bias) {
-    __m256 lo[MAX_ROWS], hi[MAX_ROWS];
-#pragma GCC unroll 6
-    for (int r = 0; r < rows; r++) {
-        lo[r] = _mm256_setzero_ps();
-        hi[r] = _mm256_setzero_ps();
-    }
-    for (int64_t k = 0; k < K; k++) {
-        __m256 w_lo = _mm256_loadu_ps(w + k * STRIP), w_hi = _mm256_loadu_ps(w + k * STRIP + 8);
-#pragma GCC unroll 6
-        for (int r = 0; r < rows; r++) {
-            __m256 xk = _mm256_broadcast_ss(x + r * ldx + k);
-            lo[r] = _mm256_fmadd_ps(xk, w_lo, lo[r]);
-            hi[r] = _mm256_fmadd_ps(xk, w_hi, hi[r]);
-        }
-    }
-    __m256 b_lo = _mm256_setzero_ps(), b_hi = _mm256_setzero_ps();
-    if (bias) {
-        b_lo = _mm256_loadu_ps(bias);
-        b_hi = _mm256_loadu_ps(bias + 8);
-    }
-#pragma GCC unroll 6
-    for (int r = 0; r < rows; r++) {
-        float out[STRIP];
-        _mm256_storeu_ps(out, bias ? _mm256_add_ps(lo[r], b_lo) : lo[r]);
-        _mm256_storeu_ps(out + 8, bias ? _mm256_add_ps(hi[r], b_hi) : hi[r]);
-        for (int c = 0; c < cols; c++) y[r * ldy + c] = out[c];
-    }
+/* Eight weights of a strip row as floats: float32 as stored, bfloat16 widened (exact). */
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256 load_f32(const float *w) {
+    return _mm256_loadu_ps(w);
 }
 
-/* x [*, K] (row stride ldx); w packed [E][strips][K][16]; bias packed [E][strips * 16] or NULL;
- * y [*, N] (row stride ldy); groups [G][3]: expert, first row, row count. */
-__attribute__((target("avx2,fma"))) void
-grouped_gemm_f32(const float *x, int64_t ldx, const float *w, const float *bias, float *y,
-                 int64_t ldy, const int64_t *groups, int64_t G, int64_t K, int64_t N) {
-    const int64_t strips = (N + STRIP - 1) / STRIP;
-#pragma omp parallel for schedule(dynamic, 4)
-    for (int64_t item = 0; item < G * strips; item++) {
-        const int64_t g = item / strips, s = item % strips;
-        const int64_t e = groups[3 * g], first = groups[3 * g + 1], count = groups[3 * g + 2];
-        const float *ws = w + (e * strips + s) * K * STRIP;
-        const float *bs = bias ? bias + (e * strips + s) * STRIP : 0;
-        const int cols = N - s * STRIP < STRIP ? (int)(N - s * STRIP) : STRIP;
-        for (int64_t r = 0; r < count; r += MAX_ROWS) {
-            const float *xr = x + (first + r) * ldx;
-            float *yr = y + (first + r) * ldy + s * STRIP;
-            switch (count - r < MAX_ROWS ? count - r : MAX_ROWS) {
-            case 1: tile(xr, ldx, 1, ws, K, yr, ldy, cols, bs); break;
-            case 2: tile(xr, ldx, 2, ws, K, yr, ldy, cols, bs); break;
-            case 3: tile(xr, ldx, 3, ws, K, yr, ldy, cols, bs); break;
-            case 4: tile(xr, ldx, 4, ws, K, yr, ldy, cols, bs); break;
-            case 5: tile(xr, ldx, 5, ws, K, yr, ldy, cols, bs); break;
-            default: tile(xr, ldx, 6, ws, K, yr, ldy, cols, bs); break;
-            }
-        }
-    }
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256 load_bf16(const uint16_t *w) {
+    __m128i half = _mm_loadu_si128((const __m128i *)w);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
 }
+
+/* One tile: `rows` (<= MAX_ROWS) rows of x times one strip, `cols` (<= 16) columns stored. */
+#define DEFINE_TILE(NAME, WTYPE, LOAD)                                                           \
+    __attribute__((target("avx2,fma"), always_inline)) static inline void NAME(                  \
+        const float *x, int64_t ldx, const int rows, const WTYPE *w, int64_t K, float *y,        \
+        int64_t ldy, int cols, const float *bias) {                                              \
+        __m256 lo[MAX_ROWS], hi[MAX_ROWS];                                                       \
+        _Pragma("GCC unroll 6") for (int r = 0; r < rows; r++) {                                 \
+            lo[r] = _mm256_setzero_ps();                                                         \
+            hi[r] = _mm256_setzero_ps();                                                         \
+        }                                                                                        \
+        for (int64_t k = 0; k < K; k++) {                                                        \
+            __m256 w_lo = LOAD(w + k * STRIP), w_hi = LOAD(w + k * STRIP + 8);                   \
+            _Pragma("GCC unroll 6") for (int r = 0; r < rows; r++) {                             \
+                __m256 xk = _mm256_broadcast_ss(x + r * ldx + k);                                \
+                lo[r] = _mm256_fmadd_ps(xk, w_lo, lo[r]);                                        \
+                hi[r] = _mm256_fmadd_ps(xk, w_hi, hi[r]);                                        \
+            }                                                                                    \
+        }                                                                                        \
+        __m256 b_lo = _mm256_setzero_ps(), b_hi = _mm256_setzero_ps();                           \
+        if (bias) {                                                                              \
+            b_lo = _mm256_loadu_ps(bias);                                                        \
+            b_hi = _mm256_loadu_ps(bias + 8);                                                    \
+        }                                                                                        \
+        _Pragma("GCC unroll 6") for (int r = 0; r < rows; r++) {                                 \
+            float out[STRIP];                                                                    \
+            _mm256_storeu_ps(out, bias ? _mm256_add_ps(lo[r], b_lo) : lo[r]);                    \
+            _mm256_storeu_ps(out + 8, bias ? _mm256_add_ps(hi[r], b_hi) : hi[r]);                \
+            for (int c = 0; c < cols; c++) y[r * ldy + c] = out[c];                              \
+        }                                                                                        \
+    }
+
+/* x [*, K] float32 (row stride ldx); w packed [E][strips][K][16]; bias packed [E][strips * 16]
+ * float32 or NULL; y [*, N] float32 (row stride ldy); groups [G][3]: expert, first row, rows. */
+#define DEFINE_KERNEL(NAME, TILE, WTYPE)                                                         \
+    __attribute__((target("avx2,fma"))) void NAME(                                               \
+        const float *x, int64_t ldx, const WTYPE *w, const float *bias, float *y, int64_t ldy,   \
+        const int64_t *groups, int64_t G, int64_t K, int64_t N) {                                \
+        const int64_t strips = (N + STRIP - 1) / STRIP;                                          \
+        _Pragma("omp parallel for schedule(dynamic, 4)")                                        \
+        for (int64_t item = 0; item < G * strips; item++) {                                      \
+            const int64_t g = item / strips, s = item % strips;                                  \
+            const int64_t e = groups[3 * g], first = groups[3 * g + 1], count = groups[3 * g + 2]; \
+            const WTYPE *ws = w + (e * strips + s) * K * STRIP;                                  \
+            const float *bs = bias ? bias + (e * strips + s) * STRIP : 0;                        \
+            const int cols = N - s * STRIP < STRIP ? (int)(N - s * STRIP) : STRIP;               \
+            for (int64_t r = 0; r < count; r += MAX_ROWS) {                                      \
+                const float *xr = x + (first + r) * ldx;                                         \
+                float *yr = y + (first + r) * ldy + s * STRIP;                                   \
+                switch (count - r < MAX_ROWS ? count - r : MAX_ROWS) {                           \
+                case 1: TILE(xr, ldx, 1, ws, K, yr, ldy, cols, bs); break;                       \
+                case 2: TILE(xr, ldx, 2, ws, K, yr, ldy, cols, bs); break;                       \
+                case 3: TILE(xr, ldx, 3, ws, K, yr, ldy, cols, bs); break;                       \
+                case 4: TILE(xr, ldx, 4, ws, K, yr, ldy, cols, bs); break;                       \
+                case 5: TILE(xr, ldx, 5, ws, K, yr, ldy, cols, bs); break;                       \
+                default: TILE(xr, ldx, 6, ws, K, yr, ldy, cols, bs); break;                      \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+    }
+
+DEFINE_TILE(tile_f32, float, load_f32)
+DEFINE_TILE(tile_bf16, uint16_t, load_bf16)
+DEFINE_KERNEL(grouped_gemm_f32, tile_f32, float)
+DEFINE_KERNEL(grouped_gemm_bf16, tile_bf16, uint16_t)
 
 #else
 
 int grouped_gemm_supported(void) { return 0; }
 
-void grouped_gemm_f32(const float *x, int64_t ldx, const float *w, const float *bias, float *y,
-                      int64_t ldy, const int64_t *groups, int64_t G, int64_t K, int64_t N) {}
+void grouped_gemm_f32(void) {}
+void grouped_gemm_bf16(void) {}
 
 #endif

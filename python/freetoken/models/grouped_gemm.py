@@ -7,8 +7,10 @@ reaches on a plain sum, and split a small GEMM poorly over threads (scripts/benc
 --tables moe measures both paths). The kernel streams each weight strip once for all of its
 rows and is batch-invariant by construction (see the C file), so expert rows need no padding.
 
-Where it cannot be used (no C compiler, not x86-64 with AVX2/FMA, a dtype other than float32,
-not a CPU tensor, or FREETOKEN_NO_KERNELS set), `load()` returns None and the experts run on
+Weights are read as float32 or bfloat16 (widened exactly), rows and sums are float32: a
+bfloat16 model's experts read half the bytes and accumulate as a float32 GEMM does. Where it
+cannot be used (no C compiler, not x86-64 with AVX2/FMA, another dtype, not a CPU tensor, or
+FREETOKEN_NO_KERNELS set), `load()` returns None and the experts run on
 packed torch Linears as before; the server logs which.
 """
 
@@ -32,21 +34,26 @@ SOURCE = Path(__file__).with_name("grouped_gemm.c")
 STRIP = 16
 
 
+# The weight dtypes the kernel reads (as the C function's suffix).
+KERNELS = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
 @dataclass(frozen=True)
 class PackedExperts:
     """One projection of all of a layer's experts in the kernel's layout."""
 
-    weight: torch.Tensor  # [E, strips, K, 16] float32
+    weight: torch.Tensor  # [E, strips, K, 16], float32 or bfloat16 as the model's
     bias: torch.Tensor | None  # [E, strips * 16] float32, zero past N
     in_features: int
     out_features: int
 
 
 def pack(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> PackedExperts:
-    """Per-expert nn.Linear weights ([N, K] each) and biases ([N] or None) in strips of 16."""
+    """Per-expert nn.Linear weights ([N, K] each, one dtype of KERNELS) and biases ([N] or None)
+    in strips of 16 output columns."""
     n, k = weights[0].shape
     strips = -(-n // STRIP)
-    stacked = torch.zeros(len(weights), strips * STRIP, k, dtype=torch.float32)
+    stacked = torch.zeros(len(weights), strips * STRIP, k, dtype=weights[0].dtype)
     for e, w in enumerate(weights):
         stacked[e, :n] = w
     packed = stacked.view(len(weights), strips, STRIP, k).transpose(2, 3).contiguous()
@@ -60,15 +67,17 @@ def pack(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> Pack
 
 def grouped_gemm(lib: ctypes.CDLL, x: torch.Tensor, experts: PackedExperts,
                  groups: torch.Tensor) -> torch.Tensor:
-    """x [R, K] float32 (rows grouped by expert); groups [G, 3] int64 (expert, first row, row
-    count), covering every row of x; returns [R, N]."""
-    assert x.dtype == torch.float32 and x.stride(1) == 1 and groups.is_contiguous()
-    y = torch.empty(x.shape[0], experts.out_features, dtype=torch.float32)
+    """x [R, K] (rows grouped by expert); groups [G, 3] int64 (expert, first row, row count),
+    covering every row of x; returns [R, N] in x's dtype, accumulated in float32."""
+    rows = x.float().contiguous()
+    assert groups.is_contiguous() and groups.dtype == torch.int64
+    y = torch.empty(rows.shape[0], experts.out_features, dtype=torch.float32)
     bias = experts.bias.data_ptr() if experts.bias is not None else None
-    lib.grouped_gemm_f32(x.data_ptr(), x.stride(0), experts.weight.data_ptr(), bias,
-                         y.data_ptr(), y.stride(0), groups.data_ptr(), groups.shape[0],
-                         experts.in_features, experts.out_features)
-    return y
+    kernel = getattr(lib, f"grouped_gemm_{KERNELS[experts.weight.dtype]}")
+    kernel(rows.data_ptr(), rows.stride(0), experts.weight.data_ptr(), bias, y.data_ptr(),
+           y.stride(0), groups.data_ptr(), groups.shape[0], experts.in_features,
+           experts.out_features)
+    return y.to(x.dtype)
 
 
 @cache
@@ -85,8 +94,10 @@ def load() -> ctypes.CDLL | None:
         log.info("this CPU lacks AVX2/FMA; experts run on torch Linears")
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.grouped_gemm_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64]
-    lib.grouped_gemm_f32.restype = None
+    for suffix in KERNELS.values():
+        kernel = getattr(lib, f"grouped_gemm_{suffix}")
+        kernel.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64]
+        kernel.restype = None
     return lib
 
 

@@ -57,7 +57,9 @@ class ModelConfig:
         # Without layer_types, layers from max_window_layers on slide (transformers' Qwen rule).
         types = cfg.get("layer_types") or ["full_attention" if i < cfg.get("max_window_layers", 0)
                                            else "sliding_attention" for i in range(layers)]
-        bias = cfg.get("attention_bias", arch == "Qwen2ForCausalLM")
+        # Qwen2 and Qwen2-MoE bias q/k/v only (Qwen2-MoE's config says so as `qkv_bias`).
+        qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+        bias = cfg.get("attention_bias", cfg.get("qkv_bias", qwen2))
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -72,7 +74,7 @@ class ModelConfig:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=bias,
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-            o_proj_bias=bias and arch != "Qwen2ForCausalLM",  # Qwen2 biases q/k/v only
+            o_proj_bias=bias and not qwen2,
             rope_yarn=Yarn.from_hf(rope, max_positions) if rope_type == "yarn" else None,
             sliding_window=window,
             sliding_layers=frozenset(i for i, t in enumerate(types) if window and t == "sliding_attention"),

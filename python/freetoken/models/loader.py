@@ -28,6 +28,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM",
     "GptOssForCausalLM",
     "ScriptedForCausalLM",
     *HYBRID_ARCHITECTURES,
@@ -35,6 +36,7 @@ SUPPORTED_ARCHITECTURES = (
 # Architectures with a module of their own (module, class); the others run on models/llama.py.
 MODEL_CLASSES = {
     "Qwen3MoeForCausalLM": ("freetoken.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "Qwen2MoeForCausalLM": ("freetoken.models.qwen3_moe", "Qwen2MoeForCausalLM"),
     "GptOssForCausalLM": ("freetoken.models.gpt_oss", "GptOssForCausalLM"),
 }
 

@@ -1,17 +1,19 @@
 """Mixture-of-experts execution grouped by expert, batch-invariant like the dense layers.
 
 A step's (token, expert) assignments are sorted by expert id, and the gathered rows run through
-each active expert's projections. Float32 on CPU, that is the grouped kernel of grouped_gemm.c,
-one call per projection for all experts, whose rows never depend on their group. Elsewhere each
-active expert runs its packed `Linear`s over its rows, padded by repeating its last row up to
-the model's `RowPadding` (the row counts at which a packed `Linear` gives a row the same bits
-whatever the count, checked at load by `pack_linears` on the experts' own shapes). The weighted
-outputs are then added into their tokens' rows in ascending expert id (`index_add_` adds in row
-order), the order transformers' reference loop adds them in: a token's sum runs in that fixed
-order, so a row's result does not depend on which other rows shared its experts.
+each active expert's projections. On CPU (float32 or bfloat16) that is the grouped kernel of
+grouped_gemm.c, one call per projection for all experts, whose rows never depend on their
+group. Elsewhere each active expert runs its packed `Linear`s over its rows, padded by repeating
+its last row up to the model's `RowPadding` (the row counts at which a packed `Linear` gives a
+row the same bits whatever the count, checked at load by `pack_linears` on the experts' own
+shapes). The weighted outputs are then added into their tokens' rows in ascending expert id
+(`index_add_` adds in row order), the order transformers' reference loop adds them in: a
+token's sum runs in that fixed order, so a row's result does not depend on which other rows
+shared its experts.
 
 The family supplies the router (which experts, with which weights) and the activation between
-an expert's fused gate/up projection and its down projection."""
+an expert's fused gate/up projection and its down projection.
+"""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from freetoken.models.grouped_gemm import PackedExperts, grouped_gemm, pack
+from freetoken.models.grouped_gemm import KERNELS, PackedExperts, grouped_gemm, pack
 from freetoken.models.grouped_gemm import load as load_kernel
 from freetoken.models.linear import MKL_ROWS, Linear, RowPadding
 
@@ -108,7 +110,7 @@ class Experts(nn.Module):
         groups_t = torch.tensor(groups, dtype=torch.int64)
         gate_up, down = self.stacked
         hidden = self.activation(grouped_gemm(self.kernel, rows, gate_up, groups_t))
-        return grouped_gemm(self.kernel, hidden.contiguous(), down, groups_t)
+        return grouped_gemm(self.kernel, hidden, down, groups_t)
 
     def _on_linears(self, counts: list[int], rows: torch.Tensor) -> torch.Tensor:
         """Each active expert's packed Linears over its rows, padded to the row rule."""
@@ -131,10 +133,10 @@ class Experts(nn.Module):
 
 
 def stack_experts(model: nn.Module) -> None:
-    """Put every float32 CPU Experts of `model` on the grouped kernel, where it runs here."""
+    """Put every CPU Experts of `model` on the grouped kernel, where it runs here."""
     layers = [m for m in model.modules() if isinstance(m, Experts)]
     weight = layers[0].experts[0].down_proj.weight if layers else None
-    if weight is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
+    if weight is None or weight.dtype not in KERNELS or weight.device.type != "cpu":
         return
     kernel = load_kernel()
     if kernel is not None:

@@ -24,7 +24,8 @@ from freetoken.models import gated_deltanet as gdn
 from freetoken.models.linear import MKL_ROWS, Linear, RowPadding
 from freetoken.models.llama import (MLP, Attention, Backbone, ForwardContext, RMSNorm, fuse_hf_weights,
                                     rotate)
-from freetoken.models.moe import Experts, silu_and_mul, softmax_topk
+from freetoken.models.moe import Experts
+from freetoken.models.qwen3_moe import SparseMoeBlock
 
 log = logging.getLogger("freetoken")
 
@@ -196,28 +197,6 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out.view(t, -1))
 
 
-@dataclass(frozen=True)
-class _MLPShape:  # what llama.MLP reads of a config
-    hidden_size: int
-    intermediate_size: int
-
-
-class SparseMoe(Experts):
-    """Routed experts (softmax top-k) plus a shared expert scaled by sigmoid(shared_expert_gate)."""
-
-    def __init__(self, cfg: HybridConfig):
-        super().__init__(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, False, silu_and_mul)
-        self.cfg = cfg
-        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.shared_expert = MLP(_MLPShape(cfg.hidden_size, cfg.shared_expert_intermediate_size))
-        self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = softmax_topk(self.gate(x), self.cfg.experts_per_token, self.cfg.norm_topk_prob)
-        routed = super().forward(x, ids, weights)
-        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-
-
 class HybridLayer(nn.Module):
     def __init__(self, cfg: HybridConfig, index: int):
         super().__init__()
@@ -227,7 +206,10 @@ class HybridLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(cfg, before.count("linear_attention"))
         else:
             self.self_attn = GatedAttention(cfg, before.count("full_attention"))
-        self.mlp = SparseMoe(cfg) if index in cfg.moe_layers else MLP(cfg)
+        self.mlp = (SparseMoeBlock(cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size,
+                                   cfg.experts_per_token, cfg.norm_topk_prob,
+                                   cfg.shared_expert_intermediate_size)
+                    if index in cfg.moe_layers else MLP(cfg))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
