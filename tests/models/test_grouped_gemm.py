@@ -94,6 +94,12 @@ def test_without_a_compiler_the_build_fails_cleanly(monkeypatch):
         gg.build()
 
 
+def test_a_failing_compiler_is_an_os_error_that_load_reports(monkeypatch):
+    monkeypatch.setenv("CC", "false")  # exits 1, as a compiler that rejects the source
+    with pytest.raises(OSError, match="failed"):
+        gg.build()
+
+
 def test_freetoken_no_kernels_turns_the_kernel_off(monkeypatch):
     monkeypatch.setenv("FREETOKEN_NO_KERNELS", "1")
     gg.load.cache_clear()

@@ -1,4 +1,5 @@
-"""Packed oneDNN linear layers: exact enough, row-invariant, and no second copy of the weights."""
+"""Packed linear layers (oneDNN, else the grouped kernel, else F.linear): exact enough,
+row-invariant, and no second copy of the weights."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetoken.models import linear
-from freetoken.models.linear import MKL_ROWS, ONEDNN_ROWS, Linear, onednn_available, pack_linears
+from freetoken.models.grouped_gemm import load as load_kernel
+from freetoken.models.linear import KERNEL_ROWS, MKL_ROWS, ONEDNN_ROWS, Linear, onednn_available, pack_linears
 
 pytestmark = pytest.mark.skipif(not onednn_available(torch.device("cpu")),
                                 reason="torch built without oneDNN")
@@ -93,3 +95,25 @@ def test_a_kernel_error_while_packing_leaves_f_linear(monkeypatch):
     model = _tied_model()
     assert pack_linears(model) is MKL_ROWS
     assert model.proj.packed is None and model.proj.weight.numel() == 16 * 16
+
+
+@pytest.mark.skipif(load_kernel() is None, reason="the grouped kernel cannot be built or run here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layers_run_on_the_grouped_kernel_where_onednn_cannot(monkeypatch, dtype):
+    """As on a CPU whose oneDNN runs no bfloat16: any row count, float32 sums of the layer's own
+    weights (checked in float64), a row's bits the same alone as among others."""
+    monkeypatch.setattr(linear, "_pack_onednn", lambda layers: False)
+    model = _tied_model().to(dtype)
+    proj = model.proj.weight.detach().double()
+    embedding = model.embed.weight.detach().clone()
+    assert pack_linears(model) is KERNEL_ROWS
+    assert model.proj.strips is not None and model.proj.weight.numel() == 0
+    assert torch.equal(model.embed.weight, embedding)  # tied: kept for the embedding
+    x = torch.randn(9, 16).to(dtype)
+    with torch.inference_mode():
+        out = model.proj(x)
+        assert out.dtype == dtype
+        expected = (x.double() @ proj.T).to(dtype).double()
+        assert (out.double() - expected).abs().max().item() <= (0.02 if dtype == torch.bfloat16 else 1e-5)
+        for r in range(9):
+            assert torch.equal(model.proj(x[r : r + 1])[0], out[r]), r

@@ -8,6 +8,7 @@ from freetoken.core import SamplingParams
 from freetoken.scheduler.factory import build_scheduler
 from freetoken.message import UserMsg
 from freetoken.models import linear
+from freetoken.models.grouped_gemm import load as load_kernel
 from freetoken.models.loader import load_model
 from tests.model_fixtures import default_folder, default_model
 
@@ -44,7 +45,7 @@ def _ids(prompt):
 
 
 @pytest.fixture(scope="module")
-def unpacked_model():
+def f_linear_model():
     """The default model on F.linear and MKL's row padding, as on a CPU where oneDNN's rows
     do not come out alike (models/linear.py)."""
     with pytest.MonkeyPatch.context() as patch:
@@ -54,9 +55,22 @@ def unpacked_model():
     return loaded
 
 
-@pytest.mark.parametrize("kernels", ["as_loaded", "f_linear"])
+@pytest.fixture(scope="module")
+def grouped_kernel_model():
+    """The default model with its linears on the grouped kernel and no row padding, as on a CPU
+    whose oneDNN cannot run the dtype (models/linear.py)."""
+    if load_kernel() is None:
+        pytest.skip("the grouped kernel cannot be built or run here")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(linear, "_pack_onednn", lambda layers: False)
+        loaded = load_model(default_folder(), dtype="float32", device="cpu")
+    assert loaded.model.row_padding is linear.KERNEL_ROWS
+    return loaded
+
+
+@pytest.mark.parametrize("kernels", ["as_loaded", "f_linear", "grouped_kernel"])
 def test_batched_greedy_equals_each_alone(kernels, request):
-    loaded = default_model() if kernels == "as_loaded" else request.getfixturevalue("unpacked_model")
+    loaded = default_model() if kernels == "as_loaded" else request.getfixturevalue(f"{kernels}_model")
     assert 52 <= len(_ids(PROMPTS[-2])) <= 63 and len(_ids(PROMPTS[-1])) > 64
     alone = {}
     for uid, prompt in enumerate(PROMPTS):

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from freetoken.config import ParallelConfig
 from freetoken.engine.engine import Engine, StepPlan
-from freetoken.models.linear import MKL_ROWS
+from freetoken.models.linear import RULES
 
 HEARTBEAT_S = 1.0
 STOP = "stop"
@@ -156,12 +156,11 @@ def load_rank(config, rank: int):
     loaded = load_model(config.model_folder, dtype=config.dtype, device=str(device),
                         shard=partial(shard_model, group=group))
     # Rank 0 pads every step for all ranks: to the strictest rule any rank's kernels need
-    # (MKL's rows also suit oneDNN, not the reverse).
-    strict = torch.tensor([int(loaded.model.row_padding == MKL_ROWS)])
+    # (RULES runs from the loosest: MKL's rows also suit oneDNN, not the reverse).
+    strict = torch.tensor([RULES.index(loaded.model.row_padding)])
     with _lost():
         dist.all_reduce(strict, op=dist.ReduceOp.MAX)
-    if strict.item():
-        set_row_padding(loaded.model, MKL_ROWS)
+    set_row_padding(loaded.model, RULES[int(strict.item())])
     return loaded, group
 
 

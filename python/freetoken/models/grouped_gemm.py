@@ -1,18 +1,18 @@
-"""The grouped expert GEMM of grouped_gemm.c: built with the system's C compiler at first use,
-called through ctypes.
+"""The grouped GEMM of grouped_gemm.c: built with the system's C compiler at first use, called
+through ctypes. It runs the MoE experts (models/moe.py: one call per projection for all of a
+layer's experts) and, where oneDNN cannot, the dense layers (models/linear.py: one group each).
 
 Why our own kernel: a decode step gives each active expert a few rows, and torch's CPU GEMMs
 (oneDNN and MKL alike) read an expert's weights at about half the memory bandwidth one core
 reaches on a plain sum, and split a small GEMM poorly over threads (scripts/bench_engine.py
 --tables moe measures both paths). The kernel streams each weight strip once for all of its
-rows and is batch-invariant by construction (see the C file), so expert rows need no padding.
+rows and is batch-invariant by construction (see the C file), so its rows need no padding.
 
 Weights are read as float32 or bfloat16 (widened exactly), rows and sums are float32: a
-bfloat16 model's experts read half the bytes and accumulate as a float32 GEMM does. Where it
-cannot be used (no C compiler, not x86-64 with AVX2/FMA, another dtype, not a CPU tensor, or
-FREETOKEN_NO_KERNELS set), `load()` returns None and the experts run on
-packed torch Linears as before; the server logs which.
-"""
+bfloat16 model reads half the bytes and accumulates as a float32 GEMM does. Where it cannot be
+used (no C compiler, not x86-64 with AVX2/FMA, another dtype, not a CPU tensor, or
+FREETOKEN_NO_KERNELS set), `load()` returns None and the layers run on torch's kernels; the
+server logs why."""
 
 from __future__ import annotations
 
@@ -39,8 +39,9 @@ KERNELS = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 @dataclass(frozen=True)
-class PackedExperts:
-    """One projection of all of a layer's experts in the kernel's layout."""
+class PackedLinears:
+    """Same-shaped linear layers (one projection of a layer's experts, or one dense layer) in the
+    kernel's layout."""
 
     weight: torch.Tensor  # [E, strips, K, 16], float32 or bfloat16 as the model's
     bias: torch.Tensor | None  # [E, strips * 16] float32, zero past N
@@ -48,7 +49,7 @@ class PackedExperts:
     out_features: int
 
 
-def pack(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> PackedExperts:
+def pack(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> PackedLinears:
     """Per-expert nn.Linear weights ([N, K] each, one dtype of KERNELS) and biases ([N] or None)
     in strips of 16 output columns."""
     n, k = weights[0].shape
@@ -62,14 +63,17 @@ def pack(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> Pack
         bias = torch.zeros(len(weights), strips * STRIP, dtype=torch.float32)
         for e, b in enumerate(biases):
             bias[e, :n] = b
-    return PackedExperts(packed, bias, k, n)
+    return PackedLinears(packed, bias, k, n)
 
 
-def grouped_gemm(lib: ctypes.CDLL, x: torch.Tensor, experts: PackedExperts,
-                 groups: torch.Tensor) -> torch.Tensor:
+def grouped_gemm(lib: ctypes.CDLL, x: torch.Tensor, experts: PackedLinears,
+                 groups: torch.Tensor | None = None) -> torch.Tensor:
     """x [R, K] (rows grouped by expert); groups [G, 3] int64 (expert, first row, row count),
-    covering every row of x; returns [R, N] in x's dtype, accumulated in float32."""
+    covering every row of x, or None: all rows through the first layer; returns [R, N] in x's
+    dtype, accumulated in float32."""
     rows = x.float().contiguous()
+    if groups is None:
+        groups = torch.tensor([[0, 0, rows.shape[0]]], dtype=torch.int64)
     assert groups.is_contiguous() and groups.dtype == torch.int64
     y = torch.empty(rows.shape[0], experts.out_features, dtype=torch.float32)
     bias = experts.bias.data_ptr() if experts.bias is not None else None
@@ -87,11 +91,12 @@ def load() -> ctypes.CDLL | None:
         return None
     try:
         lib = ctypes.CDLL(str(build()))
-    except (OSError, subprocess.CalledProcessError, FileNotFoundError) as exc:
-        log.warning("grouped expert kernel unavailable (%s); experts run on torch Linears", exc)
+    except OSError as exc:  # FileNotFoundError too: no compiler
+        log.warning("grouped GEMM kernel unavailable (%s); layers run on torch kernels", exc)
         return None
     if not lib.grouped_gemm_supported():
-        log.info("this CPU lacks AVX2/FMA; experts run on torch Linears")
+        log.info("this CPU lacks AVX2/FMA, which the grouped GEMM kernel needs; layers run on "
+                 "torch kernels")
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for suffix in KERNELS.values():
@@ -117,7 +122,10 @@ def build() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
     # -fopenmp links libgomp.so.1, which resolves to the copy torch already loaded.
-    subprocess.run([compiler, "-O3", "-fopenmp", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE)],
-                   check=True, capture_output=True)
+    command = [compiler, "-O3", "-fopenmp", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE)]
+    try:
+        subprocess.run(command, check=True, capture_output=True, text=True)
+    except subprocess.CalledProcessError as exc:
+        raise OSError(f"{compiler} failed: {exc.stderr.strip()[-500:]}") from exc
     os.replace(tmp, target)
     return target

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from freetoken.models.grouped_gemm import KERNELS, PackedExperts, grouped_gemm, pack
+from freetoken.models.grouped_gemm import KERNELS, PackedLinears, grouped_gemm, pack
 from freetoken.models.grouped_gemm import load as load_kernel
 from freetoken.models.linear import MKL_ROWS, Linear, RowPadding
 
@@ -65,7 +65,7 @@ class Experts(nn.Module):
     # ranks' partial outputs.
     sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None
     # Set by `stack`: the experts' projections in the grouped kernel's layout, and the kernel.
-    stacked: tuple[PackedExperts, PackedExperts] | None = None
+    stacked: tuple[PackedLinears, PackedLinears] | None = None
     kernel: ctypes.CDLL | None = None
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, bias: bool,
