@@ -10,7 +10,8 @@ from torch import nn
 
 from freetoken.models.grouped_gemm import load as load_kernel
 from freetoken.models.linear import MKL_ROWS, pack_linears
-from freetoken.models.moe import Experts, silu_and_mul, softmax_topk, split_stacked_experts
+from freetoken.models import moe
+from freetoken.models.moe import Experts, silu_and_mul, softmax_topk, split_stacked_experts, stack_experts
 
 E, H, I, K = 8, 48, 80, 2
 
@@ -90,3 +91,14 @@ def test_split_stacked_experts_makes_per_expert_linears():
     assert torch.equal(state["m.experts.2.down_proj.weight"], down[2].T)
     assert state["m.experts.0.down_proj.bias"].shape == (2,)
     assert "m.gate.weight" in state and not any(k.endswith("experts.down_proj") for k in state)
+
+
+@pytest.mark.skipif(load_kernel() is None, reason="the grouped kernel cannot be built or run here")
+@pytest.mark.parametrize("alike", [True, False])
+def test_experts_go_on_the_kernel_only_where_its_rows_come_out_alike(monkeypatch, alike):
+    """The load-time check behind the kernel path, and its exact fallback: packed Linears."""
+    if not alike:
+        monkeypatch.setattr(moe, "kernel_rows_alike", lambda *args: False)
+    experts = _experts(bias=True)
+    stack_experts(experts)
+    assert (experts.stacked is not None) == alike and (experts.experts is None) == alike

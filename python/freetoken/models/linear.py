@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 from functools import partial
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -75,16 +76,23 @@ class Linear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-@torch.inference_mode()
 def rows_alike(layer: Linear, padding: RowPadding) -> bool:
-    """Does every row count allowed by `padding` give the first and last rows the same bits?"""
+    """Does every row count allowed by `padding` give the layer's first and last rows the same
+    bits? The kernel alone is probed: a tensor-parallel layer's forward adds a collective, and
+    ranks whose slices differ in shape probe different shapes."""
+    return kernel_rows_alike(partial(Linear.forward, layer), layer.in_features, layer.weight.dtype,
+                             padding)
+
+
+@torch.inference_mode()
+def kernel_rows_alike(run: Callable[[torch.Tensor], torch.Tensor], in_features: int,
+                      dtype: torch.dtype, padding: RowPadding) -> bool:
+    """Does `run` (x [rows, in_features] -> [rows, out]) give the first and last rows the same
+    bits at every row count `padding` allows?"""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(max(PROBE_ROWS) + 4, layer.in_features, generator=gen).to(layer.weight.dtype)
+    x = torch.randn(max(PROBE_ROWS) + 4, in_features, generator=gen).to(dtype)
     counts = sorted({n + padding.pad(n) for n in PROBE_ROWS})
     base = counts[0]
-    # The kernel alone: a tensor-parallel layer's forward adds a collective, and ranks whose
-    # slices differ in shape probe different shapes.
-    run = partial(Linear.forward, layer)
     first = run(x[:base])[0]
     for n in counts[1:]:
         out = run(x[:n])

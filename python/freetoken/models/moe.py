@@ -18,6 +18,7 @@ an expert's fused gate/up projection and its down projection.
 from __future__ import annotations
 
 import ctypes
+from functools import partial
 from typing import Callable
 
 import torch
@@ -26,7 +27,7 @@ from torch import nn
 
 from freetoken.models.grouped_gemm import KERNELS, PackedLinears, grouped_gemm, pack
 from freetoken.models.grouped_gemm import load as load_kernel
-from freetoken.models.linear import MKL_ROWS, Linear, RowPadding
+from freetoken.models.linear import KERNEL_ROWS, MKL_ROWS, Linear, RowPadding, kernel_rows_alike
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
@@ -133,15 +134,24 @@ class Experts(nn.Module):
 
 
 def stack_experts(model: nn.Module) -> None:
-    """Put every CPU Experts of `model` on the grouped kernel, where it runs here."""
+    """Put every CPU Experts of `model` on the grouped kernel, where it runs here and a row's
+    bits come out the same at every row count on the experts' own shapes (checked, as the
+    dense layers' are; otherwise they stay on packed Linears)."""
     layers = [m for m in model.modules() if isinstance(m, Experts)]
     weight = layers[0].experts[0].down_proj.weight if layers else None
     if weight is None or weight.dtype not in KERNELS or weight.device.type != "cpu":
         return
     kernel = load_kernel()
-    if kernel is not None:
-        for layer in layers:
-            layer.stack(kernel)
+    if kernel is None:
+        return
+    for name in ("gate_up_proj", "down_proj"):
+        probe = getattr(layers[0].experts[0], name)
+        packed = pack([probe.weight], [probe.bias])
+        run = partial(grouped_gemm, kernel, experts=packed)
+        if not kernel_rows_alike(run, probe.in_features, probe.weight.dtype, KERNEL_ROWS):
+            return
+    for layer in layers:
+        layer.stack(kernel)
 
 
 def set_row_padding(model: nn.Module, padding: RowPadding) -> None:
