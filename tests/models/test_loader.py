@@ -60,3 +60,31 @@ def test_stacked_experts_convert_as_saved_ones(fixture, request):
     # A tied head is in transformers' state dict, not in the file.
     assert set(ours) - set(saved) <= {"lm_head.weight"}
     assert all(torch.equal(ours[k], saved[k]) for k in saved)
+
+
+def test_a_qwen3moe_gguf_loads_as_its_hf_folder():
+    """A qwen3moe GGUF written as llama.cpp's converter writes one, through transformers' GGUF
+    loader: the experts' width, which transformers (5.24) does not read from the file unaided
+    (loader.GGUF_CONFIG_EXTRAS), and the weights come out as in the HF folder of the same
+    weights, so a greedy run gives the same tokens and logprobs, and the folder's matches
+    transformers."""
+    from fixtures import build_models as bm
+
+    from freetoken.scheduler.factory import build_scheduler
+    from tests.model_fixtures import assert_matches_reference, assert_same_run, greedy_run
+
+    built = bm.cached("tiny-qwen3-moe-gguf", bm.build_qwen3_moe_gguf)
+    from_gguf = loader.load_model(built / "model.gguf", dtype="float32", device="cpu")
+    from_folder = loader.load_model(built / "hf", dtype="float32", device="cpu")
+    assert type(from_gguf.model).__name__ == "Qwen3MoeForCausalLM"
+    assert from_gguf.model.cfg.moe_intermediate_size == from_folder.model.cfg.moe_intermediate_size == 32
+    text = "<|start|>user<|message|>Hello, world: count 1 2 3 4<|end|>"
+    prompt = from_folder.tokenizer.encode(text)
+    # The vocabulary and special ids carry over; the pre-tokenizer's split rule is transformers'
+    # choice for the architecture (a GGUF names it only), so the prompt is given as ids.
+    assert from_gguf.tokenizer.get_vocab() == from_folder.tokenizer.get_vocab()
+    assert from_gguf.tokenizer.decode(from_gguf.tokenizer.encode(text)) == text
+    runs = [greedy_run(build_scheduler(loaded, kv_slots=256), {0: prompt}, steps=8)[0][0]
+            for loaded in (from_gguf, from_folder)]
+    assert_same_run(*runs, tol=1e-6)
+    assert_matches_reference(built / "hf", prompt, runs[1])

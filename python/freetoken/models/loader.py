@@ -106,6 +106,25 @@ def cache_root() -> Path:
     return Path(os.environ.get("FREETOKEN_CACHE", Path.home() / ".cache" / "freetoken"))
 
 
+# GGUF metadata transformers' GGUF loader (5.24) does not map into the config, by its model
+# type: without them a Qwen MoE's experts get transformers' default width, which fails to load
+# unless it happens to match (Qwen3-30B-A3B's 768 does, Qwen3-Coder-480B-A35B's 2560 does not).
+# Added to transformers' own table, which its loader reads while parsing the file once.
+GGUF_CONFIG_EXTRAS = {
+    "qwen3_moe": {"expert_feed_forward_length": "moe_intermediate_size"},
+    "qwen2_moe": {"expert_feed_forward_length": "moe_intermediate_size",
+                  "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
+}
+
+
+def _map_gguf_extras() -> None:
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    for model_type, keys in GGUF_CONFIG_EXTRAS.items():
+        for key, name in keys.items():
+            GGUF_CONFIG_MAPPING[model_type].setdefault(key, name)
+
+
 def gguf_to_folder(gguf: Path) -> Path:
     """Convert a GGUF file once into an HF folder; later loads read the folder (about 1 s)."""
     stat = gguf.stat()
@@ -117,6 +136,7 @@ def gguf_to_folder(gguf: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    _map_gguf_extras()
     hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
