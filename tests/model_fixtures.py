@@ -17,12 +17,14 @@ def default_model():
     return load_model(None, dtype="float32", device="cpu")
 
 
-@functools.lru_cache(maxsize=None)
+# A few per process, not all: a test worker that kept every model it met (and transformers'
+# copy of each) held ~3 GB by the end of the suite, next to the servers of the e2e tests.
+@functools.lru_cache(maxsize=2)
 def loaded_fp32(folder: Path):
     return load_model(folder, dtype="float32", device="cpu")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=2)
 def hf_reference(folder: Path):
     from transformers import AutoModelForCausalLM
 

@@ -44,7 +44,7 @@ def _ids(prompt):
     return default_model().tokenizer.encode(prompt)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def f_linear_model():
     """The default model on F.linear and MKL's row padding, as on a CPU where oneDNN's rows
     do not come out alike (models/linear.py)."""
@@ -55,7 +55,7 @@ def f_linear_model():
     return loaded
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def grouped_kernel_model():
     """The default model with its linears on the grouped kernel and no row padding, as on a CPU
     whose oneDNN cannot run the dtype (models/linear.py)."""
