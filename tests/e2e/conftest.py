@@ -1,4 +1,4 @@
-"""Session-scoped real servers and scripted models for the end-to-end tests."""
+"""Real servers the end-to-end modules share (through one pool per worker) and scripted models."""
 
 from __future__ import annotations
 
@@ -9,21 +9,29 @@ from pathlib import Path
 import pytest
 
 from fixtures import build_models as bm
-from tests.e2e.support import HARMONY_SCRIPTS, Server, chat_scripts
+from tests.e2e.support import HARMONY_SCRIPTS, ServerPool, chat_scripts
 
 
 @pytest.fixture(scope="session")
-def default_server():
-    server = Server()
-    yield server
-    server.stop()
+def server_pool():
+    pool = ServerPool(keep=1)
+    yield pool
+    pool.close()
 
 
-@pytest.fixture(scope="session")
-def scripted_server(scripted_model_path):
-    server = Server("--model", str(scripted_model_path))
-    yield server
-    server.stop()
+@pytest.fixture(scope="module", autouse=True)
+def _module_servers(server_pool):
+    server_pool.enter_module()
+
+
+@pytest.fixture(scope="module")
+def default_server(server_pool):
+    return server_pool.get()
+
+
+@pytest.fixture(scope="module")
+def scripted_server(server_pool, scripted_model_path):
+    return server_pool.get("--model", str(scripted_model_path))
 
 
 @pytest.fixture(scope="session")
@@ -35,21 +43,17 @@ def chat_model_path(make_scripted_model, qwen35_tokenizer) -> Path:
                                alternatives=bm.DEFAULT_ALTERNATIVES)
 
 
-@pytest.fixture(scope="session")
-def chat_server(chat_model_path):
+@pytest.fixture(scope="module")
+def chat_server(server_pool, chat_model_path):
     """chat_model_path with qwen3 reasoning (auto) and the qwen3_coder tool parser."""
-    server = Server("--model", str(chat_model_path), "--tool-call-parser", "qwen3_coder")
-    yield server
-    server.stop()
+    return server_pool.get("--model", str(chat_model_path), "--tool-call-parser", "qwen3_coder")
 
 
-@pytest.fixture(scope="session")
-def plain_server(chat_model_path):
+@pytest.fixture(scope="module")
+def plain_server(server_pool, chat_model_path):
     """chat_model_path with no parser at all."""
-    server = Server("--model", str(chat_model_path), "--reasoning-parser", "off",
-                    "--tool-call-parser", "off")
-    yield server
-    server.stop()
+    return server_pool.get("--model", str(chat_model_path), "--reasoning-parser", "off",
+                           "--tool-call-parser", "off")
 
 
 @pytest.fixture(scope="session")
@@ -69,9 +73,21 @@ def harmony_scripted_path(tiny_harmony_path, tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.fixture(scope="session")
-def harmony_server(harmony_scripted_path):
+@pytest.fixture(scope="module")
+def harmony_server(server_pool, harmony_scripted_path):
     """Harmony scripted model; auto picks the gpt_oss reasoning and tool parsers."""
-    server = Server("--model", str(harmony_scripted_path))
-    yield server
-    server.stop()
+    return server_pool.get("--model", str(harmony_scripted_path))
+
+
+@pytest.fixture(scope="module")
+def hermes_server(server_pool, tiny_qwen3_path):
+    """The tiny Qwen3 (real weights, no script) with qwen3 reasoning and hermes tool calls."""
+    return server_pool.get("--model", str(tiny_qwen3_path), "--tool-call-parser", "hermes",
+                           "--reasoning-parser", "qwen3")
+
+
+@pytest.fixture(scope="module")
+def coder_server(server_pool, tiny_qwen3_path):
+    """The tiny Qwen3 with qwen3_coder tool calls and no reasoning parser."""
+    return server_pool.get("--model", str(tiny_qwen3_path), "--tool-call-parser", "qwen3_coder",
+                           "--reasoning-parser", "off")

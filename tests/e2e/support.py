@@ -31,6 +31,10 @@ def free_port() -> int:
 def _die_with_parent() -> None:
     # A killed test run must not leave servers behind (Linux: PR_SET_PDEATHSIG = 1).
     ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+    # Should the suite ever run out of memory, the kernel kills a server (its tests fail) rather
+    # than a pytest-xdist worker, after which the run hangs instead of failing. Inherited by the
+    # engine processes.
+    Path("/proc/self/oom_score_adj").write_text("500")
 
 
 class Server:
@@ -78,6 +82,43 @@ class Server:
         return self.log.read().decode(errors="replace")
 
 
+class ServerPool:
+    """The servers the e2e modules of one test worker share, started on first use.
+
+    Every server the suite shares kept up at once (two workers, each with its own) outgrows
+    CI's 24 GB, so once a module is done its servers are idle and only the `keep` most recently
+    used idle ones stay up; the rest stop when the next module starts. Test files run one at a
+    time per worker (`--dist loadfile`), so a module never loses a server it is using.
+    """
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self._servers: dict[tuple[str, ...], Server] = {}  # least recently used first
+        self._in_use: set[tuple[str, ...]] = set()
+
+    def enter_module(self) -> None:
+        self._in_use = set()
+        self._stop_idle(self.keep)
+
+    def get(self, *args: str) -> Server:
+        server = self._servers.pop(args, None)
+        if server is None:
+            self._stop_idle(self.keep)
+            server = Server(*args)
+        self._servers[args] = server
+        self._in_use.add(args)
+        return server
+
+    def close(self) -> None:
+        self._in_use = set()
+        self._stop_idle(0)
+
+    def _stop_idle(self, keep: int) -> None:
+        idle = [args for args in self._servers if args not in self._in_use]
+        for args in idle[: max(0, len(idle) - keep)]:
+            self._servers.pop(args).stop()
+
+
 def children(pid: int) -> list[int]:
     """Pids of the live processes whose parent is `pid`."""
     out = []
@@ -108,10 +149,6 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
     while any(alive(p) for p in pids) and time.time() < deadline:
         time.sleep(0.05)
     return [p for p in pids if alive(p)]
-
-
-
-
 
 
 def _byte_of_char() -> dict[str, int]:

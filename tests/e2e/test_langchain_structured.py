@@ -11,7 +11,7 @@ import langchain_openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.e2e.test_structured_outputs import NO_THINKING, hermes_args, shared_server
+from tests.e2e.test_structured_outputs import NO_THINKING
 
 pytestmark = pytest.mark.slow
 
@@ -37,9 +37,8 @@ def test_json_schema_method_returns_the_model(default_server):
     assert isinstance(llm.invoke("Plan a three-day train trip to Paris."), Trip)
 
 
-def test_function_calling_method_returns_the_model(tiny_qwen3_path):
+def test_function_calling_method_returns_the_model(hermes_server):
     # One tool family is enough here: test_structured_outputs.py covers hermes and qwen3_coder.
-    server = shared_server(*hermes_args(tiny_qwen3_path))
-    llm = chat_model(server, **NO_THINKING)
+    llm = chat_model(hermes_server, **NO_THINKING)
     out = llm.with_structured_output(Trip, method="function_calling").invoke("Plan a trip to Oslo.")
     assert isinstance(out, Trip)

@@ -7,7 +7,6 @@ Requests that can run together are sent together: the engine batches them.
 
 from __future__ import annotations
 
-import atexit
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -237,35 +236,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 PARAMS = {"get_weather": WEATHER, "set_alarm": ALARM}
 THINK_END = 248069  # </think> in the Qwen3.5 vocabulary
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
-
-_SHARED: dict[tuple[str, ...], Server] = {}
-
-
-def shared_server(*args: str) -> Server:
-    """One server per argument list for this session (test_langchain_structured.py uses these
-    too): each start costs a model load and, on the first grammar, llguidance's tokenizer."""
-    if args not in _SHARED:
-        _SHARED[args] = Server(*args)
-        atexit.register(_SHARED[args].stop)
-    return _SHARED[args]
-
-
-def hermes_args(path) -> tuple[str, ...]:
-    return ("--model", str(path), "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
-
-
-def coder_args(path) -> tuple[str, ...]:
-    return ("--model", str(path), "--tool-call-parser", "qwen3_coder", "--reasoning-parser", "off")
-
-
-@pytest.fixture(scope="module")
-def hermes_server(tiny_qwen3_path):
-    return shared_server(*hermes_args(tiny_qwen3_path))
-
-
-@pytest.fixture(scope="module")
-def coder_server(tiny_qwen3_path):
-    return shared_server(*coder_args(tiny_qwen3_path))
 
 
 def tool_body(tool_choice, **extra) -> dict:
