@@ -42,6 +42,27 @@ def test_an_unsupported_architecture_is_named_with_the_supported_list(tmp_path):
         loader.load_model(tmp_path)
 
 
+# deepseek2: transformers (5.24) lists no such GGUF architecture; qwen35: none either, and its
+# tokenizer reader fails on a metadata key first. Both used to end the server in a traceback.
+@pytest.mark.parametrize("arch", ["deepseek2", "qwen35"])
+def test_a_gguf_transformers_cannot_convert_is_named_with_both_lists(tmp_path, arch):
+    import gguf
+    import numpy as np
+
+    path = tmp_path / f"tiny-{arch}.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(loader.ModelNotFound,
+                       match=f"GGUF architecture '{arch}' cannot be converted.*qwen3_moe.*"
+                             "serves LlamaForCausalLM.*GptOssForCausalLM"):
+        loader.load_model(path)
+
+
 @pytest.mark.parametrize("fixture", ["tiny_qwen3_moe_path", "tiny_gpt_oss_path"])
 def test_stacked_experts_convert_as_saved_ones(fixture, request):
     """transformers 5 holds experts stacked ([E, ...] tensors), as a GGUF converted by

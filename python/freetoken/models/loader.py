@@ -135,9 +135,19 @@ def gguf_to_folder(gguf: Path) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     _map_gguf_extras()
-    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except (ValueError, KeyError) as exc:  # an architecture transformers maps not, or only in part
+        from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+        raise ModelNotFound(
+            f"{gguf.name}: GGUF architecture {_gguf_architecture(gguf)!r} cannot be converted by "
+            f"transformers' GGUF loader ({exc!r}); it converts "
+            f"{', '.join(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ('general', 'tokenizer'))}; "
+            f"freetoken serves {', '.join(SUPPORTED_ARCHITECTURES)}, as HF folders where no GGUF "
+            "conversion exists") from exc
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(tmp)
@@ -156,6 +166,13 @@ def gguf_to_folder(gguf: Path) -> Path:
             raise
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def _gguf_architecture(gguf: Path) -> str:
+    from gguf import GGUFReader
+
+    field = GGUFReader(gguf).fields.get("general.architecture")
+    return bytes(field.parts[field.data[0]]).decode() if field else "?"
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
