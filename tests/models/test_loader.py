@@ -63,6 +63,18 @@ def test_a_gguf_transformers_cannot_convert_is_named_with_both_lists(tmp_path, a
         loader.load_model(path)
 
 
+def test_a_gguf_transformers_maps_only_in_part_is_refused_not_served_half_random(tmp_path):
+    """transformers initialises the weights it finds no tensor for at random and says so in a
+    log line only; the loader refuses such a file (here a qwen3moe GGUF without one layer's
+    stacked down projections)."""
+    from fixtures import build_models as bm
+
+    built = bm.build_qwen3_moe_gguf(tmp_path, leave_out=("blk.1.ffn_down_exps.weight",))
+    with pytest.raises(loader.ModelNotFound, match=r"no tensor for \d+ weights of "
+                       r"Qwen3MoeForCausalLM \(model\.layers\.1\.mlp\.experts"):
+        loader.load_model(built / "model.gguf")
+
+
 @pytest.mark.parametrize("fixture", ["tiny_qwen3_moe_path", "tiny_gpt_oss_path"])
 def test_stacked_experts_convert_as_saved_ones(fixture, request):
     """transformers 5 holds experts stacked ([E, ...] tensors), as a GGUF converted by

@@ -138,7 +138,8 @@ def gguf_to_folder(gguf: Path) -> Path:
     _map_gguf_extras()
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        hf, info = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                        dtype=torch.float32, output_loading_info=True)
     except (ValueError, KeyError) as exc:  # an architecture transformers maps not, or only in part
         from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
@@ -148,6 +149,12 @@ def gguf_to_folder(gguf: Path) -> Path:
             f"{', '.join(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ('general', 'tokenizer'))}; "
             f"freetoken serves {', '.join(SUPPORTED_ARCHITECTURES)}, as HF folders where no GGUF "
             "conversion exists") from exc
+    if info["missing_keys"]:  # transformers would leave them randomly initialised, and say so only in a log line
+        missing = sorted(info["missing_keys"])
+        raise ModelNotFound(
+            f"{gguf.name}: transformers' GGUF loader found no tensor for {len(missing)} weights of "
+            f"{type(hf).__name__} ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); "
+            "pass the model's HF folder")
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(tmp)
