@@ -102,7 +102,7 @@ class ServerPool:
 
     def get(self, *args: str) -> Server:
         server = self._servers.pop(args, None)
-        if server is None:
+        if server is None or server.proc.poll() is not None:  # a dead one is replaced
             self._stop_idle(self.keep)
             server = Server(*args)
         self._servers[args] = server
