@@ -149,7 +149,8 @@ def gguf_to_folder(gguf: Path) -> Path:
             f"{', '.join(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ('general', 'tokenizer'))}; "
             f"freetoken serves {', '.join(SUPPORTED_ARCHITECTURES)}, as HF folders where no GGUF "
             "conversion exists") from exc
-    if info["missing_keys"]:  # transformers would leave them randomly initialised, and say so only in a log line
+    # transformers leaves weights it found no tensor for randomly initialised, with a log line.
+    if info["missing_keys"]:
         missing = sorted(info["missing_keys"])
         raise ModelNotFound(
             f"{gguf.name}: transformers' GGUF loader found no tensor for {len(missing)} weights of "
