@@ -140,15 +140,17 @@ def gguf_to_folder(gguf: Path) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         hf, info = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                         dtype=torch.float32, output_loading_info=True)
-    except (ValueError, KeyError) as exc:  # an architecture transformers maps not, or only in part
+    # An architecture transformers does not know (ValueError), knows only in part (KeyError), or
+    # reads into a config its tensors do not fit (RuntimeError).
+    except (ValueError, KeyError, RuntimeError) as exc:
         from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
         raise ModelNotFound(
-            f"{gguf.name}: GGUF architecture {_gguf_architecture(gguf)!r} cannot be converted by "
-            f"transformers' GGUF loader ({exc!r}); it converts "
+            f"{gguf.name}: transformers' GGUF loader could not convert this GGUF architecture "
+            f"{_gguf_architecture(gguf)!r} ({exc!r}). It lists "
             f"{', '.join(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ('general', 'tokenizer'))}; "
             f"freetoken serves {', '.join(SUPPORTED_ARCHITECTURES)}, as HF folders where no GGUF "
-            "conversion exists") from exc
+            "conversion works") from exc
     # transformers leaves weights it found no tensor for randomly initialised, with a log line.
     if info["missing_keys"]:
         missing = sorted(info["missing_keys"])
