@@ -90,9 +90,11 @@ def test_tacit_one_forward_and_adaptive(server, folder):
         probs = [math.exp(v - m) for v in values]
         assert [p / sum(probs) for p in probs] == pytest.approx(list(d["probs"].values()), abs=1e-4)
         assert d["route"] == "one_forward"
-    # Every decision wants a reasoning pass (tau), half may have one.
+    # Every decision wants a reasoning pass (tau), half may have one. Greedy: anyjev counts
+    # reasoning tokens by re-tokenizing the text, and the random model's sampled text (its
+    # default temperature 0.6) re-tokenized into 18 tokens once.
     adaptive = Tacit(tacit.engine, tacit.tok, adaptive=True, tau=1e9, max_cot_share=0.5,
-                     cot_window=None, cot_max_tokens=16)
+                     cot_window=None, cot_max_tokens=16, temperature=0.0)
     routes = adaptive.decide_batch(items)
     assert sorted(d["route"] for d in routes) == ["cot", "one_forward"]
     for d in routes:
