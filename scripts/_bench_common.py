@@ -178,31 +178,40 @@ def gemm_roofline(dtype: str, seconds: float = 1.0) -> dict[str, float]:
     """Peak GEMM GFLOP/s on this machine, measured now on the model's own shapes.
 
     The shapes are the MLP/attention projections of a ~1000-token prefill of the default model
-    (M tokens x K hidden -> N). Two kernels: `torch.mm` (MKL on a CPU build) and oneDNN's packed
-    linear, which our engine runs (models/linear.py); each gets the best of its shapes.
+    (M tokens x K hidden -> N). The kernels: `torch.mm` (MKL for float32 on a CPU build, oneDNN
+    for bfloat16) and each candidate of models/linear.py that runs here, called in one piece
+    (no row rule); each gets the best of its shapes.
     """
-    from freetoken.models.linear import Linear, onednn_available
+    from freetoken.models.linear import CANDIDATES, Linear, prepare
 
     shapes = [(1024, 576, 1536), (1024, 1536, 576), (2048, 576, 1536), (1024, 576, 576)]
-    with_onednn = onednn_available(torch.device("cpu"))
-    best = dict.fromkeys(["torch.mm", "oneDNN"] if with_onednn else ["torch.mm"], 0.0)
+    best: dict[str, float] = {}
     for m, k, n in shapes:
         a = torch.randn(m, k).to(DTYPES[dtype])
         b = torch.randn(k, n).to(DTYPES[dtype])
+        layer = Linear(k, n, bias=False).to(DTYPES[dtype]).requires_grad_(False)
         kernels = {"torch.mm": lambda: torch.mm(a, b)}
-        if with_onednn:
-            layer = Linear(k, n, bias=False).to(DTYPES[dtype]).requires_grad_(False)
-            layer.pack()
-            kernels["oneDNN"] = lambda: layer(a)
+        for name in CANDIDATES[:1] + CANDIDATES[2:]:  # "torch" is torch.mm's F.linear
+            if (run := prepare(name, layer)) is not None:
+                kernels[name] = lambda run=run: run(a)
         for kernel, run in kernels.items():
             run()  # warm-up
             count, t0 = 0, time.perf_counter()
-            while time.perf_counter() - t0 < seconds / len(shapes) / len(best):
+            while time.perf_counter() - t0 < seconds / len(shapes) / len(kernels):
                 run()
                 count += 1
             rate = 2 * m * k * n * count / (time.perf_counter() - t0) / 1e9
-            best[kernel] = max(best[kernel], rate)
+            best[kernel] = max(best.get(kernel, 0.0), rate)
     return best
+
+
+def kernel_heading(loaded) -> None:
+    """The CPU and the kernel each linear layer kind of `loaded` (a LoadedModel) runs on."""
+    from freetoken.models.kernel_choice import cpu_name
+
+    plan = loaded.model.kernel_plan
+    print(f"# cpu: {cpu_name()}; linear kernels ({'batch-invariant' if plan.invariant else 'NOT batch-invariant'}):",
+          "; ".join(f"{kind}: {kernel}" for kind, kernel in plan.kernels.items()), flush=True)
 
 
 # ----------------------------------------------------------------------------- servers

@@ -77,6 +77,7 @@ class Ours:
             self.ranks = start_ranks(config)
             self.loaded, self.group = load_rank(config, 0)
         self.scheduler = build_scheduler(self.loaded, config, self.group)
+        bc.kernel_heading(self.loaded)
         if self.group:
             self.group.setup_barrier()
             for ready, _ in self.ranks:

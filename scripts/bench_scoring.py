@@ -38,6 +38,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench_common as bc  # noqa: E402
 
+from freetoken.models.loader import load_model  # noqa: E402
+
 QUESTION = "\nQuestion: Is this review positive? Answer:"
 LABELS = (" Yes", " No")
 TOPICS = ("a lighthouse", "a lost key", "the first snow", "a robot gardener", "an old map",
@@ -362,6 +364,7 @@ def main() -> None:
     label_ids = [tokenizer.encode(t, add_special_tokens=False)[0] for t in LABELS]
     for dtype in args.dtypes:
         print(f"\n## {dtype}")
+        bc.kernel_heading(load_model(None, dtype=dtype, device="cpu"))
         Run(args, dtype, tokenizer, label_ids).run()
         gc.collect()
 

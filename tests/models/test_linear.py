@@ -1,119 +1,177 @@
-"""Packed linear layers (oneDNN, else the grouped kernel, else F.linear): exact enough,
-row-invariant, and no second copy of the weights."""
+"""Linear layers on the kernel the probe chose: exact, batch-invariant as chosen on this CPU
+(whatever it is), and no second copy of the weights."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from freetoken.models import linear
-from freetoken.models.grouped_gemm import load as load_kernel
-from freetoken.models.linear import KERNEL_ROWS, MKL_ROWS, ONEDNN_ROWS, Linear, onednn_available, pack_linears
-
-pytestmark = pytest.mark.skipif(not onednn_available(torch.device("cpu")),
-                                reason="torch built without oneDNN")
+from freetoken.models.grouped_gemm import grouped_gemm
+from freetoken.models.kernel_choice import Measured, RowRule
+from freetoken.models.linear import CANDIDATES, Linear, choose, pack_linears, prepare
 
 # (in, out) of the default model's fused projections, its LM head, and a wider down projection.
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152), (4864, 896)]
+DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_a_float64_matmul(bias):
-    layer = Linear(576, 192, bias=bias).requires_grad_(False)
-    weight = layer.weight.clone().double()
-    bias_ref = layer.bias.clone().double() if bias else 0
-    layer.pack()
-    x = torch.randn(37, 576)
-    expected = x.double() @ weight.T + bias_ref
-    got = layer(x)
-    assert got.dtype == torch.float32
-    assert (got.double() - expected).abs().max().item() < 1e-4
+@pytest.fixture(autouse=True)
+def _own_probe_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path))
 
 
-@pytest.mark.parametrize("in_features,out_features", SHAPES)
-def test_a_row_gets_the_same_bits_at_every_row_count_the_rule_allows(in_features, out_features):
+def _layer(in_features: int, out_features: int, dtype=torch.float32, bias=False) -> Linear:
     torch.manual_seed(in_features + out_features)
-    layer = Linear(in_features, out_features, bias=False).requires_grad_(False)
-    rule = pack_linears(layer)
-    x = torch.randn(304, in_features)
-    counts = [1, 2, 3, 4, 5, 7, 8, 13, 16, 31, 32, 33, 64]
-    if out_features < 10_000:
-        counts += [127, 255, 300]
+    layer = Linear(in_features, out_features, bias=bias).to(dtype).requires_grad_(False)
+    if bias:
+        nn.init.normal_(layer.bias)
+    return layer
+
+
+def _on(kernel: str, layer: Linear, monkeypatch) -> None:
+    """`layer` packed on `kernel` alone; skips where that kernel cannot run or keeps no row rule
+    on this CPU (the probe decides, on this machine, never a list of CPUs)."""
+    monkeypatch.setenv("FREETOKEN_LINEAR_KERNEL", kernel)
+    if prepare(kernel, layer) is None:
+        pytest.skip(f"{kernel} cannot run {layer.weight.dtype} here")
+    pack_linears(layer)
+    if not layer.kernel_plan.invariant:
+        pytest.skip(f"{kernel}: no row rule holds for {layer.weight.dtype} "
+                    f"{layer.in_features}x{layer.out_features} on this CPU")
+
+
+@pytest.mark.parametrize("kernel", CANDIDATES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_each_kernel_matches_a_float64_matmul(kernel, dtype, bias):
+    layer = _layer(576, 192, dtype, bias)
+    run = prepare(kernel, layer)
+    if run is None:
+        pytest.skip(f"{kernel} cannot run {dtype} here")
+    weight = layer.weight.double()
+    bias_ref = layer.bias.double() if bias else 0
+    x = torch.randn(37, 576).to(dtype)
     with torch.inference_mode():
-        reference = layer(x[: 1 + rule.pad(1)])[0]
+        got = run(x)
+    assert got.dtype == dtype
+    expected = x.double() @ weight.T + bias_ref
+    # bfloat16: the output's own rounding (8 bits), on values of size ~sqrt(576).
+    assert (got.double() - expected).abs().max().item() < (0.25 if dtype == torch.bfloat16 else 1e-4)
+
+
+@pytest.mark.parametrize("kernel", ["auto", *CANDIDATES])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("in_features,out_features", SHAPES)
+def test_a_row_gets_the_same_bits_at_every_row_count(kernel, dtype, in_features, out_features,
+                                                     monkeypatch):
+    """Row counts the probe did not try (6, 10, 300, 511: past `most`, split into calls), rows in
+    the middle of their call, against the row computed alone (the layer pads a call below its
+    rule's minimum itself)."""
+    layer = _layer(in_features, out_features, dtype)
+    if kernel == "auto":
+        pack_linears(layer)
+        if not layer.kernel_plan.invariant:
+            pytest.skip(f"no kernel's rows come out alike on {dtype} {in_features}x{out_features} here")
+    else:
+        _on(kernel, layer, monkeypatch)
+    x = torch.randn(530, in_features).to(dtype)
+    counts = [1, 2, 3, 6, 10, 16, 33, 64] + ([300, 511] if out_features < 10_000 else [])
+    with torch.inference_mode():
+        alone = {r: layer(x[r : r + 1])[0] for r in (0, 1, 5, 299, 510)}
         for n in counts:
-            assert torch.equal(layer(x[: n + rule.pad(n)])[0], reference), n
+            out = layer(x[:n])
+            for r, expected in alone.items():
+                if r < n:
+                    assert torch.equal(out[r], expected), (n, r)
 
 
-def _tied_model() -> nn.Module:
+@pytest.mark.parametrize("rows", range(1, 70))
+@pytest.mark.parametrize("rule", [RowRule(1, 32), RowRule(2, 32), RowRule(16, 32), RowRule(16, 256)])
+def test_calls_are_each_allowed_and_cover_the_rows(rule, rows):
+    if rows < rule.minimum:
+        assert rule.pad(rows) == rule.minimum - rows
+        return
+    assert rule.pad(rows) == 0
+    sizes = rule.calls(rows)
+    assert sum(sizes) == rows and all(rule.minimum <= s <= rule.most for s in sizes)
+
+
+def _fake_measure(results: dict[str, tuple[RowRule | None, float]]):
+    def measure(kernel, run, in_features, dtype, device):
+        rule, seconds = results[kernel]
+        return Measured(kernel, rule, seconds)
+    return measure
+
+
+@pytest.mark.parametrize("results,kernel,invariant", [
+    # The fastest kernel whose rows come out alike wins, however fast one that is not.
+    ({"onednn": (RowRule(1, 32), 2.0), "torch": (None, 1.0), "grouped": (RowRule(), 3.0)}, "onednn", True),
+    ({"onednn": (None, 2.0), "torch": (RowRule(16), 5.0), "grouped": (RowRule(), 3.0)}, "grouped", True),
+    # None is: the fastest runs, and the plan says so.
+    ({"onednn": (None, 2.0), "torch": (None, 1.0), "grouped": (None, 3.0)}, "torch", False),
+])
+def test_choice_takes_the_fastest_invariant_kernel(results, kernel, invariant, monkeypatch):
+    """As on a CPU with other kernels' properties than this one's: the probe and timings faked."""
+    if any(prepare(name, _layer(16, 16)) is None for name in CANDIDATES):
+        pytest.skip("not every kernel runs here")
+    monkeypatch.setattr(linear, "measure", _fake_measure(results))
+    model = _tied_model()
+    plan = pack_linears(model)
+    functions = {"onednn": linear._onednn, "torch": linear._f_linear, "grouped": grouped_gemm}
+    assert model.proj.run.func is functions[kernel]
+    assert plan is model.kernel_plan and plan.invariant is invariant
+    assert model.proj.rule == (results[kernel][0] or RowRule())
+    assert any(kernel in v for v in plan.kernels.values())
+
+
+def test_probes_are_kept_per_machine_and_reused(monkeypatch):
+    calls = []
+
+    def measure(kernel, run, in_features, dtype, device):
+        calls.append(kernel)
+        return Measured(kernel, RowRule(), 1.0)
+
+    monkeypatch.setattr(linear, "measure", measure)
+    choose(_layer(16, 24))
+    first = len(calls)
+    assert first >= 1
+    choose(_layer(16, 24))
+    assert len(calls) == first  # read from the cache folder
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # a cap changes the kernels: probed anew
+    choose(_layer(16, 24))
+    assert len(calls) == 2 * first
+
+
+def test_an_unknown_forced_kernel_is_refused(monkeypatch):
+    monkeypatch.setenv("FREETOKEN_LINEAR_KERNEL", "cublas")
+    with pytest.raises(ValueError, match="FREETOKEN_LINEAR_KERNEL"):
+        pack_linears(_layer(16, 16))
+
+
+def _tied_model(dtype=torch.float32) -> nn.Module:
     model = nn.Module()
     model.embed = nn.Embedding(100, 16)
     model.proj = Linear(16, 16, bias=False)
     model.head = Linear(16, 100, bias=False)
     model.head.weight = model.embed.weight
-    return model.requires_grad_(False)
+    return model.requires_grad_(False).to(dtype)
 
 
-def test_packing_frees_plain_weights_but_keeps_a_tied_embedding():
+@pytest.mark.parametrize("kernel", CANDIDATES)
+def test_packing_frees_plain_weights_but_keeps_a_tied_embedding(kernel, monkeypatch):
     model = _tied_model()
+    if prepare(kernel, model.proj) is None:
+        pytest.skip(f"{kernel} cannot run here")
+    monkeypatch.setenv("FREETOKEN_LINEAR_KERNEL", kernel)
     embedding = model.embed.weight.detach().clone()
-    rule = pack_linears(model)
+    proj = model.proj.weight.detach().double().clone()
+    pack_linears(model)
     x = torch.randn(4, 16)
-    assert torch.allclose(model.head(x), x @ embedding.T, atol=1e-5)
-    assert torch.equal(model.embed.weight, embedding)
-    # A layer left on F.linear (the rows were not alike on this CPU) keeps its weight.
-    assert model.proj.weight.numel() == (0 if rule is ONEDNN_ROWS else 16 * 16)
-
-
-def test_layers_stay_on_f_linear_when_rows_are_not_alike(monkeypatch):
-    monkeypatch.setattr(linear, "rows_alike", lambda layer, padding: False)
-    model = _tied_model()
-    proj = model.proj.weight.detach().clone()
-    assert pack_linears(model) is MKL_ROWS
-    assert model.proj.packed is None and model.head.packed is None
-    x = torch.randn(4, 16)
-    assert torch.equal(model.proj(x), F.linear(x, proj))
-
-
-@pytest.mark.parametrize("rows,pad", [(1, 1), (2, 0), (3, 0), (7, 0)])
-def test_onednn_rule_pads_only_a_single_row(rows, pad):
-    assert ONEDNN_ROWS.pad(rows) == pad
-
-
-@pytest.mark.parametrize("rows,pad", [(1, 3), (4, 0), (5, 3), (12, 0)])
-def test_mkl_rule_pads_to_a_multiple_of_four(rows, pad):
-    assert MKL_ROWS.pad(rows) == pad
-
-
-def test_a_kernel_error_while_packing_leaves_f_linear(monkeypatch):
-    def fail(layer, padding):
-        raise RuntimeError("oneDNN cannot run this dtype here")
-
-    monkeypatch.setattr(linear, "rows_alike", fail)
-    model = _tied_model()
-    assert pack_linears(model) is MKL_ROWS
-    assert model.proj.packed is None and model.proj.weight.numel() == 16 * 16
-
-
-@pytest.mark.skipif(load_kernel() is None, reason="the grouped kernel cannot be built or run here")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_layers_run_on_the_grouped_kernel_where_onednn_cannot(monkeypatch, dtype):
-    """As on a CPU whose oneDNN runs no bfloat16: any row count, float32 sums of the layer's own
-    weights (checked in float64), a row's bits the same alone as among others."""
-    monkeypatch.setattr(linear, "_pack_onednn", lambda layers: False)
-    model = _tied_model().to(dtype)
-    proj = model.proj.weight.detach().double()
-    embedding = model.embed.weight.detach().clone()
-    assert pack_linears(model) is KERNEL_ROWS
-    assert model.proj.strips is not None and model.proj.weight.numel() == 0
-    assert torch.equal(model.embed.weight, embedding)  # tied: kept for the embedding
-    x = torch.randn(9, 16).to(dtype)
     with torch.inference_mode():
-        out = model.proj(x)
-        assert out.dtype == dtype
-        expected = (x.double() @ proj.T).to(dtype).double()
-        assert (out.double() - expected).abs().max().item() <= (0.02 if dtype == torch.bfloat16 else 1e-5)
-        for r in range(9):
-            assert torch.equal(model.proj(x[r : r + 1])[0], out[r]), r
+        assert torch.allclose(model.head(x), x @ embedding.T, atol=1e-5)
+        assert torch.allclose(model.proj(x).double(), x.double() @ proj.T, atol=1e-5)
+    assert torch.equal(model.embed.weight, embedding)
+    # F.linear reads the plain weight; the other kernels keep their own copy of it.
+    assert model.proj.weight.numel() == (16 * 16 if kernel == "torch" else 0)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetoken.models.grouped_gemm import load as load_kernel
-from freetoken.models.linear import MKL_ROWS, pack_linears
+from freetoken.models.linear import CANDIDATES, pack_linears
 from freetoken.models import moe
 from freetoken.models.moe import Experts, silu_and_mul, softmax_topk, split_stacked_experts, stack_experts
 
@@ -42,21 +42,28 @@ def _naive(experts: Experts, plain: list[tuple], x, ids, weights) -> torch.Tenso
     return out
 
 
-@pytest.mark.parametrize("path", ["onednn", "mkl", "kernel"])
+@pytest.mark.parametrize("path", ["stacked", *CANDIDATES])
 @pytest.mark.parametrize("bias", [False, True])
-def test_batched_is_alone_bit_for_bit_and_matches_a_per_token_sum(path, bias):
+def test_batched_is_alone_bit_for_bit_and_matches_a_per_token_sum(path, bias, monkeypatch, tmp_path):
+    """On the grouped kernel stacked over experts, or each expert's Linears on one kernel
+    (where the probe finds a row rule for it on this CPU)."""
     experts = _experts(bias)
     plain = [(e.gate_up_proj.weight.double().clone(),
               None if e.gate_up_proj.bias is None else e.gate_up_proj.bias.double().clone(),
               e.down_proj.weight.double().clone(),
               None if e.down_proj.bias is None else e.down_proj.bias.double().clone())
              for e in experts.experts]  # fmt: skip
-    if path == "kernel":
+    if path == "stacked":
         if (kernel := load_kernel()) is None:
             pytest.skip("the grouped kernel cannot be built or run here")
         experts.stack(kernel)
     else:
-        experts.row_padding = pack_linears(experts) if path == "onednn" else MKL_ROWS
+        monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path))
+        monkeypatch.setenv("FREETOKEN_LINEAR_KERNEL", path)
+        pack_linears(experts)
+        plan = experts.kernel_plan
+        if not plan.invariant or not all(v.startswith(path) for v in plan.kernels.values()):
+            pytest.skip(f"{path}: not batch-invariant or cannot run on this CPU ({plan.kernels})")
     x = torch.randn(37, H, generator=torch.Generator().manual_seed(3))
     weights, ids = _route(x)
     with torch.inference_mode():
@@ -98,7 +105,7 @@ def test_split_stacked_experts_makes_per_expert_linears():
 def test_experts_go_on_the_kernel_only_where_its_rows_come_out_alike(monkeypatch, alike):
     """The load-time check behind the kernel path, and its exact fallback: packed Linears."""
     if not alike:
-        monkeypatch.setattr(moe, "kernel_rows_alike", lambda *args: False)
+        monkeypatch.setattr(moe, "rule_holds", lambda *args: False)
     experts = _experts(bias=True)
     stack_experts(experts)
     assert (experts.stacked is not None) == alike and (experts.experts is None) == alike

@@ -8,6 +8,7 @@ import pytest
 from freetoken.core import SamplingParams
 from freetoken.message import UserMsg
 from freetoken.scheduler.factory import build_scheduler
+from freetoken.scheduler.states import RecurrentStates
 from tests.model_fixtures import drain, loaded_fp32
 
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike".split()
@@ -32,11 +33,10 @@ def _tokens(msgs):
     return [(m.token_ids[0], m.logprobs[0]) for m in msgs]
 
 
-def _assert_close(got, expected, tol=1e-5):
+def _assert_identical(got, expected):
     assert [t for t, _ in got] == [t for t, _ in expected]
     for (_, a), (_, b) in zip(got, expected):
-        assert abs(a.logprob - b.logprob) <= tol
-        assert max(abs(x - y) for x, y in zip(a.top_logprobs, b.top_logprobs)) <= tol
+        assert a.logprob == b.logprob and a.top_logprobs == b.top_logprobs
 
 
 def _all_free(scheduler) -> bool:
@@ -44,7 +44,9 @@ def _all_free(scheduler) -> bool:
     return stats["state_slots_free"] == stats["state_slots_total"] - stats["state_snapshots"]
 
 
-def test_batched_equals_alone(loaded):
+@pytest.mark.parametrize("variant", ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"])
+def test_batched_equals_alone_bit_for_bit(variant, tiny_hybrid_path):
+    loaded = loaded_fp32(tiny_hybrid_path(variant))
     # Lengths across chunk boundaries (64, 128): some prefill several chunks, some a part of one.
     prompts = {uid: (_ids(loaded, n, uid), _greedy(4)) for uid, n in
                enumerate([5, 17, 63, 64, 65, 100, 129, 150])}
@@ -54,17 +56,18 @@ def test_batched_equals_alone(loaded):
     scheduler = build_scheduler(loaded, kv_slots=1024, prefix_cache=False)
     together = drain(scheduler, prompts)
     for uid in prompts:
-        _assert_close(_tokens(together[uid]), _tokens(alone[uid]))
+        _assert_identical(_tokens(together[uid]), _tokens(alone[uid]))
     assert _all_free(scheduler) and scheduler.stats()["state_snapshots"] == 0
 
 
-@pytest.mark.parametrize("budget", [64, 48])
+@pytest.mark.parametrize("budget", [64, 48, 100])
 def test_chunked_prefill_equals_one_shot(loaded, budget):
-    # 64: chunks cut on the delta rule's boundaries; 48: [0, 48) then [48, 64) front-padded...
+    # Cuts land on the delta rule's boundaries whatever the budget: 48 takes [0, 64) (past the
+    # budget), 100 takes [0, 64) then [64, 128).
     request = {0: (_ids(loaded, 150, 1), _greedy(6))}
     expected = _tokens(drain(build_scheduler(loaded, kv_slots=1024, prefix_cache=False), request)[0])
     chunked = build_scheduler(loaded, kv_slots=1024, prefix_cache=False, max_prefill_tokens=budget)
-    _assert_close(_tokens(drain(chunked, request)[0]), expected)
+    _assert_identical(_tokens(drain(chunked, request)[0]), expected)
 
 
 def test_prefix_cache_hit_equals_cold_and_resumes_from_a_snapshot(loaded):
@@ -77,7 +80,7 @@ def test_prefix_cache_hit_equals_cold_and_resumes_from_a_snapshot(loaded):
     assert scheduler.stats()["state_snapshots"] == 2  # at 64 and 128
     msgs = drain(scheduler, {1: (second, _greedy())})[1]
     assert msgs[0].cached_tokens == 128  # the deepest snapshot in the shared 140 tokens
-    _assert_close(_tokens(msgs), cold)
+    _assert_identical(_tokens(msgs), cold)
     assert _all_free(scheduler)
 
 
@@ -96,3 +99,15 @@ def test_state_slots_come_back_after_abort_preemption_and_eviction(loaded):
     assert {uid for uid, msgs in out.items() if msgs[-1].finished} == {0, 1, 2}
     assert scheduler.stats()["preemptions"] > 0
     assert scheduler.stats()["state_snapshots"] <= 2 and _all_free(scheduler)
+
+
+@pytest.mark.parametrize("done,size,left,expected", [
+    (0, 150, 150, 150),  # the whole rest: no cut
+    (0, 100, 150, 64),  # the last boundary the budget reaches
+    (0, 48, 150, 64),  # none reached: the next one, past the budget
+    (64, 48, 86, 64),
+    (64, 20, 30, 30),  # the prompt ends before the next boundary
+    (0, 130, 150, 128),
+])
+def test_prefill_chunks_end_on_delta_rule_boundaries(done, size, left, expected):
+    assert RecurrentStates.chunk_size(None, done, size, left) == expected

@@ -7,8 +7,7 @@ import pytest
 from freetoken.core import SamplingParams
 from freetoken.scheduler.factory import build_scheduler
 from freetoken.message import UserMsg
-from freetoken.models import linear
-from freetoken.models.grouped_gemm import load as load_kernel
+from freetoken.models.linear import CANDIDATES
 from freetoken.models.loader import load_model
 from tests.model_fixtures import default_folder, default_model
 
@@ -44,33 +43,24 @@ def _ids(prompt):
     return default_model().tokenizer.encode(prompt)
 
 
-@pytest.fixture
-def f_linear_model():
-    """The default model on F.linear and MKL's row padding, as on a CPU where oneDNN's rows
-    do not come out alike (models/linear.py)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(linear, "rows_alike", lambda layer, padding: False)
-        loaded = load_model(default_folder(), dtype="float32", device="cpu")
-    assert loaded.model.row_padding is linear.MKL_ROWS
+def _loaded_on(kernel: str):
+    """The default model with every linear on `kernel` (the probe still decides its row rule);
+    skips where that kernel keeps no rule on this CPU."""
+    if kernel == "auto":
+        loaded = default_model()
+    else:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("FREETOKEN_LINEAR_KERNEL", kernel)
+            loaded = load_model(default_folder(), dtype="float32", device="cpu")
+    plan = loaded.model.kernel_plan
+    if not plan.invariant or (kernel != "auto" and not all(v.startswith(kernel) for v in plan.kernels.values())):
+        pytest.skip(f"{kernel}: not batch-invariant or cannot run on this CPU ({plan.kernels})")
     return loaded
 
 
-@pytest.fixture
-def grouped_kernel_model():
-    """The default model with its linears on the grouped kernel and no row padding, as on a CPU
-    whose oneDNN cannot run the dtype (models/linear.py)."""
-    if load_kernel() is None:
-        pytest.skip("the grouped kernel cannot be built or run here")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(linear, "_pack_onednn", lambda layers: False)
-        loaded = load_model(default_folder(), dtype="float32", device="cpu")
-    assert loaded.model.row_padding is linear.KERNEL_ROWS
-    return loaded
-
-
-@pytest.mark.parametrize("kernels", ["as_loaded", "f_linear", "grouped_kernel"])
-def test_batched_greedy_equals_each_alone(kernels, request):
-    loaded = default_model() if kernels == "as_loaded" else request.getfixturevalue(f"{kernels}_model")
+@pytest.mark.parametrize("kernel", ["auto", *CANDIDATES])
+def test_batched_greedy_equals_each_alone_bit_for_bit(kernel):
+    loaded = _loaded_on(kernel)
     assert 52 <= len(_ids(PROMPTS[-2])) <= 63 and len(_ids(PROMPTS[-1])) > 64
     alone = {}
     for uid, prompt in enumerate(PROMPTS):
@@ -84,8 +74,7 @@ def test_batched_greedy_equals_each_alone(kernels, request):
     for uid in alone:
         assert [t for t, _ in together[uid]] == [t for t, _ in alone[uid]]
         for (_, a), (_, b) in zip(together[uid], alone[uid]):
-            assert abs(a.logprob - b.logprob) <= 1e-5
-            assert max(abs(x - y) for x, y in zip(a.top_logprobs, b.top_logprobs)) <= 1e-5
+            assert a.logprob == b.logprob and a.top_logprobs == b.top_logprobs
 
 
 def test_request_joining_mid_decode_matches_alone():

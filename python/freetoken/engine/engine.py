@@ -11,7 +11,6 @@ from freetoken.core import Batch, SamplingParams, TokenLogprob
 from freetoken.engine.kv_pool import KVPool
 from freetoken.engine.sample import SampleOutput, Sampler, logprob_entries
 from freetoken.engine.state_pool import LinearContext, PrefillPiece, StatePool
-from freetoken.models.linear import MKL_ROWS
 from freetoken.models.llama import DecodeGroup, ForwardContext, PromptGroup
 
 # Requests whose padded lengths agree attend in one call (PromptGroup, DecodeGroup). Blocks trade
@@ -36,7 +35,6 @@ class StepPlan(NamedTuple):
     logit_rows: list[int]
     chunks: list[tuple[int, int, list[int]]]  # prompt chunks: (first row, new tokens, key slots)
     decoding: list[tuple[int, list[int]]]  # decoding requests: (row, key slots)
-    num_tokens: int  # rows before the padding
 
 
 class StepOutput(NamedTuple):
@@ -67,9 +65,6 @@ class Engine:
         shape = getattr(model, "state_shape", None)
         self.states = StatePool(num_state_slots, shape, dtype, device) if shape else None
         self.sampler = Sampler(model.vocab_size, device, eos_token_ids)
-        # Token rows and logit rows are padded so that a row's matmul bits never depend on
-        # how many rows the step has (models/linear.py).
-        self.row_padding = getattr(model, "row_padding", MKL_ROWS)
         # Sliding-window layers get masks of their own in every attention group.
         self.window = getattr(cfg, "sliding_window", None) if getattr(cfg, "sliding_layers", None) else None
 
@@ -200,13 +195,7 @@ class Engine:
                 logit_rows.append(len(ids) - 1)
         for req, n in batch.prompt_rows:
             logit_rows += range(first_row[id(req)], first_row[id(req)] + n)
-        num_tokens = len(ids)
-        pad = self.row_padding.pad(len(ids))
-        ids += [0] * pad
-        positions += [0] * pad
-        out_slots += [self.kv.scratch_slot] * pad
-        logit_rows += [0] * self.row_padding.pad(len(logit_rows))
-        return StepPlan(ids, positions, out_slots, logit_rows, chunks, decoding, num_tokens)
+        return StepPlan(ids, positions, out_slots, logit_rows, chunks, decoding)
 
     def context(self, plan: StepPlan) -> ForwardContext:
         dev = self.device
@@ -218,7 +207,6 @@ class Engine:
             decode_groups=self._decode_groups(plan.decoding),
             logit_rows=torch.tensor(plan.logit_rows, dtype=torch.long, device=dev),
             kv_cache=self.kv.kv,
-            num_tokens=plan.num_tokens,
         )
 
     def _linear_context(self, batch: Batch) -> LinearContext:

@@ -25,7 +25,6 @@ import torch.distributed as dist
 
 from freetoken.config import ParallelConfig
 from freetoken.engine.engine import Engine, StepPlan
-from freetoken.models.linear import RULES
 
 HEARTBEAT_S = 1.0
 STOP = "stop"
@@ -148,19 +147,12 @@ def load_rank(config, rank: int):
     from functools import partial
 
     from freetoken.models.loader import load_model, resolve_device
-    from freetoken.models.moe import set_row_padding
     from freetoken.models.tensor_parallel import shard_model
 
     device = rank_device(resolve_device(config.device), rank, config.parallel)
     group = init_group(config.parallel, rank, device)
     loaded = load_model(config.model_folder, dtype=config.dtype, device=str(device),
                         shard=partial(shard_model, group=group))
-    # Rank 0 pads every step for all ranks: to the strictest rule any rank's kernels need
-    # (RULES runs from the loosest: MKL's rows also suit oneDNN, not the reverse).
-    strict = torch.tensor([RULES.index(loaded.model.row_padding)])
-    with _lost():
-        dist.all_reduce(strict, op=dist.ReduceOp.MAX)
-    set_row_padding(loaded.model, RULES[int(strict.item())])
     return loaded, group
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from freetoken.models.elementwise import lanewise
+
 CHUNK = 64  # as transformers' torch fallback and the FLA kernels
 
 
@@ -39,8 +41,9 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
 
 
 def gates(b: torch.Tensor, a: torch.Tensor, neg_a: torch.Tensor, dt_bias: torch.Tensor):
-    """beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias), the log decay (<= 0)."""
-    return b.float().sigmoid(), neg_a * F.softplus(a.float() + dt_bias)
+    """beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias), the log decay (<= 0).
+    [tokens, heads]: narrow rows, so lanewise (models/elementwise.py)."""
+    return lanewise(torch.sigmoid, b.float()), neg_a * lanewise(F.softplus, a.float() + dt_bias)
 
 
 def _heads(q, k, v, groups: int):
@@ -107,7 +110,7 @@ def recurrent(q, k, v, g, beta, state: torch.Tensor, groups: int):
     memory-bound, and each pass over the states counts). Returns (out [B, heads, dv], state)."""
     q, k, v = _heads(q, k, v, groups)
     b, heads, dk, dv = state.shape
-    s = state.mul_(g.exp()[..., None, None])
+    s = state.mul_(lanewise(torch.exp, g)[..., None, None])
     remembered = k[..., None, :] @ s
     delta = (v[..., None, :] - remembered) * beta[..., None, None]
     s.view(-1, dk, dv).baddbmm_(k.reshape(-1, dk, 1), delta.view(-1, 1, dv))

@@ -1,6 +1,7 @@
 """The grouped GEMM of grouped_gemm.c: built with the system's C compiler at first use, called
 through ctypes. It runs the MoE experts (models/moe.py: one call per projection for all of a
-layer's experts) and, where oneDNN cannot, the dense layers (models/linear.py: one group each).
+layer's experts) and, where the load-time probe picks it, the dense layers (models/linear.py:
+one group each).
 
 Why our own kernel: a decode step gives each active expert a few rows, and torch's CPU GEMMs
 (oneDNN and MKL alike) read an expert's weights at about half the memory bandwidth one core
@@ -27,6 +28,8 @@ from functools import cache
 from pathlib import Path
 
 import torch
+
+from freetoken.config import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +112,6 @@ def load() -> ctypes.CDLL | None:
 def build() -> Path:
     """Compile the source once per content into the cache folder (atomic: concurrent first
     uses each compile to their own file and keep whichever lands)."""
-    from freetoken.models.loader import cache_root
-
     source = SOURCE.read_bytes()
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:

@@ -1,159 +1,156 @@
-"""Linear layers on oneDNN with weights packed once at load, where this CPU allows it.
+"""Linear layers on the kernel the running CPU's probe chose for their shape (kernel_choice.py).
 
-torch's CPU `F.linear` goes through MKL, which on the AMD cores this was measured on runs 2-3x
-below what oneDNN reaches on the same shapes (small M worst: decode rows are 1-32). Batch
-invariance needs a row's bits not to depend on how many rows the call has. Measured here, MKL
-gives that only when M is a multiple of 4; oneDNN for every M >= 2 (M = 1 takes a GEMV that
-splits the reduction). That is a property of the kernels on a given CPU, not a promise, so
-`pack_linears` checks it on the model's own shapes. Where oneDNN fails it or cannot run the
-dtype (bfloat16 on a CPU without native bfloat16), the layers run on the grouped kernel of
-grouped_gemm.c as one group each (any row count, float32 sums); where that cannot run either,
-on `F.linear` with rows padded to MKL's rule.
+The candidates: "onednn", the weight packed once at load into oneDNN's blocked layout (on CPUs
+with AMX or AVX512-BF16 its bfloat16 path runs on those units); "torch", `F.linear` as torch
+dispatches it (MKL's sgemm for float32 on CPU, oneDNN for bfloat16, cuBLAS on CUDA); "grouped",
+the grouped kernel of grouped_gemm.c as one group each (float32 sums, bfloat16 weights widened
+as they are read; invariant by construction, and probed like the others all the same).
+FREETOKEN_LINEAR_KERNEL=<name> restricts the choice to one of them (benchmarks, tests).
 """
 
 from __future__ import annotations
 
-import ctypes
+import logging
+import os
+import re
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from freetoken.models.grouped_gemm import KERNELS, PackedLinears, grouped_gemm
+from freetoken.models.grouped_gemm import KERNELS, grouped_gemm
 from freetoken.models.grouped_gemm import load as load_kernel
 from freetoken.models.grouped_gemm import pack as pack_strips
+from freetoken.models.kernel_choice import (Measured, Run, RowRule, cpu_name, fastest, measure,
+                                            measured_with_cache, probe_weight, run_by_rule)
 
+log = logging.getLogger(__name__)
 
-@dataclass(frozen=True)
-class RowPadding:
-    """Row counts at which a matmul gives each row the bits it gets in any other such count."""
-
-    minimum: int
-    multiple: int
-
-    def pad(self, rows: int) -> int:
-        """Padding rows to add to `rows`."""
-        return max(self.minimum, -(-rows // self.multiple) * self.multiple) - rows
-
-
-KERNEL_ROWS = RowPadding(minimum=1, multiple=1)
-ONEDNN_ROWS = RowPadding(minimum=2, multiple=1)
-MKL_ROWS = RowPadding(minimum=4, multiple=4)
-# Each rule's row counts are allowed by the ones before it: steps padded to the last rule any
-# process follows suit every process (tensor parallelism).
-RULES = (KERNEL_ROWS, ONEDNN_ROWS, MKL_ROWS)
-PROBE_ROWS = (1, 2, 3, 4, 5, 7, 8, 13, 16, 33, 64)
-
-
-def onednn_available(device: torch.device) -> bool:
-    return device.type == "cpu" and torch.backends.mkldnn.is_available()
+CANDIDATES = ("onednn", "torch", "grouped")
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` (same parameter names, so state dicts load) that runs packed when asked."""
+    """`nn.Linear` (same parameter names, so state dicts load) that runs on a chosen kernel."""
 
-    # (oneDNN weight, bias): a plain attribute, read without nn.Module's parameter lookup.
-    packed: tuple[torch.Tensor, torch.Tensor | None] | None = None
-    # (the grouped kernel, this layer's weights in its strips), where it runs on that instead.
-    strips: tuple[ctypes.CDLL, PackedLinears] | None = None
-
-    def pack(self) -> None:
-        """Reorder the weight into oneDNN's blocked layout; call after the final dtype cast."""
-        weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
-        self.packed = (weight, self.bias)
+    # Plain attributes, read without nn.Module's parameter lookup.
+    run: Run | None = None
+    rule: RowRule = RowRule()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.strips is not None:
-            kernel, strips = self.strips
-            flat = x.reshape(-1, self.in_features)
-            return grouped_gemm(kernel, flat, strips).view(*x.shape[:-1], self.out_features)
-        if self.packed is None:
+        if self.run is None:
             return F.linear(x, self.weight, self.bias)
-        weight, bias = self.packed
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        flat = x.reshape(-1, self.in_features)
+        rows = flat.shape[0]
+        if rows < self.rule.minimum:  # a decode step's few rows: the zeros cost less than a GEMV
+            flat = F.pad(flat, (0, 0, 0, self.rule.pad(rows)))
+        return run_by_rule(self.run, self.rule, flat)[:rows].view(*x.shape[:-1], self.out_features)
 
 
-def rows_alike(layer: Linear, padding: RowPadding) -> bool:
-    """Does every row count allowed by `padding` give the layer's first and last rows the same
-    bits? The kernel alone is probed: a tensor-parallel layer's forward adds a collective, and
-    ranks whose slices differ in shape probe different shapes."""
-    return kernel_rows_alike(partial(Linear.forward, layer), layer.in_features, layer.weight.dtype,
-                             padding)
+@dataclass(frozen=True)
+class KernelPlan:
+    """What `pack_linears` chose: whether every layer's rows are batch-invariant, and per layer
+    kind its kernel and row rule (the start-up log, /v1/stats)."""
+
+    invariant: bool
+    kernels: dict[str, str]
 
 
-@torch.inference_mode()
-def kernel_rows_alike(run: Callable[[torch.Tensor], torch.Tensor], in_features: int,
-                      dtype: torch.dtype, padding: RowPadding) -> bool:
-    """Does `run` (x [rows, in_features] -> [rows, out]) give the first and last rows the same
-    bits at every row count `padding` allows?"""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(max(PROBE_ROWS) + 4, in_features, generator=gen).to(dtype)
-    counts = sorted({n + padding.pad(n) for n in PROBE_ROWS})
-    base = counts[0]
-    first = run(x[:base])[0]
-    for n in counts[1:]:
-        out = run(x[:n])
-        # The first row among n rows and among `base`; the last row likewise, at the far end.
-        if not (torch.equal(out[0], first) and torch.equal(out[-1], run(x[n - base : n])[-1])):
-            return False
-    return True
+def prepare(kernel: str, layer: Linear) -> Run | None:
+    """`layer` on `kernel`, or None where that kernel cannot run its dtype and device here."""
+    weight, bias = layer.weight.detach(), layer.bias
+    if kernel == "torch":
+        return partial(_f_linear, weight, bias)
+    if weight.device.type != "cpu":
+        return None
+    if kernel == "onednn" and torch.backends.mkldnn.is_available():
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        except RuntimeError:  # a dtype this CPU's oneDNN build does not run
+            return None
+        return partial(_onednn, packed, bias)
+    if kernel == "grouped" and weight.dtype in KERNELS and (lib := load_kernel()) is not None:
+        return partial(grouped_gemm, lib, experts=pack_strips([weight], [bias]))
+    return None
 
 
-def pack_linears(model: nn.Module) -> RowPadding:
-    """Pack every Linear on oneDNN if rows come out alike on all their shapes, else on the
-    grouped kernel if it runs here and rows come out alike on it; return the rule followed.
-
-    A packed layer's plain weight is then freed (unless another module shares it, as a tied
-    embedding does), so a packed model takes no more memory than before.
-    """
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
-    if not layers:
-        return MKL_ROWS
-    for rule, pack in ((ONEDNN_ROWS, _pack_onednn), (KERNEL_ROWS, _pack_strips)):
-        if pack(layers) and _rows_alike_on_every_shape(layers, rule):
-            _free_plain_weights(model, layers)
-            return rule
-        for layer in layers:
-            layer.packed = layer.strips = None
-    return MKL_ROWS
+def _f_linear(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight, bias)
 
 
-def _pack_onednn(layers: list[Linear]) -> bool:
-    if not onednn_available(layers[0].weight.device):
-        return False
-    try:
-        for layer in layers:
-            layer.pack()
-    except RuntimeError:  # e.g. a dtype this CPU's oneDNN build does not run
-        return False
-    return True
+def _onednn(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-def _pack_strips(layers: list[Linear]) -> bool:
-    weight = layers[0].weight
-    if weight.device.type != "cpu" or weight.dtype not in KERNELS:
-        return False
-    kernel = load_kernel()
-    if kernel is None:
-        return False
-    for layer in layers:
-        layer.strips = (kernel, pack_strips([layer.weight], [layer.bias]))
-    return True
+def candidates() -> tuple[str, ...]:
+    forced = os.environ.get("FREETOKEN_LINEAR_KERNEL")
+    if forced and forced not in CANDIDATES:
+        raise ValueError(f"FREETOKEN_LINEAR_KERNEL={forced}: not one of {', '.join(CANDIDATES)}")
+    return (forced,) if forced else CANDIDATES
 
 
-def _rows_alike_on_every_shape(layers: list[Linear], rule: RowPadding) -> bool:
-    probed: dict[tuple, bool] = {}
-    try:
-        for layer in layers:
-            shape = (layer.in_features, layer.out_features, layer.bias is not None)
-            if shape not in probed:
-                probed[shape] = rows_alike(layer, rule)
-    except RuntimeError:  # a kernel that packed a dtype it then cannot run
-        return False
-    return all(probed.values())
+def choose(layer: Linear) -> tuple[Measured, bool, Run] | None:
+    """The kernel for `layer`'s shape among `candidates()`: its measurement, whether it is
+    batch-invariant, and `layer` prepared on it; None where none can run."""
+    weight = layer.weight
+    key = (f"{weight.dtype} {weight.device.type} {layer.in_features}x{layer.out_features}"
+           f"{' bias' if layer.bias is not None else ''}")
+    probe_layer = Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
+                         device=weight.device, dtype=weight.dtype).requires_grad_(False)
+    probe_layer.weight.copy_(probe_weight(layer.out_features, layer.in_features, weight.dtype))
+    if layer.bias is not None:
+        probe_layer.bias.normal_()
+    measured = []
+    for name in candidates():
+        run = prepare(name, probe_layer)
+        if run is None:
+            continue
+        probe = partial(measure, name, run, layer.in_features, weight.dtype, weight.device)
+        try:
+            measured.append(measured_with_cache(key, name, probe))
+        except RuntimeError:  # a kernel that packed a dtype it then cannot run
+            continue
+    if not measured:
+        return None
+    best, invariant = fastest(measured)
+    return best, invariant, prepare(best.kernel, layer)
+
+
+def pack_linears(model: nn.Module) -> KernelPlan:
+    """Put every Linear of `model` on the kernel chosen for its shape, free the plain weights
+    those kernels copied (unless another module shares them, as a tied embedding does); the
+    plan is kept as `model.kernel_plan` too."""
+    by_shape: dict[tuple, list[tuple[str, Linear]]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            w = module.weight
+            shape = (module.in_features, module.out_features, module.bias is not None, w.dtype, w.device)
+            by_shape.setdefault(shape, []).append((name, module))
+    invariant, kernels = True, {}
+    for members in by_shape.values():
+        first = members[0][1]
+        chosen = choose(first)
+        if chosen is None:
+            continue
+        best, shape_invariant, run = chosen
+        rule = best.rule or RowRule()
+        for _, layer in members:
+            layer.run, layer.rule = (run if layer is first else prepare(best.kernel, layer)), rule
+        if best.kernel != "torch":
+            _free_plain_weights(model, [layer for _, layer in members])
+        invariant = invariant and shape_invariant
+        kind = re.sub(r"\.\d+\.", ".*.", members[0][0])
+        kernels[f"{kind} {first.in_features}x{first.out_features}"] = (
+            f"{best.kernel} (rows {rule.minimum}-{rule.most})" if best.rule else f"{best.kernel} (not invariant)")
+    model.kernel_plan = plan = KernelPlan(invariant, kernels)
+    if kernels:
+        log.log(logging.INFO if invariant else logging.WARNING,
+                "linear kernels on %s, %s: %s", cpu_name(),
+                "batch-invariant" if invariant else "NOT batch-invariant (no kernel's rows come "
+                "out alike at every row count on some shape)",
+                "; ".join(f"{k}: {v}" for k, v in kernels.items()))
+    return plan
 
 
 def _free_plain_weights(model: nn.Module, layers: list[Linear]) -> None:

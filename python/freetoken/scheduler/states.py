@@ -103,11 +103,14 @@ class RecurrentStates:
             self.pool.copy(snapshot, req.state_slot)
 
     def chunk_size(self, done: int, size: int, left: int) -> int:
-        """A prefill chunk that stops short of the prompt's end is cut on a chunk boundary, when
-        the budget reaches one."""
-        if size < left and (done + size) // CHUNK * CHUNK > done:
-            return (done + size) // CHUNK * CHUNK - done
-        return size
+        """A prefill chunk that stops short of the prompt's end is cut on a chunk boundary: the
+        last one the budget reaches, else the next one (up to CHUNK - 1 tokens past the budget).
+        Every chunk then starts on a boundary and does a one-shot prefill's arithmetic, bit for
+        bit; a start mid-chunk would be front-padded, exact only mathematically."""
+        if size >= left:
+            return size
+        end = (done + size) // CHUNK * CHUNK
+        return min(end - done if end > done else CHUNK - done % CHUNK, left)
 
     def plan_snapshots(self, req: Req, done: int, n: int) -> None:
         """Snapshot slots for the prompt's boundaries that tokens [done, done + n) reach."""

@@ -39,6 +39,8 @@ def serve_scheduler(scheduler: Scheduler, in_addr: str, out_addr: str,
     outbox = ctx.socket(zmq.PUSH)
     outbox.connect(out_addr)
     parent = os.getppid() if parent is None else parent
+    # The frontend's /v1/stats and /metrics have the engine's stats before its first reply.
+    outbox.send(pickle.dumps(([], scheduler.stats())))
     try:
         # A server killed without cleanup must not leave us behind (PR_SET_PDEATHSIG does this
         # at once on Linux; this check is the portable fallback, within a second).
@@ -120,6 +122,8 @@ def _detach(parent: int | None) -> bool:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # The one line that names the CPU and the kernel each kind of linear layer runs on.
+    logging.getLogger("freetoken.models.linear").setLevel(logging.INFO)
     return True
 
 

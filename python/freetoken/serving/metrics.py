@@ -125,7 +125,10 @@ class _Snapshot(Collector):
                    stats.get("waiting", 0)),
                   ("kv_cache_usage_perc", "Fraction of the KV pool that requests hold (slots "
                    "only the prefix cache holds are evictable and count as free).",
-                   stats.get("kv_used", 0) / total if total else 0.0)]
+                   stats.get("kv_used", 0) / total if total else 0.0),
+                  ("batch_invariant", "1 where every linear layer runs on a kernel whose rows "
+                   "were found alike at every row count on this CPU (a row's result does not "
+                   "depend on its batch), else 0.", stats.get("batch_invariant", 0))]
         counters = [("num_preemptions", "Requests preempted for KV space (recomputed later).",
                      stats.get("preemptions", 0)),
                     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",

@@ -1,0 +1,37 @@
+"""Elementwise functions whose bits do not depend on where a row sits in its tensor.
+
+torch's CPU loops run an elementwise op in vectors of up to 64 bytes, two at a time, and the
+elements left over at the end of a thread's share (fewer than two vectors) through a scalar
+path: for transcendental functions (exp, sigmoid, softplus, SiLU) the vector code and the
+scalar code round differently. Which elements of a row fall into that tail depends on the
+tensor's size and the row's offset in it, so on a tensor of a step's rows a narrow row's value
+depends on its batch (seen on the hybrids' gates, [tokens, heads] with 4-32 heads).
+
+`lanewise` runs such a function over rows padded to a multiple of 64 elements (whole vector
+pairs for float32 and bfloat16 on AVX-512, AVX2 and NEON) in calls small enough for torch to run
+on one thread (below its parallel grain of 32768 elements), so that every element takes the
+vector path. Wide tensors whose rows are multiples of 64 elements need no padding, only an even
+split: the layers' own widths are.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+LANES = 64
+GRAIN = 32768  # at::internal::GRAIN_SIZE: elements below which an op runs on one thread
+
+
+def lanewise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """fn(x) for an elementwise `fn`, each element computed as by the vector path."""
+    if x.device.type != "cpu":
+        return fn(x)
+    width = x.shape[-1]
+    rows = x.reshape(-1, width)
+    padded = F.pad(rows, (0, -width % LANES))
+    block = max(1, GRAIN // padded.shape[1])
+    out = torch.cat([fn(part) for part in padded.split(block)]) if len(padded) > block else fn(padded)
+    return out[:, :width].reshape(*x.shape[:-1], -1)

@@ -1,0 +1,214 @@
+"""Which kernel runs a linear shape, decided at load by a probe on the running CPU.
+
+Batch invariance needs a row's bits not to depend on how many rows share its matmul call. No
+library promises that, and it changes with the CPU, its ISA, the dtype, the shape and the
+thread count (MKL's sgemm on an Intel Xeon with AMX splits rows 1 | 2-15 | 16+ into three
+results, oneDNN's AMX bfloat16 kernel rows 1-32 | 33+ at two threads, each of them invariant
+on the AMD machine of an earlier round). So nothing is assumed: for each shape and dtype every
+candidate kernel is run (on weights and rows built to expose its summation order:
+`probe_weight`) at the row counts of PROBE_ROWS, each row compared bit for bit with
+the same row computed among `rule.most` rows, start- and end-aligned (a row's position in its
+call moves too). The first `RowRule` of RULES under which the candidate passes is its rule:
+calls padded to at least `minimum` rows (the engine pads a whole step once) and split into
+calls of at most `most` rows (the layer does; beyond the probed counts nothing is claimed).
+Each passing candidate is then timed under its own rule, padding and splitting included, and
+the fastest wins. Where none passes, the fastest runs and the load says the model is not
+batch-invariant (the log, `/v1/stats`, `/metrics`).
+
+Probes take seconds on a large shape, so their results are kept in the cache folder, keyed by
+everything that changes a kernel's bits or speed: the CPU's name and flags, the ISA caps
+oneDNN, MKL and ATen read from the environment, torch's version, the thread count, dtype and
+shape. A lock makes concurrent loads (test workers, tensor-parallel ranks) probe a shape once
+and agree on the result.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import math
+import os
+import platform
+import time
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from freetoken.config import cache_root
+
+Run = Callable[[torch.Tensor], torch.Tensor]
+
+PROBE_MOST = 256
+PROBE_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 13, 15, 16, 17, 31, 32, 33, 48, 57, 64, 65, 100, 128, 129,
+              200, 255)
+# Decode steps run 1-32 rows, scoring and prefill steps hundreds: each weighs the same.
+TIMED_ROWS = (1, 8, 64, 256)
+ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR",
+            "ATEN_CPU_CAPABILITY", "FREETOKEN_NO_KERNELS")
+
+
+@dataclass(frozen=True)
+class RowRule:
+    """Row counts at which a kernel gives each row the bits it gets at any other such count:
+    calls of `minimum` to `most` rows."""
+
+    minimum: int = 1
+    most: int = PROBE_MOST
+
+    def pad(self, rows: int) -> int:
+        """Rows to add to a call of `rows` rows."""
+        return max(self.minimum - rows, 0)
+
+    def calls(self, rows: int) -> list[int]:
+        """Call sizes, each allowed, that cover `rows` (>= minimum) rows in order."""
+        sizes = [self.most] * (rows // self.most)
+        rest = rows - sum(sizes)
+        if rest and rest < self.minimum:  # the last full call lends the rest its minimum
+            sizes[-1] -= self.minimum - rest
+            rest = self.minimum
+        return sizes + [rest] if rest else sizes
+
+
+# Cheapest first; `most` at least twice `minimum`, so that any count can be split.
+RULES = (RowRule(1, 256), RowRule(2, 256), RowRule(16, 256), RowRule(1, 32), RowRule(2, 32),
+         RowRule(16, 32))
+
+
+def run_by_rule(run: Run, rule: RowRule, x: torch.Tensor) -> torch.Tensor:
+    """`run` over x [rows, in] in calls of the sizes `rule` allows (x's rows already padded)."""
+    if x.shape[0] <= rule.most:
+        return run(x)
+    return torch.cat([run(part) for part in x.split(rule.calls(x.shape[0]))])
+
+
+def probe_weight(out_features: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """Weights for probing a shape (what a kernel does depends on shape and dtype, not values),
+    built so that `probe_rows` times them cancels: input k and input pair(k) carry v and -v,
+    weight columns k and pair(k) the same u, over a random pairing. Each output is then fp32
+    rounding residue alone, whose bits follow the summation order; on the layer's own weights a
+    different order shows in a bfloat16 output only when it moves a rounding, rarely (seen: one
+    row in 256 on a kernel that splits rows 1 | 2+)."""
+    first, second = _pairing(in_features)
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.zeros(out_features, in_features)
+    weight[:, first] = weight[:, second] = torch.randn(out_features, len(first), generator=gen)
+    return weight.to(dtype)
+
+
+def probe_rows(rows: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    first, second = _pairing(in_features)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.zeros(rows, in_features)
+    x[:, first] = torch.randn(rows, len(first), generator=gen)
+    x[:, second] = -x[:, first]
+    return x.to(dtype)
+
+
+def _pairing(in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    order = torch.randperm(in_features, generator=torch.Generator().manual_seed(2))
+    half = in_features // 2
+    return order[:half], order[half : 2 * half]
+
+
+@torch.inference_mode()
+def rule_holds(run: Run, in_features: int, dtype: torch.dtype, rule: RowRule,
+               device: torch.device | str = "cpu") -> bool:
+    """Does every probed row count `rule` allows give each row the bits it gets among
+    `rule.most` rows, at either end of its call? `run` holds `probe_weight`'s weights."""
+    x = probe_rows(rule.most, in_features, dtype).to(device)
+    reference = run(x)
+    for n in PROBE_ROWS:
+        if rule.minimum <= n < rule.most and not (torch.equal(run(x[:n]), reference[:n])
+                                                   and torch.equal(run(x[-n:]), reference[-n:])):
+            return False
+    return True
+
+
+def first_rule(run: Run, in_features: int, dtype: torch.dtype,
+               device: torch.device | str = "cpu") -> RowRule | None:
+    return next((r for r in RULES if rule_holds(run, in_features, dtype, r, device)), None)
+
+
+@torch.inference_mode()
+def seconds(run: Run, in_features: int, dtype: torch.dtype, rule: RowRule,
+            device: torch.device | str = "cpu") -> float:
+    """Geometric mean over TIMED_ROWS of the best of three calls, padded and split by `rule`."""
+    logs = []
+    for n in TIMED_ROWS:
+        x = torch.randn(n + rule.pad(n), in_features).to(dtype=dtype, device=device)
+        run_by_rule(run, rule, x)
+        best = math.inf
+        for _ in range(3):
+            start = time.perf_counter()
+            run_by_rule(run, rule, x)
+            if x.device.type == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - start)
+        logs.append(math.log(max(best, 1e-9)))
+    return math.exp(sum(logs) / len(logs))
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One candidate kernel on one shape: its rule (None: no rule of RULES holds) and speed."""
+
+    kernel: str
+    rule: RowRule | None
+    seconds: float
+
+
+def measure(kernel: str, run: Run, in_features: int, dtype: torch.dtype,
+            device: torch.device) -> Measured:
+    rule = first_rule(run, in_features, dtype, device)
+    return Measured(kernel, rule, seconds(run, in_features, dtype, rule or RowRule(), device))
+
+
+def fastest(measured: list[Measured]) -> tuple[Measured, bool]:
+    """The fastest batch-invariant candidate, else the fastest; and whether it is invariant."""
+    invariant = [m for m in measured if m.rule is not None]
+    pool = invariant or measured
+    return min(pool, key=lambda m: m.seconds), bool(invariant)
+
+
+def measured_with_cache(key: str, kernel: str, probe: Callable[[], Measured]) -> Measured:
+    """`probe()`'s result for this candidate and shape on this machine, probed once."""
+    path = cache_root() / "kernels" / f"probes-{_machine()}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        entries = json.loads(path.read_text()) if path.is_file() else {}
+        entry = entries.get(f"{key} {kernel}")
+        if entry is not None:
+            rule = RowRule(*entry["rule"]) if entry["rule"] else None
+            return Measured(kernel, rule, entry["seconds"])
+        result = probe()
+        entries[f"{key} {kernel}"] = {"rule": [result.rule.minimum, result.rule.most]
+                                      if result.rule else None, "seconds": result.seconds}
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+        return result
+
+
+def cpu_name() -> str:
+    """The CPU's model name and the widest ISA torch's own kernels use here."""
+    name = _cpuinfo_line("model name") or platform.processor() or platform.machine()
+    return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
+
+
+@cache
+def _cpuinfo_line(field: str) -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith(field)), "")
+
+
+def _machine() -> str:
+    caps = [f"{name}={os.environ.get(name, '')}" for name in ISA_CAPS]
+    text = "|".join([cpu_name(), _cpuinfo_line("flags"), torch.__version__,
+                     str(torch.get_num_threads()), *caps])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
