@@ -3,6 +3,7 @@ responses report, histograms filled, and every name docs/server.md lists is serv
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
 import time
@@ -101,3 +102,29 @@ def test_metrics_after_a_few_requests(own_server):
     served = {re.sub(r"_(bucket|count|sum)$", "", name) for name, _ in after}
     assert len(documented) >= 14 and documented <= served, documented - served
     assert {name for name in served if name.startswith("freetoken:")} <= documented
+
+
+def test_kernel_choice_is_reported_and_holds(own_server):
+    """/v1/stats names each layer kind's kernel and /metrics says whether they are all
+    batch-invariant; where they are, a request's logprobs are the same alone and among others."""
+    url = own_server.url
+    engine = httpx.get(f"{url}/v1/stats").json()["engine"]
+    kernels = engine["linear_kernels"]
+    assert "lm_head 576x49152" in kernels and any("mlp.down_proj" in kind for kind in kernels)
+    assert all(v.split()[0] in ("onednn", "torch", "grouped") for v in kernels.values())
+    assert _scrape(url)[("freetoken:batch_invariant", ())] == engine["batch_invariant"]
+    if not engine["batch_invariant"]:
+        pytest.skip(f"no batch-invariant kernel for every shape on this CPU: {kernels}")
+    body = {"prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0, "logprobs": 3,
+            "ignore_eos": True}
+
+    def logprobs(reply: httpx.Response) -> list:
+        return reply.json()["choices"][0]["logprobs"]["top_logprobs"]
+
+    alone = logprobs(httpx.post(f"{url}/v1/completions", json=body, timeout=60))
+    with httpx.Client(timeout=60) as client:
+        others = [{**body, "prompt": f"Request {i}: " + "words " * (7 * i)} for i in range(1, 6)]
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(client.post, f"{url}/v1/completions", json=b) for b in [*others, body]]
+            together = logprobs(futures[-1].result())
+    assert together == alone
