@@ -9,7 +9,12 @@ from pathlib import Path
 
 import torch
 
+from freetoken.models.linear import CANDIDATES
 from freetoken.models.loader import cache_root, load_model
+
+# The linear kernels that run float32 (amx runs bfloat16 only), and (kernel, dtype) pairs.
+FLOAT32_KERNELS = tuple(k for k in CANDIDATES if k != "amx")
+KERNEL_DTYPES = [*((k, torch.float32) for k in FLOAT32_KERNELS), *((k, torch.bfloat16) for k in CANDIDATES)]
 
 
 @functools.lru_cache(maxsize=None)

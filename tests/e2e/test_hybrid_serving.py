@@ -101,3 +101,18 @@ def test_tacit_one_forward_and_adaptive(server, folder):
         assert abs(sum(d["probs"].values()) - 1) < 1e-6
         if d["route"] == "cot":
             assert 0 < d["reasoning_tokens"] <= 17
+
+
+def test_a_seeded_request_sent_twice_gives_the_same_answer(server):
+    """The request that gave two different answers when the hybrids were not batch-invariant
+    (its two choices, and the second send's prefix-cache hit, each run in another company)."""
+    body = {"prompt": QUESTION, "n": 2, "temperature": 1, "seed": 7, "max_tokens": 24,
+            "logprobs": 2}
+    first, second = (httpx.post(f"{server.url}/v1/completions", json=body, timeout=120) for _ in range(2))
+    assert first.status_code == 200, first.text
+
+    def answers(reply: httpx.Response) -> list:
+        return [(c["text"], c["logprobs"]["token_logprobs"], c["logprobs"]["top_logprobs"])
+                for c in reply.json()["choices"]]
+
+    assert answers(first) == answers(second)

@@ -12,7 +12,8 @@ from torch import nn
 from freetoken.models import linear
 from freetoken.models.grouped_gemm import grouped_gemm
 from freetoken.models.kernel_choice import Measured, RowRule
-from freetoken.models.linear import CANDIDATES, Linear, choose, pack_linears, prepare
+from freetoken.models.linear import Linear, choose, pack_linears, prepare
+from tests.model_fixtures import FLOAT32_KERNELS, KERNEL_DTYPES
 
 # (in, out) of the default model's fused projections, its LM head, and a wider down projection.
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152), (4864, 896)]
@@ -44,8 +45,7 @@ def _on(kernel: str, layer: Linear, monkeypatch) -> None:
                     f"{layer.in_features}x{layer.out_features} on this CPU")
 
 
-@pytest.mark.parametrize("kernel", CANDIDATES)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kernel,dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_each_kernel_matches_a_float64_matmul(kernel, dtype, bias):
     layer = _layer(576, 192, dtype, bias)
@@ -63,8 +63,7 @@ def test_each_kernel_matches_a_float64_matmul(kernel, dtype, bias):
     assert (got.double() - expected).abs().max().item() < (0.25 if dtype == torch.bfloat16 else 1e-4)
 
 
-@pytest.mark.parametrize("kernel", ["auto", *CANDIDATES])
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kernel,dtype", [*(("auto", d) for d in DTYPES), *KERNEL_DTYPES])
 @pytest.mark.parametrize("in_features,out_features", SHAPES)
 def test_a_row_gets_the_same_bits_at_every_row_count(kernel, dtype, in_features, out_features,
                                                      monkeypatch):
@@ -116,8 +115,9 @@ def _fake_measure(results: dict[str, tuple[RowRule | None, float]]):
 ])
 def test_choice_takes_the_fastest_invariant_kernel(results, kernel, invariant, monkeypatch):
     """As on a CPU with other kernels' properties than this one's: the probe and timings faked."""
-    if any(prepare(name, _layer(16, 16)) is None for name in CANDIDATES):
-        pytest.skip("not every kernel runs here")
+    if any(prepare(name, _layer(16, 16)) is None for name in FLOAT32_KERNELS):
+        pytest.skip("not every float32 kernel runs here")
+    monkeypatch.setattr(linear, "CANDIDATES", FLOAT32_KERNELS)
     monkeypatch.setattr(linear, "measure", _fake_measure(results))
     model = _tied_model()
     plan = pack_linears(model)
@@ -162,7 +162,7 @@ def _tied_model(dtype=torch.float32) -> nn.Module:
     return model.requires_grad_(False).to(dtype)
 
 
-@pytest.mark.parametrize("kernel", CANDIDATES)
+@pytest.mark.parametrize("kernel", FLOAT32_KERNELS)
 def test_packing_frees_plain_weights_but_keeps_a_tied_embedding(kernel, monkeypatch):
     model = _tied_model()
     if prepare(kernel, model.proj) is None:
@@ -178,3 +178,14 @@ def test_packing_frees_plain_weights_but_keeps_a_tied_embedding(kernel, monkeypa
     assert torch.equal(model.embed.weight, embedding)
     # F.linear reads the plain weight; the other kernels keep their own copy of it.
     assert model.proj.weight.numel() == (16 * 16 if kernel == "torch" else 0)
+
+
+def test_a_shape_no_candidate_runs_is_reported_not_invariant(monkeypatch):
+    """A forced kernel that cannot run the dtype leaves the layers on F.linear, unprobed: the
+    plan must not claim invariance for them."""
+    monkeypatch.setattr(linear, "prepare", lambda kernel, layer: None)
+    model = _tied_model()
+    plan = pack_linears(model)
+    assert not plan.invariant and set(plan.kernels.values()) == {"F.linear (not probed)"}
+    x = torch.randn(3, 16)
+    assert torch.equal(model.proj(x), torch.nn.functional.linear(x, model.proj.weight))

@@ -9,9 +9,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetoken.models.grouped_gemm import load as load_kernel
-from freetoken.models.linear import CANDIDATES, pack_linears
+from freetoken.models.linear import pack_linears
 from freetoken.models import moe
 from freetoken.models.moe import Experts, silu_and_mul, softmax_topk, split_stacked_experts, stack_experts
+from tests.model_fixtures import FLOAT32_KERNELS
 
 E, H, I, K = 8, 48, 80, 2
 
@@ -42,7 +43,7 @@ def _naive(experts: Experts, plain: list[tuple], x, ids, weights) -> torch.Tenso
     return out
 
 
-@pytest.mark.parametrize("path", ["stacked", *CANDIDATES])
+@pytest.mark.parametrize("path", ["stacked", *FLOAT32_KERNELS])
 @pytest.mark.parametrize("bias", [False, True])
 def test_batched_is_alone_bit_for_bit_and_matches_a_per_token_sum(path, bias, monkeypatch, tmp_path):
     """On the grouped kernel stacked over experts, or each expert's Linears on one kernel

@@ -7,9 +7,8 @@ import pytest
 from freetoken.core import SamplingParams
 from freetoken.scheduler.factory import build_scheduler
 from freetoken.message import UserMsg
-from freetoken.models.linear import CANDIDATES
 from freetoken.models.loader import load_model
-from tests.model_fixtures import default_folder, default_model
+from tests.model_fixtures import FLOAT32_KERNELS, default_folder, default_model
 
 PROMPTS = [
     "Hi",
@@ -43,24 +42,26 @@ def _ids(prompt):
     return default_model().tokenizer.encode(prompt)
 
 
-def _loaded_on(kernel: str):
+def _loaded_on(kernel: str, dtype: str):
     """The default model with every linear on `kernel` (the probe still decides its row rule);
     skips where that kernel keeps no rule on this CPU."""
-    if kernel == "auto":
+    if kernel == "auto" and dtype == "float32":
         loaded = default_model()
     else:
         with pytest.MonkeyPatch.context() as patch:
-            patch.setenv("FREETOKEN_LINEAR_KERNEL", kernel)
-            loaded = load_model(default_folder(), dtype="float32", device="cpu")
+            if kernel != "auto":
+                patch.setenv("FREETOKEN_LINEAR_KERNEL", kernel)
+            loaded = load_model(default_folder(), dtype=dtype, device="cpu")
     plan = loaded.model.kernel_plan
     if not plan.invariant or (kernel != "auto" and not all(v.startswith(kernel) for v in plan.kernels.values())):
         pytest.skip(f"{kernel}: not batch-invariant or cannot run on this CPU ({plan.kernels})")
     return loaded
 
 
-@pytest.mark.parametrize("kernel", ["auto", *CANDIDATES])
-def test_batched_greedy_equals_each_alone_bit_for_bit(kernel):
-    loaded = _loaded_on(kernel)
+@pytest.mark.parametrize("kernel,dtype", [("auto", "float32"), *((k, "float32") for k in FLOAT32_KERNELS),
+                                          ("auto", "bfloat16"), ("amx", "bfloat16")])
+def test_batched_greedy_equals_each_alone_bit_for_bit(kernel, dtype):
+    loaded = _loaded_on(kernel, dtype)
     assert 52 <= len(_ids(PROMPTS[-2])) <= 63 and len(_ids(PROMPTS[-1])) > 64
     alone = {}
     for uid, prompt in enumerate(PROMPTS):

@@ -13,6 +13,7 @@
  * so this reuses its thread team).
  *
  * Built at first use by models/grouped_gemm.py; x86-64 with AVX2 and FMA, else unsupported.
+ * The file also holds amx_linear_bf16 (below), a bfloat16 linear layer on AMX tiles.
  */
 #include <stdint.h>
 
@@ -102,11 +103,120 @@ DEFINE_TILE(tile_bf16, uint16_t, load_bf16)
 DEFINE_KERNEL(grouped_gemm_f32, tile_f32, float)
 DEFINE_KERNEL(grouped_gemm_bf16, tile_bf16, uint16_t)
 
+
+/* A bfloat16 linear layer on AMX: y[M, N] = x[M, K] @ W^T + b, x and y bfloat16, W packed at load
+ * into tiles, sums in float32 (rounded to bfloat16 once, nearest-even, as torch rounds).
+ *
+ * Each output element is the hardware's tile dot products over k = 0, 32, 64, ... in that order:
+ * what a row gets depends on its own inputs only, not on the rows beside it in a tile, the
+ * number of rows, or the thread (oneDNN's AMX kernel, by contrast, blocks K by the row count, so
+ * rows 33-512 get other bits than 1-32 here). Work items are 32-row by 32-column blocks; the
+ * last block, if of other than 16 or 32 rows, is copied once into a zero-padded one.
+ *
+ * W packed [N/32][K/32][2][16][16][2]: for each 32-column strip and 32-wide k step, two B tiles
+ * (columns 0-15, 16-31) of 16 rows of k pairs (the VNNI layout tdpbf16ps reads). K % 32 == 0.
+ */
+#include <string.h>
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <cpuid.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+int amx_bf16_supported(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+    if (!((d >> 22) & 1) || !((d >> 24) & 1)) return 0; /* AMX-BF16, AMX-TILE */
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+static inline uint16_t to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffff) > 0x7f800000) return (uint16_t)((bits >> 16) | 0x40); /* NaN */
+    return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+__attribute__((target("amx-tile,amx-bf16"))) void amx_linear_bf16(
+    const uint16_t *x, int64_t ldx, const uint16_t *w, const float *bias, uint16_t *y, int64_t ldy,
+    int64_t M, int64_t K, int64_t N) {
+    const int64_t steps = K / 32, strips = (N + 31) / 32, blocks = (M + 31) / 32;
+    /* The last block, if not of 16 or 32 rows, copied once into a zero-padded one. */
+    const int64_t tail = M - (blocks - 1) * 32;
+    uint16_t *padded = 0;
+    if (tail != 16 && tail != 32) {
+        padded = calloc(32 * K, 2);
+        for (int64_t r = 0; r < tail; r++) memcpy(padded + r * K, x + ((blocks - 1) * 32 + r) * ldx, K * 2);
+    }
+    _Pragma("omp parallel")
+    {
+        tile_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 8; t++) {
+            cfg.rows[t] = 16;
+            cfg.colsb[t] = 64;
+        }
+        _tile_loadconfig(&cfg);
+        float out[32 * 32];
+        _Pragma("omp for schedule(dynamic, 1)")
+        for (int64_t item = 0; item < blocks * strips; item++) {
+            /* Strip-major: a thread's next item reuses the weight strip it just read. */
+            const int64_t strip = item / blocks, blk = item % blocks;
+            const int64_t m0 = blk * 32, rows = M - m0 < 32 ? M - m0 : 32;
+            const int64_t cols = N - strip * 32 < 32 ? N - strip * 32 : 32;
+            const int last = blk == blocks - 1 && padded;
+            const uint16_t *a = last ? padded : x + m0 * ldx;
+            const int64_t lda = last ? K : ldx;
+            const int two = rows > 16;
+            const uint16_t *b = w + strip * steps * 1024;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t s = 0; s < steps; s++) {
+                _tile_loadd(4, a + s * 32, lda * 2);
+                _tile_loadd(6, b + s * 1024, 64);
+                _tile_loadd(7, b + s * 1024 + 512, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                if (two) {
+                    _tile_loadd(5, a + 16 * lda + s * 32, lda * 2);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, out, 128);
+            _tile_stored(1, out + 16, 128);
+            if (two) {
+                _tile_stored(2, out + 16 * 32, 128);
+                _tile_stored(3, out + 16 * 32 + 16, 128);
+            }
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t c = 0; c < cols; c++)
+                    y[(m0 + r) * ldy + strip * 32 + c] =
+                        to_bf16(out[r * 32 + c] + (bias ? bias[strip * 32 + c] : 0.0f));
+        }
+        _tile_release();
+    }
+    free(padded);
+}
+
 #else
 
 int grouped_gemm_supported(void) { return 0; }
 
 void grouped_gemm_f32(void) {}
 void grouped_gemm_bf16(void) {}
+int amx_bf16_supported(void) { return 0; }
+void amx_linear_bf16(void) {}
 
 #endif

@@ -1,7 +1,9 @@
-"""The grouped GEMM of grouped_gemm.c: built with the system's C compiler at first use, called
-through ctypes. It runs the MoE experts (models/moe.py: one call per projection for all of a
-layer's experts) and, where the load-time probe picks it, the dense layers (models/linear.py:
-one group each).
+"""The kernels of grouped_gemm.c, built with the system's C compiler at first use and called
+through ctypes. The grouped GEMM runs the MoE experts (models/moe.py: one call per projection
+for all of a layer's experts) and, where the load-time probe picks it, the dense layers
+(models/linear.py: one group each). The AMX bfloat16 linear (`amx_linear`) is a candidate of
+models/linear.py on CPUs with AMX: invariant to the row count by construction, where oneDNN's
+AMX kernel is not (see the C file).
 
 Why our own kernel: a decode step gives each active expert a few rows, and torch's CPU GEMMs
 (oneDNN and MKL alike) read an expert's weights at about half the memory bandwidth one core
@@ -106,7 +108,36 @@ def load() -> ctypes.CDLL | None:
         kernel = getattr(lib, f"grouped_gemm_{suffix}")
         kernel.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64]
         kernel.restype = None
+    lib.amx_linear_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
+    lib.amx_linear_bf16.restype = None
     return lib
+
+
+@cache
+def amx_available(lib: ctypes.CDLL) -> bool:
+    """Does this CPU have AMX-BF16, and may this process use its tiles (Linux grants it)?"""
+    return bool(lib.amx_bf16_supported())
+
+
+def pack_amx(weight: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 [N, K] weight (K % 32 == 0) in amx_linear_bf16's tiles: per 32-column strip and
+    32-wide k step, two tiles of 16 rows of k pairs, [N/32, K/32, 2, 16, 16, 2]."""
+    n, k = weight.shape
+    strips = -(-n // 32)
+    padded = weight.new_zeros(strips * 32, k)
+    padded[:n] = weight
+    return padded.view(strips, 2, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
+
+
+def amx_linear(lib: ctypes.CDLL, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+               x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] bfloat16 through a layer packed by `pack_amx` (bias float32 or None)."""
+    rows = x.contiguous()
+    y = torch.empty(rows.shape[0], out_features, dtype=torch.bfloat16)
+    lib.amx_linear_bf16(rows.data_ptr(), rows.stride(0), packed.data_ptr(),
+                        bias.data_ptr() if bias is not None else None, y.data_ptr(), y.stride(0),
+                        rows.shape[0], rows.shape[1], out_features)
+    return y
 
 
 def build() -> Path:

@@ -4,7 +4,8 @@ The candidates: "onednn", the weight packed once at load into oneDNN's blocked l
 with AMX or AVX512-BF16 its bfloat16 path runs on those units); "torch", `F.linear` as torch
 dispatches it (MKL's sgemm for float32 on CPU, oneDNN for bfloat16, cuBLAS on CUDA); "grouped",
 the grouped kernel of grouped_gemm.c as one group each (float32 sums, bfloat16 weights widened
-as they are read; invariant by construction, and probed like the others all the same).
+as they are read; invariant by construction, and probed like the others all the same); "amx",
+bfloat16 on AMX tiles (grouped_gemm.c's `amx_linear_bf16`, invariant by construction too).
 FREETOKEN_LINEAR_KERNEL=<name> restricts the choice to one of them (benchmarks, tests).
 """
 
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from freetoken.models.grouped_gemm import KERNELS, grouped_gemm
+from freetoken.models.grouped_gemm import KERNELS, amx_available, amx_linear, grouped_gemm, pack_amx
 from freetoken.models.grouped_gemm import load as load_kernel
 from freetoken.models.grouped_gemm import pack as pack_strips
 from freetoken.models.kernel_choice import (Measured, Run, RowRule, cpu_name, fastest, measure,
@@ -28,7 +29,8 @@ from freetoken.models.kernel_choice import (Measured, Run, RowRule, cpu_name, fa
 
 log = logging.getLogger(__name__)
 
-CANDIDATES = ("onednn", "torch", "grouped")
+CANDIDATES = ("onednn", "torch", "grouped", "amx")
+LAYER_INDEX = re.compile(r"\.\d+\.")  # model.layers.3.mlp -> model.layers.*.mlp in the plan
 
 
 class Linear(nn.Linear):
@@ -72,6 +74,10 @@ def prepare(kernel: str, layer: Linear) -> Run | None:
         return partial(_onednn, packed, bias)
     if kernel == "grouped" and weight.dtype in KERNELS and (lib := load_kernel()) is not None:
         return partial(grouped_gemm, lib, experts=pack_strips([weight], [bias]))
+    if (kernel == "amx" and weight.dtype == torch.bfloat16 and layer.in_features % 32 == 0
+            and (lib := load_kernel()) is not None and amx_available(lib)):
+        return partial(amx_linear, lib, pack_amx(weight), None if bias is None else bias.float(),
+                       layer.out_features)
     return None
 
 
@@ -130,8 +136,10 @@ def pack_linears(model: nn.Module) -> KernelPlan:
     invariant, kernels = True, {}
     for members in by_shape.values():
         first = members[0][1]
+        kind = f"{LAYER_INDEX.sub('.*.', members[0][0])} {first.in_features}x{first.out_features}"
         chosen = choose(first)
-        if chosen is None:
+        if chosen is None:  # no candidate runs this dtype here (a forced one, say): unprobed
+            invariant, kernels[kind] = False, "F.linear (not probed)"
             continue
         best, shape_invariant, run = chosen
         rule = best.rule or RowRule()
@@ -140,9 +148,8 @@ def pack_linears(model: nn.Module) -> KernelPlan:
         if best.kernel != "torch":
             _free_plain_weights(model, [layer for _, layer in members])
         invariant = invariant and shape_invariant
-        kind = re.sub(r"\.\d+\.", ".*.", members[0][0])
-        kernels[f"{kind} {first.in_features}x{first.out_features}"] = (
-            f"{best.kernel} (rows {rule.minimum}-{rule.most})" if best.rule else f"{best.kernel} (not invariant)")
+        kernels[kind] = (f"{best.kernel} (rows {rule.minimum}-{rule.most})" if best.rule
+                         else f"{best.kernel} (not invariant)")
     model.kernel_plan = plan = KernelPlan(invariant, kernels)
     if kernels:
         log.log(logging.INFO if invariant else logging.WARNING,
