@@ -25,7 +25,7 @@ from torch import nn
 
 from freetoken.models.grouped_gemm import KERNELS, PackedLinears, grouped_gemm, pack
 from freetoken.models.grouped_gemm import load as load_kernel
-from freetoken.models.kernel_choice import RowRule, rule_holds
+from freetoken.models.kernel_choice import RowRule, probe_weight, rule_holds
 from freetoken.models.linear import Linear
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
@@ -139,7 +139,8 @@ def stack_experts(model: nn.Module) -> None:
         return
     for name in ("gate_up_proj", "down_proj"):
         probe = getattr(layers[0].experts[0], name)
-        packed = pack([probe.weight], [probe.bias])
+        packed = pack([probe_weight(probe.out_features, probe.in_features, probe.weight.dtype)],
+                      [probe.bias])
         run = partial(grouped_gemm, kernel, experts=packed)
         if not rule_holds(run, probe.in_features, probe.weight.dtype, RowRule()):
             return
