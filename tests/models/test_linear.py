@@ -136,11 +136,14 @@ def test_probes_are_kept_per_machine_and_reused(monkeypatch):
         return Measured(kernel, RowRule(), 1.0)
 
     monkeypatch.setattr(linear, "measure", measure)
+    built = []
+    monkeypatch.setattr(linear, "_probe_layer", lambda layer: built.append(layer) or layer)
     choose(_layer(16, 24))
     first = len(calls)
-    assert first >= 1
+    assert first >= 1 and len(built) == 1
     choose(_layer(16, 24))
-    assert len(calls) == first  # read from the cache folder
+    # Read from the cache folder, without building a probe layer (the LM head's size) again.
+    assert len(calls) == first and len(built) == 1
     # A cap changes the kernels: probed anew.
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "SSE41" if os.environ.get("ONEDNN_MAX_CPU_ISA") != "SSE41" else "AVX2")
     choose(_layer(16, 24))

@@ -171,15 +171,15 @@ def measure(kernel: str, run: Run, in_features: int, dtype: torch.dtype,
     return next(m for m in timed if m.seconds <= best * (1 + RULE_TIE))
 
 
-def fastest(measured: list[Measured]) -> tuple[Measured, bool]:
-    """The fastest batch-invariant candidate, else the fastest; and whether it is invariant."""
-    invariant = [m for m in measured if m.rule is not None]
-    pool = invariant or measured
-    return min(pool, key=lambda m: m.seconds), bool(invariant)
+def ranked(measured: list[Measured]) -> list[Measured]:
+    """Batch-invariant candidates first, each group fastest first."""
+    return sorted(measured, key=lambda m: (m.rule is None, m.seconds))
 
 
-def measured_with_cache(key: str, kernel: str, probe: Callable[[], Measured]) -> Measured:
-    """`probe()`'s result for this candidate and shape on this machine, probed once."""
+def measured_with_cache(key: str, kernel: str,
+                        probe: Callable[[], Measured | None]) -> Measured | None:
+    """`probe()`'s result for this candidate and shape on this machine, probed once (None: the
+    kernel cannot run it here, asked again next time)."""
     path = cache_root() / "kernels" / f"probes-{_machine()}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
@@ -190,6 +190,8 @@ def measured_with_cache(key: str, kernel: str, probe: Callable[[], Measured]) ->
             rule = RowRule(*entry["rule"]) if entry["rule"] else None
             return Measured(kernel, rule, entry["seconds"])
         result = probe()
+        if result is None:
+            return None
         entries[f"{key} {kernel}"] = {"rule": [result.rule.minimum, result.rule.most]
                                       if result.rule else None, "seconds": result.seconds}
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")

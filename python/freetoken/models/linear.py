@@ -15,7 +15,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 
 import torch
 import torch.nn.functional as F
@@ -24,8 +24,8 @@ from torch import nn
 from freetoken.models.grouped_gemm import KERNELS, amx_available, amx_linear, grouped_gemm, pack_amx
 from freetoken.models.grouped_gemm import load as load_kernel
 from freetoken.models.grouped_gemm import pack as pack_strips
-from freetoken.models.kernel_choice import (Measured, Run, RowRule, cpu_name, fastest, measure,
-                                            measured_with_cache, probe_weight, run_by_rule)
+from freetoken.models.kernel_choice import (Measured, Run, RowRule, cpu_name, measure,
+                                            measured_with_cache, probe_weight, ranked, run_by_rule)
 
 log = logging.getLogger(__name__)
 
@@ -59,26 +59,39 @@ class KernelPlan:
     kernels: dict[str, str]
 
 
+def may_run(kernel: str, layer: Linear) -> bool:
+    """Can `kernel` run `layer`'s dtype and device here, as far as a check short of packing its
+    weights tells (oneDNN finds out which dtypes it runs only when asked to pack one)?"""
+    weight = layer.weight
+    if kernel == "torch":
+        return True
+    if weight.device.type != "cpu":
+        return False
+    if kernel == "onednn":
+        return torch.backends.mkldnn.is_available()
+    if kernel == "grouped":
+        return weight.dtype in KERNELS and load_kernel() is not None
+    return (kernel == "amx" and weight.dtype == torch.bfloat16 and layer.in_features % 32 == 0
+            and (lib := load_kernel()) is not None and amx_available(lib))
+
+
 def prepare(kernel: str, layer: Linear) -> Run | None:
     """`layer` on `kernel`, or None where that kernel cannot run its dtype and device here."""
+    if not may_run(kernel, layer):
+        return None
     weight, bias = layer.weight.detach(), layer.bias
     if kernel == "torch":
         return partial(_f_linear, weight, bias)
-    if weight.device.type != "cpu":
-        return None
-    if kernel == "onednn" and torch.backends.mkldnn.is_available():
+    if kernel == "onednn":
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         except RuntimeError:  # a dtype this CPU's oneDNN build does not run
             return None
         return partial(_onednn, packed, bias)
-    if kernel == "grouped" and weight.dtype in KERNELS and (lib := load_kernel()) is not None:
-        return partial(grouped_gemm, lib, experts=pack_strips([weight], [bias]))
-    if (kernel == "amx" and weight.dtype == torch.bfloat16 and layer.in_features % 32 == 0
-            and (lib := load_kernel()) is not None and amx_available(lib)):
-        return partial(amx_linear, lib, pack_amx(weight), None if bias is None else bias.float(),
-                       layer.out_features)
-    return None
+    if kernel == "grouped":
+        return partial(grouped_gemm, load_kernel(), experts=pack_strips([weight], [bias]))
+    return partial(amx_linear, load_kernel(), pack_amx(weight), None if bias is None else bias.float(),
+                   layer.out_features)
 
 
 def _f_linear(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
@@ -102,25 +115,35 @@ def choose(layer: Linear) -> tuple[Measured, bool, Run] | None:
     weight = layer.weight
     key = (f"{weight.dtype} {weight.device.type} {layer.in_features}x{layer.out_features}"
            f"{' bias' if layer.bias is not None else ''}")
-    probe_layer = Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
-                         device=weight.device, dtype=weight.dtype).requires_grad_(False)
-    probe_layer.weight.copy_(probe_weight(layer.out_features, layer.in_features, weight.dtype))
-    if layer.bias is not None:
-        probe_layer.bias.normal_()
+    probe_layer = cache(partial(_probe_layer, layer))  # a layer's size: built on a cache miss only
+
+    def probe(name: str) -> Measured | None:
+        run = prepare(name, probe_layer()) if may_run(name, layer) else None
+        return None if run is None else measure(name, run, layer.in_features, weight.dtype, weight.device)
+
     measured = []
     for name in candidates():
-        run = prepare(name, probe_layer)
-        if run is None:
-            continue
-        probe = partial(measure, name, run, layer.in_features, weight.dtype, weight.device)
         try:
-            measured.append(measured_with_cache(key, name, probe))
+            result = measured_with_cache(key, name, partial(probe, name))
         except RuntimeError:  # a kernel that packed a dtype it then cannot run
             continue
-    if not measured:
-        return None
-    best, invariant = fastest(measured)
-    return best, invariant, prepare(best.kernel, layer)
+        if result is not None:
+            measured.append(result)
+    for best in ranked(measured):
+        if (run := prepare(best.kernel, layer)) is not None:
+            return best, best.rule is not None, run
+    return None
+
+
+def _probe_layer(layer: Linear) -> Linear:
+    """A layer of `layer`'s shape, dtype and device on `probe_weight`'s weights."""
+    weight = layer.weight
+    probe = Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
+                   device=weight.device, dtype=weight.dtype).requires_grad_(False)
+    probe.weight.copy_(probe_weight(layer.out_features, layer.in_features, weight.dtype))
+    if layer.bias is not None:
+        probe.bias.normal_()
+    return probe
 
 
 def pack_linears(model: nn.Module) -> KernelPlan:
