@@ -104,6 +104,7 @@ DEFINE_KERNEL(grouped_gemm_f32, tile_f32, float)
 DEFINE_KERNEL(grouped_gemm_bf16, tile_bf16, uint16_t)
 
 
+#if defined(__linux__) && (defined(__clang__) || __GNUC__ >= 11) /* AMX intrinsics, arch_prctl */
 /* A bfloat16 linear layer on AMX: y[M, N] = x[M, K] @ W^T + b, x and y bfloat16, W packed at load
  * into tiles, sums in float32 (rounded to bfloat16 once, nearest-even, as torch rounds).
  *
@@ -209,6 +210,14 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_linear_bf16(
     }
     free(padded);
 }
+
+
+#else
+
+int amx_bf16_supported(void) { return 0; }
+void amx_linear_bf16(void) {}
+
+#endif
 
 #else
 
