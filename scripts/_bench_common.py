@@ -210,7 +210,8 @@ def kernel_heading(loaded) -> None:
     from freetoken.models.kernel_choice import cpu_name
 
     plan = loaded.model.kernel_plan
-    print(f"# cpu: {cpu_name()}; linear kernels ({'batch-invariant' if plan.invariant else 'NOT batch-invariant'}):",
+    claim = "batch-invariant" if plan.invariant else "NOT batch-invariant"
+    print(f"# cpu: {cpu_name()}; linear kernels ({claim}):",
           "; ".join(f"{kind}: {kernel}" for kind, kernel in plan.kernels.items()), flush=True)
 
 

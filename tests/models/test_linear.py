@@ -145,7 +145,8 @@ def test_probes_are_kept_per_machine_and_reused(monkeypatch):
     # Read from the cache folder, without building a probe layer (the LM head's size) again.
     assert len(calls) == first and len(built) == 1
     # A cap changes the kernels: probed anew.
-    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "SSE41" if os.environ.get("ONEDNN_MAX_CPU_ISA") != "SSE41" else "AVX2")
+    other = "SSE41" if os.environ.get("ONEDNN_MAX_CPU_ISA") != "SSE41" else "AVX2"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", other)
     choose(_layer(16, 24))
     assert len(calls) == 2 * first
 

@@ -53,7 +53,8 @@ def _loaded_on(kernel: str, dtype: str):
                 patch.setenv("FREETOKEN_LINEAR_KERNEL", kernel)
             loaded = load_model(default_folder(), dtype=dtype, device="cpu")
     plan = loaded.model.kernel_plan
-    if not plan.invariant or (kernel != "auto" and not all(v.startswith(kernel) for v in plan.kernels.values())):
+    forced_elsewhere = kernel != "auto" and not all(v.startswith(kernel) for v in plan.kernels.values())
+    if not plan.invariant or forced_elsewhere:
         pytest.skip(f"{kernel}: not batch-invariant or cannot run on this CPU ({plan.kernels})")
     return loaded
 

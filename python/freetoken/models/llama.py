@@ -18,7 +18,6 @@ from torch import nn
 
 from freetoken.core import Batch
 from freetoken.models.linear import Linear
-from freetoken.models.moe import Experts
 from freetoken.models.rope import Yarn, rope_frequencies
 
 

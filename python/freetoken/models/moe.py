@@ -4,7 +4,8 @@ A step's (token, expert) assignments are sorted by expert id, and the gathered r
 each active expert's projections. On CPU (float32 or bfloat16) that is the grouped kernel of
 grouped_gemm.c, one call per projection for all experts, whose rows never depend on their
 group. Elsewhere each active expert runs its `Linear`s over its rows (the kernel each expert
-shape runs on, and its row rule, are chosen at load by `pack_linears` as for the dense layers). The weighted outputs are then added into their tokens' rows in ascending expert id
+shape runs on, and its row rule, are chosen at load by `pack_linears` as for the dense layers).
+The weighted outputs are then added into their tokens' rows in ascending expert id
 (`index_add_` adds in row order), the order transformers' reference loop adds them in: a
 token's sum runs in that fixed order, so a row's result does not depend on which other rows
 shared its experts.

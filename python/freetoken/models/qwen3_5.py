@@ -24,7 +24,6 @@ from freetoken.models import gated_deltanet as gdn
 from freetoken.models.linear import Linear
 from freetoken.models.llama import (MLP, Attention, Backbone, ForwardContext, RMSNorm, fuse_hf_weights,
                                     rotate)
-from freetoken.models.moe import Experts
 from freetoken.models.qwen3_moe import SparseMoeBlock
 
 log = logging.getLogger("freetoken")
