@@ -3,12 +3,19 @@
 The cache holds one reference on every slot it stores; a request that reuses a prefix takes
 one more. Eviction removes least-recently-used leaves whose slot nobody else holds, so KV in
 use is never evicted.
+
+Leaves wait in a heap ordered by last use. A touched node is pushed again rather than moved,
+so entries go stale; a stale one (the node was touched since, gained a child or left the trie)
+is dropped when it surfaces, and all of them once they outnumber the current ones. An evicted
+node then costs O(log n), plus one pop per leaf still held by a running request.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from dataclasses import dataclass, field
+from typing import Callable
 
 from freetoken.engine.kv_pool import KVPool
 
@@ -22,57 +29,120 @@ class _Node:
     snapshot: int | None = None  # hybrid models: state slot at this prefix (scheduler/states.py)
 
 
+class LeastRecentlyUsed:
+    """Trie nodes by last use, oldest first, with stale entries skipped when they surface."""
+
+    def __init__(self, live: Callable[[_Node], bool]):
+        self.live = live
+        self._heap: list[tuple[int, int, _Node]] = []
+        self._order = itertools.count()
+        self._kept = 0
+
+    def push(self, node: _Node) -> None:
+        heapq.heappush(self._heap, (node.last_used, next(self._order), node))
+        if len(self._heap) > 2 * self._kept + 64:
+            self._drop_stale()
+
+    def _current(self, entry) -> bool:
+        stamp, _, node = entry
+        return stamp == node.last_used and self.live(node)
+
+    def _drop_stale(self) -> None:
+        """Amortised O(1) a push: it runs after at least `_kept` + 64 pushes since the last."""
+        seen, kept = set(), []
+        for entry in self._heap:
+            if self._current(entry) and id(entry[2]) not in seen:
+                seen.add(id(entry[2]))
+                kept.append(entry)
+        heapq.heapify(kept)
+        self._heap, self._kept = kept, len(kept)
+
+    def pop(self, usable: Callable[[_Node], bool]) -> _Node | None:
+        """The least recently used live node that is `usable` now. Live nodes passed over are
+        pushed back, so a leaf a request holds is a candidate again once it lets go."""
+        passed, found = [], None
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            if not self._current(entry):
+                continue
+            if usable(entry[2]):
+                found = entry[2]
+                break
+            passed.append(entry)
+        for entry in passed:
+            heapq.heappush(self._heap, entry)
+        return found
+
+
+def _in_trie(node: _Node) -> bool:
+    return node.parent is not None
+
+
 class PrefixCache:
     def __init__(self, kv: KVPool):
         self.kv = kv
         self.root = _Node(slot=-1, parent=None)
         self._clock = itertools.count(1)
+        self._leaves = LeastRecentlyUsed(lambda n: _in_trie(n) and not n.children)
 
     def match(self, ids: list[int]) -> tuple[list[int], int]:
         """Retain and return the slots of the longest cached prefix of `ids`.
 
         The last token is never matched: its forward must run to produce the next logits.
         """
-        node, slots, now = self.root, [], next(self._clock)
-        for token in ids[:-1]:
-            node = node.children.get(token)
-            if node is None:
-                break
-            node.last_used = now
-            slots.append(node.slot)
+        path = self._path(ids[:-1])
+        path = path[: self._usable(path)]
+        self._touch(path)
+        slots = [node.slot for node in path]
         self.kv.retain(slots)
         return slots, len(slots)
 
     def insert(self, ids: list[int], slots: list[int]) -> None:
-        node, now = self.root, next(self._clock)
+        node, path = self.root, []
         for token, slot in zip(ids, slots):
             child = node.children.get(token)
             if child is None:
                 child = node.children[token] = _Node(slot=slot, parent=node)
                 self.kv.cache_hold(slot)
-            child.last_used = now
             node = child
+            path.append(node)
+        self._touch(path)
 
     def evict(self, n: int) -> int:
         """Free up to `n` slots; returns how many were freed."""
         freed = 0
         while freed < n:
-            leaves = [x for x in self._nodes() if not x.children and self.kv.refs(x.slot) == 1]
-            if not leaves:
+            leaf = self._leaves.pop(lambda x: self.kv.refs(x.slot) == 1)
+            if leaf is None:
                 break
-            leaves.sort(key=lambda x: x.last_used)
-            for leaf in leaves[: n - freed]:
-                self._remove(leaf)
-                freed += 1
+            self._remove(leaf)
+            freed += 1
         return freed
 
-    def _remove(self, leaf: _Node) -> None:
-        del leaf.parent.children[next(t for t, c in leaf.parent.children.items() if c is leaf)]
-        self.kv.cache_drop(leaf.slot)
+    def _path(self, ids: list[int]) -> list[_Node]:
+        node, path = self.root, []
+        for token in ids:
+            node = node.children.get(token)
+            if node is None:
+                break
+            path.append(node)
+        return path
 
-    def _nodes(self):
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children.values())
-            yield node
+    def _usable(self, path: list[_Node]) -> int:
+        """How much of a matched path a request may reuse."""
+        return len(path)
+
+    def _touch(self, path: list[_Node]) -> None:
+        now = next(self._clock)
+        for node in path:
+            node.last_used = now
+        if path and not path[-1].children:
+            self._leaves.push(path[-1])
+
+    def _remove(self, leaf: _Node) -> None:
+        parent = leaf.parent
+        del parent.children[next(t for t, c in parent.children.items() if c is leaf)]
+        leaf.parent = None
+        self.kv.cache_drop(leaf.slot)
+        if parent is not self.root and not parent.children:
+            self._leaves.push(parent)

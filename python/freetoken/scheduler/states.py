@@ -17,7 +17,7 @@ from __future__ import annotations
 from freetoken.core import Batch, Req
 from freetoken.engine.state_pool import StatePool
 from freetoken.models.gated_deltanet import CHUNK
-from freetoken.scheduler.cache import PrefixCache, _Node
+from freetoken.scheduler.cache import LeastRecentlyUsed, PrefixCache, _Node
 
 
 class SnapshotCache(PrefixCache):
@@ -27,21 +27,10 @@ class SnapshotCache(PrefixCache):
         super().__init__(kv)
         self.pool = pool
         self.snapshots = 0
+        self._held = LeastRecentlyUsed(lambda n: n.parent is not None and n.snapshot is not None)
 
-    def match(self, ids: list[int]) -> tuple[list[int], int]:
-        node, path, hit, now = self.root, [], 0, next(self._clock)
-        for token in ids[:-1]:
-            node = node.children.get(token)
-            if node is None:
-                break
-            path.append(node)
-            if node.snapshot is not None:
-                hit = len(path)
-        for node in path[:hit]:
-            node.last_used = now
-        slots = [node.slot for node in path[:hit]]
-        self.kv.retain(slots)
-        return slots, hit
+    def _usable(self, path: list[_Node]) -> int:
+        return max((i + 1 for i, node in enumerate(path) if node.snapshot is not None), default=0)
 
     def insert(self, ids: list[int], slots: list[int]) -> None:
         """A prompt's KV is kept only with the snapshots taken along it (`add_snapshot`)."""
@@ -52,6 +41,7 @@ class SnapshotCache(PrefixCache):
         if node.snapshot is None:
             node.snapshot = snapshot
             self.snapshots += 1
+            self._held.push(node)
         else:  # another request with this prefix got there first
             self.pool.release(snapshot)
 
@@ -60,11 +50,17 @@ class SnapshotCache(PrefixCache):
 
     def evict_snapshot(self, keep: int | None = None) -> bool:
         """Drop the least recently used snapshot (but `keep`); False if there is none."""
-        held = [n for n in self._nodes() if n.snapshot is not None and n.snapshot != keep]
-        if not held:
+        node = self._held.pop(lambda n: n.snapshot != keep)
+        if node is None:
             return False
-        self._drop_snapshot(min(held, key=lambda n: n.last_used))
+        self._drop_snapshot(node)
         return True
+
+    def _touch(self, path: list[_Node]) -> None:
+        super()._touch(path)
+        for node in path:
+            if node.snapshot is not None:
+                self._held.push(node)
 
     def _node(self, ids: list[int]) -> _Node:
         node = self.root
