@@ -4,6 +4,7 @@ side enforces). The offline `LLM` builds its `EngineConfig` directly."""
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,44 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """`--speculative-config` as vLLM spells it (its `ngram` method)."""
+
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    method: str = "ngram"
+
+    @classmethod
+    def parse(cls, text: str) -> SpeculativeConfig:
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--speculative-config is not JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        method = raw.pop("method", "ngram")
+        if method != "ngram":
+            raise ValueError(f"--speculative-config: method {method!r} is not supported "
+                             "(supported: 'ngram')")
+        known = {"num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"--speculative-config: unknown field(s) {', '.join(unknown)}")
+        if "num_speculative_tokens" not in raw:
+            raise ValueError("--speculative-config: 'num_speculative_tokens' is required")
+        values = {k: raw[k] for k in known if k in raw}
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values.values()):
+            raise ValueError("--speculative-config: its sizes must be integers")
+        config = cls(method=method, **values)
+        if not (1 <= config.num_speculative_tokens <= 64):
+            raise ValueError("--speculative-config: 'num_speculative_tokens' must be in [1, 64]")
+        if not (1 <= config.prompt_lookup_min <= config.prompt_lookup_max):
+            raise ValueError("--speculative-config: need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        return config
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_folder: str | None = None  # an HF folder; None: the default model
     dtype: str = "auto"
@@ -57,6 +96,7 @@ class EngineConfig:
     # Hybrid models: recurrent-state snapshots the prefix cache may hold (engine/state_pool.py).
     state_snapshots: int = 32
     parallel: ParallelConfig = ParallelConfig()
+    speculative: SpeculativeConfig | None = None  # None: plain decoding
 
 
 @dataclass(frozen=True)
@@ -87,6 +127,7 @@ def engine_config(args, model_folder: str) -> EngineConfig:
         max_prefill_tokens=args.max_prefill_tokens,
         prefix_cache=not args.no_prefix_cache,
         state_snapshots=args.state_snapshots,
+        speculative=SpeculativeConfig.parse(args.speculative_config) if args.speculative_config else None,
         parallel=ParallelConfig(
             tp_size=args.tensor_parallel_size, nnodes=args.nnodes, node_rank=args.node_rank,
             master_addr=args.master_addr, master_port=args.master_port,

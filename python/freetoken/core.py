@@ -111,6 +111,11 @@ class Req:
     # snapshot slots the next step fills at chunk boundaries of its prompt ({position: slot}).
     state_slot: int | None = None
     snapshots: dict[int, int] = field(default_factory=dict)
+    # Speculative decoding (scheduler/speculation.py): the tokens this step verifies after its
+    # last one, and how many coming steps it decodes plainly after drafts were rejected.
+    drafts: list[int] = field(default_factory=list)
+    draft_pause: int = 0
+    draft_backoff: int = 0
 
     @property
     def all_ids(self) -> list[int]:
@@ -129,11 +134,12 @@ class Req:
 
 @dataclass
 class Batch:
-    """One forward: each request contributes `new_ids` (a prefill chunk or one decode token).
+    """One forward: each request contributes `new_ids` (a prefill chunk, one decode token, or one
+    decode token and its drafts).
 
     `logit_reqs` are the requests that sample this step (a chunked prefill that has not reached
-    its last prompt token does not). They keep the order of `reqs`, and the model returns one
-    logit row per entry, in that order.
+    its last prompt token does not). They keep the order of `reqs`, and the model returns
+    1 + len(req.drafts) logit rows per entry, in that order.
 
     `prompt_rows` are the requests that score their prompt (prompt logprobs), each with the
     number n of its new tokens, from the first, whose next token is a prompt token. After the

@@ -7,9 +7,9 @@ from typing import NamedTuple
 
 import torch
 
-from freetoken.core import Batch, SamplingParams, TokenLogprob
+from freetoken.core import Batch, Req, SamplingParams, TokenLogprob
 from freetoken.engine.kv_pool import KVPool
-from freetoken.engine.sample import SampleOutput, Sampler, logprob_entries
+from freetoken.engine.sample import Sampler, logprob_entries
 from freetoken.engine.state_pool import LinearContext, PrefillPiece, StatePool
 from freetoken.models.llama import DecodeGroup, ForwardContext, PromptGroup
 
@@ -38,7 +38,10 @@ class StepPlan(NamedTuple):
 
 
 class StepOutput(NamedTuple):
-    sampled: SampleOutput  # one row per batch.logit_reqs
+    # Per batch.logit_reqs: the tokens it emits (one, or with drafts the accepted ones and the
+    # token sampled after them) and their logprob entries (None where it asked for none).
+    tokens: list[list[int]]
+    logprobs: list[list[TokenLogprob | None]]
     prompt_logprobs: list[TokenLogprob]  # one per row of batch.prompt_rows, in order
 
 
@@ -80,13 +83,7 @@ class Engine:
     def forward_batch(self, batch: Batch) -> StepOutput:
         """Run `batch`; the caller has already given every new token a KV slot."""
         logits, ctx = self.run_model(batch)
-        n = len(batch.logit_reqs)
-        reqs = batch.logit_reqs
-        grammars = [r.grammar.constraining if r.grammar else None for r in reqs]
-        args = self.sampler.prepare([r.params for r in reqs], [r.generator for r in reqs],
-                                    [(r.prompt_ids, r.output_ids) for r in reqs],
-                                    grammars if any(g is not None for g in grammars) else None)
-        sampled = self.sampler.sample(logits[:n], args)
+        tokens, logprobs = self._sample(logits, batch.logit_reqs)
         # Row i of a chunk starting at position s scores prompt token s + i + 1.
         start = {id(r): r.num_computed - len(new) for r, new in zip(batch.reqs, batch.new_ids)}
         targets, ks = [], []
@@ -94,10 +91,38 @@ class Engine:
             first = start[id(req)] + 1
             targets += req.prompt_ids[first : first + rows]
             ks += [req.params.prompt_logprobs] * rows
-        out = StepOutput(sampled, prompt_logprobs(logits[n : n + len(targets)], targets, ks))
+        n = sum(1 + len(r.drafts) for r in batch.logit_reqs)
+        out = StepOutput(tokens, logprobs, prompt_logprobs(logits[n : n + len(targets)], targets, ks))
         if ctx.linear is not None:  # the step went through: its new recurrent states stand
             self.states.commit(ctx.linear)
         return out
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> tuple[list[list[int]], list[list]]:
+        """Each request's tokens: a row each, in order; a request with drafts keeps the rows up
+        to the first whose token is not its draft's (scheduler/speculation.py). Row j of a draft
+        sees the output as if the j drafts before it were emitted (penalties, min_tokens,
+        bad_words), and its random draw comes after theirs from the request's stream."""
+        rows = [(r, j) for r in reqs for j in range(1 + len(r.drafts))]
+        grammars = [r.grammar.constraining if r.grammar else None for r, _ in rows]
+        # A rejected draft's row drew from the stream all the same: rewound below.
+        streams = {id(r): r.generator.get_state() for r in reqs
+                   if r.drafts and not r.params.is_greedy}
+        args = self.sampler.prepare([r.params for r, _ in rows], [r.generator for r, _ in rows],
+                                    [(r.prompt_ids, r.output_ids + r.drafts[:j]) for r, j in rows],
+                                    grammars if any(g is not None for g in grammars) else None)
+        sampled = self.sampler.sample(logits[: len(rows)], args)
+        tokens, logprobs, row = [], [], 0
+        for req in reqs:
+            drawn = sampled.token_ids[row : row + 1 + len(req.drafts)]
+            kept = next((j for j, (t, d) in enumerate(zip(drawn, req.drafts)) if t != d),
+                        len(req.drafts)) + 1
+            tokens.append(drawn[:kept])
+            logprobs.append(sampled.logprobs[row : row + kept])
+            row += len(drawn)
+            if id(req) in streams and kept < len(drawn):
+                req.generator.set_state(streams[id(req)])
+                self.sampler.skip_draws(req.generator, kept)
+        return tokens, logprobs
 
     def run_model(self, batch: Batch) -> tuple[torch.Tensor, ForwardContext]:
         """The model's logit rows for `batch` (see Batch), and the context they were run in."""
@@ -183,7 +208,9 @@ class Engine:
         first_row = {}
         for req, new in zip(batch.reqs, batch.new_ids):
             total, q = req.num_computed, len(new)  # slots for `new` were appended before the step
-            if _decodes(req, q):
+            if req.drafts:  # each row a decode step at its own position
+                decoding += [(len(ids) + j, req.slots[: total - q + j + 1]) for j in range(q)]
+            elif _decodes(req, q):
                 decoding.append((len(ids), req.slots))
             else:
                 chunks.append((len(ids), q, req.slots))
@@ -192,7 +219,7 @@ class Engine:
             positions += range(total - q, total)
             out_slots += req.slots[total - q :]
             if id(req) in logit_set:
-                logit_rows.append(len(ids) - 1)
+                logit_rows += range(len(ids) - 1 - len(req.drafts), len(ids))
         for req, n in batch.prompt_rows:
             logit_rows += range(first_row[id(req)], first_row[id(req)] + n)
         return StepPlan(ids, positions, out_slots, logit_rows, chunks, decoding)

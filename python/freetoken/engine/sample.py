@@ -207,6 +207,11 @@ class Sampler:
                 logprobs[row] = lp
         return SampleOutput(token_ids, logprobs)
 
+    def skip_draws(self, generator: torch.Generator, rows: int) -> None:
+        """Advance `generator` as sampling `rows` random rows does."""
+        for _ in range(rows):
+            torch.empty(self.vocab_size, device=self.device).uniform_(generator=generator)  # fp32, as q
+
     def _sample_random(self, x: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
         """Sample the random rows; `x` holds exactly those rows and is not modified."""
         x = x / args.temperature if args.temperature is not None else x.clone()

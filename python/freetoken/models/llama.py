@@ -260,6 +260,9 @@ class Backbone(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     config_class = ModelConfig  # a family's subclass reads its own fields
+    # Every row attends on its own keys, so a request's draft rows can each run as a decode step
+    # (scheduler/speculation.py); a hybrid's recurrent layers hold one state per request.
+    verifies_drafts = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -28,6 +28,7 @@ def build_scheduler(loaded: LoadedModel, config: EngineConfig = EngineConfig(),
         max_running_requests=config.max_running_requests,
         max_prefill_tokens=config.max_prefill_tokens,
         prefix_cache=config.prefix_cache,
+        speculative=config.speculative,
     ), GrammarCompiler(partial(ll_tokenizer, loaded.tokenizer, loaded.vocab_size,
                                list(loaded.eos_token_ids))))
 

@@ -32,10 +32,12 @@ from collections import deque
 from dataclasses import dataclass
 from itertools import islice
 
+from freetoken.config import SpeculativeConfig
 from freetoken.core import Batch, Req
 from freetoken.engine.engine import Engine, StepOutput
 from freetoken.message import DetokenizeMsg, UserMsg
 from freetoken.scheduler.cache import PrefixCache
+from freetoken.scheduler.speculation import Speculator
 from freetoken.scheduler.states import RecurrentStates, SnapshotCache
 from freetoken.structured.matcher import GrammarCompiler, wait_any
 
@@ -61,6 +63,7 @@ class SchedulerConfig:
     max_running_requests: int = 64
     max_prefill_tokens: int = 2048
     prefix_cache: bool = True
+    speculative: SpeculativeConfig | None = None
 
 
 class Scheduler:
@@ -71,6 +74,10 @@ class Scheduler:
         if engine.states is not None:
             self.cache = SnapshotCache(engine.kv, engine.states) if config.prefix_cache else None
             self.states = RecurrentStates(engine.states, self.cache)
+        # Drafts need a model whose rows can each attend as a decode step: not a hybrid's
+        # recurrent layers (one state per request), nor the scripted test model.
+        self.speculator = (Speculator(config.speculative) if config.speculative is not None
+                           and getattr(engine.model, "verifies_drafts", False) else None)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # in order of admission
         self.compiling: list[Req] = []  # waiting requests whose grammar is not compiled yet
@@ -95,7 +102,9 @@ class Scheduler:
                 "grammar_compiles": self.grammars.compiled,
                 "grammar_cache_hits": self.grammars.cache_hits,
                 **self.engine.sampler.grammar_masks.stats(),
-                **(self.states.stats() if self.states else {})}
+                **(self.states.stats() if self.states else {}),
+                **({"spec_decode_method": self.speculator.config.method, **vars(self.speculator.stats)}
+                   if self.speculator else {})}
 
     def add(self, msg: UserMsg) -> list[DetokenizeMsg]:
         """Queue a request, or answer it with an error reply: this never raises for a request."""
@@ -181,8 +190,26 @@ class Scheduler:
                 for req in part.logit_reqs:
                     if not req.output_ids:  # its prompt's KV is complete as of this step
                         self.cache.insert(req.prompt_ids, req.slots[: len(req.prompt_ids)])
-            replies += [self._append(req, token, logprob) for req, token, logprob
-                        in zip(part.logit_reqs, out.sampled.token_ids, out.sampled.logprobs)]
+            for req, tokens, logprobs in zip(part.logit_reqs, out.tokens, out.logprobs):
+                replies += self._emit(req, tokens, logprobs)
+        return replies
+
+    def _emit(self, req: Req, tokens: list[int], logprobs: list) -> list[DetokenizeMsg]:
+        """Append a step's tokens until one finishes the request; a verified draft gives back
+        the slots of the rows it did not keep."""
+        drafts, req.drafts, replies = req.drafts, [], []
+        for token, logprob in zip(tokens, logprobs):
+            replies.append(self._append(req, token, logprob))
+            if replies[-1].finished:
+                break
+        if drafts:
+            self.speculator.verified(req, drafts, len(tokens) - 1, len(replies))
+        if replies[-1].finished:
+            return replies
+        unused = req.slots[len(req.all_ids) - 1 :]
+        if unused:
+            del req.slots[len(req.all_ids) - 1 :]
+            self.engine.kv.release(unused)
         return replies
 
     def _resolve_grammars(self) -> list[DetokenizeMsg]:
@@ -307,7 +334,13 @@ class Scheduler:
         reqs = list(self.running)
         for req in reqs:
             self._take(req, 1)
-        return Batch(reqs, [[r.output_ids[-1]] for r in reqs], reqs) if reqs else None
+        if self.speculator is not None:
+            for req in reqs:  # drafts take free slots only: they never preempt anyone
+                drafts = self.speculator.propose(req)
+                if drafts and self._fits(len(drafts)):
+                    req.drafts = drafts
+                    self._take(req, len(drafts))
+        return Batch(reqs, [[r.output_ids[-1], *r.drafts] for r in reqs], reqs) if reqs else None
 
     def _preempt(self, req: Req) -> None:
         self.running.remove(req)
@@ -344,7 +377,7 @@ class Scheduler:
 
     def _release(self, req: Req) -> None:
         self.engine.kv.release(req.slots)
-        req.slots = []
+        req.slots, req.drafts = [], []
         if self.states:
             self.states.release(req)
 

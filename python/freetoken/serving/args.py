@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from freetoken.config import SpeculativeConfig
 from freetoken.parsing import registry
 
 
@@ -31,6 +32,7 @@ class ServerArgs:
     max_request_bytes: int = 32 * 1024 * 1024
     max_prompts_per_request: int = 1024
     state_snapshots: int = 32
+    speculative_config: str | None = None
     tensor_parallel_size: int = 1
     nnodes: int = 1
     node_rank: int = 0
@@ -85,6 +87,10 @@ def build_parser(prog: str = "freetoken serve") -> argparse.ArgumentParser:
     p.add_argument("--state-snapshots", type=int, default=32,
                    help="hybrid (linear-attention) models: recurrent-state snapshots the prefix "
                    "cache may keep, each the size of one request's state (see /v1/stats)")
+    p.add_argument("--speculative-config", metavar="JSON",
+                   help='speculative decoding, as vLLM spells it: {"method": "ngram", '
+                   '"num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 4}; '
+                   "outputs stay bit-identical to plain decoding (default: off)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="do not reuse the KV of shared prompt prefixes across requests "
                    "(default: reuse them)")
@@ -143,6 +149,11 @@ def parse_args(argv: list[str] | None = None, prog: str = "freetoken serve") -> 
         p.error("--tensor-parallel-size must be a positive multiple of --nnodes")
     if not 0 <= ns.node_rank < ns.nnodes:
         p.error("--node-rank must be in [0, --nnodes)")
+    if ns.speculative_config:
+        try:
+            SpeculativeConfig.parse(ns.speculative_config)
+        except ValueError as exc:
+            p.error(str(exc))
     return ServerArgs(
         model=ns.model or ns.model_pos,
         host=ns.host,
@@ -165,6 +176,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "freetoken serve") -> 
         max_request_bytes=ns.max_request_bytes,
         max_prompts_per_request=ns.max_prompts_per_request,
         state_snapshots=ns.state_snapshots,
+        speculative_config=ns.speculative_config,
         tensor_parallel_size=ns.tensor_parallel_size,
         nnodes=ns.nnodes,
         node_rank=ns.node_rank,

@@ -138,6 +138,17 @@ class _Snapshot(Collector):
                     ("prompt_tokens", "Prompt tokens of the engine requests (cached ones "
                      "included).", self.metrics.prompt_tokens),
                     ("generation_tokens", "Generated tokens.", self.metrics.generation_tokens)]
+        if "spec_decode_method" in stats:
+            method = [*self.model, stats["spec_decode_method"]]
+            for name, doc in (("num_drafts", "Drafts verified (speculative decoding)."),
+                              ("num_draft_tokens", "Draft tokens proposed."),
+                              ("num_accepted_tokens", "Draft tokens accepted."),
+                              ("num_emitted_tokens", "Tokens emitted by the steps that verified a "
+                               "draft (accepted ones and the token sampled after them).")):
+                family = CounterMetricFamily(f"freetoken:spec_decode_{name}", doc,
+                                             labels=["model_name", "method"])
+                family.add_metric(method, stats.get(f"spec_decode_{name}", 0))
+                yield family
         for name, doc, value in gauges:
             family = GaugeMetricFamily(f"freetoken:{name}", doc, labels=["model_name"])
             family.add_metric(self.model, value)

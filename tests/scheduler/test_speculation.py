@@ -1,0 +1,127 @@
+"""Speculative decoding (prompt lookup) changes nothing but the number of steps: every request's
+tokens and logprobs are those of plain decoding, bit for bit, alone and in a batch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from freetoken.config import SpeculativeConfig
+from freetoken.core import SamplingParams, StructuredSpec
+from freetoken.message import UserMsg
+from freetoken.scheduler.factory import build_scheduler
+from freetoken.scheduler.speculation import lookup
+from tests.model_fixtures import default_model, loaded_fp32
+
+SPEC = SpeculativeConfig(num_speculative_tokens=4)
+
+CODE = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
+        "def mul(a, b):\n    return a * b\n\n")
+
+
+def test_config_parses_vllms_spelling_and_refuses_the_rest():
+    assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, '
+                                   '"prompt_lookup_max": 5}') == SpeculativeConfig(3, 1, 5)
+    for bad, says in (('{"num_speculative_tokens": 3, "draft_model": "x"}', "draft_model"),
+                      ('{"method": "eagle", "num_speculative_tokens": 3}', "eagle"),
+                      ('{"method": "ngram"}', "num_speculative_tokens"),
+                      ('{"num_speculative_tokens": 0}', "[1, 64]"),
+                      ('{"num_speculative_tokens": 2, "prompt_lookup_min": 3, '
+                       '"prompt_lookup_max": 2}', "prompt_lookup_min"),
+                      ("[3]", "object"), ("{", "JSON")):
+        with pytest.raises(ValueError, match=says.replace("[", r"\[")):
+            SpeculativeConfig.parse(bad)
+
+
+def test_lookup_takes_what_followed_the_latest_longest_match():
+    config = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+    # [7, 8] last occurred at 5 (followed by 1, 2): the 2-gram wins over the 3-gram's absence.
+    assert lookup([7, 8, 9, 9, 9, 7, 8, 1, 2, 3, 7, 8], config, 3) == [1, 2, 3]
+    assert lookup([7, 8, 9, 9, 9, 7, 8, 1, 2, 3, 7, 8], config, 1) == [1]
+    assert lookup([1, 2, 3, 4], config, 3) == []  # no earlier occurrence of any suffix
+    assert lookup([5, 5, 5], config, 3) == [5]  # the match may overlap the suffix
+    assert lookup([1, 2, 1, 2], config, 0) == []
+
+
+def _params():
+    """One request per feature that reads the output so far, sampled or scored."""
+    seeded = dict(temperature=0.8, top_p=0.95, seed=11)
+    return [
+        SamplingParams(temperature=0, max_tokens=40, logprobs=3),
+        SamplingParams(**seeded, max_tokens=40, logprobs=2),
+        SamplingParams(**seeded, max_tokens=40, repetition_penalty=1.2, presence_penalty=0.3,
+                       frequency_penalty=0.2),
+        SamplingParams(temperature=0, max_tokens=30, min_tokens=12, bad_words_token_ids=[[28]],
+                       logit_bias={29: 2.0}),
+        SamplingParams(temperature=0, max_tokens=1, logprobs=5,
+                       allowed_token_ids=[318, 339, 1118]),
+        SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[1002]),
+        SamplingParams(temperature=0, max_tokens=24, logprobs=1, structured=StructuredSpec(
+            "json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}}))),
+        SamplingParams(temperature=1.0, max_tokens=40, seed=3, logprobs=0),
+    ]
+
+
+def _prompts(tok):
+    return [tok.encode(f"Copy this code exactly:\n{CODE}Copy:\n{CODE[: 10 * i]}") for i in range(8)]
+
+
+def _run(loaded, requests, speculative):
+    scheduler = build_scheduler(loaded, kv_slots=4096, speculative=speculative)
+    for uid, (ids, params) in enumerate(requests):
+        scheduler.add(UserMsg(uid, ids, params))
+    out = {}
+    while scheduler.has_work:
+        for msg in scheduler.step():
+            assert msg.error is None, msg.error
+            entry = out.setdefault(msg.uid, ([], [], []))
+            entry[0].extend(msg.token_ids)
+            entry[1].extend(msg.logprobs)
+            if msg.finished:
+                entry[2].append(msg.finish_reason)
+    return out, scheduler.stats()
+
+
+def _requests(loaded):
+    return list(zip(_prompts(loaded.tokenizer), _params()))
+
+
+@pytest.mark.slow
+def test_default_model_batched_and_alone_equal_plain_decoding_bit_for_bit():
+    loaded = default_model()
+    requests = _requests(loaded)
+    plain, _ = _run(loaded, requests, None)
+    fresh = _requests(loaded)  # params are consumed (max_tokens filled in): a new set each run
+    drafted, stats = _run(loaded, fresh, SPEC)
+    assert drafted == plain
+    # The test verifies drafts, and accepts some: a test where every draft failed would not
+    # show the rewind of a seeded stream after accepted rows.
+    assert stats["spec_decode_num_accepted_tokens"] > 20, stats
+    for uid, request in enumerate(_requests(loaded)):
+        alone, _ = _run(loaded, [request], SPEC)
+        assert alone[0] == plain[uid], uid
+
+
+@pytest.mark.slow
+def test_moe_fixture_equals_plain_decoding(tiny_qwen3_moe_path):
+    loaded = loaded_fp32(tiny_qwen3_moe_path)
+    tok = loaded.tokenizer
+    # A random model repeats itself: its own output is what the drafts are looked up in.
+    requests = lambda: [(tok.encode(f"{i} {CODE[:20]}"), p) for i, p in enumerate(_params())]
+    plain, _ = _run(loaded, requests(), None)
+    drafted, stats = _run(loaded, requests(), SPEC)
+    assert drafted == plain
+    assert stats["spec_decode_num_drafts"] > 0, stats
+
+
+@pytest.mark.slow
+def test_a_hybrid_model_decodes_plainly(tiny_hybrid_path):
+    loaded = loaded_fp32(tiny_hybrid_path())
+    tok = loaded.tokenizer
+    requests = [(tok.encode(CODE * 2), SamplingParams(temperature=0, max_tokens=8))]
+    plain, _ = _run(loaded, requests, None)
+    drafted, stats = _run(loaded, [(tok.encode(CODE * 2), SamplingParams(temperature=0, max_tokens=8))],
+                          SPEC)
+    assert drafted == plain
+    assert "spec_decode_num_drafts" not in stats
