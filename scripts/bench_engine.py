@@ -26,6 +26,8 @@ random weights (HYBRID_SHAPE: Qwen3.5-0.8B's widths, 8 layers, 3 of 4 Gated Delt
 248k vocabulary; about 420M parameters), HF transformers on its torch fallback for the delta
 rule, then the prefix cache's gain on the scoring B scenario (a shared 400-token prefix, 8
 items of 24 tokens, max_tokens 1, the cache warmed with one item) against no cache.
+`--tables speculative` (not in the default run): decode with prompt-lookup speculation against
+plain decoding, on a copy-heavy workload and on free generation (scripts/_bench_speculative.py).
 
     python scripts/bench_engine.py                 # float32, about 2-3 minutes on 2 cores
     python scripts/bench_engine.py --quick
@@ -35,6 +37,7 @@ items of 24 tokens, max_tokens 1, the cache warmed with one item) against no cac
     python scripts/bench_engine.py --dtype bfloat16
     python scripts/bench_engine.py --tables moe    # the MoE table alone, float32 and bfloat16
     python scripts/bench_engine.py --profile       # also: where a decode step's time goes
+    python scripts/bench_engine.py --tables speculative   # about 2 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench_common as bc  # noqa: E402
+from _bench_speculative import speculative_table  # noqa: E402
 
 from freetoken.config import EngineConfig, ParallelConfig  # noqa: E402
 from freetoken.core import SamplingParams, StructuredSpec  # noqa: E402
@@ -182,7 +186,9 @@ def main() -> None:
     p.add_argument("--grammar-batch", type=int, default=32,
                    help="batch of the structured outputs table")
     p.add_argument("--tables", default="engine,logprobs,processors,grammar",
-                   help="tables to print, comma-separated (also: moe, hybrid)")
+                   help="tables to print, comma-separated (also: moe, hybrid, speculative)")
+    p.add_argument("--speculative-tokens", type=int, default=4,
+                   help="draft length of the speculative table")
     p.add_argument("--moe-dtypes", default="float32,bfloat16", help="dtypes of the MoE table")
     p.add_argument("--kv-slots", type=int, default=16384, help="our KV pool, in tokens")
     p.add_argument("--profile", action="store_true",
@@ -199,7 +205,7 @@ def main() -> None:
     if tp > 1 and args.tables == p.get_default("tables"):
         args.tables = "engine,tp"
     tables = set(args.tables.split(","))
-    known = {"engine", "logprobs", "processors", "grammar", "moe", "hybrid", "tp"}
+    known = {"engine", "logprobs", "processors", "grammar", "moe", "hybrid", "tp", "speculative"}
     assert tables <= known, f"unknown tables: {args.tables}"
     prefill_len = args.prefill_len or (64 if args.quick else 128)
     new_tokens = args.new_tokens or (16 if args.quick else 32)
@@ -209,7 +215,9 @@ def main() -> None:
         moe_tables(batches, prefill_len, new_tokens, args)
     if "hybrid" in tables:
         hybrid_tables(args, batches)
-    tables -= {"moe", "hybrid"}
+    if "speculative" in tables:
+        speculative_table(load_model(None, dtype=args.dtype, device="cpu"), args)
+    tables -= {"moe", "hybrid", "speculative"}
     if not tables:
         return
 

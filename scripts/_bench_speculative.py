@@ -1,0 +1,91 @@
+"""The speculative table of bench_engine.py (`--tables speculative`): decode tokens/s of the same
+requests with and without prompt-lookup speculation, in the same process on the same weights,
+with the drafts' acceptance rate.
+
+Workloads, each at 1 and 8 clients:
+  copy: the chat template around "copy this text" and a passage (code, prose), greedy, until the
+        model stops or max tokens: the output repeats the prompt, as a rewrite or a code edit does;
+  free: free generation from a story opening, sampled (temperature 0.8, seeded), ignore_eos.
+Outputs are checked equal (they must be: docs/engine.md, "Speculative decoding").
+"""
+
+from __future__ import annotations
+
+import time
+
+import _bench_common as bc
+
+from freetoken.config import SpeculativeConfig
+from freetoken.core import SamplingParams
+from freetoken.message import UserMsg
+from freetoken.scheduler.factory import build_scheduler
+
+PASSAGES = [
+    "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n"
+    "    return total / len(values)\n\ndef spread(values):\n    m = mean(values)\n"
+    "    return max(values) - min(values), m\n",
+    "The river runs past the old mill, under the stone bridge and into the town, where the "
+    "market opens at seven and the baker sells bread until the last loaf is gone.",
+]
+
+
+def _copy_prompts(tok, n: int) -> list[list[int]]:
+    prompts = []
+    for i in range(n):
+        text = PASSAGES[i % len(PASSAGES)]
+        messages = [{"role": "user", "content": f"Copy this text exactly ({i}):\n{text}"}]
+        prompts.append(list(tok.apply_chat_template(messages, add_generation_prompt=True,
+                                                    tokenize=True, return_dict=False)))
+    return prompts
+
+
+def _run(loaded, prompts, params, speculative) -> tuple[float, int, dict, list]:
+    """(decode seconds, tokens after each request's first, stats, outputs)."""
+    scheduler = build_scheduler(loaded, kv_slots=16384, prefix_cache=False, speculative=speculative)
+    for uid, ids in enumerate(prompts):
+        scheduler.add(UserMsg(uid, ids, params()))
+    outputs: dict[int, list[int]] = {}
+    while len(outputs) < len(prompts):  # every request's prefill and first token
+        for msg in scheduler.step():
+            outputs.setdefault(msg.uid, []).extend(msg.token_ids)
+    first = sum(len(v) for v in outputs.values())
+    t0 = time.perf_counter()
+    while scheduler.has_work:
+        for msg in scheduler.step():
+            outputs[msg.uid].extend(msg.token_ids)
+    seconds = time.perf_counter() - t0
+    return seconds, sum(len(v) for v in outputs.values()) - first, scheduler.stats(), outputs
+
+
+def speculative_table(loaded, args) -> None:
+    tok = loaded.tokenizer
+    spec = SpeculativeConfig(num_speculative_tokens=args.speculative_tokens)
+    new_tokens = 48 if args.quick else 96
+    workloads = {
+        "copy": (_copy_prompts, lambda: SamplingParams(temperature=0, max_tokens=new_tokens)),
+        "free": (lambda t, n: bc.token_prompts(t, n, 24, seed=3),
+                 lambda: SamplingParams(temperature=0.8, seed=7, max_tokens=new_tokens,
+                                        ignore_eos=True)),
+    }
+    rows = []
+    for name, (make_prompts, params) in workloads.items():
+        for clients in (1, 8):
+            prompts = make_prompts(tok, clients)
+            _run(loaded, prompts[:1], params, spec)  # warm-up: kernels, first-call allocations
+            plain = min((_run(loaded, prompts, params, None) for _ in range(args.repeats)),
+                        key=lambda r: r[0])
+            drafted = min((_run(loaded, prompts, params, spec) for _ in range(args.repeats)),
+                          key=lambda r: r[0])
+            assert drafted[3] == plain[3], f"{name}: speculation changed an output"
+            stats = drafted[2]
+            proposed = stats["spec_decode_num_draft_tokens"]
+            accepted = stats["spec_decode_num_accepted_tokens"]
+            rows.append([name, clients, plain[1] / plain[0], drafted[1] / drafted[0],
+                         bc.ratio(drafted[1] / drafted[0], plain[1] / plain[0]),
+                         f"{accepted / proposed:.2f}" if proposed else "-",
+                         f"{(stats['spec_decode_num_emitted_tokens'] / stats['spec_decode_num_drafts']):.2f}"
+                         if stats["spec_decode_num_drafts"] else "-"])
+    bc.print_table(
+        f"Speculative decoding (ngram, k={spec.num_speculative_tokens}) vs plain, "
+        f"{str(loaded.dtype).removeprefix('torch.')} (decode tokens/s; outputs equal)",
+        ["workload", "clients", "plain", "speculative", "ratio", "accepted", "tokens/verify"], rows)
