@@ -8,8 +8,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from freetoken.serving.errors import RequestError
-
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -70,11 +68,3 @@ def _json_or_text(text: str) -> Any:
         return json.loads(text)
     except ValueError:
         return text
-
-
-def check_text_parts(messages: list[Message]) -> None:
-    for i, m in enumerate(messages):
-        if isinstance(m.content, list) and any(p.type != "text" or p.text is None
-                                               for p in m.content):
-            raise RequestError(f"messages[{i}]: only text content parts are supported",
-                               param="messages")

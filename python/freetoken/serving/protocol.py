@@ -24,7 +24,7 @@ from freetoken.parsing import validate_tools
 from freetoken.serving import structured
 from freetoken.serving.errors import RequestError
 from freetoken.serving.limits import Limits
-from freetoken.serving.messages import Message, OpenAIBaseModel, Tool, check_text_parts
+from freetoken.serving.messages import Message, OpenAIBaseModel, Tool
 from freetoken.serving.structured import Requested
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy default, as vLLM
@@ -62,9 +62,16 @@ def _refuse(message: str, param: str) -> RequestError:
     return RequestError(message, param=param)
 
 
-def _check_k(k: int, param: str) -> None:
+def _check_logprob_count(k: int, param: str) -> None:
     if k < -1:
         raise _refuse(f"`{param}` must be a positive value or -1.", param)
+
+
+def _check_text_parts(messages: list[Message]) -> None:
+    for i, m in enumerate(messages):
+        if isinstance(m.content, list) and any(p.type != "text" or p.text is None
+                                               for p in m.content):
+            raise _refuse(f"messages[{i}]: only text content parts are supported", "messages")
 
 
 def _is_utf8(text: str) -> bool:
@@ -166,7 +173,7 @@ class _SamplingRequest(OpenAIBaseModel):
         if self.stream_options is not None and not self.stream:
             raise _refuse("stream_options is only allowed with stream=true", "stream_options")
         field, max_tokens = self._max_tokens_field()
-        if max_tokens is not None and max_tokens < 1 and not self._echo_only():
+        if max_tokens is not None and max_tokens < 1 and not self.echo_only:
             raise _refuse(f"{field} must be at least 1, got {max_tokens}.", field)
         if any(s == "" for s in self.stops):
             raise _refuse("stop strings must not be empty", "stop")
@@ -178,15 +185,16 @@ class _SamplingRequest(OpenAIBaseModel):
             return "max_completion_tokens", self.max_completion_tokens
         return "max_tokens", self.max_tokens
 
-    def _echo_only(self) -> bool:
-        return False
+    @property
+    def echo_only(self) -> bool:
+        return False  # completions' echo of the prompt alone (CompletionRequest)
 
     def _check_logprobs(self) -> None:
         if self.prompt_logprobs is not None:
             if self.stream:
                 raise _refuse("`prompt_logprobs` are not available when `stream=True`.",
                               "prompt_logprobs")
-            _check_k(self.prompt_logprobs, "prompt_logprobs")
+            _check_logprob_count(self.prompt_logprobs, "prompt_logprobs")
 
     def _check_logit_processing(self) -> None:
         """vLLM's bounds on the penalties, logit_bias, min_tokens and bad_words."""
@@ -218,7 +226,7 @@ class _SamplingRequest(OpenAIBaseModel):
                               "bad_words")
 
     def _check_endpoint(self) -> None:
-        pass
+        """The rules of the endpoint's own fields."""
 
     def _sampling_params(self, limits: Limits, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None) -> SamplingParams:
@@ -278,9 +286,6 @@ class CompletionRequest(_SamplingRequest):
         is generated and dropped, and counted in `usage`."""
         return self.echo and self.max_tokens == 0 and self.max_completion_tokens is None
 
-    def _echo_only(self) -> bool:
-        return self.echo_only
-
     def _prompts(self) -> list[str | list[int]]:
         prompt = self.prompt
         if isinstance(prompt, str):
@@ -291,7 +296,7 @@ class CompletionRequest(_SamplingRequest):
 
     def _check_logprobs(self) -> None:
         if self.logprobs is not None:
-            _check_k(self.logprobs, "logprobs")
+            _check_logprob_count(self.logprobs, "logprobs")
         super()._check_logprobs()
 
     def _check_endpoint(self) -> None:
@@ -339,7 +344,7 @@ class ChatCompletionRequest(_SamplingRequest):
             raise _refuse("when using `top_logprobs`, `logprobs` must be set to true.",
                           "top_logprobs")
         if top is not None:
-            _check_k(top, "top_logprobs")
+            _check_logprob_count(top, "top_logprobs")
         super()._check_logprobs()
 
     def _check_endpoint(self) -> None:
@@ -351,7 +356,7 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.include_reasoning_logprobs and not self.logprobs:
             raise _refuse("include_reasoning_logprobs needs logprobs: true",
                           "include_reasoning_logprobs")
-        check_text_parts(self.messages)
+        _check_text_parts(self.messages)
 
     def to_sampling_params(self, limits: Limits) -> SamplingParams:
         """Without the grammar of a forced tool call, which needs the server's parsers
@@ -374,7 +379,7 @@ class TokenizeRequest(OpenAIBaseModel):
     def _check(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise _refuse("give exactly one of prompt or messages", "prompt")
-        check_text_parts(self.messages or [])
+        _check_text_parts(self.messages or [])
         return self
 
     @property
