@@ -31,8 +31,8 @@ log = logging.getLogger("freetoken")
 @runtime_checkable
 class EngineClient(Protocol):
     """What the OpenAI handlers use of the engine side, `FrontendManager` being the one the
-    server runs. `config` needs only `served_model_name`; the limits read the rest of
-    `FrontendConfig`'s fields where present (`Limits.of`)."""
+    server runs. `config` holds `FrontendConfig`'s fields; a limit it lacks takes its default
+    (`Limits.of`)."""
 
     config: Any
 
