@@ -9,7 +9,7 @@ from typing import Callable
 from fastapi import FastAPI, Request, Response
 
 from freetoken.message import TokenizeMsg
-from freetoken.serving import chat, completion, errors, generation, metrics
+from freetoken.serving import chat, completion, errors, generation, metrics, playground
 from freetoken.serving.api_models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -96,8 +96,9 @@ def create_app(get_state: Callable[[], FrontendManager]):
 
     gated = _Gate(errors.BodyLimit(app, lambda: get_state().config.max_request_bytes), get_state)
     # getattr: the tests' fake states have no metrics.
-    return metrics.HttpMetrics(gated, lambda: getattr(get_state(), "metrics", None),
-                               {route.path for route in app.routes})
+    counted = metrics.HttpMetrics(gated, lambda: getattr(get_state(), "metrics", None),
+                                  {route.path for route in app.routes})
+    return playground.Playground(counted, get_state)
 
 
 def tokenizer_config(tokenizer) -> dict:
