@@ -41,8 +41,9 @@ def browser():
 
 @pytest.fixture(scope="module")
 def server(server_pool, scripted_model_path):
-    return server_pool.get("--model", str(scripted_model_path), "--reasoning-parser", "qwen3",
-                           "--tool-call-parser", "hermes", "--api-key", KEY)
+    return server_pool.get("--model", str(scripted_model_path), "--served-model-name", "scripted-qwen3",
+                           "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes",
+                           "--api-key", KEY)
 
 
 class Page:
@@ -77,7 +78,7 @@ class Page:
 
     def tokens(self, selector: str) -> list[dict]:
         return self.page.eval_on_selector_all(selector, "spans => spans.map(s => ({"
-                                              "label: s.dataset.label, text: s.textContent, "
+                                              "label: s.dataset.label, text: s.entry.text, "
                                               "logprob: Number(s.dataset.logprob)}))")
 
     def close(self):
@@ -104,7 +105,7 @@ def shot(page, name: str):
     page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
 
 
-def test_page_loads_clean_and_a_wrong_key_shows_the_servers_401(page, server):
+def test_page_loads_clean_and_server_errors_show_the_servers_message(page, server):
     p = page.open(key=None)
     p.wait_for_selector("text=Enter the API key to start.")
     assert page.errors == [] and page.sent == []
@@ -121,6 +122,12 @@ def test_page_loads_clean_and_a_wrong_key_shows_the_servers_401(page, server):
     p.press("#api-key", "Tab")
     p.wait_for_selector("#model-name:has-text('Model: ')")
     assert p.is_hidden("#error")
+    # A 400 shows the server's own message and the field it names.
+    p.fill("#top-logprobs", "21")
+    page.run("chat")
+    error = p.inner_text("#error")
+    assert "Requested sample logprobs of 21, which is greater than max allowed: 20" in error
+    assert "HTTP 400" in error and "top_logprobs" in error
 
 
 def test_chat_streams_reasoning_and_content_with_the_apis_logprobs(page, server):
@@ -162,7 +169,6 @@ def test_tool_call_renders_with_its_arguments(page, server):
     assert json.loads(p.inner_text("#panel-chat .call-args")) == {"city": "Paris"}
     assert p.inner_text("#panel-chat .reasoning summary").startswith("Reasoning")
     assert "finish_reason: tool_calls" in p.inner_text("#panel-chat .meta")
-    p.click("#panel-chat .requests summary")
     shot(p, "tool-call")
 
 
@@ -197,6 +203,7 @@ def test_scoring_bars_and_table_equal_the_renormalised_probabilities(page, serve
     assert [label for label, _, _ in bars] == ["Let", "The", " Yes"]
     assert [lp for _, lp, _ in bars] == expected
     assert [w for _, _, w in bars] == pytest.approx([300 * math.exp(v) for v in expected], abs=0.01)
+    shot(p, "scoring")
     # "Copy as Python" is code that runs and gets the same answer.
     p.click("#panel-scoring .requests summary")
     code = p.inner_text("#panel-scoring .request >> nth=3 >> .code-python")
@@ -205,7 +212,6 @@ def test_scoring_bars_and_table_equal_the_renormalised_probabilities(page, serve
                          env={**os.environ, "FREETOKEN_API_KEY": KEY})
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["choices"][0]["logprobs"]["top_logprobs"][0] == top
-    shot(p, "scoring")
 
     p.fill("#scoring-prompts", "hi\n---\nWhat is the weather in Paris?")
     page.run("scoring")

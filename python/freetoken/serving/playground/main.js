@@ -41,7 +41,14 @@ async function loadModel() {
   const label = document.getElementById("model-name");
   model = null;
   if (keyRequired && !apiKey()) {
-    label.textContent = "Enter the API key to start.";
+    const link = document.createElement("a");
+    link.href = "#api-key";
+    link.textContent = "Enter the API key to start.";
+    link.addEventListener("click", (event) => {
+      event.preventDefault();
+      document.getElementById("api-key").focus();
+    });
+    label.replaceChildren(link);
     return;
   }
   try {

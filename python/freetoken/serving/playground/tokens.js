@@ -24,8 +24,9 @@ export function addToken(list, label, entry) {
   span.className = "tok";
   span.dataset.label = label;
   span.dataset.logprob = String(entry.logprob);
-  span.textContent = entry.text;
-  if (!entry.text.trim()) span.classList.add("blank");
+  // A line break shows as a mark inside the token, and breaks the line after it.
+  span.textContent = entry.text.replaceAll("\n", "↵");
+  if (!entry.text) span.classList.add("blank");
   span.style.setProperty("--p", Math.exp(entry.logprob).toFixed(4));
   span.tabIndex = list.querySelector(".tok") ? -1 : 0;
   span.setAttribute("aria-label", `${shown(entry.text)}, ${label}, probability ${percent(entry.logprob)}`);
@@ -33,6 +34,8 @@ export function addToken(list, label, entry) {
   for (const kind of ["mouseenter", "focus"]) span.addEventListener(kind, () => show(span));
   for (const kind of ["mouseleave", "blur"]) span.addEventListener(kind, () => hide(span));
   list.append(span);
+  const breaks = entry.text.split("\n").length - 1;
+  if (breaks) list.append("\n".repeat(breaks));
   return span;
 }
 
