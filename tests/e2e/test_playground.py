@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -212,6 +213,11 @@ def test_scoring_bars_and_table_equal_the_renormalised_probabilities(page, serve
                          env={**os.environ, "FREETOKEN_API_KEY": KEY})
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["choices"][0]["logprobs"]["top_logprobs"][0] == top
+    if shutil.which("curl"):
+        code = p.inner_text("#panel-scoring .request >> nth=3 >> .code-curl")
+        run = subprocess.run(["bash", "-c", code], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "FREETOKEN_API_KEY": KEY})
+        assert json.loads(run.stdout)["choices"][0]["logprobs"]["top_logprobs"][0] == top, run.stderr
 
     p.fill("#scoring-prompts", "hi\n---\nWhat is the weather in Paris?")
     page.run("scoring")

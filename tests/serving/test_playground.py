@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from fastapi.testclient import TestClient
 
-from freetoken.config import FrontendConfig
+from freetoken.config import FrontendConfig, frontend_config
 from freetoken.serving.app import create_app
 from freetoken.serving.args import parse_args
 
@@ -56,6 +56,9 @@ def test_only_the_shipped_files_and_only_get():
 def test_no_playground_turns_it_off():
     assert parse_args([]).no_playground is False
     assert parse_args(["--no-playground"]).no_playground is True
+    hf_config = {"vocab_size": 100, "max_position_embeddings": 64}
+    assert frontend_config(parse_args([]), hf_config, "m", (None, None)).playground
+    assert not frontend_config(parse_args(["--no-playground"]), hf_config, "m", (None, None)).playground
     client = _client(playground=False)
     for path in ("/", "/playground", "/playground/main.js"):
         r = client.get(path)

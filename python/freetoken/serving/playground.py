@@ -45,15 +45,14 @@ class Playground:
         await self.app(scope, receive, send)
 
     def _response(self, path: str) -> Response | None:
+        page = path in PAGE_PATHS
+        if not (page or path in self.files):
+            return None
         config = self.get_state().config
         if not config.playground:
             return None
-        if path in PAGE_PATHS:
-            body, media_type = self.files["/playground/index.html"]
+        body, media_type = self.files["/playground/index.html" if page else path]
+        if page:
             required = b'data-key-required="%s"' % (b"true" if config.api_key else b"false")
             body = body.replace(_KEY_SLOT, required)
-        elif path in self.files:
-            body, media_type = self.files[path]
-        else:
-            return None
         return Response(body, media_type=media_type, headers=_HEADERS)
