@@ -102,6 +102,7 @@ def api(server, path: str, body: dict) -> dict:
 
 
 def shot(page, name: str):
+    page.evaluate("document.activeElement.matches('textarea, input') && document.activeElement.blur()")
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
 
