@@ -9,7 +9,7 @@ from typing import Callable
 from fastapi import FastAPI, Request, Response
 
 from freetoken.message import TokenizeMsg
-from freetoken.serving import chat, completion, errors, generation, metrics, playground
+from freetoken.serving import chat, completion, errors, generation, metrics
 from freetoken.serving.api_models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -20,6 +20,7 @@ from freetoken.serving.api_models import (
 )
 from freetoken.serving.client import FrontendManager
 from freetoken.serving.errors import AsciiJSONResponse, RequestError
+from freetoken.serving.playground import Playground
 
 
 def _authorized(header: str | None, key: str) -> bool:
@@ -98,7 +99,7 @@ def create_app(get_state: Callable[[], FrontendManager]):
     # getattr: the tests' fake states have no metrics.
     counted = metrics.HttpMetrics(gated, lambda: getattr(get_state(), "metrics", None),
                                   {route.path for route in app.routes})
-    return playground.Playground(counted, get_state)
+    return Playground(counted, get_state)
 
 
 def tokenizer_config(tokenizer) -> dict:

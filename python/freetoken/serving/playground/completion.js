@@ -1,7 +1,7 @@
 // Completion mode: one streamed /v1/completions with `logprobs: K`, a span per token.
 
 import { postStream } from "./api.js";
-import { addToken, tokenList } from "./tokens.js";
+import { addText, addToken, tokenList } from "./tokens.js";
 import { compact, renderMeta, settings } from "./ui.js";
 
 export function completionBody(model) {
@@ -40,7 +40,7 @@ export async function runCompletion(output, model, log, signal) {
         lp.tokens.forEach((token, i) => addToken(list, "text",
           completionEntry(token, lp.token_logprobs[i], lp.top_logprobs?.[i], body.logprobs)));
       } else if (choice.text) {
-        list.append(choice.text);
+        addText(list, "text", choice.text);
       }
       if (choice.finish_reason) finish = choice.finish_reason;
     }

@@ -29,7 +29,6 @@ export function addToken(list, label, entry) {
   if (!entry.text) span.classList.add("blank");
   span.style.setProperty("--p", Math.exp(entry.logprob).toFixed(4));
   span.tabIndex = list.querySelector(".tok") ? -1 : 0;
-  span.setAttribute("aria-label", `${shown(entry.text)}, ${label}, probability ${percent(entry.logprob)}`);
   span.entry = { ...entry, label };
   for (const kind of ["mouseenter", "focus"]) span.addEventListener(kind, () => show(span));
   for (const kind of ["mouseleave", "blur"]) span.addEventListener(kind, () => hide(span));
