@@ -21,30 +21,34 @@ from tests.e2e.support import ROOT
 
 pytestmark = pytest.mark.slow
 
-CHROMIUM = Path("/usr/bin/chromium")
+# Debian's chromium, as the README's test command installs it.
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 KEY = "playground-test-key"
 SHOTS = ROOT / "docs" / "playground"
-# The closed network refuses the browser's background connections; nothing may be downloaded.
+# Off: what a closed network refuses (the browser's background connections), and /dev/shm,
+# which containers make too small for the renderer.
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--disable-dev-shm-usage"]
 
 
 @pytest.fixture(scope="module")
 def browser():
-    if not CHROMIUM.exists():
-        pytest.skip("no /usr/bin/chromium: apt-get install chromium (the README's test command does)")
+    if not Path(CHROMIUM).exists():
+        pytest.skip("no chromium: apt-get install chromium (the README's test command does, "
+                    "as root)")
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the dev extras")
     with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=FLAGS)
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         yield browser
         browser.close()
 
 
 @pytest.fixture(scope="module")
 def server(server_pool, scripted_model_path):
-    return server_pool.get("--model", str(scripted_model_path), "--served-model-name", "scripted-qwen3",
-                           "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes",
-                           "--api-key", KEY)
+    return server_pool.get("--model", str(scripted_model_path), "--served-model-name",
+                           "scripted-qwen3", "--reasoning-parser", "qwen3", "--tool-call-parser",
+                           "hermes", "--api-key", KEY)
 
 
 class Page:
@@ -63,7 +67,8 @@ class Page:
 
     def _record(self, request):
         if request.method == "POST":
-            self.sent.append((request.url.removeprefix(self.server.url), json.loads(request.post_data)))
+            path = request.url.removeprefix(self.server.url)
+            self.sent.append((path, json.loads(request.post_data)))
 
     def open(self, mode: str = "chat", key: str | None = KEY):
         self.page.goto(f"{self.server.url}/#{mode}")
@@ -101,8 +106,12 @@ def api(server, path: str, body: dict) -> dict:
     return r.json()
 
 
+def logprobs(entries: list[dict]) -> list[float]:
+    return [e["logprob"] for e in entries]
+
+
 def shot(page, name: str):
-    page.evaluate("document.activeElement.matches('textarea, input') && document.activeElement.blur()")
+    page.evaluate("(e => e.matches('textarea, input') && e.blur())(document.activeElement)")
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
 
@@ -143,11 +152,13 @@ def test_chat_streams_reasoning_and_content_with_the_apis_logprobs(page, server)
     choice = api(server, path, body)["choices"][0]
     reasoning = page.tokens("#panel-chat .label-reasoning .tok")
     content = page.tokens("#panel-chat .label-content .tok")
-    assert {t["label"] for t in reasoning} == {"reasoning"} and {t["label"] for t in content} == {"content"}
-    assert "".join(t["text"] for t in reasoning) == choice["message"]["reasoning_content"] == "Let me think."
-    assert "".join(t["text"] for t in content) == choice["message"]["content"] == "Use a <b> tag."
-    assert [t["logprob"] for t in reasoning] == [e["logprob"] for e in choice["reasoning_logprobs"]["content"]]
-    assert [t["logprob"] for t in content] == [e["logprob"] for e in choice["logprobs"]["content"]]
+    message = choice["message"]
+    assert {t["label"] for t in reasoning} == {"reasoning"}
+    assert {t["label"] for t in content} == {"content"}
+    assert "".join(t["text"] for t in reasoning) == message["reasoning_content"] == "Let me think."
+    assert "".join(t["text"] for t in content) == message["content"] == "Use a <b> tag."
+    assert [t["logprob"] for t in reasoning] == logprobs(choice["reasoning_logprobs"]["content"])
+    assert [t["logprob"] for t in content] == logprobs(choice["logprobs"]["content"])
     # Focusing a token shows its logprob, rank and alternatives; arrows move along the tokens.
     p.focus("#panel-chat .label-content .tok >> nth=0")
     p.keyboard.press("ArrowRight")
@@ -200,8 +211,8 @@ def test_scoring_bars_and_table_equal_the_renormalised_probabilities(page, serve
     top = api(server, path, body)["choices"][0]["logprobs"]["top_logprobs"][0]
     expected = [top[f"token_id:{i}"] for i in body["allowed_token_ids"]]
     assert sum(math.exp(v) for v in expected) == pytest.approx(1)
-    bars = p.eval_on_selector_all("#panel-scoring .bar", "bars => bars.map(b => "
-                                  "[b.dataset.label, Number(b.dataset.logprob), Number(b.getAttribute('width'))])")
+    bars = p.eval_on_selector_all("#panel-scoring .bar", "bars => bars.map(b => [b.dataset.label, "
+                                  "Number(b.dataset.logprob), Number(b.getAttribute('width'))])")
     assert [label for label, _, _ in bars] == ["Let", "The", " Yes"]
     assert [lp for _, lp, _ in bars] == expected
     assert [w for _, _, w in bars] == pytest.approx([300 * math.exp(v) for v in expected], abs=0.01)
@@ -218,17 +229,21 @@ def test_scoring_bars_and_table_equal_the_renormalised_probabilities(page, serve
         code = p.inner_text("#panel-scoring .request >> nth=3 >> .code-curl")
         run = subprocess.run(["bash", "-c", code], capture_output=True, text=True, timeout=60,
                              env={**os.environ, "FREETOKEN_API_KEY": KEY})
-        assert json.loads(run.stdout)["choices"][0]["logprobs"]["top_logprobs"][0] == top, run.stderr
+        answer = json.loads(run.stdout)
+        assert answer["choices"][0]["logprobs"]["top_logprobs"][0] == top, run.stderr
 
     p.fill("#scoring-prompts", "hi\n---\nWhat is the weather in Paris?")
     page.run("scoring")
     path, body = page.sent[-1]
     choices = api(server, path, body)["choices"]
-    cells = p.eval_on_selector_all("#panel-scoring td.score", "cells => cells.map(c => Number(c.dataset.logprob))")
+    cells = p.eval_on_selector_all("#panel-scoring td.score",
+                                   "cells => cells.map(c => Number(c.dataset.logprob))")
     ids = body["allowed_token_ids"]
-    assert cells == [c["logprobs"]["top_logprobs"][0][f"token_id:{i}"] for c in choices for i in ids]
-    assert p.eval_on_selector_all("#panel-scoring tbody tr td:last-child", "c => c.map(x => x.textContent)") \
-        == ['"Let"', '"The"']
+    tops = [c["logprobs"]["top_logprobs"][0] for c in choices]
+    assert cells == [top[f"token_id:{i}"] for top in tops for i in ids]
+    chosen = p.eval_on_selector_all("#panel-scoring tbody tr td:last-child",
+                                    "cells => cells.map(c => c.textContent)")
+    assert chosen == ['"Let"', '"The"']
 
 
 def test_phone_width(browser, server):

@@ -17,7 +17,8 @@ STATIC = ["main.js", "api.js", "chat.js", "completion.js", "scoring.js", "tokens
 
 def _client(**config) -> TestClient:
     config = FrontendConfig(served_model_name="m", max_model_len=64, vocab_size=100, **config)
-    state = SimpleNamespace(config=config, dead=False, draining=False, engine_stats={}, num_running=0)
+    state = SimpleNamespace(config=config, dead=False, draining=False, engine_stats={},
+                            num_running=0)
     return TestClient(create_app(lambda: state), raise_server_exceptions=False)
 
 
@@ -57,8 +58,8 @@ def test_no_playground_turns_it_off():
     assert parse_args([]).no_playground is False
     assert parse_args(["--no-playground"]).no_playground is True
     hf_config = {"vocab_size": 100, "max_position_embeddings": 64}
-    assert frontend_config(parse_args([]), hf_config, "m", (None, None)).playground
-    assert not frontend_config(parse_args(["--no-playground"]), hf_config, "m", (None, None)).playground
+    for flags, served in (([], True), (["--no-playground"], False)):
+        assert frontend_config(parse_args(flags), hf_config, "m", (None, None)).playground is served
     client = _client(playground=False)
     for path in ("/", "/playground", "/playground/main.js"):
         r = client.get(path)

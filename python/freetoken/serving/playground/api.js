@@ -50,28 +50,28 @@ export class RequestLog {
   }
 }
 
-export async function getJSON(path, log) {
-  const entry = log?.add("GET", path, null);
-  const response = await fetch(path, { headers: headers() });
+// Sends a request, recorded in `log`; a refusal throws the server's error.
+async function send(method, path, body, log, signal) {
+  const entry = log?.add(method, path, body);
+  const init = { method, headers: headers(), signal };
+  if (body !== null) init.body = JSON.stringify(body);
+  const response = await fetch(path, init);
   if (entry) entry.status = response.status;
   if (!response.ok) throw await failure(response);
-  return response.json();
+  return response;
+}
+
+export async function getJSON(path, log) {
+  return (await send("GET", path, null, log)).json();
 }
 
 export async function postJSON(path, body, log, signal) {
-  const entry = log?.add("POST", path, body);
-  const response = await fetch(path, { method: "POST", headers: headers(), body: JSON.stringify(body), signal });
-  if (entry) entry.status = response.status;
-  if (!response.ok) throw await failure(response);
-  return response.json();
+  return (await send("POST", path, body, log, signal)).json();
 }
 
 // Streams a request's SSE events to onEvent(data) until [DONE]; an error event throws.
 export async function postStream(path, body, log, signal, onEvent) {
-  const entry = log?.add("POST", path, body);
-  const response = await fetch(path, { method: "POST", headers: headers(), body: JSON.stringify(body), signal });
-  if (entry) entry.status = response.status;
-  if (!response.ok) throw await failure(response);
+  const response = await send("POST", path, body, log, signal);
   const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
   let buffer = "";
   for (;;) {

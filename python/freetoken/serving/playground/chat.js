@@ -34,7 +34,7 @@ export function chatBody(model) {
   const probabilities = s.k !== null;
   return compact({
     model, messages, tools,
-    temperature: s.temperature, top_p: s.top_p, seed: s.seed, max_tokens: s.max_tokens, stop: s.stop,
+    ...s.sampling,
     logprobs: probabilities || null,
     top_logprobs: probabilities ? s.k : null,
     include_reasoning_logprobs: probabilities || null,

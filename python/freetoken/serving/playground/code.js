@@ -6,10 +6,10 @@ const KEY_VAR = "FREETOKEN_API_KEY";
 
 // Arguments the openai SDK's create() declares; anything else is a vLLM field.
 const SDK_FIELDS = {
-  "/v1/chat/completions": new Set(["model", "messages", "temperature", "top_p", "seed", "max_tokens",
-    "max_completion_tokens", "stop", "logprobs", "top_logprobs", "tools", "tool_choice", "stream",
-    "stream_options", "n", "presence_penalty", "frequency_penalty", "logit_bias",
-    "response_format", "user", "parallel_tool_calls"]),
+  "/v1/chat/completions": new Set(["model", "messages", "temperature", "top_p", "seed",
+    "max_tokens", "max_completion_tokens", "stop", "logprobs", "top_logprobs", "tools",
+    "tool_choice", "stream", "stream_options", "n", "presence_penalty", "frequency_penalty",
+    "logit_bias", "response_format", "user", "parallel_tool_calls"]),
   "/v1/completions": new Set(["model", "prompt", "temperature", "top_p", "seed", "max_tokens",
     "stop", "logprobs", "echo", "stream", "stream_options", "n", "presence_penalty",
     "frequency_penalty", "logit_bias", "best_of", "suffix", "user"]),
@@ -36,7 +36,7 @@ export function pyLiteral(value, indent = 0) {
   if (value === null || value === undefined) return "None";
   if (value === true) return "True";
   if (value === false) return "False";
-  if (typeof value === "number") return Number.isFinite(value) ? String(value) : `float("${value}")`;
+  if (typeof value === "number") return String(value);
   if (typeof value === "string") return JSON.stringify(value);
   if (Array.isArray(value)) {
     if (!value.length) return "[]";
@@ -44,7 +44,8 @@ export function pyLiteral(value, indent = 0) {
   }
   const keys = Object.keys(value);
   if (!keys.length) return "{}";
-  return `{\n${keys.map((k) => `${pad}${JSON.stringify(k)}: ${pyLiteral(value[k], indent + 4)}`).join(",\n")},\n${end}}`;
+  const items = keys.map((k) => `${pad}${JSON.stringify(k)}: ${pyLiteral(value[k], indent + 4)}`);
+  return `{\n${items.join(",\n")},\n${end}}`;
 }
 
 export function python(origin, request, withKey) {
@@ -55,7 +56,8 @@ export function python(origin, request, withKey) {
     const call = request.method === "POST"
       ? `httpx.post("${origin}${request.path}", json=${pyLiteral(request.body)}${auth})`
       : `httpx.get("${origin}${request.path}"${auth})`;
-    return `${withKey ? "import os\n\n" : ""}import httpx\n\nresponse = ${call}\nprint(response.json())\n`;
+    const head = withKey ? "import os\n\nimport httpx" : "import httpx";
+    return `${head}\n\nresponse = ${call}\nprint(response.json())\n`;
   }
   const body = { model: null, ...request.body };
   const args = [], extra = {};

@@ -9,7 +9,7 @@ export function completionBody(model) {
   return compact({
     model,
     prompt: document.getElementById("completion-prompt").value,
-    temperature: s.temperature, top_p: s.top_p, seed: s.seed, max_tokens: s.max_tokens, stop: s.stop,
+    ...s.sampling,
     logprobs: s.k,
     stream: true,
     stream_options: { include_usage: true },
@@ -50,7 +50,8 @@ export async function runCompletion(output, model, log, signal) {
   for (const span of list.querySelectorAll(".tok")) {
     if (at >= text.length) {
       span.dataset.label = "special";
-      span.entry = { ...span.entry, label: "special", note: "Ended the turn; not part of the text." };
+      const note = "Ended the turn; not part of the text.";
+      span.entry = { ...span.entry, label: "special", note };
     }
     at += span.entry.text.length;
   }

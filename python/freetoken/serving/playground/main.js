@@ -25,7 +25,8 @@ function setUpTabs() {
     tab.addEventListener("click", () => selectTab(tab));
     tab.addEventListener("keydown", (event) => {
       const at = tabs.indexOf(tab);
-      const to = { ArrowRight: at + 1, ArrowLeft: at - 1, Home: 0, End: tabs.length - 1 }[event.key];
+      const moves = { ArrowRight: at + 1, ArrowLeft: at - 1, Home: 0, End: tabs.length - 1 };
+      const to = moves[event.key];
       if (to === undefined) return;
       event.preventDefault();
       const next = tabs[(to + tabs.length) % tabs.length];
@@ -66,7 +67,8 @@ function setUpKey() {
   const input = document.getElementById("api-key");
   input.value = apiKey();
   input.required = keyRequired;
-  document.getElementById("key-hint").textContent = keyRequired ? "(this server needs one)" : "(this server needs none)";
+  document.getElementById("key-hint").textContent =
+    `(this server needs ${keyRequired ? "one" : "none"})`;
   input.addEventListener("change", () => {
     setApiKey(input.value.trim());
     loadModel();

@@ -11,7 +11,8 @@ const SVG = "http://www.w3.org/2000/svg";
 export function scoringInput() {
   const prompts = document.getElementById("scoring-prompts").value.split(/^---$/m)
     .map((p) => p.replace(/^\n/, "").replace(/\n$/, "")).filter((p) => p.trim());
-  const labels = document.getElementById("scoring-labels").value.split("\n").filter((l) => l.trim());
+  const labels = document.getElementById("scoring-labels").value.split("\n")
+    .filter((l) => l.trim());
   if (!prompts.length) throw new Error("Give at least one prompt.");
   if (labels.length < 2) throw new Error("Give at least two labels, one a line.");
   return { prompts, labels };
@@ -25,8 +26,9 @@ async function labelTokens(labels, log, signal) {
   for (const { label, ids } of out) {
     if (!ids.length) throw new Error(`The label ${shown(label)} has no tokens.`);
     if (seen.has(ids[0])) {
-      throw new Error(`The labels ${shown(seen.get(ids[0]))} and ${shown(label)} start with the same ` +
-        `token (${ids[0]}): one position cannot tell them apart.`);
+      const other = shown(seen.get(ids[0]));
+      throw new Error(`The labels ${other} and ${shown(label)} start with the same token ` +
+        `(${ids[0]}): one position cannot tell them apart.`);
     }
     seen.set(ids[0], label);
   }
@@ -86,7 +88,8 @@ function chart(prompt, scores) {
 function table(rows, labels) {
   const t = document.createElement("table");
   t.className = "scores";
-  t.createCaption().textContent = "Renormalised probability over the labels, and its logprob as the API returned it";
+  t.createCaption().textContent =
+    "Renormalised probability over the labels, and its logprob as the API returned it";
   const head = t.createTHead().insertRow();
   for (const name of ["Prompt", ...labels.map((l) => shown(l.label)), "Chosen"]) {
     const th = document.createElement("th");
@@ -128,7 +131,7 @@ export async function runScoring(output, model, log, signal) {
     const chosenId = Number(choice.logprobs.tokens[0].replace("token_id:", ""));
     return {
       prompt,
-      scores: tokens.map(({ label, ids }) => ({ label, logprob: top[`token_id:${ids[0]}`] ?? -Infinity })),
+      scores: tokens.map(({ label, ids }) => ({ label, logprob: top[`token_id:${ids[0]}`] })),
       chosen: tokens.find((t) => t.ids[0] === chosenId)?.label ?? `token ${chosenId}`,
     };
   });
@@ -136,7 +139,8 @@ export async function runScoring(output, model, log, signal) {
   if (multi.length) {
     const note = document.createElement("p");
     note.className = "note";
-    note.textContent = `Scored by their first token: ${multi.map((t) => `${shown(t.label)} (${t.ids.length} tokens)`).join(", ")}.`;
+    const named = multi.map((t) => `${shown(t.label)} (${t.ids.length} tokens)`);
+    note.textContent = `Scored by their first token: ${named.join(", ")}.`;
     output.append(note);
   }
   if (rows.length === 1) output.append(chart(rows[0].prompt, rows[0].scores));

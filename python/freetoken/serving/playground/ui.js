@@ -23,15 +23,18 @@ export function clearError() {
 const value = (id) => document.getElementById(id).value;
 const number = (id) => (value(id).trim() === "" ? null : Number(value(id)));
 
-// The side panel as request fields; `k` is null when no probabilities are asked for.
+// The side panel: `sampling` as request fields (both endpoints name them alike), `k` the number
+// of alternatives (null: no probabilities asked for), `reasoning` "", "on" or "off".
 export function settings() {
   const stop = value("stop").split("\n").filter((s) => s !== "");
   return {
-    temperature: number("temperature"),
-    top_p: number("top-p"),
-    seed: number("seed"),
-    max_tokens: number("max-tokens"),
-    stop: stop.length ? stop : null,
+    sampling: {
+      temperature: number("temperature"),
+      top_p: number("top-p"),
+      seed: number("seed"),
+      max_tokens: number("max-tokens"),
+      stop: stop.length ? stop : null,
+    },
     k: number("top-logprobs"),
     reasoning: value("reasoning"),
   };
@@ -76,7 +79,10 @@ export function renderRequests(container, log) {
     const title = document.createElement("p");
     title.textContent = `${entry.method} ${entry.path} → ${entry.status ?? "no answer"}`;
     item.append(title);
-    const code = { curl: curl(location.origin, entry, withKey), Python: python(location.origin, entry, withKey) };
+    const code = {
+      curl: curl(location.origin, entry, withKey),
+      Python: python(location.origin, entry, withKey),
+    };
     for (const [name, text] of Object.entries(code)) {
       const button = document.createElement("button");
       button.type = "button";
@@ -118,8 +124,9 @@ export function renderMeta(container, finish, usage) {
   meta.className = "meta";
   const parts = [`finish_reason: ${finish ?? "—"}`];
   if (usage) {
-    parts.push(`prompt_tokens: ${usage.prompt_tokens}`, `completion_tokens: ${usage.completion_tokens}`,
-      `total_tokens: ${usage.total_tokens}`);
+    for (const name of ["prompt_tokens", "completion_tokens", "total_tokens"]) {
+      parts.push(`${name}: ${usage[name]}`);
+    }
   }
   meta.textContent = parts.join(" · ");
   container.append(meta);
