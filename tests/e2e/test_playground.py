@@ -202,10 +202,10 @@ def test_completion_tokens_show_the_apis_logprobs(page, server):
 def test_scoring_bars_and_table_equal_the_renormalised_probabilities(page, server):
     p = page.open("scoring")
     p.fill("#scoring-prompts", "hi")
-    p.fill("#scoring-labels", "Let\nThe\n Yes")
+    p.fill("#scoring-labels", "Let\nThe\n</think>\n Yes")
     page.run("scoring")
     assert page.errors == []
-    assert [path for path, _ in page.sent] == ["/tokenize"] * 3 + ["/v1/completions"]
+    assert [path for path, _ in page.sent] == ["/tokenize"] * 4 + ["/v1/completions"]
     path, body = page.sent[-1]
     assert body["allowed_token_ids"] and body["max_tokens"] == 1
     top = api(server, path, body)["choices"][0]["logprobs"]["top_logprobs"][0]
@@ -213,20 +213,20 @@ def test_scoring_bars_and_table_equal_the_renormalised_probabilities(page, serve
     assert sum(math.exp(v) for v in expected) == pytest.approx(1)
     bars = p.eval_on_selector_all("#panel-scoring .bar", "bars => bars.map(b => [b.dataset.label, "
                                   "Number(b.dataset.logprob), Number(b.getAttribute('width'))])")
-    assert [label for label, _, _ in bars] == ["Let", "The", " Yes"]
+    assert [label for label, _, _ in bars] == ["Let", "The", "</think>", " Yes"]
     assert [lp for _, lp, _ in bars] == expected
     assert [w for _, _, w in bars] == pytest.approx([300 * math.exp(v) for v in expected], abs=0.01)
     shot(p, "scoring")
     # "Copy as Python" is code that runs and gets the same answer.
     p.click("#panel-scoring .requests summary")
-    code = p.inner_text("#panel-scoring .request >> nth=3 >> .code-python")
+    code = p.inner_text("#panel-scoring .request >> nth=4 >> .code-python")
     assert "extra_body" in code and "allowed_token_ids" in code
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "FREETOKEN_API_KEY": KEY})
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["choices"][0]["logprobs"]["top_logprobs"][0] == top
     if shutil.which("curl"):
-        code = p.inner_text("#panel-scoring .request >> nth=3 >> .code-curl")
+        code = p.inner_text("#panel-scoring .request >> nth=4 >> .code-curl")
         run = subprocess.run(["bash", "-c", code], capture_output=True, text=True, timeout=60,
                              env={**os.environ, "FREETOKEN_API_KEY": KEY})
         answer = json.loads(run.stdout)
@@ -244,6 +244,7 @@ def test_scoring_bars_and_table_equal_the_renormalised_probabilities(page, serve
     chosen = p.eval_on_selector_all("#panel-scoring tbody tr td:last-child",
                                     "cells => cells.map(c => c.textContent)")
     assert chosen == ['"Let"', '"The"']
+    shot(p, "scoring-prompts")
 
 
 def test_phone_width(browser, server):
