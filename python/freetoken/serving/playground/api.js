@@ -14,11 +14,10 @@ export function setApiKey(key) {
   else sessionStorage.removeItem(KEY_STORE);
 }
 
-export class ApiError extends Error {
+class ApiError extends Error {
   constructor(status, error) {
     const kind = [error.type, error.code].filter(Boolean).join(", ");
     super(error.message || "the server gave no message");
-    this.status = status;
     this.detail = `${status ? `HTTP ${status}` : "stream error"}${kind ? ` (${kind})` : ""}` +
       (error.param ? `, param: ${error.param}` : "");
   }

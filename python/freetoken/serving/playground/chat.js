@@ -5,9 +5,7 @@
 
 import { postStream } from "./api.js";
 import { addText, addToken, tokenList } from "./tokens.js";
-import { compact, renderMeta, settings } from "./ui.js";
-
-const value = (id) => document.getElementById(id).value;
+import { compact, renderMeta, settings, value } from "./ui.js";
 
 export const EXAMPLE_TOOLS = [{
   type: "function",
@@ -18,7 +16,7 @@ export const EXAMPLE_TOOLS = [{
   },
 }];
 
-export function chatBody(model) {
+function chatBody(model) {
   const s = settings();
   const messages = [];
   if (value("chat-system").trim()) messages.push({ role: "system", content: value("chat-system") });

@@ -31,7 +31,7 @@ export function curl(origin, request, withKey) {
 }
 
 // A JSON value as a Python literal, indented like json.dumps(indent=4).
-export function pyLiteral(value, indent = 0) {
+function pyLiteral(value, indent = 0) {
   const pad = " ".repeat(indent + 4), end = " ".repeat(indent);
   if (value === null || value === undefined) return "None";
   if (value === true) return "True";

@@ -2,13 +2,13 @@
 
 import { postStream } from "./api.js";
 import { addText, addToken, tokenList } from "./tokens.js";
-import { compact, renderMeta, settings } from "./ui.js";
+import { compact, renderMeta, settings, value } from "./ui.js";
 
-export function completionBody(model) {
+function completionBody(model) {
   const s = settings();
   return compact({
     model,
-    prompt: document.getElementById("completion-prompt").value,
+    prompt: value("completion-prompt"),
     ...s.sampling,
     logprobs: s.k,
     stream: true,

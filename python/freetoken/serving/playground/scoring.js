@@ -5,14 +5,14 @@
 
 import { postJSON } from "./api.js";
 import { percent, shown } from "./tokens.js";
+import { value } from "./ui.js";
 
 const SVG = "http://www.w3.org/2000/svg";
 
-export function scoringInput() {
-  const prompts = document.getElementById("scoring-prompts").value.split(/^---$/m)
+function scoringInput() {
+  const prompts = value("scoring-prompts").split(/^---$/m)
     .map((p) => p.replace(/^\n/, "").replace(/\n$/, "")).filter((p) => p.trim());
-  const labels = document.getElementById("scoring-labels").value.split("\n")
-    .filter((l) => l.trim());
+  const labels = value("scoring-labels").split("\n").filter((l) => l.trim());
   if (!prompts.length) throw new Error("Give at least one prompt.");
   if (labels.length < 2) throw new Error("Give at least two labels, one a line.");
   return { prompts, labels };
@@ -35,7 +35,7 @@ async function labelTokens(labels, log, signal) {
   return out;
 }
 
-export function scoringBody(model, prompts, labels) {
+function scoringBody(model, prompts, labels) {
   return {
     ...(model ? { model } : {}),
     prompt: prompts.length === 1 ? prompts[0] : prompts,

@@ -20,7 +20,7 @@ export function clearError() {
   box.replaceChildren();
 }
 
-const value = (id) => document.getElementById(id).value;
+export const value = (id) => document.getElementById(id).value;
 const number = (id) => (value(id).trim() === "" ? null : Number(value(id)));
 
 // The side panel: `sampling` as request fields (both endpoints name them alike), `k` the number
