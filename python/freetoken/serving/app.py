@@ -12,6 +12,7 @@ from freetoken.serving import chat, completion, errors, metrics
 from freetoken.serving.client import FrontendManager
 from freetoken.serving.errors import AsciiJSONResponse, RequestError
 from freetoken.serving.limits import Limits
+from freetoken.serving.playground import Playground
 from freetoken.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -86,8 +87,9 @@ def create_app(get_state: Callable[[], FrontendManager]):
 
     gated = _Gate(errors.BodyLimit(app, lambda: get_state().config.max_request_bytes), get_state)
     # getattr: a state may have no metrics.
-    return metrics.HttpMetrics(gated, lambda: getattr(get_state(), "metrics", None),
-                               {route.path for route in app.routes})
+    counted = metrics.HttpMetrics(gated, lambda: getattr(get_state(), "metrics", None),
+                                  {route.path for route in app.routes})
+    return Playground(counted, get_state)
 
 
 def tokenizer_config(tokenizer) -> dict:
