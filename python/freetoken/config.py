@@ -113,6 +113,7 @@ class FrontendConfig:
     max_running_requests: int = 64
     max_request_bytes: int = 32 * 1024 * 1024
     max_prompts_per_request: int = 1024
+    playground: bool = True
 
 
 def engine_config(args, model_folder: str) -> EngineConfig:
@@ -151,6 +152,7 @@ def frontend_config(args, hf_config: dict, name: str,
         max_running_requests=args.max_running_requests,
         max_request_bytes=args.max_request_bytes,
         max_prompts_per_request=args.max_prompts_per_request,
+        playground=not args.no_playground,
     )
 
 

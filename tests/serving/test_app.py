@@ -37,6 +37,23 @@ def test_schema_errors_are_openai_400s_naming_the_field():
     assert err["param"] == "prompt"
 
 
+@pytest.mark.parametrize("path,body,param,message", [
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids",
+     "allowed_token_ids must not be empty"),
+    ("/v1/completions", {"prompt": "x", "frobnicate": 1}, "frobnicate",
+     "Unknown field 'frobnicate': refused rather than ignored"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2,
+                              "temperature": 0},
+     "n", "n must be 1 when using greedy sampling, got 2."),
+    ("/tokenize", {}, "prompt", "give exactly one of prompt or messages"),
+])
+def test_a_request_rule_refuses_with_its_own_message_and_param(path, body, param, message):
+    """Raised inside the request's validator, the refusal reaches the client as itself, not as
+    pydantic's wording."""
+    err = _error(_client().post(path, json=body), 400)
+    assert (err["param"], err["message"], err["type"]) == (param, message, "invalid_request_error")
+
+
 def test_invalid_json_names_no_byte_offset():
     r = _client().post("/v1/completions", content=b'{"prompt": "x", "max_tokens": 2,,}',
                        headers={"content-type": "application/json"})

@@ -67,7 +67,9 @@ def test_seed_reproduction_fields_reach_the_engine():
 
 
 def test_error_is_a_json_response_in_openai_shape():
-    r = _run(State(), prompt="x", allowed_token_ids=[])
+    # Out of the vocabulary: refused against the limits, inside the handler (an empty list is
+    # refused as the request is parsed, before any handler).
+    r = _run(State(), prompt="x", allowed_token_ids=[49152])
     assert r.status_code == 400
     err = json.loads(r.body)["error"]
     assert err["param"] == "allowed_token_ids" and err["type"] == "invalid_request_error"

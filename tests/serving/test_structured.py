@@ -1,6 +1,7 @@
-"""Structured outputs at the HTTP edge (serving/structured.py): every request form becomes its
-`StructuredSpec`, every bad value or conflict is a 400 naming the field, before and after
-llguidance compiles it, and chat places the grammar after the reasoning."""
+"""Structured outputs at the HTTP edge (serving/structured.py, parsed with the request): every
+request form becomes its `StructuredSpec`, every bad value or conflict is a 400 naming the
+field, before and after llguidance compiles it, and chat places the grammar after the
+reasoning (serving/chat.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ from types import SimpleNamespace
 import pytest
 from freetoken.config import FrontendConfig
 from freetoken.core import StructuredSpec
+from pydantic import ValidationError
+
+from freetoken.serving import chat as chat_endpoint
 from freetoken.serving import structured
-from freetoken.serving.api_models import ChatCompletionRequest, CompletionRequest
-from freetoken.serving.errors import RequestError
-from freetoken.serving.validation import Limits, to_sampling_params, unsupported_reason
+from freetoken.serving.errors import RequestError, validation_error
+from freetoken.serving.limits import Limits
+from freetoken.serving.protocol import ChatCompletionRequest, CompletionRequest
 
 LIMITS = Limits(vocab_size=1000)
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -71,9 +75,9 @@ FORMS = [
 @pytest.mark.parametrize("make", [completion, chat], ids=["completions", "chat"])
 @pytest.mark.parametrize("fields,spec", FORMS)
 def test_every_form_becomes_its_spec(make, fields, spec):
-    req = make(**fields)
-    assert unsupported_reason(req) is None
-    assert to_sampling_params(req, LIMITS).structured == spec
+    req = make(**fields)  # parsed, so none of the fields is refused as unknown
+    assert req.to_sampling_params(LIMITS).structured == spec
+    assert (req.structured_output.spec if req.structured_output else None) == spec
 
 
 INVALID = [
@@ -137,13 +141,16 @@ INVALID = [
 @pytest.mark.parametrize("make", [completion, chat], ids=["completions", "chat"])
 @pytest.mark.parametrize("fields,param", INVALID)
 def test_invalid_values_and_conflicts_name_the_field(make, fields, param):
-    with pytest.raises(RequestError) as exc:
-        to_sampling_params(make(**fields), LIMITS)
-    assert exc.value.param == param and exc.value.status == 400, exc.value.message
+    with pytest.raises(ValidationError) as exc:
+        make(**fields)  # refused as the request is parsed
+    err = validation_error(exc.value)
+    assert err.param == param and err.status == 400, err.message
 
 
 def test_unknown_fields_are_still_refused():
-    assert unsupported_reason(completion(guided_jsonn={})).param == "guided_jsonn"
+    with pytest.raises(ValidationError) as exc:
+        completion(guided_jsonn={})
+    assert validation_error(exc.value).param == "guided_jsonn"
 
 
 def fake_state(tokenizer=None):
@@ -169,10 +176,9 @@ UNCOMPILABLE = [
 
 @pytest.mark.parametrize("fields,param,words", UNCOMPILABLE)
 def test_what_llguidance_cannot_compile_is_a_400_with_its_message(fields, param, words):
-    req = completion(**fields)
-    spec = to_sampling_params(req, LIMITS).structured
+    found = completion(**fields).structured_output
     with pytest.raises(RequestError) as exc:
-        asyncio.run(structured.check(fake_state(), spec, structured.source_field(req)))
+        asyncio.run(structured.check(fake_state(), found.spec, found.field))
     assert exc.value.param == param and words in exc.value.message
 
 
@@ -190,10 +196,12 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
 
 
 def for_chat(tokenizer=None, reasoning=None, tool_parser="hermes", ctk=None, **fields):
+    """Chat's grammar and the field it names, from the request's parsed values."""
     req = chat(**fields)
-    spec = to_sampling_params(req, LIMITS).structured
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-    return structured.for_chat(req, spec, tools, tool_parser, reasoning, ctk or {}, tokenizer)
+    found = chat_endpoint.output_grammar(req.structured_output, req.tool_dicts, req.tool_choice,
+                                   req.parallel_tool_calls is not False, tool_parser, reasoning,
+                                   ctk or {}, tokenizer)
+    return (found.spec, found.field) if found else (None, None)
 
 
 def test_reasoning_stays_free_and_the_answer_follows_the_grammar(qwen35_tokenizer):

@@ -1,8 +1,9 @@
-"""Upstream's `freetoken.server.openai_api`: the OpenAI handlers, now in `freetoken.serving`."""
+"""Upstream's `freetoken.server.openai_api` names, kept for its callers: the handlers live in
+`freetoken.serving`."""
 
-from freetoken.serving.api_models import ChatCompletionRequest, CompletionRequest
 from freetoken.serving.chat import handle_chat_completion, stream_chat_completion_chunks
 from freetoken.serving.completion import handle_completion, stream_completion_chunks
+from freetoken.serving.protocol import ChatCompletionRequest, CompletionRequest
 
 __all__ = ["ChatCompletionRequest", "CompletionRequest", "handle_chat_completion",
            "handle_completion", "stream_chat_completion_chunks", "stream_completion_chunks"]

@@ -8,18 +8,17 @@ from typing import Callable
 
 from fastapi import FastAPI, Request, Response
 
-from freetoken.message import TokenizeMsg
-from freetoken.serving import chat, completion, errors, generation, metrics
-from freetoken.serving.api_models import (
+from freetoken.serving import chat, completion, errors, metrics
+from freetoken.serving.client import FrontendManager
+from freetoken.serving.errors import AsciiJSONResponse, RequestError
+from freetoken.serving.limits import Limits
+from freetoken.serving.playground import Playground
+from freetoken.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ModelCard,
-    ModelList,
     TokenizeRequest,
 )
-from freetoken.serving.client import FrontendManager
-from freetoken.serving.errors import AsciiJSONResponse, RequestError
 
 
 def _authorized(header: str | None, key: str) -> bool:
@@ -32,6 +31,7 @@ def create_app(get_state: Callable[[], FrontendManager]):
     """The FastAPI app, wrapped in the request-body limit (an ASGI app either way)."""
     app = FastAPI(title="FreeToken", default_response_class=AsciiJSONResponse)
     errors.install(app)
+    limits = Limits.of(get_state().config)
 
     @app.get("/health")
     async def health():
@@ -55,31 +55,22 @@ def create_app(get_state: Callable[[], FrontendManager]):
     @app.get("/v1/models")
     async def models():
         cfg = get_state().config
-        card = ModelCard(id=cfg.served_model_name, root=cfg.served_model_name,
-                         max_model_len=cfg.max_model_len)
-        return ModelList(data=[card]).model_dump()
+        return {"object": "list", "data": [{
+            "id": cfg.served_model_name, "object": "model", "created": 0, "owned_by": "freetoken",
+            "root": cfg.served_model_name, "max_model_len": cfg.max_model_len}]}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        return await completion.handle_completion(req, request, get_state())
+        return await completion.create_completion(req, request, get_state(), limits)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        return await chat.handle_chat_completion(req, request, get_state())
+        return await chat.create_chat_completion(req, request, get_state(), limits)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         state = get_state()
-        if (req.prompt is None) == (req.messages is None):
-            raise RequestError("give exactly one of prompt or messages", param="prompt")
-        # vLLM's defaults: a prompt gets the tokenizer's special tokens, a chat its template's.
-        add = req.add_special_tokens if req.add_special_tokens is not None else req.prompt is not None
-        if req.prompt is not None:
-            msg = TokenizeMsg(0, req.prompt, None, add_special_tokens=add)
-        else:
-            msg = TokenizeMsg(0, generation.render_messages(req.messages), None,
-                              add_special_tokens=add)
-        ids = await state.tokenize(msg, "prompt" if req.prompt is not None else "messages")
+        ids = await state.tokenize(req.to_msg(), req.input_field)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.config.max_model_len}
 
     @app.get("/tokenizer_info")
@@ -95,9 +86,10 @@ def create_app(get_state: Callable[[], FrontendManager]):
         return {"prompt": await asyncio.to_thread(state.tokenizer.decode, req.tokens)}
 
     gated = _Gate(errors.BodyLimit(app, lambda: get_state().config.max_request_bytes), get_state)
-    # getattr: the tests' fake states have no metrics.
-    return metrics.HttpMetrics(gated, lambda: getattr(get_state(), "metrics", None),
-                               {route.path for route in app.routes})
+    # getattr: a state may have no metrics.
+    counted = metrics.HttpMetrics(gated, lambda: getattr(get_state(), "metrics", None),
+                                  {route.path for route in app.routes})
+    return Playground(counted, get_state)
 
 
 def tokenizer_config(tokenizer) -> dict:

@@ -40,6 +40,7 @@ class ServerArgs:
     master_port: int = 29500
     distributed_backend: str = "auto"
     distributed_timeout: float = 30.0
+    no_playground: bool = False
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -111,6 +112,9 @@ def build_parser(prog: str = "freetoken serve") -> argparse.ArgumentParser:
                    help="cpu, cuda or auto (cuda when available)")
     p.add_argument("--api-key",
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: no key)")
+    p.add_argument("--no-playground", action="store_true",
+                   help="do not serve the browser playground at / and /playground (default: "
+                   "served; its API calls need the --api-key like any other client)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may finish after SIGTERM/SIGINT before they "
                    "are ended with a 503")
@@ -184,6 +188,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "freetoken serve") -> 
         master_port=ns.master_port,
         distributed_backend=ns.distributed_backend,
         distributed_timeout=ns.distributed_timeout,
+        no_playground=ns.no_playground,
     )
 
 

@@ -1,10 +1,10 @@
-"""`/v1/chat/completions`: validate, run `generation`'s events, shape JSON or SSE from them.
-
-`state` is an `EngineClient` (client.py): `FrontendManager`, or a test's fake.
-"""
+"""`/v1/chat/completions`: the request's generation spec (with the grammar a forced tool call or
+a structured output imposes, placed after the reasoning), `generation`'s events, JSON or SSE
+shaped from them. `state` is an `EngineClient` (client.py)."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import replace
@@ -12,21 +12,26 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
+from freetoken.core import SamplingParams, StructuredSpec
+from freetoken.parsing import LogprobsUnavailable, registry
+from freetoken.parsing.family import special_ids
+from freetoken.parsing.tool_grammar import token_literal
 from freetoken.serving import generation, structured
-from freetoken.serving.api_models import ChatCompletionRequest
 from freetoken.serving.errors import RequestError, error_body, error_from
 from freetoken.serving.handling import (
     all_or_none,
-    check_request,
-    limits_of,
+    check_model,
     merged,
+    sampling_defaults_refused,
     sse,
     token_texts,
     until_disconnected,
     usage_dict,
 )
+from freetoken.serving.limits import Limits
 from freetoken.serving.logprob_format import chat_entries, vllm_prompt_logprobs
-from freetoken.serving.validation import to_sampling_params
+from freetoken.serving.protocol import ChatCompletionRequest
+from freetoken.serving.structured import Requested
 
 if TYPE_CHECKING:
     from freetoken.serving.client import EngineClient
@@ -34,9 +39,18 @@ if TYPE_CHECKING:
 
 async def handle_chat_completion(req: ChatCompletionRequest, raw_request, state: EngineClient,
                                  model_sampling: dict | None = None):
+    """Upstream FreeToken's handler signature, for callers of the handler itself: the limits
+    come from `state.config`."""
+    if model_sampling:
+        return sampling_defaults_refused()
+    return await create_chat_completion(req, raw_request, state, Limits.of(state.config))
+
+
+async def create_chat_completion(req: ChatCompletionRequest, raw_request, state: EngineClient,
+                                 limits: Limits):
     try:
-        check_request(req, state, model_sampling)
-        spec = generation.chat_request_to_genspec(req, to_sampling_params(req, limits_of(state)), state)
+        check_model(req.model, state)
+        spec = _gen_spec(req, req.to_sampling_params(limits), state)
         await structured.check(state, spec.sampling_params.structured, spec.structured_param)
         specs = _choice_specs(spec, req.n)
         if req.stream:
@@ -80,6 +94,91 @@ async def handle_chat_completion(req: ChatCompletionRequest, raw_request, state:
         # One prompt for all choices: vLLM puts its logprobs beside the choices.
         response["prompt_logprobs"] = vllm_prompt_logprobs(results[0].prompt_logprobs or [], texts)
     return response
+
+
+def _gen_spec(req: ChatCompletionRequest, params: SamplingParams, state) -> generation.GenSpec:
+    cfg = state.config
+    tools, choice = req.tool_dicts, req.tool_choice
+    template_tools = tools
+    if isinstance(choice, dict) and tools:  # the template shows the named function alone
+        template_tools = [t for t in tools if t["function"]["name"] == choice["function"]["name"]]
+    tool_parser, reasoning = cfg.tool_call_parser, cfg.reasoning_parser
+    parser_tools = tools if tools and choice != "none" and tool_parser else None
+    ctk = dict(req.chat_template_kwargs or {})
+    tokenizer = getattr(state, "tokenizer", None)
+    grammar = output_grammar(req.structured_output, tools, choice,
+                             req.parallel_tool_calls is not False, tool_parser, reasoning, ctk,
+                             tokenizer)
+    spec = generation.GenSpec(
+        messages=[m.for_template() for m in req.messages],
+        sampling_params=replace(params, structured=grammar.spec if grammar else None),
+        chat_template_kwargs=ctk,
+        template_tools=template_tools,
+        parser_tools=parser_tools,
+        reasoning_parser=reasoning,
+        tool_call_parser=tool_parser if parser_tools else None,
+        force_reasoning=registry.starts_in_reasoning(reasoning, ctk),
+        logprobs=req.logprobs,
+        include_reasoning_logprobs=req.include_reasoning_logprobs,
+        add_special_tokens=req.add_special_tokens,
+        structured_param=grammar.field if grammar else None,
+    )
+    if req.logprobs and (spec.reasoning_parser or spec.tool_call_parser):
+        try:
+            registry.check_logprobs(tokenizer, spec.reasoning_parser, spec.tool_call_parser)
+        except LogprobsUnavailable as exc:
+            raise RequestError(str(exc), param="logprobs") from None
+        spec.special_ids = special_ids(tokenizer)
+    return spec
+
+
+def output_grammar(found: Requested | None, tools: list[dict] | None, choice: Any,
+                   parallel: bool, tool_parser: str | None, reasoning: str | None,
+                   chat_template_kwargs: dict, tokenizer: Any) -> Requested | None:
+    """The grammar of the output and the field named if it does not compile: the tool-call
+    grammar of tool_choice "required" or a named function, else the structured output asked
+    for; either starts after the reasoning."""
+    if tools and (choice == "required" or isinstance(choice, dict)):
+        forced = "'required'" if choice == "required" else "naming a function"
+        if found is not None:
+            raise RequestError(f"{found.field} cannot be combined with tool_choice {forced}: the "
+                               "reply is tool calls", param=found.field)
+        if tool_parser is None:
+            raise RequestError(f"tool_choice {forced} needs a tool call parser, and this server "
+                               "runs without one (--tool-call-parser): calls could not be read "
+                               "from the output", param="tool_choice")
+        name = choice["function"]["name"] if isinstance(choice, dict) else None
+        literal = token_literal(tokenizer) if tokenizer is not None else json.dumps
+        built = registry.tool_call_grammar(tool_parser, tools, name, parallel, literal)
+        if built is None:
+            raise RequestError(f"tool_choice {forced} is not available with the {tool_parser} "
+                               "tool parser", param="tool_choice")
+        text, spans_reasoning = built
+        after = () if spans_reasoning else _answer_start(tokenizer, reasoning,
+                                                         chat_template_kwargs, "tool_choice")
+        return Requested(StructuredSpec("lark", text, after), "tools")
+    if found is None:
+        return None
+    after = _answer_start(tokenizer, reasoning, chat_template_kwargs, found.field)
+    return Requested(replace(found.spec, after_ids=after), found.field)
+
+
+def _answer_start(tokenizer: Any, reasoning: str | None, chat_template_kwargs: dict,
+                  param: str) -> tuple[int, ...]:
+    """The ids after which a grammar starts: the reasoning parser's end of reasoning when the
+    output starts before it, so that reasoning stays free text."""
+    marker = registry.answer_marker(reasoning, chat_template_kwargs)
+    if marker is None or tokenizer is None:
+        return ()
+    ids = list(tokenizer.encode(marker, add_special_tokens=False))
+    added = set(getattr(tokenizer, "added_tokens_decoder", None) or ())
+    # A marker of plain-text pieces only has other spellings the model may write instead.
+    fixed = len(ids) == 1 or any(i in added for i in ids)
+    if not ids or not fixed or tokenizer.decode(ids, skip_special_tokens=False) != marker:
+        raise RequestError(f"structured outputs are not available with --reasoning-parser "
+                           f"{reasoning}: its end of reasoning {marker!r} is not a fixed token "
+                           "sequence in this model's vocabulary", param=param)
+    return tuple(ids)
 
 
 def _choice_specs(spec: generation.GenSpec, n: int) -> list[generation.GenSpec]:

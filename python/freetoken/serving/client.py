@@ -2,7 +2,7 @@
 
 It tokenizes (in a worker thread) and detokenizes; the engine process sees token ids only, so the
 HTTP loop never waits on a forward and the engine never waits on text work. `EngineClient` is
-what the handlers need of it, and what the tests' fakes provide.
+what the handlers need of it.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ log = logging.getLogger("freetoken")
 
 @runtime_checkable
 class EngineClient(Protocol):
-    """What the OpenAI handlers use of the engine side. `FrontendManager` is the real one; the
-    tests' fakes are smaller ones (upstream's fake state, which the seed-000 script uses, has
-    these four and a `config` with only some of `FrontendConfig`'s fields)."""
+    """What the OpenAI handlers use of the engine side, `FrontendManager` being the one the
+    server runs. `config` holds `FrontendConfig`'s fields; a limit it lacks takes its default
+    (`Limits.of`)."""
 
     config: Any
 

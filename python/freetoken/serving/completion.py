@@ -1,7 +1,5 @@
-"""`/v1/completions`: validate, submit every prompt x n, shape JSON or SSE from the replies.
-
-`state` is an `EngineClient` (client.py): `FrontendManager`, or a test's fake.
-"""
+"""`/v1/completions`: the request's sampling params and prompts, every prompt x n submitted,
+JSON or SSE shaped from the replies. `state` is an `EngineClient` (client.py)."""
 
 from __future__ import annotations
 
@@ -16,23 +14,23 @@ from fastapi.responses import StreamingResponse
 from freetoken.core import SamplingParams, TokenLogprob
 from freetoken.message import TokenizeMsg, UserReply
 from freetoken.serving import structured
-from freetoken.serving.api_models import CompletionRequest
 from freetoken.serving.errors import RequestError, error_body, error_from, reply_error
 from freetoken.serving.handling import (
     all_or_none,
-    check_request,
-    limits_of,
+    check_model,
+    sampling_defaults_refused,
     sse,
     token_texts,
     until_disconnected,
     usage_dict,
 )
+from freetoken.serving.limits import Limits
 from freetoken.serving.logprob_format import (
     completion_logprobs,
     prompt_items,
     vllm_prompt_logprobs,
 )
-from freetoken.serving.validation import echo_only, prompt_list, to_sampling_params
+from freetoken.serving.protocol import CompletionRequest
 
 if TYPE_CHECKING:
     from freetoken.serving.client import EngineClient
@@ -83,13 +81,22 @@ class Choice:
 
 async def handle_completion(req: CompletionRequest, raw_request, state: EngineClient,
                             model_sampling: dict | None = None):
-    """`raw_request`: the Starlette request, watched for a client that leaves (None in tests)."""
+    """Upstream FreeToken's handler signature, for callers of the handler itself: the limits
+    come from `state.config`. `raw_request`: the Starlette request, watched for a client that
+    leaves (None when there is none)."""
+    if model_sampling:
+        return sampling_defaults_refused()
+    return await create_completion(req, raw_request, state, Limits.of(state.config))
+
+
+async def create_completion(req: CompletionRequest, raw_request, state: EngineClient,
+                            limits: Limits):
     try:
-        check_request(req, state, model_sampling)
-        limits = limits_of(state)
-        params = to_sampling_params(req, limits)
-        await structured.check(state, params.structured, structured.source_field(req))
-        choices, msgs = _completion_choices(state, req, prompt_list(req, limits), params)
+        check_model(req.model, state)
+        params = req.to_sampling_params(limits)
+        found = req.structured_output
+        await structured.check(state, params.structured, found.field if found else None)
+        choices, msgs = _completion_choices(state, req, req.prompts(limits), params)
         # A request's prompts enter the engine a window at a time, so that one request with many
         # prompts does not queue ahead of every request that arrives after it.
         window = limits.max_running_requests
@@ -146,7 +153,7 @@ def _completion_choices(state, req: CompletionRequest, prompts,
             msgs.append(TokenizeMsg(uid, prompt, replace(params, seed=seed),
                                     add_special_tokens=req.add_special_tokens))
             choices.append(Choice(index=p_index * req.n + j, uid=uid, prefix=prefix,
-                                  echo_only=echo_only(req), counts_prompt=j == 0))
+                                  echo_only=req.echo_only, counts_prompt=j == 0))
     return choices, msgs
 
 
@@ -247,5 +254,3 @@ async def stream_completion_chunks(state, req, params: SamplingParams, choices: 
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream")
-
-

@@ -1,9 +1,10 @@
 """Every error the server answers, in OpenAI's shape `{"error": {message, type, param, code}}`.
 
-Handlers raise `RequestError`; the engine and the frontend report failures as an error code on a
-reply (`reply_error` maps it to a status). `install` makes FastAPI's own failures (unknown route,
-wrong method, unparsable or oversized body, schema errors) take the same shape, so no client ever
-sees `{"detail": ...}` or a plain-text 500.
+Handlers and the requests' own checks (protocol.py) raise `RequestError`; the engine and the
+frontend report failures as an error code on a reply (`reply_error` maps it to a status).
+`install` makes FastAPI's own failures (unknown route, wrong method, unparsable or oversized
+body, schema errors) take the same shape, so no client ever sees `{"detail": ...}` or a
+plain-text 500.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from fastapi import HTTPException as FastAPIHTTPException
 from starlette.exceptions import HTTPException
 
@@ -62,9 +64,15 @@ def error_response(message: str, status: int = 400, param: str | None = None,
     return error_from(RequestError(message, param=param, code=code, status=status))
 
 
-def _schema_error(exc: RequestValidationError, content_type: str) -> RequestError:
+def validation_error(exc: RequestValidationError | ValidationError,
+                     content_type: str = "application/json") -> RequestError:
+    """The `RequestError` for a body that failed its schema or a request's own checks. The
+    checks raise `RequestError` inside the request's validator; pydantic keeps it in `ctx`."""
     errors = exc.errors()
     first = errors[0] if errors else {}
+    refusal = first.get("ctx", {}).get("error")
+    if isinstance(refusal, RequestError):
+        return refusal
     if first.get("type") == "json_invalid":
         return RequestError(f"The request body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
                             .rstrip(": "))
@@ -117,7 +125,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        return error_from(_schema_error(exc, request.headers.get("content-type", "")))
+        return error_from(validation_error(exc, request.headers.get("content-type", "")))
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException):

@@ -9,20 +9,15 @@ is `collect()` over the very same events, so the two modes cannot disagree.
 
 from __future__ import annotations
 
-import json
 import secrets
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from freetoken.config import FrontendConfig
 from freetoken.core import SamplingParams, TokenLogprob
 from freetoken.message import TokenizeMsg, UserReply
-from freetoken.parsing import Label, LogprobRouter, LogprobsUnavailable, Step, validate_tools
-from freetoken.parsing import registry
-from freetoken.parsing.family import special_ids
-from freetoken.serving import structured
-from freetoken.serving.api_models import ChatCompletionRequest, Message
-from freetoken.serving.errors import RequestError, reply_error
+from freetoken.parsing import Label, LogprobRouter, Step, registry
+from freetoken.serving.errors import reply_error
 
 
 @dataclass
@@ -94,35 +89,6 @@ class GenResult:
     prompt_logprobs: list[TokenLogprob | None] | None
 
 
-def render_messages(messages: list[Message]) -> list[dict]:
-    """Request messages as the dicts a chat template reads (text parts joined, arguments parsed)."""
-    out = []
-    for i, m in enumerate(messages):
-        msg = m.model_dump(exclude_none=True)
-        if m.role == "assistant" and m.tool_calls and m.content is None:
-            msg["content"] = ""  # the openai SDK and LangChain send null beside tool_calls
-        if isinstance(m.content, list):
-            for part in m.content:
-                if part.type != "text" or part.text is None:
-                    raise RequestError(f"messages[{i}]: only text content parts are supported",
-                                       param="messages")
-            msg["content"] = "".join(part.text for part in m.content)
-        for call in msg.get("tool_calls", []):
-            args = call["function"].get("arguments")
-            if isinstance(args, str):
-                call["function"]["arguments"] = _json_or_text(args)
-        out.append(msg)
-    return out
-
-
-def _json_or_text(text: str) -> Any:
-    # Chat templates render tool-call arguments as objects; clients send them as JSON text.
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
 def reply_options(config: FrontendConfig, chat: bool, params: SamplingParams) -> dict:
     """How a request's replies are built (`ReplyBuilder`'s options): chat output that a parser
     reads needs each token's text, and some families' markers are special tokens kept in it
@@ -135,50 +101,6 @@ def reply_options(config: FrontendConfig, chat: bool, params: SamplingParams) ->
             "include_stop_str_in_output": params.include_stop_str_in_output,
             "min_tokens": params.min_tokens,
             "spaces_between_special_tokens": params.spaces_between_special_tokens}
-
-
-def chat_request_to_genspec(req: ChatCompletionRequest, params: SamplingParams, state) -> GenSpec:
-    cfg = state.config
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-    if tools is not None or req.tool_choice is not None:
-        reason = validate_tools(tools or [], req.tool_choice or "auto")
-        if reason is not None:
-            param = "tool_choice" if reason.startswith("tool_choice") else "tools"
-            raise RequestError(reason, param=param)
-    template_tools = tools
-    if isinstance(req.tool_choice, dict) and tools:
-        wanted = req.tool_choice["function"]["name"]
-        template_tools = [t for t in tools if t["function"]["name"] == wanted]
-    tool_parser = cfg.tool_call_parser
-    parser_tools = tools if tools and req.tool_choice != "none" and tool_parser else None
-    ctk = dict(req.chat_template_kwargs or {})
-    reasoning = cfg.reasoning_parser
-    if req.include_reasoning_logprobs and not req.logprobs:
-        raise RequestError("include_reasoning_logprobs needs logprobs: true",
-                           param="include_reasoning_logprobs")
-    grammar, grammar_param = structured.for_chat(req, params.structured, tools, tool_parser,
-                                                 reasoning, ctk, getattr(state, "tokenizer", None))
-    spec = GenSpec(
-        messages=render_messages(req.messages),
-        sampling_params=replace(params, structured=grammar),
-        chat_template_kwargs=ctk,
-        template_tools=template_tools,
-        parser_tools=parser_tools,
-        reasoning_parser=reasoning,
-        tool_call_parser=tool_parser if parser_tools else None,
-        force_reasoning=registry.starts_in_reasoning(reasoning, ctk),
-        logprobs=req.logprobs,
-        include_reasoning_logprobs=req.include_reasoning_logprobs,
-        add_special_tokens=req.add_special_tokens,
-        structured_param=grammar_param,
-    )
-    if req.logprobs and (spec.reasoning_parser or spec.tool_call_parser):
-        try:
-            registry.check_logprobs(state.tokenizer, spec.reasoning_parser, spec.tool_call_parser)
-        except LogprobsUnavailable as exc:
-            raise RequestError(str(exc), param="logprobs") from None
-        spec.special_ids = special_ids(state.tokenizer)
-    return spec
 
 
 async def generate_events(state, spec: GenSpec) -> AsyncIterator:

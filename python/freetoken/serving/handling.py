@@ -1,48 +1,39 @@
-"""What the completion and chat handlers share: request checks, the limits a request must fit,
-disconnect watching, usage and SSE framing."""
+"""What the completion and chat handlers share: the model check, disconnect watching, usage and
+SSE framing."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import fields
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
-from freetoken.serving.errors import RequestError
-from freetoken.serving.validation import Limits, unsupported_reason
+from fastapi.responses import JSONResponse
+
+from freetoken.serving.errors import RequestError, error_from
 from freetoken.tokenizer.detokenize import TokenTexts
 
 if TYPE_CHECKING:
     from freetoken.serving.client import EngineClient
 
 
-def limits_of(state: EngineClient) -> Limits:
-    """The limits in `state.config`: a `FrontendConfig`, or a fake's namespace with only some of
-    its fields (upstream's fake state, which the seed-000 script uses, has two), read over
-    `Limits`' defaults."""
-    names = [f.name for f in fields(Limits)]
-    return Limits(**{n: getattr(state.config, n) for n in names if hasattr(state.config, n)})
-
-
 def token_texts(state: EngineClient) -> TokenTexts | None:
-    tokenizer = getattr(state, "tokenizer", None)  # not part of EngineClient: fakes lack it
+    tokenizer = getattr(state, "tokenizer", None)  # optional: `EngineClient` does not require it
     return TokenTexts.of(tokenizer) if tokenizer is not None else None
 
 
-def check_request(req, state: EngineClient, model_sampling: dict | None) -> None:
-    """What both endpoints refuse before building anything: an unknown model (404), a field we
-    do not implement (400), and upstream's per-model sampling defaults (its `--sampling-defaults
-    model`), which this server does not have, so a caller that passes some is told rather than
-    ignored."""
-    if model_sampling:
-        raise RequestError("per-model sampling defaults are not supported by this server",
-                           status=500, code="engine_error")
-    name = state.config.served_model_name
-    if req.model is not None and req.model != name:
-        raise RequestError(f"The model `{req.model}` does not exist.", param="model",
+def check_model(name: str | None, state: EngineClient) -> None:
+    """A request naming another model than the one served is a 404."""
+    if name is not None and name != state.config.served_model_name:
+        raise RequestError(f"The model `{name}` does not exist.", param="model",
                            code="model_not_found", status=404)
-    if (err := unsupported_reason(req)) is not None:
-        raise err
+
+
+def sampling_defaults_refused() -> JSONResponse:
+    """The answer to a caller of the handlers that passes per-model sampling defaults (the
+    handlers' fourth argument, `model_sampling`): this server has none to apply, and says so
+    rather than ignore them."""
+    return error_from(RequestError("per-model sampling defaults are not supported by this "
+                                   "server", status=500, code="engine_error"))
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:

@@ -1,7 +1,6 @@
-"""Structured outputs at the HTTP edge: the request's `response_format`, `structured_outputs` and
-`guided_*` fields as one `StructuredSpec` (pure), the grammar that tool_choice "required" or a
-named function imposes, where either starts in a reasoning model's output, and the llguidance
-check that makes a bad schema, regex or grammar a 400 before anything runs.
+"""Structured outputs at the HTTP edge: a request's `response_format`, `structured_outputs` and
+`guided_*` fields as one `StructuredSpec` (pure, run as the request is parsed), and the
+llguidance check that makes a bad schema, regex or grammar a 400 before anything runs.
 """
 
 from __future__ import annotations
@@ -12,11 +11,9 @@ import logging
 import threading
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Any
+from typing import Any, Mapping
 
 from freetoken.core import StructuredSpec
-from freetoken.parsing import registry
-from freetoken.parsing.tool_grammar import token_literal
 from freetoken.serving.errors import RequestError
 from freetoken.structured import grammar
 
@@ -25,6 +22,8 @@ log = logging.getLogger("freetoken")
 # In this order: with two of them set, the second is named in the 400.
 SPEC_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
                "guided_choice", "guided_grammar")
+# Every field read here: the spec fields and the options that shape them.
+FIELDS = (*SPEC_FIELDS, "guided_decoding_backend", "guided_whitespace_pattern")
 # vLLM's backend names are all served by llguidance: each of them guarantees the output matches
 # the grammar, which is what a client asks for (only whitespace choices may differ).
 BACKENDS = ("auto", "llguidance", "guidance", "xgrammar", "outlines", "lm-format-enforcer")
@@ -44,12 +43,6 @@ class Requested:
 
 def _fail(message: str, param: str) -> RequestError:
     return RequestError(message, param=param)
-
-
-def _fields(req: Any) -> dict[str, Any]:
-    extra = getattr(req, "model_extra", None) or {}
-    return {name: extra.get(name, getattr(req, name, None)) for name in
-            (*SPEC_FIELDS, "guided_decoding_backend", "guided_whitespace_pattern")}
 
 
 def _json_spec(schema: Any, param: str, whitespace: str | None, compact: bool) -> StructuredSpec:
@@ -160,17 +153,11 @@ def _structured_outputs(value: Any, whitespace: str | None) -> StructuredSpec:
     return StructuredSpec(kind, _text(value[kind], param, f"the {kind}"))
 
 
-def source_field(req: Any) -> str | None:
-    """The field that carries `req`'s structured output (named when it does not compile)."""
-    fields = _fields(req)
-    return next((n for n in SPEC_FIELDS if fields[n] is not None
-                 and not (n == "response_format" and fields[n] == {"type": "text"})), None)
-
-
-def requested(req: Any) -> Requested | None:
-    """The structured output `req` asks for, checked for shape (pure); None for free output.
-    Raises `RequestError` naming the field. Whether llguidance compiles it is `check`'s."""
-    fields = _fields(req)
+def requested(fields: Mapping[str, Any]) -> Requested | None:
+    """The structured output a request's `FIELDS` ask for, checked for shape (pure); None for
+    free output. Raises `RequestError` naming the field. Whether llguidance compiles it is
+    `check`'s."""
+    fields = {name: fields.get(name) for name in FIELDS}
     backend = fields["guided_decoding_backend"]
     if backend is not None and backend not in BACKENDS:
         raise _fail(f"guided_decoding_backend must be one of {', '.join(BACKENDS)} (all served "
@@ -205,66 +192,14 @@ def requested(req: Any) -> Requested | None:
     return found[0] if found else None
 
 
-def _after_ids(tokenizer: Any, reasoning: str | None, chat_template_kwargs: dict,
-               param: str) -> tuple[int, ...]:
-    """The ids after which the grammar starts: the reasoning parser's end of reasoning when the
-    output starts before it, so that reasoning stays free text."""
-    marker = registry.answer_marker(reasoning, chat_template_kwargs)
-    if marker is None or tokenizer is None:  # no tokenizer: a test's fake engine
-        return ()
-    ids = list(tokenizer.encode(marker, add_special_tokens=False))
-    added = set(getattr(tokenizer, "added_tokens_decoder", None) or ())
-    # A marker of plain-text pieces only has other spellings the model may write instead.
-    fixed = len(ids) == 1 or any(i in added for i in ids)
-    if not ids or not fixed or tokenizer.decode(ids, skip_special_tokens=False) != marker:
-        raise _fail(f"structured outputs are not available with --reasoning-parser {reasoning}: "
-                    f"its end of reasoning {marker!r} is not a fixed token sequence in this "
-                    "model's vocabulary", param)
-    return tuple(ids)
-
-
-def for_chat(req: Any, spec: StructuredSpec | None, tools: list[dict] | None,
-             tool_parser: str | None, reasoning: str | None, chat_template_kwargs: dict,
-             tokenizer: Any) -> tuple[StructuredSpec | None, str | None]:
-    """The chat request's grammar and the field named if it does not compile: the tool-call
-    grammar of tool_choice "required" or a named function, else `spec` (response_format and
-    the like); either starts after the reasoning."""
-    choice = getattr(req, "tool_choice", None)
-    param = source_field(req)
-    if tools and (choice == "required" or isinstance(choice, dict)):
-        forced = "'required'" if choice == "required" else "naming a function"
-        if spec is not None:
-            raise _fail(f"{param} cannot be combined with tool_choice {forced}: the reply is "
-                        "tool calls", param or "tool_choice")
-        if tool_parser is None:
-            raise _fail(f"tool_choice {forced} needs a tool call parser, and this server runs "
-                        "without one (--tool-call-parser): calls could not be read from the "
-                        "output", "tool_choice")
-        name = choice["function"]["name"] if isinstance(choice, dict) else None
-        parallel = getattr(req, "parallel_tool_calls", None) is not False
-        literal = token_literal(tokenizer) if tokenizer is not None else json.dumps
-        built = registry.tool_call_grammar(tool_parser, tools, name, parallel, literal)
-        if built is None:
-            raise _fail(f"tool_choice {forced} is not available with the {tool_parser} tool "
-                        "parser", "tool_choice")
-        text, spans_reasoning = built
-        after = () if spans_reasoning else _after_ids(tokenizer, reasoning, chat_template_kwargs,
-                                                      "tool_choice")
-        return StructuredSpec("lark", text, after), "tools"
-    if spec is None:
-        return None, None
-    after = _after_ids(tokenizer, reasoning, chat_template_kwargs, param or "response_format")
-    return replace(spec, after_ids=after), param
-
-
 _BUILD = threading.Lock()  # one llguidance tokenizer per process (it walks the whole vocabulary)
 _UNREADABLE: set[int] = set()  # ids of tokenizers llguidance could not read (warned once)
 
 
 def _ll_tokenizer(state: Any) -> Any:
     """llguidance's view of the vocabulary, which also checks a grammar's token names; None
-    (grammar checks only) for a test's fake engine, or a tokenizer llguidance cannot read (the
-    engine then reports what does not compile)."""
+    (grammar checks only) for a state without a tokenizer, or a tokenizer llguidance cannot
+    read (the engine then reports what does not compile)."""
     tokenizer = getattr(state, "tokenizer", None)
     if tokenizer is None or id(tokenizer) in _UNREADABLE:
         return None
