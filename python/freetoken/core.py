@@ -65,6 +65,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     structured: StructuredSpec | None = None  # None: free output
+    speculative: bool = True  # False: never drafted, where the server speculates
 
     @property
     def is_greedy(self) -> bool:

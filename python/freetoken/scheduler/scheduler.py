@@ -203,7 +203,8 @@ class Scheduler:
             if replies[-1].finished:
                 break
         if drafts:
-            self.speculator.verified(req, drafts, len(tokens) - 1, len(replies))
+            # Drafts accepted past a token that finished the request are not counted.
+            self.speculator.verified(req, drafts, min(len(tokens) - 1, len(replies)), len(replies))
         if replies[-1].finished:
             return replies
         unused = req.slots[len(req.all_ids) - 1 :]

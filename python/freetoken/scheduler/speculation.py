@@ -78,6 +78,6 @@ class Speculator:
 
 
 def speculates(req: Req) -> bool:
-    """Whether plain decoding's result can be kept: a grammar's matcher would have to follow the
-    draft and be rolled back, which it does not do."""
-    return req.params.structured is None
+    """Whether the request takes drafts: not where it opted out, nor under a grammar, whose
+    matcher would have to follow the draft and be rolled back, which it does not do."""
+    return req.params.speculative and req.params.structured is None

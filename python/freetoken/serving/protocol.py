@@ -115,6 +115,7 @@ class _SamplingRequest(OpenAIBaseModel):
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
     spaces_between_special_tokens: StrictBool = True
+    speculative: StrictBool = True  # ours: False opts out of the server's speculative decoding
     response_format: Any = None  # any shape: structured.py names what is wrong with it
     best_of: StrictInt | None = None  # declared so its neutral values pass (UNSUPPORTED_FIELDS)
     user: str | None = None
@@ -269,6 +270,7 @@ class _SamplingRequest(OpenAIBaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
+            speculative=self.speculative,
             structured=found.spec if found is not None else None,  # chat adds where it starts
         )
 
