@@ -104,6 +104,18 @@ def test_default_model_batched_and_alone_equal_plain_decoding_bit_for_bit():
 
 
 @pytest.mark.slow
+def test_a_request_that_opts_out_is_never_drafted():
+    loaded = default_model()
+    ids = loaded.tokenizer.encode(CODE * 3)
+    out, stats = _run(loaded, [(ids, SamplingParams(temperature=0, max_tokens=16, speculative=False))],
+                      SPEC)
+    assert stats["spec_decode_num_drafts"] == 0
+    drafted, stats = _run(loaded, [(ids, SamplingParams(temperature=0, max_tokens=16))], SPEC)
+    assert stats["spec_decode_num_drafts"] > 0
+    assert drafted == out
+
+
+@pytest.mark.slow
 def test_moe_fixture_equals_plain_decoding(tiny_qwen3_moe_path):
     loaded = loaded_fp32(tiny_qwen3_moe_path)
     tok = loaded.tokenizer

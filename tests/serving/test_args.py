@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from freetoken.config import SpeculativeConfig, engine_config
 from freetoken.serving.args import build_parser, parse_args, resolve_parsers
 
 
@@ -70,3 +71,12 @@ def test_tensor_parallel_flags_and_their_checks(capsys):
         with pytest.raises(SystemExit):
             parse_args(bad)
     assert "multiple of --nnodes" in capsys.readouterr().err
+
+
+def test_speculative_config_is_checked_at_start_up(capsys):
+    args = parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert engine_config(args, "/m").speculative == SpeculativeConfig(num_speculative_tokens=3)
+    assert engine_config(parse_args([]), "/m").speculative is None
+    with pytest.raises(SystemExit):
+        parse_args(["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'])
+    assert "method 'mtp' is not supported" in capsys.readouterr().err
