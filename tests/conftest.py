@@ -8,7 +8,6 @@ build; see tests/fixtures/build_models.py.
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,14 +19,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # at OpenMP barriers for a core another one holds. Set before anything imports torch.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-_TESTS = Path(__file__).resolve().parent
-# `fixtures` is importable as tests/ is on the path (pytest's rootdir-less "prepend" import
-# mode puts it there for tests/fixtures/ too); freetoken works without PYTHONPATH=python.
-for _p in (str(_TESTS), str(_TESTS.parent / "python")):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-from fixtures import build_models as bm  # noqa: E402
+from tests.fixtures import build_models as bm  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -20,9 +20,9 @@ from freetoken.engine.parallel import GroupLost, follow, load_rank
 from freetoken.models.loader import load_model
 from freetoken.models.tensor_parallel import head_split
 from freetoken.scheduler.factory import build_engine, build_scheduler
-from tests.e2e.support import free_port
 from tests.model_fixtures import (default_folder, default_model, drain, reference_logprobs,
                                   tiny_random_folder)
+from tests.support.servers import free_port
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
 
