@@ -136,6 +136,7 @@ def test_tiny_tp2_matches_tp1_and_transformers(rank1, fixture, request):
             assert abs(row[entry.token_id].item() - entry.logprob) <= 1e-4
 
 
+@pytest.mark.slow
 def test_default_model_tp2_splits_uneven_heads_and_matches_tp1_then_a_lost_rank_raises(rank1):
     proc, link = rank1
     # Two prompts, four steps: 30 layers are slow, and a batch of two already mixes rows.

@@ -30,6 +30,7 @@ def test_bad_paths_are_one_line_errors(tmp_path):
         loader.load_model(tmp_path)
 
 
+@pytest.mark.slow
 def test_gguf_conversion_is_cached():
     folder = loader.gguf_to_folder(loader.default_model_path())
     assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
