@@ -79,7 +79,8 @@ class Server:
 
 
 class ServerPool:
-    """The servers the e2e modules of one test worker share, started on first use.
+    """The servers the e2e modules of one test worker share (tests/e2e/conftest.py's
+    `server(*args)`), started on first use and keyed by their arguments.
 
     Every server the suite shares kept up at once (two workers, each with its own) outgrows
     CI's 24 GB, so once a module is done its servers are idle and only the `keep` most recently
