@@ -327,8 +327,8 @@ def hybrid_folder() -> Path:
         return folder
     from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from fixtures.build_models import write_qwen35_tokenizer
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.fixtures.build_models import write_qwen35_tokenizer
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(Qwen3_5TextConfig(**HYBRID_SHAPE), dtype=torch.float32)

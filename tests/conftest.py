@@ -1,4 +1,5 @@
-"""Session-wide fixtures: paths of the tiny model folders, built once and cached.
+"""Session-wide fixtures (paths of the tiny model folders, built once and cached) and the check
+that every test loading the default model or starting a server is marked `slow`.
 
 Each folder lives under ~/.cache/freetoken/test-models/<name>-<content hash> (root overridable
 with $FREETOKEN_TEST_MODELS), so only the first run after a change to the builders pays for a
@@ -7,8 +8,9 @@ build; see tests/fixtures/build_models.py.
 
 from __future__ import annotations
 
+import inspect
 import os
-import sys
+import types
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,14 +22,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # at OpenMP barriers for a core another one holds. Set before anything imports torch.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-_TESTS = Path(__file__).resolve().parent
-# `fixtures` is importable as tests/ is on the path (pytest's rootdir-less "prepend" import
-# mode puts it there for tests/fixtures/ too); freetoken works without PYTHONPATH=python.
-for _p in (str(_TESTS), str(_TESTS.parent / "python")):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-from fixtures import build_models as bm  # noqa: E402
+from tests.fixtures import build_models as bm  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -93,3 +88,48 @@ def qwen35_tokenizer(tiny_qwen3_path: Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(tiny_qwen3_path))
+
+
+# What loads the default model or starts a server. A test that reaches one (in its own body, a
+# fixture of its closure, or a helper function of its own module) must be marked `slow`, so that
+# `-m "not slow"` stays the fast part of the suite.
+_SLOW_NAMES = frozenset({"default_model", "default_folder", "LLM", "Server"})
+_SLOW_FIXTURES = frozenset({"server"})  # tests/e2e/conftest.py's factory
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """The global and attribute names `code` and the functions nested in it refer to."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+
+
+def _reaches_slow(func: Callable, module: str, seen: set) -> bool:
+    """Whether `func`, or a function of `module` it names (recursively), names a _SLOW_NAMES."""
+    func = inspect.unwrap(func)
+    code = getattr(func, "__code__", None)
+    if code is None or code in seen:
+        return False
+    seen.add(code)
+    names = _names(code)
+    if names & _SLOW_NAMES:
+        return True
+    helpers = (getattr(func, "__globals__", {}).get(name) for name in names)
+    return any(_reaches_slow(h, module, seen) for h in helpers
+               if inspect.isfunction(h) and h.__module__ == module)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("slow") is not None or not isinstance(item, pytest.Function):
+        return
+    seen: set = set()
+    fixtures = [d.func for name in item.fixturenames
+                for d in item._fixtureinfo.name2fixturedefs.get(name, ())]
+    if _SLOW_FIXTURES & set(item.fixturenames) or any(
+            _reaches_slow(f, f.__module__, seen) for f in [item.function, *fixtures]):
+        pytest.fail(f"{item.nodeid} loads the default model or starts a server: mark it "
+                    "@pytest.mark.slow (or the module, pytestmark = pytest.mark.slow)",
+                    pytrace=False)

@@ -59,7 +59,7 @@ def tiny_random_folder(arch: str = "qwen3") -> Path:
                 torch.nn.init.normal_(proj.bias, std=0.5)
     tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")  # xdist workers may build at once
     model.save_pretrained(tmp)
-    src = default_model().folder
+    src = default_folder()
     for name in src.iterdir():
         if name.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(name, tmp / name.name)
@@ -130,6 +130,28 @@ def assert_matches_reference(folder: Path, prompt: list[int], run: list, tol: fl
         assert abs(ref[step, token].item() - entry.logprob) <= tol
         got = torch.tensor(entry.top_logprobs)
         assert torch.allclose(ref[step, torch.tensor(entry.top_ids)], got, atol=tol, rtol=0)
+
+
+def assert_greedy_matches_hf(loaded, prompts: list[str], steps: int = 16) -> None:
+    """Greedy runs of `prompts` together against transformers' own greedy `generate` on the same
+    weights: the same tokens, and each logprob and the top 5 within 1e-4 of its logits."""
+    from freetoken.scheduler.factory import build_scheduler
+
+    hf = hf_reference(loaded.folder)
+    ids = {uid: loaded.tokenizer.encode(prompt) for uid, prompt in enumerate(prompts)}
+    ours, _ = greedy_run(build_scheduler(loaded, kv_slots=2048), ids, steps)
+    for uid, prompt_ids in ids.items():
+        with torch.no_grad():
+            ref = hf.generate(
+                torch.tensor([prompt_ids]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+            )
+        assert [t for t, _ in ours[uid]] == ref.sequences[0, len(prompt_ids):].tolist()
+        for step, (token, lp) in enumerate(ours[uid]):
+            ref_lp = torch.log_softmax(ref.logits[step][0].float(), -1)
+            assert abs(ref_lp[token].item() - lp.logprob) <= 1e-4
+            top = torch.tensor(lp.top_logprobs)
+            assert torch.allclose(ref_lp[torch.tensor(lp.top_ids)], top, atol=1e-4)
 
 
 def assert_batch_matches_alone_and_reference(loaded, texts: list[str]) -> None:

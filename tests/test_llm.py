@@ -8,6 +8,8 @@ import torch
 from freetoken import LLM, SamplingParams
 from tests.model_fixtures import default_folder, hf_reference
 
+pytestmark = pytest.mark.slow  # the default model
+
 
 @pytest.fixture(scope="module")
 def llm():

@@ -1,15 +1,30 @@
-"""Real servers the end-to-end modules share (through one pool per worker) and scripted models."""
+"""The `server(*args)` factory the end-to-end files get their shared servers from, and the scripted
+chat models several of them serve.
+
+A file states its servers' arguments in module-scoped fixtures of its own, e.g.
+
+    @pytest.fixture(scope="module")
+    def chat_server(server, chat_model_path):
+        return server("--model", str(chat_model_path), "--tool-call-parser", "qwen3_coder")
+
+`server()` with no arguments serves the default model. Servers come from one pool per test
+worker (tests/support/servers.py, ServerPool): a file that asks for the same arguments, in the
+same order, as an earlier file on its worker gets that server if it is still up. A file whose
+server must be fresh, or is stopped or signalled by its tests, starts its own `Server`.
+"""
 
 from __future__ import annotations
 
 import json
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
-from fixtures import build_models as bm
-from tests.e2e.support import HARMONY_SCRIPTS, ServerPool, chat_scripts
+from tests.fixtures import build_models as bm
+from tests.support.chat import HARMONY_SCRIPTS, chat_scripts
+from tests.support.servers import Server, ServerPool
 
 
 @pytest.fixture(scope="session")
@@ -24,14 +39,11 @@ def _module_servers(server_pool):
     server_pool.enter_module()
 
 
-@pytest.fixture(scope="module")
-def default_server(server_pool):
-    return server_pool.get()
-
-
-@pytest.fixture(scope="module")
-def scripted_server(server_pool, scripted_model_path):
-    return server_pool.get("--model", str(scripted_model_path))
+@pytest.fixture(scope="session")
+def server(server_pool) -> Callable[..., Server]:
+    """`server(*args)` -> a healthy `freetoken serve *args` from this worker's pool, kept up
+    until the module ends (and perhaps past it, for the next file asking the same)."""
+    return server_pool.get
 
 
 @pytest.fixture(scope="session")
@@ -41,19 +53,6 @@ def chat_model_path(make_scripted_model, qwen35_tokenizer) -> Path:
     outputs = [{"trigger": k, "token_ids": v} for k, v in chat_scripts(qwen35_tokenizer).items()]
     return make_scripted_model(outputs, scripted_logit=9.0, base_logit=float("-inf"),
                                alternatives=bm.DEFAULT_ALTERNATIVES)
-
-
-@pytest.fixture(scope="module")
-def chat_server(server_pool, chat_model_path):
-    """chat_model_path with qwen3 reasoning (auto) and the qwen3_coder tool parser."""
-    return server_pool.get("--model", str(chat_model_path), "--tool-call-parser", "qwen3_coder")
-
-
-@pytest.fixture(scope="module")
-def plain_server(server_pool, chat_model_path):
-    """chat_model_path with no parser at all."""
-    return server_pool.get("--model", str(chat_model_path), "--reasoning-parser", "off",
-                           "--tool-call-parser", "off")
 
 
 @pytest.fixture(scope="session")
@@ -71,23 +70,3 @@ def harmony_scripted_path(tiny_harmony_path, tmp_path_factory) -> Path:
     eos = [ids["<|return|>"], ids["<|call|>"]]
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
     return folder
-
-
-@pytest.fixture(scope="module")
-def harmony_server(server_pool, harmony_scripted_path):
-    """Harmony scripted model; auto picks the gpt_oss reasoning and tool parsers."""
-    return server_pool.get("--model", str(harmony_scripted_path))
-
-
-@pytest.fixture(scope="module")
-def hermes_server(server_pool, tiny_qwen3_path):
-    """The tiny Qwen3 (real weights, no script) with qwen3 reasoning and hermes tool calls."""
-    return server_pool.get("--model", str(tiny_qwen3_path), "--tool-call-parser", "hermes",
-                           "--reasoning-parser", "qwen3")
-
-
-@pytest.fixture(scope="module")
-def coder_server(server_pool, tiny_qwen3_path):
-    """The tiny Qwen3 with qwen3_coder tool calls and no reasoning parser."""
-    return server_pool.get("--model", str(tiny_qwen3_path), "--tool-call-parser", "qwen3_coder",
-                           "--reasoning-parser", "off")

@@ -14,29 +14,45 @@ from dataclasses import dataclass
 import pytest
 from transformers import AutoTokenizer
 
-from fixtures import build_models as bm
-from tests.e2e.support import (
-    HARMONY_SCRIPTS,
-    RULE6,
-    ClosedForm,
-    assert_entries,
-    chat_scripts,
-    chat_triples,
-    chat_view,
-    merge_chat_stream,
-    positions,
-    sse,
-    token_bytes,
-)
+from tests.fixtures import build_models as bm
+from tests.support.bpe import positions, token_bytes
+from tests.support.chat import HARMONY_SCRIPTS, NO_THINKING, RULE6, chat_scripts
+from tests.support.scripted_logits import ClosedForm, assert_entries, chat_triples
+from tests.support.sse import chat_view, merge_chat_stream, sse
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def scripted_server(server, scripted_model_path):
+    """The default script; auto picks the qwen3 reasoning and hermes tool parsers."""
+    return server("--model", str(scripted_model_path))
+
+
+@pytest.fixture(scope="module")
+def chat_server(server, chat_model_path):
+    """chat_model_path with qwen3 reasoning (auto) and the qwen3_coder tool parser."""
+    return server("--model", str(chat_model_path), "--tool-call-parser", "qwen3_coder")
+
+
+@pytest.fixture(scope="module")
+def plain_server(server, chat_model_path):
+    """chat_model_path with no parser at all."""
+    return server("--model", str(chat_model_path), "--reasoning-parser", "off",
+                  "--tool-call-parser", "off")
+
+
+@pytest.fixture(scope="module")
+def harmony_server(server, harmony_scripted_path):
+    """The Harmony scripted model; auto picks the gpt_oss reasoning and tool parsers."""
+    return server("--model", str(harmony_scripted_path))
+
 
 K = 2  # top_logprobs: the scripted token and the best alternative, never the base-logit tie
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"type": "string"}}}}}
-NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 @dataclass

@@ -11,9 +11,27 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.e2e.support import chat_view, merge_chat_stream
+from tests.support.sse import chat_view, merge_chat_stream
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def scripted_server(server, scripted_model_path):
+    """The default script; auto picks the qwen3 reasoning and hermes tool parsers."""
+    return server("--model", str(scripted_model_path))
+
+
+@pytest.fixture(scope="module")
+def chat_server(server, chat_model_path):
+    """chat_model_path with qwen3 reasoning (auto) and the qwen3_coder tool parser."""
+    return server("--model", str(chat_model_path), "--tool-call-parser", "qwen3_coder")
+
+
+@pytest.fixture(scope="module")
+def harmony_server(server, harmony_scripted_path):
+    """The Harmony scripted model; auto picks the gpt_oss reasoning and tool parsers."""
+    return server("--model", str(harmony_scripted_path))
 
 
 def _tool(name: str, **props: str) -> dict:

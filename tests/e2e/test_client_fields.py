@@ -9,10 +9,17 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.e2e.support import Server
 from tests.model_fixtures import default_folder
+from tests.support.servers import Server
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def default_server(server):
+    """The default model, no flags."""
+    return server()
+
 
 PROMPT = "Write a short story about a cat who"
 

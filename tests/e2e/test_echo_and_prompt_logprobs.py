@@ -15,6 +15,13 @@ from tests.model_fixtures import default_folder, hf_reference
 
 pytestmark = pytest.mark.slow
 
+
+@pytest.fixture(scope="module")
+def default_server(server):
+    """The default model, no flags."""
+    return server()
+
+
 PROMPT = "The capital of France is Paris. The capital of Italy is"
 
 

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.e2e.support import Server, children
+from tests.support.servers import Server, children
 
 pytestmark = pytest.mark.slow
 

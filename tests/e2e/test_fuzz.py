@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.e2e.support import Server
+from tests.support.servers import Server
 
 pytestmark = pytest.mark.slow
 
@@ -113,7 +113,7 @@ def bodies(base: dict, fields: dict) -> st.SearchStrategy[dict]:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_qwen3_path):
+def own_server(tiny_qwen3_path):
     # Short outputs keep 600 requests inside the CI budget; larger max_tokens are 400s.
     server = Server("--model", str(tiny_qwen3_path), "--served-model-name", "tiny",
                     "--max-output-tokens", "6")
@@ -145,8 +145,8 @@ SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, data
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.url, timeout=120) as client:
+def client(own_server):
+    with httpx.Client(base_url=own_server.url, timeout=120) as client:
         yield client
 
 

@@ -9,9 +9,10 @@ import math
 import httpx
 import pytest
 
-from fixtures.build_models import QWEN_IDS
-from tests.e2e.support import Server, chat_triples
+from tests.fixtures.build_models import QWEN_IDS
 from tests.model_fixtures import reference_logprobs
+from tests.support.scripted_logits import chat_triples
+from tests.support.servers import Server
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +28,7 @@ def folder(tiny_hybrid_path):
 
 
 @pytest.fixture(scope="module")
-def server(folder):
+def own_server(folder):
     server = Server(str(folder), "--reasoning-parser", "qwen3", "--tool-call-parser", "qwen3_coder")
     yield server
     server.stop()
@@ -44,14 +45,14 @@ def _assert_matches_reference(folder, prompt_ids, entries):
 
 
 @pytest.mark.parametrize("thinking", [True, False], ids=["reasoning", "content"])
-def test_chat_logprobs_under_the_parsers(server, folder, qwen35_tokenizer, thinking):
+def test_chat_logprobs_under_the_parsers(own_server, folder, qwen35_tokenizer, thinking):
     """Thinking on: the output sits inside the think block the prompt opened, all reasoning;
     off: all content. Either way the entries are the model's, at the real marker ids."""
     messages = [{"role": "user", "content": QUESTION}]
     body = {"messages": messages, "tools": [TIME], "temperature": 0, "max_tokens": 8,
             "logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True,
             "include_reasoning_logprobs": True, "chat_template_kwargs": {"enable_thinking": thinking}}
-    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+    r = httpx.post(f"{own_server.url}/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     prompt = qwen35_tokenizer.apply_chat_template(messages, tools=[TIME], add_generation_prompt=True,
@@ -62,19 +63,19 @@ def test_chat_logprobs_under_the_parsers(server, folder, qwen35_tokenizer, think
     assert len(entries) == 8 and not (choice.get(hidden) or {}).get("content")
     assert bool(choice["message"].get("reasoning_content")) == thinking
     _assert_matches_reference(folder, prompt, entries)
-    stats = httpx.get(f"{server.url}/v1/stats", timeout=10).json()["engine"]
+    stats = httpx.get(f"{own_server.url}/v1/stats", timeout=10).json()["engine"]
     assert stats["state_snapshots"] >= 1 and stats["state_bytes_per_slot"] > 0
 
 
-def test_tacit_one_forward_and_adaptive(server, folder):
+def test_tacit_one_forward_and_adaptive(own_server, folder):
     from anyjev import Tacit
     from anyjev.readout import build_prompt, render_chat
 
-    model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
+    model = httpx.get(f"{own_server.url}/v1/models", timeout=30).json()["data"][0]["id"]
     items = [dict(state="The sky is blue. " * 12, question="What colour is the sky?",
                   options=["blue", "green"]),
              dict(state="Fire is hot. " * 12, question="Is fire hot?", kind="yes_no")]
-    tacit = Tacit.from_pretrained(str(folder), engine="server", base_url=server.url, served_model=model)
+    tacit = Tacit.from_pretrained(str(folder), engine="server", base_url=own_server.url, served_model=model)
     out = tacit.decide_batch(items)
     # One forward: the labels' logprobs among the top 20, renormalised over the labels.
     for item, d in zip(items, out):
@@ -103,12 +104,12 @@ def test_tacit_one_forward_and_adaptive(server, folder):
             assert 0 < d["reasoning_tokens"] <= 17
 
 
-def test_a_seeded_request_sent_twice_gives_the_same_answer(server):
+def test_a_seeded_request_sent_twice_gives_the_same_answer(own_server):
     """The request that gave two different answers when the hybrids were not batch-invariant
     (its two choices, and the second send's prefix-cache hit, each run in another company)."""
     body = {"prompt": QUESTION, "n": 2, "temperature": 1, "seed": 7, "max_tokens": 24,
             "logprobs": 2}
-    first, second = (httpx.post(f"{server.url}/v1/completions", json=body, timeout=120) for _ in range(2))
+    first, second = (httpx.post(f"{own_server.url}/v1/completions", json=body, timeout=120) for _ in range(2))
     assert first.status_code == 200, first.text
 
     def answers(reply: httpx.Response) -> list:

@@ -11,10 +11,22 @@ import langchain_openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.e2e.test_structured_outputs import NO_THINKING
+from tests.support.chat import NO_THINKING
 
 pytestmark = pytest.mark.slow
 
+
+@pytest.fixture(scope="module")
+def default_server(server):
+    """The default model, no flags."""
+    return server()
+
+
+@pytest.fixture(scope="module")
+def hermes_server(server, tiny_qwen3_path):
+    """The tiny Qwen3 (real weights, no script) with qwen3 reasoning and hermes tool calls."""
+    return server("--model", str(tiny_qwen3_path), "--tool-call-parser", "hermes",
+                  "--reasoning-parser", "qwen3")
 
 
 class Trip(BaseModel):

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.support import ROOT, Server, alive, children, free_port, wait_gone
+from tests.support.servers import ROOT, Server, alive, children, free_port, wait_gone
 
 pytestmark = pytest.mark.slow
 

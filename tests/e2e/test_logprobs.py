@@ -8,10 +8,17 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.e2e.support import assert_completion_stream_joins
 from tests.model_fixtures import default_folder, reference_logprobs
+from tests.support.sse import assert_completion_stream_joins
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def default_server(server):
+    """The default model, no flags."""
+    return server()
+
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 
@@ -116,7 +123,7 @@ def test_chat_logprob_errors(default_server, override, param):
 
 def test_chat_logprobs_need_single_id_markers():
     """The default model has no single-id <think>: logprobs under qwen3 parsing is a 400."""
-    from tests.e2e.support import Server
+    from tests.support.servers import Server
 
     server = Server("--reasoning-parser", "qwen3")
     try:

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.support import ROOT, Server
+from tests.support.servers import ROOT, Server
 
 pytestmark = pytest.mark.slow
 

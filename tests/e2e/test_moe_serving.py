@@ -8,8 +8,10 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.e2e.support import Server, as_id, chat_view, merge_chat_stream, sse
 from tests.model_fixtures import reference_logprobs
+from tests.support.scripted_logits import as_id
+from tests.support.servers import Server
+from tests.support.sse import chat_view, merge_chat_stream, sse
 
 pytestmark = pytest.mark.slow
 

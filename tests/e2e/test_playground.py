@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.support import ROOT
+from tests.support.servers import ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -45,10 +45,9 @@ def browser():
 
 
 @pytest.fixture(scope="module")
-def server(server_pool, scripted_model_path):
-    return server_pool.get("--model", str(scripted_model_path), "--served-model-name",
-                           "scripted-qwen3", "--reasoning-parser", "qwen3", "--tool-call-parser",
-                           "hermes", "--api-key", KEY)
+def playground(server, scripted_model_path):
+    return server("--model", str(scripted_model_path), "--served-model-name", "scripted-qwen3",
+                  "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--api-key", KEY)
 
 
 class Page:
@@ -92,8 +91,8 @@ class Page:
 
 
 @pytest.fixture
-def page(browser, server):
-    page = Page(browser, server)
+def page(browser, playground):
+    page = Page(browser, playground)
     yield page
     page.close()
 
@@ -116,7 +115,7 @@ def shot(page, name: str):
     page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
 
 
-def test_page_loads_clean_and_server_errors_show_the_servers_message(page, server):
+def test_page_loads_clean_and_server_errors_show_the_servers_message(page, playground):
     p = page.open(key=None)
     p.wait_for_selector("text=Enter the API key to start.")
     assert page.errors == [] and page.sent == []
@@ -141,7 +140,7 @@ def test_page_loads_clean_and_server_errors_show_the_servers_message(page, serve
     assert "HTTP 400" in error and "top_logprobs" in error
 
 
-def test_chat_streams_reasoning_and_content_with_the_apis_logprobs(page, server):
+def test_chat_streams_reasoning_and_content_with_the_apis_logprobs(page, playground):
     p = page.open("chat")
     p.fill("#chat-user", "hi")
     p.fill("#top-logprobs", "3")
@@ -149,7 +148,7 @@ def test_chat_streams_reasoning_and_content_with_the_apis_logprobs(page, server)
     assert page.errors == []
     (path, body), = page.sent
     assert path == "/v1/chat/completions" and body["stream"] and body["temperature"] == 0
-    choice = api(server, path, body)["choices"][0]
+    choice = api(playground, path, body)["choices"][0]
     reasoning = page.tokens("#panel-chat .label-reasoning .tok")
     content = page.tokens("#panel-chat .label-content .tok")
     message = choice["message"]
@@ -171,7 +170,7 @@ def test_chat_streams_reasoning_and_content_with_the_apis_logprobs(page, server)
     shot(p, "chat")
 
 
-def test_tool_call_renders_with_its_arguments(page, server):
+def test_tool_call_renders_with_its_arguments(page, playground):
     p = page.open("chat")
     p.fill("#chat-user", "What is the weather in Paris?")
     p.click("#panel-chat details.tools summary")
@@ -185,13 +184,13 @@ def test_tool_call_renders_with_its_arguments(page, server):
     shot(p, "tool-call")
 
 
-def test_completion_tokens_show_the_apis_logprobs(page, server):
+def test_completion_tokens_show_the_apis_logprobs(page, playground):
     p = page.open("completion")
     p.fill("#completion-prompt", "hi")
     page.run("completion")
     assert page.errors == []
     (path, body), = page.sent
-    lp = api(server, path, body)["choices"][0]["logprobs"]
+    lp = api(playground, path, body)["choices"][0]["logprobs"]
     shown = page.tokens("#panel-completion .tok")
     assert [t["logprob"] for t in shown] == lp["token_logprobs"]
     assert [t["text"] for t in shown] == lp["tokens"]
@@ -199,7 +198,7 @@ def test_completion_tokens_show_the_apis_logprobs(page, server):
     shot(p, "completion")
 
 
-def test_scoring_bars_and_table_equal_the_renormalised_probabilities(page, server):
+def test_scoring_bars_and_table_equal_the_renormalised_probabilities(page, playground):
     p = page.open("scoring")
     p.fill("#scoring-prompts", "hi")
     p.fill("#scoring-labels", "Let\nThe\n</think>\n Yes")
@@ -208,7 +207,7 @@ def test_scoring_bars_and_table_equal_the_renormalised_probabilities(page, serve
     assert [path for path, _ in page.sent] == ["/tokenize"] * 4 + ["/v1/completions"]
     path, body = page.sent[-1]
     assert body["allowed_token_ids"] and body["max_tokens"] == 1
-    top = api(server, path, body)["choices"][0]["logprobs"]["top_logprobs"][0]
+    top = api(playground, path, body)["choices"][0]["logprobs"]["top_logprobs"][0]
     expected = [top[f"token_id:{i}"] for i in body["allowed_token_ids"]]
     assert sum(math.exp(v) for v in expected) == pytest.approx(1)
     bars = p.eval_on_selector_all("#panel-scoring .bar", "bars => bars.map(b => [b.dataset.label, "
@@ -235,7 +234,7 @@ def test_scoring_bars_and_table_equal_the_renormalised_probabilities(page, serve
     p.fill("#scoring-prompts", "hi\n---\nWhat is the weather in Paris?")
     page.run("scoring")
     path, body = page.sent[-1]
-    choices = api(server, path, body)["choices"]
+    choices = api(playground, path, body)["choices"]
     cells = p.eval_on_selector_all("#panel-scoring td.score",
                                    "cells => cells.map(c => Number(c.dataset.logprob))")
     ids = body["allowed_token_ids"]
@@ -247,8 +246,8 @@ def test_scoring_bars_and_table_equal_the_renormalised_probabilities(page, serve
     shot(p, "scoring-prompts")
 
 
-def test_phone_width(browser, server):
-    page = Page(browser, server, width=390)
+def test_phone_width(browser, playground):
+    page = Page(browser, playground, width=390)
     try:
         p = page.open("chat")
         p.fill("#chat-user", "hi")

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.e2e.support import Server
+from tests.support.servers import Server
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +20,7 @@ MAX_PROMPTS = 8
 
 
 @pytest.fixture(scope="module")
-def server(tiny_qwen3_path):
+def own_server(tiny_qwen3_path):
     server = Server("--model", str(tiny_qwen3_path), "--api-key", KEY,
                     "--kv-cache-tokens", str(KV_TOKENS),
                     "--max-prompts-per-request", str(MAX_PROMPTS))
@@ -29,8 +29,8 @@ def server(tiny_qwen3_path):
 
 
 @pytest.fixture
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=60,
+def http(own_server):
+    with httpx.Client(base_url=own_server.url, timeout=60,
                       headers={"authorization": f"bearer {KEY}"}) as client:
         yield client
 
@@ -168,7 +168,7 @@ def test_chat_without_max_tokens_needs_no_kv_for_the_whole_context(scripted_mode
         small.stop()
 
 
-def test_a_non_streaming_client_that_leaves_is_aborted(server, http):
+def test_a_non_streaming_client_that_leaves_is_aborted(own_server, http):
     def load() -> tuple[int, int]:  # held by the engine, and by the frontend (tokenizing, say)
         stats = http.get("/v1/stats").json()
         return stats["engine"].get("running", 0), stats["frontend_requests"]

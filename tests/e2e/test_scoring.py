@@ -13,6 +13,13 @@ from tests.model_fixtures import default_folder, reference_logprobs
 
 pytestmark = pytest.mark.slow
 
+
+@pytest.fixture(scope="module")
+def default_server(server):
+    """The default model, no flags."""
+    return server()
+
+
 QUESTIONS = [
     "Is the sky blue? Answer Yes or No:",
     "Is fire cold? Answer Yes or No:",

@@ -12,22 +12,27 @@ import math
 
 import pytest
 
-from fixtures import build_models as bm
-from tests.e2e.support import (
-    ClosedForm,
-    as_id,
-    assert_completion_stream_joins,
-    assert_entries,
-    chat_scripts,
-    chat_triples,
-    chat_view,
-    merge_chat_stream,
-    positions,
-    sse,
-    token_bytes,
-)
+from tests.fixtures import build_models as bm
+from tests.support.bpe import positions, token_bytes
+from tests.support.chat import chat_scripts
+from tests.support.scripted_logits import ClosedForm, as_id, assert_entries, chat_triples
+from tests.support.sse import assert_completion_stream_joins, chat_view, merge_chat_stream, sse
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def scripted_server(server, scripted_model_path):
+    """The default script; auto picks the qwen3 reasoning and hermes tool parsers."""
+    return server("--model", str(scripted_model_path))
+
+
+@pytest.fixture(scope="module")
+def plain_server(server, chat_model_path):
+    """chat_model_path with no parser at all."""
+    return server("--model", str(chat_model_path), "--reasoning-parser", "off",
+                  "--tool-call-parser", "off")
+
 
 EOS = bm.QWEN_IDS["<|im_end|>"]
 EMOJI_TEXT = "Thinking.</think>\n\nHot 🙂 day. Nice weather today."

@@ -11,6 +11,13 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
+
+@pytest.fixture(scope="module")
+def default_server(server):
+    """The default model, no flags."""
+    return server()
+
+
 PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):", "Water boils at"]
 
 

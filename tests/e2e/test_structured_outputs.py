@@ -17,9 +17,37 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.e2e.support import Server
+from tests.support.chat import NO_THINKING
+from tests.support.servers import Server
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def default_server(server):
+    """The default model, no flags."""
+    return server()
+
+
+@pytest.fixture(scope="module")
+def hermes_server(server, tiny_qwen3_path):
+    """The tiny Qwen3 (real weights, no script) with qwen3 reasoning and hermes tool calls."""
+    return server("--model", str(tiny_qwen3_path), "--tool-call-parser", "hermes",
+                  "--reasoning-parser", "qwen3")
+
+
+@pytest.fixture(scope="module")
+def coder_server(server, tiny_qwen3_path):
+    """The tiny Qwen3 with qwen3_coder tool calls and no reasoning parser."""
+    return server("--model", str(tiny_qwen3_path), "--tool-call-parser", "qwen3_coder",
+                  "--reasoning-parser", "off")
+
+
+@pytest.fixture(scope="module")
+def harmony_server(server, harmony_scripted_path):
+    """The Harmony scripted model; auto picks the gpt_oss reasoning and tool parsers."""
+    return server("--model", str(harmony_scripted_path))
+
 
 TIMEOUT = 600  # the first structured request of a server builds llguidance's tokenizer
 SCHEMAS = {
@@ -235,7 +263,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
          {"type": "function", "function": {"name": "set_alarm", "parameters": ALARM}}]
 PARAMS = {"get_weather": WEATHER, "set_alarm": ALARM}
 THINK_END = 248069  # </think> in the Qwen3.5 vocabulary
-NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 def tool_body(tool_choice, **extra) -> dict:
@@ -258,9 +285,9 @@ def assert_valid_calls(choice: dict, names: set[str], most: int | None = None) -
 NAMED = {"type": "function", "function": {"name": "set_alarm"}}
 
 
-@pytest.mark.parametrize("server", ["hermes_server", "coder_server"])
-def test_required_and_named_tool_choice_give_valid_calls(request, server):
-    server = request.getfixturevalue(server)
+@pytest.mark.parametrize("served", ["hermes_server", "coder_server"])
+def test_required_and_named_tool_choice_give_valid_calls(request, served):
+    server = request.getfixturevalue(served)
     bodies = [tool_body("required", n=10, parallel_tool_calls=False),
               tool_body(NAMED, n=10)]
     with ThreadPoolExecutor(len(bodies)) as pool:
@@ -271,9 +298,9 @@ def test_required_and_named_tool_choice_give_valid_calls(request, server):
         assert len(assert_valid_calls(choice, {"set_alarm"}, most=1)) == 1
 
 
-@pytest.mark.parametrize("server", ["hermes_server", "coder_server"])
-def test_streamed_tool_calls_are_the_non_streamed_ones(request, server):
-    server = request.getfixturevalue(server)
+@pytest.mark.parametrize("served", ["hermes_server", "coder_server"])
+def test_streamed_tool_calls_are_the_non_streamed_ones(request, served):
+    server = request.getfixturevalue(served)
     body = tool_body("required", seed=8)
     whole = ok(server, "chat/completions", body)["choices"][0]
     assert_valid_calls(whole, set(PARAMS))

@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.e2e.support import ROOT, Server, _die_with_parent, children, free_port, wait_gone
 from tests.model_fixtures import tiny_random_folder
+from tests.support.servers import ROOT, Server, children, die_with_parent, free_port, wait_gone
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,7 @@ def test_two_nodes_serve_and_a_killed_rank_gives_503_then_both_exit():
     node1 = subprocess.Popen(
         [sys.executable, "-m", "freetoken", "serve", "--model", folder, *group, "--node-rank", "1"],
         env=dict(os.environ, PYTHONPATH=str(ROOT / "python")), stdout=node1_log,
-        stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
     server = Server("--model", folder, *group, "--node-rank", "0")
     try:
         body = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0,

@@ -10,8 +10,8 @@ from freetoken.core import SamplingParams
 from freetoken.message import UserMsg
 from freetoken.models.loader import load_model
 from freetoken.scheduler.factory import build_scheduler
-from tests.engine.test_logit_processing import reference
 from tests.model_fixtures import hf_reference, tiny_random_folder
+from tests.support.logit_rules import reference
 
 TEXT = "The quick brown fox jumps over the lazy dog"
 

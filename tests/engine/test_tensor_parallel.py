@@ -20,9 +20,9 @@ from freetoken.engine.parallel import GroupLost, follow, load_rank
 from freetoken.models.loader import load_model
 from freetoken.models.tensor_parallel import head_split
 from freetoken.scheduler.factory import build_engine, build_scheduler
-from tests.e2e.support import free_port
 from tests.model_fixtures import (default_folder, default_model, drain, reference_logprobs,
                                   tiny_random_folder)
+from tests.support.servers import free_port
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
 
@@ -136,6 +136,7 @@ def test_tiny_tp2_matches_tp1_and_transformers(rank1, fixture, request):
             assert abs(row[entry.token_id].item() - entry.logprob) <= 1e-4
 
 
+@pytest.mark.slow
 def test_default_model_tp2_splits_uneven_heads_and_matches_tp1_then_a_lost_rank_raises(rank1):
     proc, link = rank1
     # Two prompts, four steps: 30 layers are slow, and a batch of two already mixes rows.

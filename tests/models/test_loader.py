@@ -30,6 +30,7 @@ def test_bad_paths_are_one_line_errors(tmp_path):
         loader.load_model(tmp_path)
 
 
+@pytest.mark.slow
 def test_gguf_conversion_is_cached():
     folder = loader.gguf_to_folder(loader.default_model_path())
     assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
@@ -67,7 +68,7 @@ def test_a_gpt_oss_gguf_as_llama_cpp_writes_it_is_refused_by_name(tmp_path):
     """transformers (5.24) lists gpt_oss among its GGUF architectures but reads neither the head
     width nor llama.cpp's split expert tensors and sinks (docs/engine.md): such a file is a
     one-line refusal, not a traceback, nor a model with random experts."""
-    from fixtures import build_models as bm
+    from tests.fixtures import build_models as bm
 
     built = bm.build_gpt_oss_gguf(tmp_path)
     with pytest.raises(loader.ModelNotFound, match="could not convert this GGUF architecture 'gpt-oss'"):
@@ -78,7 +79,7 @@ def test_a_gguf_transformers_maps_only_in_part_is_refused_not_served_half_random
     """transformers initialises the weights it finds no tensor for at random and says so in a
     log line only; the loader refuses such a file (here a qwen3moe GGUF without one layer's
     stacked down projections)."""
-    from fixtures import build_models as bm
+    from tests.fixtures import build_models as bm
 
     built = bm.build_qwen3_moe_gguf(tmp_path, leave_out=("blk.1.ffn_down_exps.weight",))
     with pytest.raises(loader.ModelNotFound, match=r"no tensor for \d+ weights of "
@@ -112,7 +113,7 @@ def test_a_qwen3moe_gguf_loads_as_its_hf_folder():
     (loader.GGUF_CONFIG_EXTRAS), and the weights come out as in the HF folder of the same
     weights, so a greedy run gives the same tokens and logprobs, and the folder's matches
     transformers."""
-    from fixtures import build_models as bm
+    from tests.fixtures import build_models as bm
 
     from freetoken.scheduler.factory import build_scheduler
     from tests.model_fixtures import assert_matches_reference, assert_same_run, greedy_run

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.model_fixtures import loaded_fp32
-from tests.models.test_llama import _check_against_hf
+from tests.model_fixtures import assert_greedy_matches_hf, loaded_fp32
 
 # The first is longer than the delta rule's chunk (64): its prefill crosses a chunk boundary and
 # ends inside the next chunk. The second prefills in one partial chunk beside it.
@@ -20,4 +19,4 @@ def test_hybrid_matches_transformers(variant, tiny_hybrid_path):
     assert bool(cfg.moe_layers) == (variant in ("qwen3_5_moe_text", "qwen3_next"))
     assert len(loaded.tokenizer.encode(PROMPTS[0])) > 64
     # The other layouts differ in loading and in the MLP only: one prompt is enough for them.
-    _check_against_hf(loaded, prompts=PROMPTS if variant == "qwen3_5_text" else PROMPTS[:1])
+    assert_greedy_matches_hf(loaded, PROMPTS if variant == "qwen3_5_text" else PROMPTS[:1])

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from fixtures import build_models as bm
+from tests.fixtures import build_models as bm
 from freetoken.core import Batch, Req, SamplingParams
 from freetoken.models.scripted import ScriptedForCausalLM
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
+
 from freetoken.core import SamplingParams
 from freetoken.scheduler.factory import build_scheduler
 from freetoken.message import UserMsg
 from tests.model_fixtures import default_model
+
+pytestmark = pytest.mark.slow  # the default model
 
 PREFIX = ("You are a careful classifier. Read the statement and answer with one word, "
           "Yes or No, and nothing else. ") * 3

@@ -10,6 +10,8 @@ from freetoken.message import UserMsg
 from freetoken.models.loader import load_model
 from tests.model_fixtures import FLOAT32_KERNELS, default_folder, default_model
 
+pytestmark = pytest.mark.slow  # the default model
+
 PROMPTS = [
     "Hi",
     "The quick brown fox",

@@ -63,6 +63,7 @@ def _prompt(loaded, text: str) -> list[int]:
     return loaded.tokenizer.encode(text)
 
 
+@pytest.mark.slow
 def test_json_outputs_follow_the_schema():
     loaded = default_model()
     scheduler = build_scheduler(loaded, kv_slots=1024)

@@ -53,6 +53,7 @@ def test_auto_picks_gpt_oss_for_harmony(tiny_harmony_path: Path):
     assert resolve_parsers(parse_args([]), tok) == ("gpt_oss", "gpt_oss")
 
 
+@pytest.mark.slow
 def test_auto_picks_nothing_without_single_id_markers():
     from tests.model_fixtures import default_folder
 

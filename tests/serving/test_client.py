@@ -16,6 +16,8 @@ from freetoken.message import AbortMsg, TokenizeMsg, UserMsg
 from freetoken.serving.client import FrontendManager
 from tests.model_fixtures import default_folder
 
+pytestmark = pytest.mark.slow  # the default model
+
 
 def test_a_request_cancelled_while_tokenizing_leaves_nothing_behind(tmp_path):
     engine = zmq.Context().socket(zmq.PULL)  # what the engine process would receive

@@ -12,6 +12,8 @@ from freetoken.structured.grammar import ll_tokenizer
 from freetoken.structured.matcher import GrammarCompiler, GrammarMasks, RequestGrammar, wait_any
 from tests.model_fixtures import default_model
 
+pytestmark = pytest.mark.slow  # the default model
+
 
 @pytest.fixture(scope="module")
 def model():

@@ -14,6 +14,7 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(default_folder())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("word, pieces", [
     ("hello", [["hello"], ["Ġhello"]]),
     ("  hello", [["hello"], ["Ġhello"]]),  # leading spaces do not count
@@ -29,6 +30,7 @@ def test_each_word_bare_and_after_a_space(tokenizer, word: str, pieces: list[lis
     assert [tokenizer.convert_ids_to_tokens(ids) for ids in got] == pieces
 
 
+@pytest.mark.slow
 def test_words_keep_their_order(tokenizer) -> None:
     words = ["hello", "ß", "world peace"]
     assert bad_words_token_ids(tokenizer, words) == [
