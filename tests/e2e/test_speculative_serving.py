@@ -18,8 +18,8 @@ MESSAGES = [{"role": "user", "content": f"Copy this code exactly:\n{PASSAGE}"}]
 
 
 @pytest.fixture(scope="module")
-def servers(server_pool):
-    return server_pool.get(), server_pool.get("--speculative-config", SPEC)
+def servers(server):
+    return server(), server("--speculative-config", SPEC)
 
 
 def _chat(server, stream: bool) -> tuple[str, list, str]:
