@@ -8,7 +8,7 @@ import torch
 from freetoken.core import SamplingParams
 from freetoken.scheduler.factory import build_scheduler
 from freetoken.message import UserMsg
-from freetoken.models.loader import load_model
+from freetoken.models.registry import load_model
 from tests.model_fixtures import default_model, hf_reference, tiny_random_folder
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,",

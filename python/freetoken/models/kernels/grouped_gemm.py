@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from freetoken.config import cache_root
+from freetoken.paths import cache_root
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken.models import grouped_gemm as gg
+from freetoken.models.kernels import grouped_gemm as gg
 
 KERNEL = gg.load()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the grouped kernel cannot be built or run here")
