@@ -3,7 +3,7 @@ them (models/registry.py says which family).
 
 A GGUF file takes transformers about 13 s to parse and dequantise, so the result is kept as a
 plain HF folder (safetensors + config + tokenizer) in a cache keyed by the file's identity.
-Weights are read tensor by tensor from the safetensors files into the module built on the meta
+Weights are read tensor by tensor (models/checkpoint.py) into the module built on the meta
 device; a tensor-parallel rank reads only the slices it keeps.
 """
 
@@ -15,11 +15,10 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Callable
 
 import torch
-from safetensors import safe_open
 
+from freetoken.models.checkpoint import read_weights
 from freetoken.models.layers.linear import pack_linears
 from freetoken.models.layers.moe import stack_experts
 from freetoken.models.layers.tensor_parallel import shard_model
@@ -150,20 +149,6 @@ def build(model_class: type, folder: Path, hf_config: dict, tokenizer, dtype: to
     stack_experts(module)
     pack_linears(module)
     return module
-
-
-def read_weights(folder: Path, part: Callable | None = None) -> dict[str, torch.Tensor]:
-    """The folder's safetensors tensors by name, read one at a time. `part(name, view)`: the
-    piece of a tensor to keep (a tensor-parallel rank's, read through the file's slice view),
-    or None to skip it."""
-    state: dict[str, torch.Tensor] = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(file, framework="pt") as weights:
-            for name in weights.keys():
-                tensor = weights.get_tensor(name) if part is None else part(name, weights.get_slice(name))
-                if tensor is not None:
-                    state[name] = tensor
-    return state
 
 
 def eos_ids(folder: Path, hf_config: dict, tokenizer) -> list[int]:

@@ -170,70 +170,64 @@ class RankPart:
     # gate and up interleaved (gpt-oss, whose MXFP4 blocks are [E, out, in / 32, 16]).
     experts_in_out: bool = False
 
-    def __call__(self, name: str, view) -> torch.Tensor | None:
-        """The piece of tensor `name` this rank keeps, read through the safetensors slice `view`;
-        None for a bias another rank adds."""
-        shape = view.get_shape()
+    def __call__(self, name: str, stored) -> torch.Tensor | None:
+        """The piece of tensor `name` this rank keeps, read from `stored` (a
+        models/checkpoint.py StoredTensor); None for a bias another rank adds."""
+        shape = stored.shape
         leaf = name.rpartition(".")[2]
         module = name.rpartition(".")[0].rpartition(".")[2]
         d = self.head_dim
         if name.endswith(("embed_tokens.weight", "lm_head.weight")):
-            rows = _read(view, 0, [self.vocab_rows])
+            rows = stored.read(0, [self.vocab_rows])
             return F.pad(rows, (0, 0, 0, self.vocab_part - len(self.vocab_rows)))
         if ".self_attn." in name:
             if module == "q_proj":
-                return _read(view, 0, [_scaled(self.q, d)])
+                return stored.read(0, [_scaled(self.q, d)])
             if module in ("k_proj", "v_proj"):
-                return _read(view, 0, [_scaled(self.kv, d)])
+                return stored.read(0, [_scaled(self.kv, d)])
             if module == "o_proj":
-                return _read(view, 1, [_scaled(self.q, d)]) if leaf == "weight" else self._rank0(view)
+                return stored.read(1, [_scaled(self.q, d)]) if leaf == "weight" else self._rank0(stored)
             if leaf == "sinks":
-                return _read(view, 0, [self.q])
-            return view[:]
+                return stored.read(0, [self.q])
+            return stored.read()
         if ".shared_expert." in name or ".mlp." not in name:
-            return view[:]  # norms, routers, a shared expert: whole on every rank
+            return stored.read()  # norms, routers, a shared expert: whole on every rank
         if module in ("gate_proj", "up_proj"):
-            return _read(view, 0, [self._part(shape[0])])
+            return stored.read(0, [self._part(shape[0])])
         if module == "down_proj":
-            return _read(view, 1, [self._part(shape[1])]) if leaf == "weight" else self._rank0(view)
-        return self._stacked(leaf, shape, view)
+            return stored.read(1, [self._part(shape[1])]) if leaf == "weight" else self._rank0(stored)
+        return self._stacked(leaf, shape, stored)
 
-    def _stacked(self, leaf: str, shape: list[int], view) -> torch.Tensor | None:
+    def _stacked(self, leaf: str, shape: tuple[int, ...], stored) -> torch.Tensor | None:
         """A stacked expert tensor `experts.<leaf>`."""
         if leaf == "down_proj_bias":
-            return self._rank0(view)
+            return self._rank0(stored)
         if leaf.startswith("gate_up_proj"):
             if self.experts_in_out:  # interleaved: a part's gate and up columns are adjacent
                 dim = 2 if leaf == "gate_up_proj" else 1
                 part = self._part(shape[dim] // 2)
-                return _read(view, dim, [range(2 * part.start, 2 * part.stop)])
+                return stored.read(dim, [range(2 * part.start, 2 * part.stop)])
             half = shape[1] // 2
             part = self._part(half)
-            return _read(view, 1, [part, range(half + part.start, half + part.stop)])
+            return stored.read(1, [part, range(half + part.start, half + part.stop)])
         if leaf in ("down_proj_blocks", "down_proj_scales"):
             part = self._part(shape[2] * MXFP4_BLOCK)
             if part.start % MXFP4_BLOCK or part.stop % MXFP4_BLOCK:
                 raise ValueError(f"{self.world} ranks split an MXFP4 intermediate size of "
                                  f"{shape[2] * MXFP4_BLOCK} within a block of {MXFP4_BLOCK}")
-            return _read(view, 2, [range(part.start // MXFP4_BLOCK, part.stop // MXFP4_BLOCK)])
+            return stored.read(2, [range(part.start // MXFP4_BLOCK, part.stop // MXFP4_BLOCK)])
         if leaf == "down_proj":
             dim = 1 if self.experts_in_out else 2
-            return _read(view, dim, [self._part(shape[dim])])
-        return view[:]
+            return stored.read(dim, [self._part(shape[dim])])
+        return stored.read()
 
     def _part(self, size: int) -> range:
         return even_part(size, self.rank, self.world)
 
-    def _rank0(self, view) -> torch.Tensor | None:
-        return view[:] if self.rank == 0 else None
+    def _rank0(self, stored) -> torch.Tensor | None:
+        return stored.read() if self.rank == 0 else None
 
 
 def _scaled(items: range, size: int) -> range:
     """The rows of `items` in a block of items `size` rows each."""
     return range(items.start * size, items.stop * size)
-
-
-def _read(view, dim: int, ranges: list[range]) -> torch.Tensor:
-    """The rows `ranges` of dimension `dim` of a safetensors slice view, read from the file."""
-    lead = (slice(None),) * dim
-    return torch.cat([view[(*lead, slice(r.start, r.stop))] for r in ranges], dim=dim)
