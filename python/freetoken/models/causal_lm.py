@@ -27,7 +27,7 @@ class CausalLM(nn.Module):
 
     def ties_head(self, state: dict[str, torch.Tensor]) -> bool:
         """Does the LM head share the embedding's weight (`state`: the converted checkpoint)?"""
-        return "lm_head.weight" not in state
+        return False
 
     def post_load(self, tokenizer, device: torch.device) -> None:
         """Called once the weights are in: what the module builds from the tokenizer."""

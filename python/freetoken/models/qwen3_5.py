@@ -164,8 +164,7 @@ class HybridLayer(nn.Module):
 
 
 class Qwen3_5ForCausalLM(CausalLM):
-    """Every hybrid architecture of models/registry.py; its head is tied when the checkpoint has
-    none (CausalLM.ties_head)."""
+    """Every hybrid architecture of models/registry.py."""
 
     config_class = HybridConfig
 
@@ -189,6 +188,10 @@ class Qwen3_5ForCausalLM(CausalLM):
             x = layer(x, cos, sin, ctx)
         x = self.model.norm(x.index_select(0, ctx.logit_rows))
         return self.lm_head(x).float()
+
+    def ties_head(self, state: dict[str, torch.Tensor]) -> bool:
+        # The text config of an image-text release need not say: a checkpoint without a head ties.
+        return "lm_head.weight" not in state
 
     def convert_hf_weights(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """transformers' names and layouts (text-only, image-text or Qwen3-Next) to ours."""
