@@ -57,7 +57,7 @@ def _runtime_nodes(tree: ast.AST):
 def import_graph() -> dict[str, set[str]]:
     paths = sorted(PACKAGE.rglob("*.py"))
     modules = {module_name(p) for p in paths}
-    return {module_name(p): imported(p, modules) - {"freetoken"} for p in paths}
+    return {module_name(p): imported(p, modules) for p in paths}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:

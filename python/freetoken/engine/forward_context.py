@@ -32,7 +32,8 @@ class PromptGroup:
 class DecodeGroup:
     """Decoding requests (one new token each) whose keys are padded to the same length.
 
-    As PromptGroup, with each kv head's queries folded into rows, padded to MIN_QUERY_ROWS.
+    As PromptGroup, with each kv head's queries folded into rows, padded to
+    models/layers/attention.py's MIN_QUERY_ROWS.
     """
 
     rows: torch.Tensor  # [B] indices into the step's tokens

@@ -1,5 +1,5 @@
 """Tensor-parallel ranks on torch.distributed: the process group, the collectives the sharded
-model calls (models/tensor_parallel.py), and the step loop of the ranks other than 0.
+model calls (models/layers/tensor_parallel.py), and the step loop of the ranks other than 0.
 
 Rank 0 runs the scheduler. Each step it sends the other ranks the step's plan (engine.StepPlan:
 ids, positions, KV slots, attention groups' members, logit rows), then every rank builds the

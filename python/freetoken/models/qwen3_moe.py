@@ -61,4 +61,4 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
 
 class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
     """Qwen2-MoE: the Qwen3-MoE decoder with Qwen2 attention and a shared expert per sparse layer
-    (both read off the config by llama.ModelConfig and Qwen3MoeConfig)."""
+    (both read off the config by ModelConfig and Qwen3MoeConfig)."""

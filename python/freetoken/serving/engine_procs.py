@@ -11,6 +11,7 @@ import signal
 from multiprocessing import connection
 
 from freetoken.config import EngineConfig
+from freetoken.scheduler.worker import engine_main, rank_main
 
 log = logging.getLogger("freetoken")
 
@@ -18,7 +19,8 @@ ENGINE_EXIT_TIMEOUT_S = 5.0
 
 
 class Interrupted(KeyboardInterrupt):
-    """SIGTERM before the HTTP server runs: unwind like Ctrl-C so the cleanup runs."""
+    """SIGTERM before the HTTP server runs (or on a node that runs none): unwind like Ctrl-C so
+    the cleanup runs."""
 
 
 def raise_interrupted(signum, frame) -> None:
@@ -31,8 +33,6 @@ def start_engine(config: EngineConfig, ipc_dir: str, procs: list) -> tuple[str, 
     rank 0's sockets once every rank has loaded its model."""
     in_addr, out_addr = f"ipc://{ipc_dir}/in", f"ipc://{ipc_dir}/out"
     ctx = mp.get_context("spawn")
-    # The engine's entry points, imported only by the process that starts an engine.
-    from freetoken.scheduler.worker import engine_main, rank_main
 
     pending = {}
     for rank in config.parallel.local_ranks:

@@ -31,9 +31,11 @@ import tempfile
 import time
 from dataclasses import replace
 
+from freetoken.config import engine_config, frontend_config
 from freetoken.paths import ModelNotFound
 from freetoken.serving.args import ServerArgs, parse_args, resolve_parsers
 from freetoken.serving.engine_procs import exit_reason, raise_interrupted, start_engine, stop_engine
+from freetoken.serving.node import serve_node
 
 log = logging.getLogger("freetoken")
 
@@ -89,7 +91,6 @@ def build_frontend(args: ServerArgs, ipc_dir: str, procs: list):
     quiet_progress_bars()
     from transformers import AutoTokenizer
 
-    from freetoken.config import engine_config, frontend_config
     from freetoken.serving.client import FrontendManager
 
     steps = _Steps(3)
@@ -207,8 +208,6 @@ def launch_server(argv: list[str] | None = None, prog: str = "freetoken serve") 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv, prog)
     if args.node_rank > 0:
-        from freetoken.serving.node import serve_node
-
         return serve_node(args)
     try:
         sock = listen_socket(args.host, args.port)

@@ -46,7 +46,7 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
 
 def gates(b: torch.Tensor, a: torch.Tensor, neg_a: torch.Tensor, dt_bias: torch.Tensor):
     """beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias), the log decay (<= 0).
-    [tokens, heads]: narrow rows, so lanewise (models/elementwise.py)."""
+    [tokens, heads]: narrow rows, so lanewise (models/layers/elementwise.py)."""
     return lanewise(torch.sigmoid, b.float()), neg_a * lanewise(F.softplus, a.float() + dt_bias)
 
 

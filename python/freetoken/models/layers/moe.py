@@ -63,7 +63,7 @@ class Expert(nn.Module):
 class Experts(nn.Module):
     """`num_experts` experts (`experts.{e}.gate_up_proj`, `experts.{e}.down_proj`) run grouped."""
 
-    # Set by models/tensor_parallel.py when each expert holds one rank's slice: the sum of the
+    # Set by models/layers/tensor_parallel.py when each expert holds one rank's slice: the sum of the
     # ranks' partial outputs.
     sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None
     # Set by `stack`: the experts' projections in the grouped kernel's layout, and the kernel.
