@@ -4,7 +4,8 @@ them (models/registry.py says which family).
 A GGUF file takes transformers about 13 s to parse and dequantise, so the result is kept as a
 plain HF folder (safetensors + config + tokenizer) in a cache keyed by the file's identity.
 Weights are read tensor by tensor (models/checkpoint.py) into the module built on the meta
-device; a tensor-parallel rank reads only the slices it keeps.
+device; a tensor-parallel rank reads only the slices it keeps. transformers and gguf are
+imported by the GGUF functions alone: seconds of import that a folder's load does not need.
 """
 
 from __future__ import annotations

@@ -126,7 +126,7 @@ class ScriptedForCausalLM(CausalLM):
         config = json.loads((Path(path) / "config.json").read_text())
         if config.get("model_type") != "scripted":
             raise ValueError(f"{path}: model_type {config.get('model_type')!r} is not 'scripted'")
-        if tokenizer is None:
+        if tokenizer is None:  # transformers only where no tokenizer is given (the tests give one)
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(str(path))
