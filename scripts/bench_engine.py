@@ -60,8 +60,8 @@ from freetoken.core import SamplingParams, StructuredSpec  # noqa: E402
 from freetoken.engine.parallel import load_rank, share_cores  # noqa: E402
 from freetoken.scheduler.factory import build_scheduler  # noqa: E402
 from freetoken.message import UserMsg  # noqa: E402
-import freetoken.models.moe as moe  # noqa: E402
-from freetoken.models.loader import load_model  # noqa: E402
+import freetoken.models.layers.moe as moe  # noqa: E402
+from freetoken.models.registry import load_model  # noqa: E402
 from freetoken.scheduler.worker import rank_main  # noqa: E402
 from freetoken.tokenizer.tokenize import bad_words_token_ids  # noqa: E402
 
@@ -294,7 +294,7 @@ def moe_folder() -> Path:
 
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-    from freetoken.models.loader import cache_root
+    from freetoken.paths import cache_root
 
     folder = cache_root() / "bench-models" / "qwen3-moe-random-v1"
     if (folder / "config.json").is_file():
@@ -320,7 +320,7 @@ HYBRID_SHAPE = dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=
 
 def hybrid_folder() -> Path:
     """The random Qwen3.5-shaped model, built once (on the Qwen3.5 tokenizer of the tests)."""
-    from freetoken.models.loader import cache_root
+    from freetoken.paths import cache_root
 
     folder = cache_root() / "bench-models" / "qwen3_5-random-425m-v1"
     if (folder / "model.safetensors").is_file():

@@ -203,7 +203,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32, help="matchers in lockstep")
     args = p.parse_args()
     bc.setup(args)
-    from freetoken.models.loader import load_model
+    from freetoken.models.registry import load_model
 
     loaded = load_model(None, dtype="float32", device="cpu")
     tok, vocab, eos = loaded.tokenizer, loaded.vocab_size, list(loaded.eos_token_ids)

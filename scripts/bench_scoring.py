@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench_common as bc  # noqa: E402
 
-from freetoken.models.loader import load_model  # noqa: E402
+from freetoken.models.registry import load_model  # noqa: E402
 
 QUESTION = "\nQuestion: Is this review positive? Answer:"
 LABELS = (" Yes", " No")

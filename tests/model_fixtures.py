@@ -9,8 +9,9 @@ from pathlib import Path
 
 import torch
 
-from freetoken.models.linear import CANDIDATES
-from freetoken.models.loader import cache_root, load_model
+from freetoken.models.layers.linear import CANDIDATES
+from freetoken.models.registry import load_model, model_folder
+from freetoken.paths import cache_root
 
 # The linear kernels that run float32 (amx runs bfloat16 only), and (kernel, dtype) pairs.
 FLOAT32_KERNELS = tuple(k for k in CANDIDATES if k != "amx")
@@ -71,9 +72,7 @@ def tiny_random_folder(arch: str = "qwen3") -> Path:
 
 
 def default_folder() -> Path:
-    from freetoken.models.loader import default_model_path, gguf_to_folder
-
-    return gguf_to_folder(default_model_path())
+    return model_folder(None)[0]
 
 
 def reference_logprobs(folder: Path, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from freetoken.config import engine_config, frontend_config
-from freetoken.models.loader import load_model
+from freetoken.models.registry import load_model
 from freetoken.scheduler.factory import build_scheduler
 from freetoken.serving.args import parse_args
 from tests.model_fixtures import tiny_random_folder

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import sys
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as dist_version
+
+from freetoken import __version__
 
 COMMANDS = {
     "serve": "Serve a model over the OpenAI API (`freetoken serve --help` lists its options).",
@@ -13,14 +17,9 @@ USAGE = "usage: freetoken [-h] [-V] <command> [options]"
 
 def version() -> str:
     """The installed distribution's version, else the source tree's `freetoken.__version__`."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as dist_version
-
     try:
         return dist_version("freetoken")
     except PackageNotFoundError:
-        from freetoken import __version__
-
         return __version__
 
 
@@ -47,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"freetoken {version()}")
         return 0
     if command == "serve":
+        # The server's imports (fastapi, the parsers) only for `serve`: --version stays instant.
         from freetoken.serving.launch import launch_server
 
         return launch_server(rest, prog="freetoken serve")

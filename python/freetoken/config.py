@@ -5,14 +5,7 @@ side enforces). The offline `LLM` builds its `EngineConfig` directly."""
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
-from pathlib import Path
-
-
-def cache_root() -> Path:
-    """Where built kernels, converted GGUF folders and kernel probes are kept."""
-    return Path(os.environ.get("FREETOKEN_CACHE", Path.home() / ".cache" / "freetoken"))
 
 
 def context_length(requested: int | None, native: int) -> int:

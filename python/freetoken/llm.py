@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from freetoken.config import EngineConfig
 from freetoken.core import SamplingParams, TokenLogprob
 from freetoken.message import UserMsg
-from freetoken.models.loader import load_model
+from freetoken.models.registry import load_model
 from freetoken.scheduler.factory import build_scheduler
 from freetoken.tokenizer.reply import ReplyBuilder
 

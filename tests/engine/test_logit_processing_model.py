@@ -8,7 +8,7 @@ import torch
 
 from freetoken.core import SamplingParams
 from freetoken.message import UserMsg
-from freetoken.models.loader import load_model
+from freetoken.models.registry import load_model
 from freetoken.scheduler.factory import build_scheduler
 from tests.model_fixtures import hf_reference, tiny_random_folder
 from tests.support.logit_rules import reference

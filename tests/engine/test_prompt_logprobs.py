@@ -11,7 +11,7 @@ import torch
 
 from freetoken.core import SamplingParams
 from freetoken.message import DetokenizeMsg
-from freetoken.models.loader import load_model
+from freetoken.models.registry import load_model
 from freetoken.scheduler.factory import build_scheduler
 from tests.model_fixtures import drain, hf_reference, tiny_random_folder
 

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from freetoken.config import EngineConfig, ParallelConfig
 from freetoken.core import SamplingParams
 from freetoken.engine.parallel import GroupLost, follow, load_rank
-from freetoken.models.loader import load_model
-from freetoken.models.tensor_parallel import head_split
+from freetoken.models.registry import load_model
+from freetoken.models.layers.tensor_parallel import head_split
 from freetoken.scheduler.factory import build_engine, build_scheduler
 from tests.model_fixtures import (default_folder, default_model, drain, reference_logprobs,
                                   tiny_random_folder)

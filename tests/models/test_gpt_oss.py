@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from freetoken.models.gpt_oss import GptOssForCausalLM
-from freetoken.models.loader import load_model
+from freetoken.models.registry import load_model
 from tests.model_fixtures import assert_batch_matches_alone_and_reference, assert_cache_hit_and_chunks_give_the_cold_result
 
 TEXTS = ["What is the capital of France? The capital is Paris.", "def add(a, b):\n    return a + b",
@@ -47,7 +47,7 @@ def test_prefix_hit_and_chunked_prefill_give_the_cold_result(loaded):
 
 def _quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Round [..., K] weights (K a multiple of 32) to MXFP4: (blocks [..., K/32, 16], scales)."""
-    from freetoken.models.mxfp4 import FP4_VALUES
+    from freetoken.models.kernels.mxfp4 import FP4_VALUES
 
     groups = weight.reshape(*weight.shape[:-1], -1, 32)
     exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-30) / 6.0))

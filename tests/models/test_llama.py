@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from freetoken.models.loader import load_model
+from freetoken.models.registry import load_model
 from tests.model_fixtures import assert_greedy_matches_hf, default_model, tiny_random_folder
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,",

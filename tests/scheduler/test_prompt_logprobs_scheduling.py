@@ -8,7 +8,7 @@ import pytest
 
 from freetoken.core import SamplingParams
 from freetoken.message import DetokenizeMsg, UserMsg
-from freetoken.models.loader import load_model
+from freetoken.models.registry import load_model
 from freetoken.scheduler.factory import build_scheduler
 from tests.model_fixtures import tiny_random_folder
 

@@ -7,7 +7,7 @@ import pytest
 from freetoken.core import SamplingParams
 from freetoken.scheduler.factory import build_scheduler
 from freetoken.message import UserMsg
-from freetoken.models.loader import load_model
+from freetoken.models.registry import load_model
 from tests.model_fixtures import FLOAT32_KERNELS, default_folder, default_model
 
 pytestmark = pytest.mark.slow  # the default model

@@ -16,7 +16,7 @@ import pytest
 
 from freetoken.core import SamplingParams, StructuredSpec
 from freetoken.message import DetokenizeMsg, UserMsg
-from freetoken.models.loader import load_model
+from freetoken.models.registry import load_model
 from freetoken.scheduler.factory import build_scheduler
 from freetoken.structured.matcher import GrammarCompiler
 from tests.model_fixtures import default_model, drain, tiny_random_folder

@@ -11,7 +11,7 @@ from freetoken.core import Batch, Req, SamplingParams, TokenLogprob
 from freetoken.engine.kv_pool import KVPool
 from freetoken.engine.sample import Sampler, logprob_entries
 from freetoken.engine.state_pool import LinearContext, PrefillPiece, StatePool
-from freetoken.models.llama import DecodeGroup, ForwardContext, PromptGroup
+from freetoken.engine.forward_context import DecodeGroup, ForwardContext, PromptGroup
 
 # Requests whose padded lengths agree attend in one call (PromptGroup, DecodeGroup). Blocks trade
 # padded work against the number of calls; these measured best on scoring prompts of ~40 tokens

@@ -1,5 +1,5 @@
 """Tensor-parallel ranks on torch.distributed: the process group, the collectives the sharded
-model calls (models/tensor_parallel.py), and the step loop of the ranks other than 0.
+model calls (models/layers/tensor_parallel.py), and the step loop of the ranks other than 0.
 
 Rank 0 runs the scheduler. Each step it sends the other ranks the step's plan (engine.StepPlan:
 ids, positions, KV slots, attention groups' members, logit rows), then every rank builds the
@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from freetoken.config import ParallelConfig
 from freetoken.engine.engine import Engine, StepPlan
+from freetoken.models.registry import load_model, resolve_device
 
 HEARTBEAT_S = 1.0
 STOP = "stop"
@@ -136,23 +137,15 @@ def rank_device(device: torch.device, rank: int, config: ParallelConfig) -> torc
 def share_cores(config) -> None:
     """A CPU rank takes its share of this machine's cores (`config` an EngineConfig): the ranks
     of a node each running torch's default of all cores would contend for them."""
-    from freetoken.models.loader import resolve_device
-
     if resolve_device(config.device).type == "cpu":
         torch.set_num_threads(max(1, torch.get_num_threads() // config.parallel.per_node))
 
 
 def load_rank(config, rank: int):
     """This rank's slices of the model (`config` an EngineConfig): (LoadedModel, Group)."""
-    from functools import partial
-
-    from freetoken.models.loader import load_model, resolve_device
-    from freetoken.models.tensor_parallel import shard_model
-
     device = rank_device(resolve_device(config.device), rank, config.parallel)
     group = init_group(config.parallel, rank, device)
-    loaded = load_model(config.model_folder, dtype=config.dtype, device=str(device),
-                        shard=partial(shard_model, group=group))
+    loaded = load_model(config.model_folder, dtype=config.dtype, device=str(device), group=group)
     return loaded, group
 
 

@@ -17,6 +17,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+# The delta rule's chunk: prompts run in chunks at multiples of it from the sequence start
+# (models/layers/delta_rule.py), so a state snapshot on a boundary resumes bit for bit; the
+# scheduler cuts prefills and takes snapshots there (scheduler/states.py).
+CHUNK = 64  # as transformers' torch fallback and the FLA kernels
+
 
 @dataclass(frozen=True)
 class StateShape:

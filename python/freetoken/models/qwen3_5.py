@@ -1,8 +1,8 @@
 """Qwen3.5 / Qwen3.6 (dense and MoE) and Qwen3-Next: hybrids of Gated DeltaNet and full attention.
 
-Most layers are linear attention (models/gated_deltanet.py) whose past lives in the engine's
-state pool; every few layers one is gated full attention over the KV pool (the attention groups
-of models/llama.py). Module names mirror transformers' after `convert_hf_weights`, which fuses
+Most layers are linear attention (models/layers/delta_rule.py) whose past lives in the engine's
+state pool; every few layers one is gated full attention over the KV pool
+(models/layers/attention.py). Module names mirror transformers' after `convert_hf_weights`, which fuses
 the projections (q/k/v, gate/up, the DeltaNet's q/k/v/z/b/a), folds the zero-centred RMSNorms'
 `1 + weight` into their weights, and takes the language model out of the image-text layout.
 """
@@ -12,24 +12,27 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from freetoken.core import Batch
+from freetoken.engine.forward_context import ForwardContext
 from freetoken.engine.state_pool import StateShape
-from freetoken.models import gated_deltanet as gdn
-from freetoken.models.linear import Linear
-from freetoken.models.llama import (MLP, Attention, Backbone, ForwardContext, RMSNorm, fuse_hf_weights,
-                                    rotate)
-from freetoken.models.qwen3_moe import SparseMoeBlock
+from freetoken.models.causal_lm import CausalLM
+from freetoken.models.layers.attention import Attention
+from freetoken.models.layers.delta_rule import GatedDeltaNet
+from freetoken.models.layers.linear import Linear
+from freetoken.models.layers.mlp import MLP
+from freetoken.models.layers.moe import SparseMoeBlock, split_stacked_experts
+from freetoken.models.layers.norm import RMSNorm
+from freetoken.models.layers.rotary import cos_sin, rotate
+from freetoken.models.llama import Backbone, fuse_hf_weights
 
 log = logging.getLogger("freetoken")
 
-ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
-                 "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM")
+# The RMSNorms transformers scales by (1 + weight): folded into the weight at load.
+_ZERO_CENTRED = re.compile(r"(input_layernorm|post_attention_layernorm|q_norm|k_norm|model\.norm)\.weight$")
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,9 @@ class HybridConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict) -> HybridConfig:
+        if "vision_config" in cfg:
+            log.warning("%s: serving the language model only; the vision tower is not loaded",
+                        (cfg.get("architectures") or ["?"])[0])
         cfg = cfg.get("text_config") or cfg
         rope = cfg.get("rope_parameters") or {}
         if rope.get("rope_type", "default") != "default":
@@ -132,70 +138,6 @@ class GatedAttention(Attention):
         return self.o_proj(out.reshape(t, -1) * gate)
 
 
-class GatedDeltaNet(nn.Module):
-    """Linear attention: in_proj = [q k v | z | b | a] (q/k/v through the causal conv), the gated
-    delta rule over the request's state, an RMSNorm gated by silu(z), out_proj."""
-
-    def __init__(self, cfg: HybridConfig, state_layer: int):
-        super().__init__()
-        self.cfg, self.layer = cfg, state_layer
-        v_dim = cfg.linear_v_heads * cfg.linear_v_dim
-        self.in_proj = Linear(cfg.hidden_size, cfg.conv_dim + v_dim + 2 * cfg.linear_v_heads, bias=False)
-        self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.conv_kernel, groups=cfg.conv_dim, bias=False)
-        self.dt_bias = nn.Parameter(torch.ones(cfg.linear_v_heads))
-        self.A_log = nn.Parameter(torch.zeros(cfg.linear_v_heads))
-        self.norm = RMSNorm(cfg.linear_v_dim, cfg.rms_norm_eps)
-        self.out_proj = Linear(v_dim, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        cfg, lin, t = self.cfg, ctx.linear, x.shape[0]
-        kh, dk, vh, dv = cfg.linear_k_heads, cfg.linear_k_dim, cfg.linear_v_heads, cfg.linear_v_dim
-        groups, c, past = vh // kh, cfg.conv_dim, cfg.conv_kernel - 1
-        proj = self.in_proj(x)
-        mixed, z, b, a = proj.split([c, vh * dv, vh, vh], dim=-1)
-        beta, g = gdn.gates(b, a, -self.A_log.float().exp(), self.dt_bias)
-        weight = self.conv1d.weight[:, 0]
-        conv_pool, rec_pool = lin.pool.conv[self.layer], lin.pool.recurrent[self.layer]
-
-        def split(conv_out):
-            q, k, v = conv_out.split([kh * dk, kh * dk, vh * dv], dim=-1)
-            lead = conv_out.shape[:-1]
-            return q.view(*lead, kh, dk), k.view(*lead, kh, dk), v.view(*lead, vh, dv)
-
-        out = torch.zeros(t, vh, dv, dtype=torch.float32, device=x.device)
-        slots, convs, states = [], [], []
-        for piece in lin.prefills:
-            rows = slice(piece.row, piece.row + piece.n)
-            resumed = piece.start > 0
-            prev = conv_pool[piece.slot].to(mixed.dtype) if resumed else mixed.new_zeros(past, c)
-            window = torch.cat([prev, mixed[rows]])
-            q, k, v = split(gdn.causal_conv(window, weight))
-            o, boundaries, state = gdn.chunked(q, k, v, g[rows], beta[rows],
-                                               rec_pool[piece.slot] if resumed else None, piece.start, groups)
-            out[rows] = o
-            slots.append(piece.slot)
-            convs.append(window[-past:])
-            states.append(state)
-            for pos, snap in piece.snapshots.items():
-                slots.append(snap)
-                convs.append(window[pos - piece.start : pos - piece.start + past])
-                states.append(boundaries[pos])
-        if slots:
-            lin.staged.append((self.layer, torch.tensor(slots, device=x.device), torch.stack(convs),
-                               torch.stack(states)))
-        if lin.decode_rows is not None:
-            rows, held = lin.decode_rows, lin.decode_slots
-            window = torch.cat([conv_pool.index_select(0, held).to(mixed.dtype),
-                                mixed.index_select(0, rows)[:, None]], dim=1)
-            q, k, v = split(gdn.causal_conv(window, weight)[:, 0])
-            o, state = gdn.recurrent(q, k, v, g.index_select(0, rows), beta.index_select(0, rows),
-                                     rec_pool.index_select(0, held), groups)
-            out.index_copy_(0, rows, o)
-            lin.staged.append((self.layer, held, window[:, 1:], state))
-        out = (self.norm(out) * F.silu(z.float().view(t, vh, dv))).to(x.dtype)
-        return self.out_proj(out.view(t, -1))
-
-
 class HybridLayer(nn.Module):
     def __init__(self, cfg: HybridConfig, index: int):
         super().__init__()
@@ -208,7 +150,7 @@ class HybridLayer(nn.Module):
         self.mlp = (SparseMoeBlock(cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size,
                                    cfg.experts_per_token, cfg.norm_topk_prob,
                                    cfg.shared_expert_intermediate_size)
-                    if index in cfg.moe_layers else MLP(cfg))
+                    if index in cfg.moe_layers else MLP(cfg.hidden_size, cfg.intermediate_size))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -221,16 +163,16 @@ class HybridLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Qwen3_5ForCausalLM(nn.Module):
+class Qwen3_5ForCausalLM(CausalLM):
+    """Every hybrid architecture of models/registry.py."""
+
+    config_class = HybridConfig
+
     def __init__(self, cfg: HybridConfig):
         super().__init__()
         self.cfg = cfg
         self.model = Backbone(cfg, HybridLayer)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.cfg.vocab_size
 
     @property
     def state_shape(self) -> StateShape:
@@ -241,76 +183,39 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     def forward(self, batch: Batch, ctx: ForwardContext) -> torch.Tensor:
         x = self.model.embed_tokens(ctx.input_ids)
-        dim = self.cfg.rotary_dim
-        exponent = torch.arange(0, dim, 2, dtype=torch.float32, device=ctx.positions.device) / dim
-        freqs = ctx.positions.float()[:, None] * (1.0 / (self.cfg.rope_theta**exponent))[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = cos_sin(ctx.positions, self.cfg.rotary_dim, self.cfg.rope_theta, None, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, ctx)
         x = self.model.norm(x.index_select(0, ctx.logit_rows))
         return self.lm_head(x).float()
 
+    def ties_head(self, state: dict[str, torch.Tensor]) -> bool:
+        # The text config of an image-text release need not say: a checkpoint without a head ties.
+        return "lm_head.weight" not in state
 
-_ZERO_CENTRED = re.compile(r"(input_layernorm|post_attention_layernorm|q_norm|k_norm|model\.norm)\.weight$")
-
-
-def convert_hf_weights(state: dict[str, torch.Tensor], cfg: HybridConfig) -> dict[str, torch.Tensor]:
-    """transformers' names and layouts (text-only, image-text or Qwen3-Next) to ours."""
-    from freetoken.models.moe import split_stacked_experts
-
-    out = {}
-    for name, value in state.items():
-        if name.startswith(("mtp.", "model.visual.")):
-            continue
-        name = name.replace("model.language_model.", "model.")
-        if _ZERO_CENTRED.search(name):
-            value = 1.0 + value.float()  # transformers scales by (1 + weight)
-        out[name] = value
-    for prefix in {n.rpartition("linear_attn.")[0] for n in out if "linear_attn." in n}:
-        p = prefix + "linear_attn."
-        if p + "in_proj_qkvz.weight" in out:  # Qwen3-Next: grouped per key head
-            qkvz, ba = out.pop(p + "in_proj_qkvz.weight"), out.pop(p + "in_proj_ba.weight")
-            kh, dk, dv = cfg.linear_k_heads, cfg.linear_k_dim, cfg.linear_v_dim
-            r = cfg.linear_v_heads // kh
-            q, k, v, z = qkvz.view(kh, -1, qkvz.shape[-1]).split([dk, dk, r * dv, r * dv], dim=1)
-            b, a = ba.view(kh, 2 * r, -1).split([r, r], dim=1)
-            parts = [x.reshape(-1, qkvz.shape[-1]) for x in (q, k, v, z, b, a)]
-        else:
-            parts = [out.pop(p + f"in_proj_{s}.weight") for s in ("qkv", "z", "b", "a")]
-        out[p + "in_proj.weight"] = torch.cat(parts)
-    for stacked in ("gate_up_proj", "down_proj"):
-        out = split_stacked_experts(out, stacked)
-    return fuse_hf_weights(out)
-
-
-def build_hybrid(folder: Path, hf_config: dict, dtype: torch.dtype, device: torch.device):
-    from safetensors.torch import load_file
-
-    from freetoken.models.linear import pack_linears
-    from freetoken.models.moe import stack_experts
-
-    cfg = HybridConfig.from_hf(hf_config)
-    if "vision_config" in hf_config:
-        log.warning("%s: serving the language model only; the vision tower is not loaded", folder.name)
-    with torch.device("meta"):
-        module = Qwen3_5ForCausalLM(cfg)
-    state: dict[str, torch.Tensor] = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        state.update(load_file(file))
-    state = convert_hf_weights(state, cfg)
-    module.to_empty(device=device)
-    missing, unexpected = module.load_state_dict(state, strict=False)
-    tied = "lm_head.weight" in missing
-    missing = [m for m in missing if m != "lm_head.weight"]
-    if missing or unexpected:
-        from freetoken.models.loader import ModelNotFound
-
-        raise ModelNotFound(f"Weights do not match the architecture: missing {missing[:3]}, "
-                            f"unexpected {unexpected[:3]}")
-    if tied:
-        module.lm_head.weight = module.model.embed_tokens.weight
-    module.to(dtype).requires_grad_(False)
-    stack_experts(module)
-    pack_linears(module)
-    return module
+    def convert_hf_weights(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """transformers' names and layouts (text-only, image-text or Qwen3-Next) to ours."""
+        cfg = self.cfg
+        out = {}
+        for name, value in state.items():
+            if name.startswith(("mtp.", "model.visual.")):
+                continue
+            name = name.replace("model.language_model.", "model.")
+            if _ZERO_CENTRED.search(name):
+                value = 1.0 + value.float()  # transformers scales by (1 + weight)
+            out[name] = value
+        for prefix in {n.rpartition("linear_attn.")[0] for n in out if "linear_attn." in n}:
+            p = prefix + "linear_attn."
+            if p + "in_proj_qkvz.weight" in out:  # Qwen3-Next: grouped per key head
+                qkvz, ba = out.pop(p + "in_proj_qkvz.weight"), out.pop(p + "in_proj_ba.weight")
+                kh, dk, dv = cfg.linear_k_heads, cfg.linear_k_dim, cfg.linear_v_dim
+                r = cfg.linear_v_heads // kh
+                q, k, v, z = qkvz.view(kh, -1, qkvz.shape[-1]).split([dk, dk, r * dv, r * dv], dim=1)
+                b, a = ba.view(kh, 2 * r, -1).split([r, r], dim=1)
+                parts = [x.reshape(-1, qkvz.shape[-1]) for x in (q, k, v, z, b, a)]
+            else:
+                parts = [out.pop(p + f"in_proj_{s}.weight") for s in ("qkv", "z", "b", "a")]
+            out[p + "in_proj.weight"] = torch.cat(parts)
+        for stacked in ("gate_up_proj", "down_proj"):
+            out = split_stacked_experts(out, stacked)
+        return fuse_hf_weights(out)

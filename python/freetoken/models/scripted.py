@@ -51,6 +51,7 @@ from typing import Any, Protocol
 import torch
 
 from freetoken.core import Batch, Req
+from freetoken.models.causal_lm import CausalLM
 
 DEFAULT_SCRIPTED_LOGIT = 10.0
 DEFAULT_BASE_LOGIT = 0.0
@@ -70,20 +71,33 @@ class ScriptEntry:
     token_ids: tuple[int, ...]
 
 
-class ScriptedForCausalLM(torch.nn.Module):
+class ScriptedForCausalLM(CausalLM):
     # Smallest KV geometry the engine can allocate a pool for; the pool is never read.
     num_layers = 1
     num_kv_heads = 1
     head_dim = 8
-    dtype = torch.float32
 
-    def __init__(self, config: dict[str, Any], tokenizer: ScriptTokenizer) -> None:
+    def __init__(self, config: dict[str, Any], tokenizer: ScriptTokenizer | None = None) -> None:
+        """Without a tokenizer the script is read by `post_load` (the loader's hook)."""
         super().__init__()
         self.config = config
-        self.vocab_size = int(config["vocab_size"])
         self.scripted_logit = float(config.get("scripted_logit", DEFAULT_SCRIPTED_LOGIT))
         self.base_logit = float(config.get("base_logit", DEFAULT_BASE_LOGIT))
         self.max_position_embeddings = int(config.get("max_position_embeddings", 8192))
+        if tokenizer is not None:
+            self.post_load(tokenizer, torch.device("cpu"))
+
+    @classmethod
+    def from_hf(cls, hf_config: dict) -> ScriptedForCausalLM:
+        return cls(hf_config)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config["vocab_size"])
+
+    def post_load(self, tokenizer: ScriptTokenizer, device: torch.device) -> None:
+        """Encode the script's texts with the folder's tokenizer (it has no weights to load)."""
+        config = self.config
         script = config.get("script") or {}
         eos = script.get("eos_token_id", tokenizer.eos_token_id)
         if eos is None:
@@ -96,10 +110,10 @@ class ScriptedForCausalLM(torch.nn.Module):
         if len({i for i, _ in alts}) != len(alts):
             raise ValueError(f"duplicate alternative ids: {alts}")
         # Buffers, so .to(device) moves them and the output follows.
-        self.register_buffer("alt_ids", torch.tensor([i for i, _ in alts], dtype=torch.long),
+        self.register_buffer("alt_ids", torch.tensor([i for i, _ in alts], dtype=torch.long, device=device),
                              persistent=False)  # fmt: skip
-        self.register_buffer("alt_logits", torch.tensor([a for _, a in alts], dtype=torch.float32),
-                             persistent=False)  # fmt: skip
+        self.register_buffer("alt_logits", torch.tensor([a for _, a in alts], dtype=torch.float32,
+                                                        device=device), persistent=False)  # fmt: skip
         self.alternatives = dict(alts)
         self._tokenizer = tokenizer
         # The prompt never changes during a request; decode it once, not every step.
@@ -112,7 +126,7 @@ class ScriptedForCausalLM(torch.nn.Module):
         config = json.loads((Path(path) / "config.json").read_text())
         if config.get("model_type") != "scripted":
             raise ValueError(f"{path}: model_type {config.get('model_type')!r} is not 'scripted'")
-        if tokenizer is None:
+        if tokenizer is None:  # transformers only where no tokenizer is given (the tests give one)
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(str(path))

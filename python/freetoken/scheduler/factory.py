@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from freetoken.config import EngineConfig, context_length
 from freetoken.engine.engine import Engine
-from freetoken.models.loader import LoadedModel
+from freetoken.models.registry import LoadedModel
 from freetoken.scheduler.scheduler import Scheduler, SchedulerConfig
 from freetoken.structured.grammar import ll_tokenizer
 from freetoken.structured.matcher import GrammarCompiler

@@ -123,7 +123,7 @@ def _detach(parent: int | None) -> bool:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # The one line that names the CPU and the kernel each kind of linear layer runs on.
-    logging.getLogger("freetoken.models.linear").setLevel(logging.INFO)
+    logging.getLogger("freetoken.models.layers.linear").setLevel(logging.INFO)
     return True
 
 
@@ -135,7 +135,8 @@ def engine_main(config: EngineConfig, in_addr: str, out_addr: str, ready,
         return
     group = None
     try:
-        from freetoken.models.loader import load_model, quiet_progress_bars
+        # torch and the model code load only now that _detach has tied this process to the server.
+        from freetoken.models.registry import load_model, quiet_progress_bars
         from freetoken.scheduler.factory import build_scheduler
 
         quiet_progress_bars()
@@ -174,8 +175,9 @@ def rank_main(config: EngineConfig, rank: int, ready, parent: int | None = None)
     if not _detach(parent):
         return
     try:
+        # As in engine_main: torch loads once _detach has tied this process to the server.
         from freetoken.engine.parallel import GroupLost, follow, load_rank, share_cores
-        from freetoken.models.loader import quiet_progress_bars
+        from freetoken.models.registry import quiet_progress_bars
         from freetoken.scheduler.factory import build_engine
 
         quiet_progress_bars()

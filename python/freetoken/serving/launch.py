@@ -11,6 +11,9 @@ Lifecycle:
   "engine_dead"); the server exits 1 a moment later so a supervisor restarts it.
 - The engine's ZMQ ipc sockets live in a private `freetoken-<pid>-*` folder (mode 0700) in the
   temp dir, removed at exit; the engine dies with its parent (PR_SET_PDEATHSIG on Linux).
+
+torch, transformers, fastapi and the model code are imported inside the functions that need
+them: a busy port or a bad flag is reported before any of them loads.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import multiprocessing as mp
 import os
 import shutil
 import signal
@@ -28,25 +30,17 @@ import sys
 import tempfile
 import time
 from dataclasses import replace
-from multiprocessing import connection
-from pathlib import Path
 
-from freetoken.config import EngineConfig
+from freetoken.config import engine_config, frontend_config
+from freetoken.paths import ModelNotFound
 from freetoken.serving.args import ServerArgs, parse_args, resolve_parsers
+from freetoken.serving.engine_procs import exit_reason, raise_interrupted, start_engine, stop_engine
+from freetoken.serving.node import serve_node
 
 log = logging.getLogger("freetoken")
 
 FLUSH_GRACE_S = 1.0  # after requests were ended with an error: time for those replies to leave
-ENGINE_EXIT_TIMEOUT_S = 5.0
 GRACEFUL_HTTP_SHUTDOWN_S = 3.0  # uvicorn's wait for open connections once requests are answered
-
-
-class _Interrupted(KeyboardInterrupt):
-    """SIGTERM before the HTTP server runs: unwind like Ctrl-C so the cleanup runs."""
-
-
-def _raise_interrupted(signum, frame) -> None:
-    raise _Interrupted(signal.Signals(signum).name)
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -65,64 +59,11 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def model_folder(model: str | None) -> tuple[Path, str]:
-    from freetoken.models.loader import default_model_path, gguf_to_folder
-
-    path = default_model_path() if model is None else Path(model)
-    if path.is_file() and path.suffix == ".gguf":
-        return gguf_to_folder(path), path.stem
-    if not path.is_dir():
-        from freetoken.models.loader import ModelNotFound
-
-        raise ModelNotFound(f"Model not found: {path} (pass an HF model folder or a GGUF file)")
-    return path, path.name
-
-
-def start_engine(config: EngineConfig, ipc_dir: str, procs: list) -> tuple[str, str]:
-    """Spawn this node's engine processes, one per tensor-parallel rank (appended to `procs` at
-    once, so that an interrupted start is still cleaned up); returns (in_addr, out_addr) of
-    rank 0's sockets once every rank has loaded its model."""
-    in_addr, out_addr = f"ipc://{ipc_dir}/in", f"ipc://{ipc_dir}/out"
-    ctx = mp.get_context("spawn")
-    from freetoken.scheduler.worker import engine_main, rank_main
-
-    pending = {}
-    for rank in config.parallel.local_ranks:
-        # A one-way pipe, not a Queue: no semaphore for the resource tracker to watch, and an
-        # engine that dies while loading shows as EOF instead of a wait forever.
-        ready_recv, ready_send = ctx.Pipe(duplex=False)
-        if rank == 0:
-            target, args = engine_main, (config, in_addr, out_addr, ready_send, os.getpid())
-        else:
-            target, args = rank_main, (config, rank, ready_send, os.getpid())
-        proc = ctx.Process(target=target, args=args, daemon=True,
-                           name="freetoken-engine" + (f"-{rank}" if rank else ""))
-        proc.start()
-        procs.append(proc)
-        ready_send.close()
-        pending[ready_recv] = proc
-    # Any order: a rank that fails to load is reported at once, not after the others' waits.
-    while pending:
-        for ready_recv in connection.wait(list(pending)):
-            proc = pending.pop(ready_recv)
-            try:
-                status = ready_recv.recv()
-            except EOFError:
-                proc.join(timeout=5)
-                status = (f"error: the engine process exited while loading the model "
-                          f"({exit_reason(proc)})")
-            finally:
-                ready_recv.close()
-            if status != "ok":
-                raise RuntimeError(status.removeprefix("error: "))
-    return in_addr, out_addr
-
-
 class _Steps:
     """The "Loading model" progress: a tqdm bar on a terminal, log lines otherwise."""
 
     def __init__(self, total: int):
-        from freetoken.models.loader import progress_bars_wanted
+        from freetoken.models.registry import progress_bars_wanted
 
         self.bar = None
         if progress_bars_wanted():
@@ -145,12 +86,11 @@ class _Steps:
 def build_frontend(args: ServerArgs, ipc_dir: str, procs: list):
     """Load the model's tokenizer and config, start the engine processes (into `procs`), and
     return the frontend."""
-    from freetoken.models.loader import quiet_progress_bars
+    from freetoken.models.registry import model_folder, quiet_progress_bars
 
     quiet_progress_bars()
     from transformers import AutoTokenizer
 
-    from freetoken.config import engine_config, frontend_config
     from freetoken.serving.client import FrontendManager
 
     steps = _Steps(3)
@@ -170,20 +110,6 @@ def build_frontend(args: ServerArgs, ipc_dir: str, procs: list):
         return all(proc.is_alive() for proc in procs)
 
     return FrontendManager(config, tokenizer, in_addr, out_addr, engine_alive=alive)
-
-
-def exit_reason(proc) -> str:
-    code = proc.exitcode
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        hint = " (out of memory?)" if -code == signal.SIGKILL else ""
-        return f"killed by {name}{hint}"
-    return f"exit code {code}"
 
 
 def _make_server(app, args: ServerArgs):
@@ -278,25 +204,10 @@ def _run(server, coro):
     return asyncio.run(coro)
 
 
-def stop_engine(proc, told_to_exit: bool) -> None:
-    """Wait for an engine told to exit; kill one that was not or does not (it ignores
-    SIGTERM and SIGINT, which reach it along with its server from a terminal or systemd)."""
-    if told_to_exit:
-        proc.join(timeout=ENGINE_EXIT_TIMEOUT_S)
-        if proc.is_alive():
-            log.warning("The engine process did not exit within %gs; killing it",
-                        ENGINE_EXIT_TIMEOUT_S)
-    if proc.is_alive():
-        proc.kill()
-    proc.join(timeout=5)
-
-
 def launch_server(argv: list[str] | None = None, prog: str = "freetoken serve") -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv, prog)
     if args.node_rank > 0:
-        from freetoken.serving.node import serve_node
-
         return serve_node(args)
     try:
         sock = listen_socket(args.host, args.port)
@@ -306,12 +217,11 @@ def launch_server(argv: list[str] | None = None, prog: str = "freetoken serve") 
         return 1
     host, port = sock.getsockname()[:2]
     previous_int = signal.getsignal(signal.SIGINT)
-    previous_term = signal.signal(signal.SIGTERM, _raise_interrupted)
+    previous_term = signal.signal(signal.SIGTERM, raise_interrupted)
     ipc_dir = tempfile.mkdtemp(prefix=f"freetoken-{os.getpid()}-")  # mode 0700
     procs: list = []
     told_to_exit = False
     try:
-        from freetoken.models.loader import ModelNotFound
         from freetoken.serving.app import create_app
 
         try:

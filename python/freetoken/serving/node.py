@@ -14,18 +14,19 @@ import signal
 import sys
 import time
 
+from freetoken.config import engine_config
+from freetoken.paths import ModelNotFound
 from freetoken.serving.args import ServerArgs
-from freetoken.serving.launch import (_raise_interrupted, exit_reason, model_folder, start_engine,
-                                      stop_engine)
+from freetoken.serving.engine_procs import exit_reason, raise_interrupted, start_engine, stop_engine
 
 log = logging.getLogger("freetoken")
 
 
 def serve_node(args: ServerArgs) -> int:
-    from freetoken.config import engine_config
-    from freetoken.models.loader import ModelNotFound
+    # torch and the model code: only once the signal handler is in place (as launch.py's).
+    from freetoken.models.registry import model_folder
 
-    previous = signal.signal(signal.SIGTERM, _raise_interrupted)
+    previous = signal.signal(signal.SIGTERM, raise_interrupted)
     procs: list = []
     try:
         try:

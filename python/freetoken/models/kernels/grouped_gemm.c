@@ -4,7 +4,7 @@
  * Every output element is one fused multiply-add chain over k = 0..K-1 from zero, then the bias
  * added: the same operations in the same order whatever the group's row count, the tile the
  * row lands in, or the thread that runs it. So a row's bits never depend on its batch, with no
- * padding rows (compare models/linear.py, where a library kernel's rule has to be probed).
+ * padding rows (compare models/layers/linear.py, where a library kernel's rule has to be probed).
  *
  * Weights are packed once at load into strips of 16 output columns, [E][N/16][K][16], so that a
  * strip is read front to back: a decode step's few rows per expert are bound by reading the
@@ -12,7 +12,7 @@
  * (group, strip) pairs spread over torch's OpenMP threads (the process shares torch's libgomp,
  * so this reuses its thread team).
  *
- * Built at first use by models/grouped_gemm.py; x86-64 with AVX2 and FMA, else unsupported.
+ * Built at first use by models/kernels/grouped_gemm.py; x86-64 with AVX2 and FMA, else unsupported.
  * The file also holds amx_linear_bf16 (below), a bfloat16 linear layer on AMX tiles.
  */
 #include <stdint.h>

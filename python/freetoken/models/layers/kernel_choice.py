@@ -37,8 +37,8 @@ from typing import Callable
 
 import torch
 
-from freetoken.config import cache_root
-from freetoken.models.grouped_gemm import SOURCE as OUR_KERNELS
+from freetoken.paths import cache_root
+from freetoken.models.kernels.grouped_gemm import SOURCE as OUR_KERNELS
 
 Run = Callable[[torch.Tensor], torch.Tensor]
 

@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from freetoken.models.grouped_gemm import KERNELS, amx_available, amx_linear, grouped_gemm, pack_amx
-from freetoken.models.grouped_gemm import load as load_kernel
-from freetoken.models.grouped_gemm import pack as pack_strips
-from freetoken.models.kernel_choice import (Measured, Run, RowRule, cpu_name, measure,
+from freetoken.models.kernels.grouped_gemm import KERNELS, amx_available, amx_linear, grouped_gemm, pack_amx
+from freetoken.models.kernels.grouped_gemm import load as load_kernel
+from freetoken.models.kernels.grouped_gemm import pack as pack_strips
+from freetoken.models.layers.kernel_choice import (Measured, Run, RowRule, cpu_name, measure,
                                             measured_with_cache, probe_weight, ranked, run_by_rule)
 
 log = logging.getLogger(__name__)

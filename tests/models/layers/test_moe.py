@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from freetoken.models.grouped_gemm import load as load_kernel
-from freetoken.models.linear import pack_linears
-from freetoken.models import moe
-from freetoken.models.moe import Experts, silu_and_mul, softmax_topk, split_stacked_experts, stack_experts
+from freetoken.models.kernels.grouped_gemm import load as load_kernel
+from freetoken.models.layers.linear import pack_linears
+from freetoken.models.layers import moe
+from freetoken.models.layers.moe import Experts, silu_and_mul, softmax_topk, split_stacked_experts, stack_experts
 from tests.model_fixtures import FLOAT32_KERNELS
 
 E, H, I, K = 8, 48, 80, 2

@@ -1,4 +1,5 @@
-"""Rotary frequencies: the default schedule and YaRN (gpt-oss and long-context Qwen releases).
+"""Rotary embedding: the frequencies (the default schedule, and YaRN for gpt-oss and
+long-context Qwen releases), the angles' cos and sin, and the rotation of q and k.
 
 YaRN blends, per frequency, the original angle (fast dimensions, extrapolated) with the angle
 divided by `factor` (slow dimensions, interpolated) along a linear ramp between the dimensions
@@ -62,3 +63,23 @@ def rope_frequencies(dim: int, base: float, yarn: Yarn | None,
     if scale is None:
         scale = 0.1 * math.log(yarn.factor) + 1.0 if yarn.factor > 1 else 1.0
     return inv_freq, scale
+
+
+def cos_sin(positions: torch.Tensor, dim: int, base: float, yarn: Yarn | None,
+            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, 1, dim] of the positions' angles (broadcast over heads), computed in fp32
+    whatever `dtype`, as transformers computes them."""
+    inv_freq, scale = rope_frequencies(dim, base, yarn, positions.device)
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype), sin.to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., dim] turned by the angles of `cos_sin` (halves rotated, as transformers does)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -11,7 +11,8 @@ token's sum runs in that fixed order, so a row's result does not depend on which
 shared its experts.
 
 The family supplies the router (which experts, with which weights) and the activation between
-an expert's fused gate/up projection and its down projection.
+an expert's fused gate/up projection and its down projection; `SparseMoeBlock` is the Qwen MoE
+families' (Qwen3-MoE, Qwen2-MoE, the Qwen3.5 / Qwen3-Next hybrids).
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from freetoken.models.grouped_gemm import KERNELS, PackedLinears, grouped_gemm, pack
-from freetoken.models.grouped_gemm import load as load_kernel
-from freetoken.models.kernel_choice import RowRule, probe_weight, rule_holds
-from freetoken.models.linear import Linear
+from freetoken.models.kernels.grouped_gemm import KERNELS, PackedLinears, grouped_gemm, pack
+from freetoken.models.kernels.grouped_gemm import load as load_kernel
+from freetoken.models.layers.kernel_choice import RowRule, probe_weight, rule_holds
+from freetoken.models.layers.elementwise import lanewise
+from freetoken.models.layers.linear import Linear
+from freetoken.models.layers.mlp import MLP
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
@@ -60,7 +63,7 @@ class Expert(nn.Module):
 class Experts(nn.Module):
     """`num_experts` experts (`experts.{e}.gate_up_proj`, `experts.{e}.down_proj`) run grouped."""
 
-    # Set by models/tensor_parallel.py when each expert holds one rank's slice: the sum of the
+    # Set by models/layers/tensor_parallel.py when each expert holds one rank's slice: the sum of the
     # ranks' partial outputs.
     sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None
     # Set by `stack`: the experts' projections in the grouped kernel's layout, and the kernel.
@@ -125,6 +128,30 @@ class Experts(nn.Module):
             outs.append(getattr(expert, name)(rows[start : start + n]))
             start += n
         return torch.cat(outs)
+
+
+
+class SparseMoeBlock(Experts):
+    """The router (`gate`) and the experts of one layer, named as transformers names them; with
+    `shared_intermediate`, also a shared expert every token goes through, scaled by
+    sigmoid(shared_expert_gate)."""
+
+    def __init__(self, hidden: int, num_experts: int, intermediate: int, top_k: int,
+                 norm_topk_prob: bool, shared_intermediate: int = 0):
+        super().__init__(num_experts, hidden, intermediate, bias=False, activation=silu_and_mul)
+        self.gate = Linear(hidden, num_experts, bias=False)
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        if shared_intermediate:
+            self.shared_expert = MLP(hidden, shared_intermediate)
+            self.shared_expert_gate = Linear(hidden, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = softmax_topk(self.gate(x), self.top_k, self.norm_topk_prob)
+        routed = super().forward(x, ids, weights)
+        if not hasattr(self, "shared_expert"):
+            return routed
+        # One gate per token ([T, 1]): lanewise, or a token's gate would depend on T.
+        return routed + lanewise(torch.sigmoid, self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
 def stack_experts(model: nn.Module) -> None:

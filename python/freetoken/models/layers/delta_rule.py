@@ -1,4 +1,5 @@
-"""Gated DeltaNet (Qwen3.5 / Qwen3-Next linear attention): short causal conv and gated delta rule.
+"""Gated DeltaNet (Qwen3.5 / Qwen3-Next linear attention): short causal conv, gated delta rule,
+and the layer (`GatedDeltaNet`) over the request's state in the engine's state pool.
 
 Two forms of the same recurrence over a state S [heads, k_dim, v_dim] per request:
 
@@ -19,10 +20,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from freetoken.models.elementwise import lanewise
-
-CHUNK = 64  # as transformers' torch fallback and the FLA kernels
+from freetoken.engine.forward_context import ForwardContext
+from freetoken.engine.state_pool import CHUNK
+from freetoken.models.layers.elementwise import lanewise
+from freetoken.models.layers.linear import Linear
+from freetoken.models.layers.norm import RMSNorm
 
 
 def causal_conv(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -42,7 +46,7 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
 
 def gates(b: torch.Tensor, a: torch.Tensor, neg_a: torch.Tensor, dt_bias: torch.Tensor):
     """beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias), the log decay (<= 0).
-    [tokens, heads]: narrow rows, so lanewise (models/elementwise.py)."""
+    [tokens, heads]: narrow rows, so lanewise (models/layers/elementwise.py)."""
     return lanewise(torch.sigmoid, b.float()), neg_a * lanewise(F.softplus, a.float() + dt_bias)
 
 
@@ -115,3 +119,68 @@ def recurrent(q, k, v, g, beta, state: torch.Tensor, groups: int):
     delta = (v[..., None, :] - remembered) * beta[..., None, None]
     s.view(-1, dk, dv).baddbmm_(k.reshape(-1, dk, 1), delta.view(-1, 1, dv))
     return (q[..., None, :] @ s).squeeze(-2), s
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention: in_proj = [q k v | z | b | a] (q/k/v through the causal conv), the gated
+    delta rule over the request's state, an RMSNorm gated by silu(z), out_proj."""
+
+    def __init__(self, cfg, state_layer: int):
+        """`cfg`: the hybrids' config (models/qwen3_5.py's HybridConfig)."""
+        super().__init__()
+        self.cfg, self.layer = cfg, state_layer
+        v_dim = cfg.linear_v_heads * cfg.linear_v_dim
+        self.in_proj = Linear(cfg.hidden_size, cfg.conv_dim + v_dim + 2 * cfg.linear_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.conv_kernel, groups=cfg.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(cfg.linear_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(cfg.linear_v_heads))
+        self.norm = RMSNorm(cfg.linear_v_dim, cfg.rms_norm_eps)
+        self.out_proj = Linear(v_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        cfg, lin, t = self.cfg, ctx.linear, x.shape[0]
+        kh, dk, vh, dv = cfg.linear_k_heads, cfg.linear_k_dim, cfg.linear_v_heads, cfg.linear_v_dim
+        groups, c, past = vh // kh, cfg.conv_dim, cfg.conv_kernel - 1
+        proj = self.in_proj(x)
+        mixed, z, b, a = proj.split([c, vh * dv, vh, vh], dim=-1)
+        beta, g = gates(b, a, -self.A_log.float().exp(), self.dt_bias)
+        weight = self.conv1d.weight[:, 0]
+        conv_pool, rec_pool = lin.pool.conv[self.layer], lin.pool.recurrent[self.layer]
+
+        def split(conv_out):
+            q, k, v = conv_out.split([kh * dk, kh * dk, vh * dv], dim=-1)
+            lead = conv_out.shape[:-1]
+            return q.view(*lead, kh, dk), k.view(*lead, kh, dk), v.view(*lead, vh, dv)
+
+        out = torch.zeros(t, vh, dv, dtype=torch.float32, device=x.device)
+        slots, convs, states = [], [], []
+        for piece in lin.prefills:
+            rows = slice(piece.row, piece.row + piece.n)
+            resumed = piece.start > 0
+            prev = conv_pool[piece.slot].to(mixed.dtype) if resumed else mixed.new_zeros(past, c)
+            window = torch.cat([prev, mixed[rows]])
+            q, k, v = split(causal_conv(window, weight))
+            o, boundaries, state = chunked(q, k, v, g[rows], beta[rows],
+                                               rec_pool[piece.slot] if resumed else None, piece.start, groups)
+            out[rows] = o
+            slots.append(piece.slot)
+            convs.append(window[-past:])
+            states.append(state)
+            for pos, snap in piece.snapshots.items():
+                slots.append(snap)
+                convs.append(window[pos - piece.start : pos - piece.start + past])
+                states.append(boundaries[pos])
+        if slots:
+            lin.staged.append((self.layer, torch.tensor(slots, device=x.device), torch.stack(convs),
+                               torch.stack(states)))
+        if lin.decode_rows is not None:
+            rows, held = lin.decode_rows, lin.decode_slots
+            window = torch.cat([conv_pool.index_select(0, held).to(mixed.dtype),
+                                mixed.index_select(0, rows)[:, None]], dim=1)
+            q, k, v = split(causal_conv(window, weight)[:, 0])
+            o, state = recurrent(q, k, v, g.index_select(0, rows), beta.index_select(0, rows),
+                                     rec_pool.index_select(0, held), groups)
+            out.index_copy_(0, rows, o)
+            lin.staged.append((self.layer, held, window[:, 1:], state))
+        out = (self.norm(out) * F.silu(z.float().view(t, vh, dv))).to(x.dtype)
+        return self.out_proj(out.view(t, -1))

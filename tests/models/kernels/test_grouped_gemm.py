@@ -1,13 +1,16 @@
-"""The grouped expert kernel (models/grouped_gemm.c) against float64 matmuls computed by torch,
-and the property the experts rely on: a row's bits depend neither on its group, nor on the
+"""The grouped expert kernel (models/kernels/grouped_gemm.c) against float64 matmuls computed by
+torch, and the property the experts rely on: a row's bits depend neither on its group, nor on the
 other groups, nor on the thread count."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from freetoken.models import grouped_gemm as gg
+from freetoken.models.kernels import grouped_gemm as gg
+from freetoken.models.layers import kernel_choice
 
 KERNEL = gg.load()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the grouped kernel cannot be built or run here")
@@ -108,3 +111,23 @@ def test_freetoken_no_kernels_turns_the_kernel_off(monkeypatch):
     finally:
         monkeypatch.delenv("FREETOKEN_NO_KERNELS")
         gg.load.cache_clear()
+
+
+def test_the_source_ships_as_package_data_and_keys_the_probe_cache(tmp_path, monkeypatch):
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
+    root = Path(__file__).resolve().parents[3]
+    package_data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    shipped = {p for glob in package_data["freetoken"] for p in (root / "python" / "freetoken").glob(glob)}
+    assert gg.SOURCE.is_file() and gg.SOURCE in shipped
+    # A change to the source is a new probe-cache key (its probes said nothing of the new code).
+    edited = tmp_path / "grouped_gemm.c"
+    edited.write_bytes(gg.SOURCE.read_bytes() + b"\n")
+    key = kernel_choice._machine()
+    monkeypatch.setattr(kernel_choice, "OUR_KERNELS", edited)
+    kernel_choice._our_kernels.cache_clear()
+    try:
+        assert kernel_choice._machine() != key
+    finally:
+        monkeypatch.undo()
+        kernel_choice._our_kernels.cache_clear()
+    assert kernel_choice._machine() == key

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from freetoken.models import linear
-from freetoken.models.grouped_gemm import grouped_gemm
-from freetoken.models.kernel_choice import Measured, RowRule
-from freetoken.models.linear import Linear, choose, pack_linears, prepare
+from freetoken.models.layers import linear
+from freetoken.models.kernels.grouped_gemm import grouped_gemm
+from freetoken.models.layers.kernel_choice import Measured, RowRule
+from freetoken.models.layers.linear import Linear, choose, pack_linears, prepare
 from tests.model_fixtures import FLOAT32_KERNELS, KERNEL_DTYPES
 
 # (in, out) of the default model's fused projections, its LM head, and a wider down projection.

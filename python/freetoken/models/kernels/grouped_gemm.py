@@ -1,8 +1,8 @@
 """The kernels of grouped_gemm.c, built with the system's C compiler at first use and called
-through ctypes. The grouped GEMM runs the MoE experts (models/moe.py: one call per projection
+through ctypes. The grouped GEMM runs the MoE experts (models/layers/moe.py: one call per projection
 for all of a layer's experts) and, where the load-time probe picks it, the dense layers
-(models/linear.py: one group each). The AMX bfloat16 linear (`amx_linear`) is a candidate of
-models/linear.py on CPUs with AMX: invariant to the row count by construction, where oneDNN's
+(models/layers/linear.py: one group each). The AMX bfloat16 linear (`amx_linear`) is a candidate of
+models/layers/linear.py on CPUs with AMX: invariant to the row count by construction, where oneDNN's
 AMX kernel is not (see the C file).
 
 Why our own kernel: a decode step gives each active expert a few rows, and torch's CPU GEMMs
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from freetoken.config import cache_root
+from freetoken.paths import cache_root
 
 log = logging.getLogger(__name__)
 

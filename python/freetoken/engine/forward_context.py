@@ -1,0 +1,60 @@
+"""What the engine hands the model with each step's batch: the tensors every layer reads, and the
+groups in which requests attend (built by engine/engine.py, read by models/layers/attention.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class PromptGroup:
+    """Prompt chunks whose queries and keys are padded to the same lengths, attended in one call.
+
+    Each member's queries are padded (repeating its last query) and its keys padded (masked,
+    pointing at the pool's zeroed scratch slot) to lengths fixed by its own lengths alone
+    (engine.PROMPT_QUERY_BLOCK, engine.PROMPT_KV_BLOCK): the batched call then gives each member
+    the bits it gets alone, which a call padded to the batch's longest member does not.
+    """
+
+    shape: tuple[int, int, int]  # (B members, Q queries, L keys) each
+    query_rows: torch.Tensor  # [B * Q] indices into the step's tokens, member after member
+    kv_slots: torch.Tensor  # [B * L]
+    mask: torch.Tensor | None  # [B, 1, Q, L] bool: the key is visible to the query; None: causal
+    kept: torch.Tensor  # [N] positions in the flattened [B * Q] output of the real queries
+    out_rows: torch.Tensor  # [N] their indices into the step's tokens
+    window_mask: torch.Tensor | None = None  # [B, 1, Q, L] bool, for sliding-window layers
+
+
+@dataclass
+class DecodeGroup:
+    """Decoding requests (one new token each) whose keys are padded to the same length.
+
+    As PromptGroup, with each kv head's queries folded into rows, padded to
+    models/layers/attention.py's MIN_QUERY_ROWS.
+    """
+
+    rows: torch.Tensor  # [B] indices into the step's tokens
+    kv_slots: torch.Tensor  # [B * L]: member after member, each padded to L
+    valid: torch.Tensor  # [B, 1, 1, L] bool, False on padding
+    window_valid: torch.Tensor | None = None  # as valid, for sliding-window layers
+
+
+@dataclass
+class ForwardContext:
+    """Tensors the engine builds once per step for every layer.
+
+    Greedy results must not depend on what else is in the batch (nor on whether a prefix came
+    from the cache), so requests attend in groups built for that (PromptGroup, DecodeGroup).
+    """
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    out_slots: torch.Tensor  # [T] pool slot that receives each token's K/V
+    prompt_groups: list[PromptGroup]
+    decode_groups: list[DecodeGroup]
+    logit_rows: torch.Tensor  # [R] rows of T whose hidden state produces logits
+    kv_cache: list[torch.Tensor]  # per layer [num_slots + 1, 2 * kv_heads, head_dim], K then V
+    linear: Any = None  # hybrid models: engine.state_pool.LinearContext

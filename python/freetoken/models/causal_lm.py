@@ -1,0 +1,33 @@
+"""What the loader (models/loader.py) asks of a family's module: built from a transformers
+config on the meta device, its checkpoint's names and layouts converted to its own, then a
+post-load hook for what the weights do not hold."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class CausalLM(nn.Module):
+    config_class: type  # its `from_hf(hf_config)` reads the family's fields
+
+    @classmethod
+    def from_hf(cls, hf_config: dict) -> CausalLM:
+        """The module of a transformers config, weights not loaded (the loader builds it on the
+        meta device and allocates it once sharded and cast)."""
+        return cls(cls.config_class.from_hf(hf_config))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    def convert_hf_weights(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """transformers' names and layouts to this module's."""
+        return state
+
+    def ties_head(self, state: dict[str, torch.Tensor]) -> bool:
+        """Does the LM head share the embedding's weight (`state`: the converted checkpoint)?"""
+        return False
+
+    def post_load(self, tokenizer, device: torch.device) -> None:
+        """Called once the weights are in: what the module builds from the tokenizer."""

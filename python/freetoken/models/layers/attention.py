@@ -1,0 +1,91 @@
+"""Attention over the engine's KV pool, in the step's groups (engine/forward_context.py).
+
+q/k/v are one fused projection (`qkv_proj`, rows [q heads | k heads | v heads]); per-head q/k
+RMSNorm (Qwen3), q/k/v biases (Qwen2), an o_proj bias and sliding-window layers are config
+fields. A family changes the softmax by overriding `_sdpa` (gpt-oss's sinks) or the projections
+by overriding `forward` (the hybrids' gated attention), and reuses `_attend`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from freetoken.engine.forward_context import DecodeGroup, ForwardContext, PromptGroup
+from freetoken.models.layers.linear import Linear
+from freetoken.models.layers.norm import RMSNorm
+from freetoken.models.layers.rotary import rotate
+
+# CPU attention kernels round a row differently when a call has fewer than 4 queries per head:
+# a decoding request's queries per kv head are padded to 4 by repeating the last one.
+MIN_QUERY_ROWS = 4
+
+
+
+class Attention(nn.Module):
+    sliding = False  # a sliding-window layer (subclasses with their own __init__ have none)
+
+    def __init__(self, cfg, layer: int):
+        """`cfg`: models/llama.py's ModelConfig, or a family's with its attention fields."""
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        h, d, heads, kvh = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        self.qkv_proj = Linear(h, (heads + 2 * kvh) * d, bias=cfg.attention_bias)
+        self.o_proj = Linear(heads * d, h, bias=cfg.o_proj_bias)
+        self.sliding = layer in cfg.sliding_layers
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, ctx: ForwardContext) -> torch.Tensor:
+        cfg, t = self.cfg, x.shape[0]
+        heads, kvh = cfg.num_heads, cfg.num_kv_heads
+        qkv = self.qkv_proj(x).view(t, heads + 2 * kvh, cfg.head_dim)
+        qk = qkv[:, : heads + kvh]
+        if cfg.qk_norm:
+            qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
+        qk = rotate(qk, cos, sin)
+        out = self._attend(qk[:, :heads], qk[:, heads:], qkv[:, heads + kvh :], ctx)
+        return self.o_proj(out.reshape(t, -1))
+
+    def _attend(self, q, k, v, ctx: ForwardContext) -> torch.Tensor:
+        """Store the step's keys and values [T, kv heads, d] in the pool, then attend the
+        queries [T, heads, d] in the step's groups."""
+        kv_cache = ctx.kv_cache[self.layer]
+        kv_cache.index_copy_(0, ctx.out_slots, torch.cat([k, v], dim=1).to(kv_cache.dtype))
+        out = torch.zeros_like(q)
+        for group in ctx.prompt_groups:
+            out.index_copy_(0, group.out_rows, self._prompt(q, kv_cache, group))
+        for group in ctx.decode_groups:
+            out.index_copy_(0, group.rows, self._decode(q.index_select(0, group.rows), kv_cache, group))
+        return out
+
+    def _prompt(self, q, kv_cache, group: PromptGroup) -> torch.Tensor:
+        cfg, kvh = self.cfg, self.cfg.num_kv_heads
+        b, _, length = group.shape
+        # index_select, not kv_cache[slots]: advanced indexing copies several times slower.
+        q = q.index_select(0, group.query_rows).view(b, -1, cfg.num_heads, cfg.head_dim)
+        kv = kv_cache.index_select(0, group.kv_slots).view(b, length, 2 * kvh, cfg.head_dim)
+        kv = kv.permute(0, 2, 1, 3)
+        mask = group.window_mask if self.sliding else group.mask
+        attn = self._sdpa(q.transpose(1, 2), kv[:, :kvh], kv[:, kvh:], mask, folded=False)
+        return attn.transpose(1, 2).reshape(-1, cfg.num_heads, cfg.head_dim).index_select(0, group.kept)
+
+    def _decode(self, q, kv_cache, group: DecodeGroup) -> torch.Tensor:
+        cfg, b, kvh = self.cfg, q.shape[0], self.cfg.num_kv_heads
+        per_kv_head = cfg.num_heads // cfg.num_kv_heads
+        q = q.view(b, cfg.num_kv_heads, per_kv_head, cfg.head_dim)
+        if per_kv_head < MIN_QUERY_ROWS:
+            q = torch.cat([q, q[:, :, -1:].expand(-1, -1, MIN_QUERY_ROWS - per_kv_head, -1)], dim=2)
+        kv = kv_cache.index_select(0, group.kv_slots).view(b, -1, 2 * kvh, cfg.head_dim).permute(0, 2, 1, 3)
+        valid = group.window_valid if self.sliding else group.valid
+        attn = self._sdpa(q, kv[:, :kvh], kv[:, kvh:], valid, folded=True)
+        return attn[:, :, :per_kv_head].reshape(b, cfg.num_heads, cfg.head_dim)
+
+    def _sdpa(self, q, k, v, mask: torch.Tensor | None, folded: bool) -> torch.Tensor:
+        """SDPA over q [B, heads, Q, d] and k, v [B, kv heads, L, d], causal when `mask` is
+        None. `folded`: a decode call, whose q is [B, kv heads, rows, d] with each kv head's
+        query heads as rows (padded by repeating the last)."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                              enable_gqa=not folded)

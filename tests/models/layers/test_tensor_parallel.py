@@ -1,0 +1,70 @@
+"""A tensor-parallel rank reads only the slices it keeps: the pieces two ranks read of each
+checkpoint tensor are smaller than it, and together make it up exactly, as safetensors' own
+reader reads it (or are the whole of it, on each rank, where it is not split)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from freetoken.models import loader
+from freetoken.models.registry import load_model
+from tests.model_fixtures import tiny_random_folder
+
+
+class OneRank:
+    """engine.parallel.Group's interface for one rank loaded alone (no forward runs)."""
+
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world = rank, world
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("no collective runs at load")
+
+    gather = sum
+
+
+def rank_pieces(folder, rank: int, monkeypatch) -> tuple[dict, object]:
+    """What `rank` of 2 read of each checkpoint tensor, and its loaded model."""
+    pieces = {}
+
+    def recording(folder, part=None):
+        state = read(folder, part)
+        pieces.update(state)
+        return state
+
+    read = loader.read_weights
+    monkeypatch.setattr(loader, "read_weights", recording)
+    loaded = load_model(folder, dtype="float32", device="cpu", group=OneRank(rank, 2))
+    monkeypatch.setattr(loader, "read_weights", read)
+    return pieces, loaded
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fixture", ["qwen3", "tiny_qwen3_moe_path", "tiny_gpt_oss_path"])
+def test_each_rank_reads_only_its_part_and_the_parts_make_up_the_checkpoint(fixture, request,
+                                                                            monkeypatch):
+    folder = tiny_random_folder() if fixture == "qwen3" else request.getfixturevalue(fixture)
+    full = load_file(folder / "model.safetensors")
+    (first, model0), (second, model1) = (rank_pieces(folder, rank, monkeypatch) for rank in (0, 1))
+    assert model0.model.cfg.num_heads == model1.model.cfg.num_heads == 2
+    split = 0
+    for name, tensor in full.items():
+        a, b = first[name], second.get(name)
+        if b is None:  # a bias added once, by rank 0
+            assert name.endswith(("o_proj.bias", "down_proj.bias", "down_proj_bias")), name
+            assert torch.equal(a, tensor)
+            continue
+        if a.shape == b.shape == tensor.shape:
+            assert torch.equal(a, tensor) and torch.equal(b, tensor), name
+            continue
+        dim = next(d for d in range(tensor.dim()) if a.shape[d] != tensor.shape[d])
+        assert a.numel() < tensor.numel() and b.numel() < tensor.numel(), name
+        whole = torch.cat([a, b], dim=dim).narrow(dim, 0, tensor.shape[dim])
+        assert torch.equal(whole, tensor), name
+        split += 1
+    # q/k/v/o and the (experts') gate/up/down of every layer, the embedding (and an untied head).
+    assert split >= 7 * model0.model.cfg.num_layers + 1
+    held = [sum(t.numel() for t in pieces.values()) for pieces in (first, second)]
+    assert all(n < sum(t.numel() for t in full.values()) for n in held)
