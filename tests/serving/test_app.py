@@ -119,3 +119,11 @@ def test_draining_server_refuses_new_requests_with_503():
     client = _client(draining=True)
     assert _error(client.get("/health"), 503)["code"] == "shutdown"
     assert _error(client.post("/v1/completions", json={"prompt": "x"}), 503)["code"] == "shutdown"
+
+
+def test_a_model_is_retrieved_by_its_id_and_an_unknown_id_is_an_openai_404():
+    client = _client()
+    card = client.get("/v1/models/m").json()
+    assert card == client.get("/v1/models").json()["data"][0] and card["id"] == "m"
+    err = _error(client.get("/v1/models/org/other"), 404)
+    assert err["code"] == "model_not_found" and err["type"] == "not_found_error"

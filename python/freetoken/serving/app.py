@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request, Response
 from freetoken.serving import chat, completion, errors, metrics
 from freetoken.serving.client import FrontendManager
 from freetoken.serving.errors import AsciiJSONResponse, RequestError
+from freetoken.serving.handling import check_model
 from freetoken.serving.limits import Limits
 from freetoken.serving.playground import Playground
 from freetoken.serving.protocol import (
@@ -54,10 +55,13 @@ def create_app(get_state: Callable[[], FrontendManager]):
 
     @app.get("/v1/models")
     async def models():
-        cfg = get_state().config
-        return {"object": "list", "data": [{
-            "id": cfg.served_model_name, "object": "model", "created": 0, "owned_by": "freetoken",
-            "root": cfg.served_model_name, "max_model_len": cfg.max_model_len}]}
+        return {"object": "list", "data": [_model_card(get_state().config)]}
+
+    @app.get("/v1/models/{model_id:path}")  # :path: served names may hold slashes (org/name)
+    async def model(model_id: str):
+        state = get_state()
+        check_model(model_id, state)
+        return _model_card(state.config)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -90,6 +94,11 @@ def create_app(get_state: Callable[[], FrontendManager]):
     counted = metrics.HttpMetrics(gated, lambda: getattr(get_state(), "metrics", None),
                                   {route.path for route in app.routes})
     return Playground(counted, get_state)
+
+
+def _model_card(cfg) -> dict:
+    return {"id": cfg.served_model_name, "object": "model", "created": 0, "owned_by": "freetoken",
+            "root": cfg.served_model_name, "max_model_len": cfg.max_model_len}
 
 
 def tokenizer_config(tokenizer) -> dict:

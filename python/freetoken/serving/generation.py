@@ -92,9 +92,10 @@ class GenResult:
 def reply_options(config: FrontendConfig, chat: bool, params: SamplingParams) -> dict:
     """How a request's replies are built (`ReplyBuilder`'s options): chat output that a parser
     reads needs each token's text, and some families' markers are special tokens kept in it
-    whatever `skip_special_tokens` says (the parser takes them out of the content)."""
+    whatever `skip_special_tokens` says (the parser takes them out of the content). A chat
+    under a grammar may be forced tool calls, parsed even on a server without a tool parser."""
     reasoning, tool = config.reasoning_parser, config.tool_call_parser
-    parsed = chat and (reasoning is not None or tool is not None)
+    parsed = chat and (reasoning is not None or tool is not None or params.structured is not None)
     keep = parsed and registry.keeps_special_tokens(reasoning, tool)
     return {"skip_special_tokens": params.skip_special_tokens and not keep,
             "token_texts": parsed,
