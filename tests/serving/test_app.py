@@ -127,3 +127,9 @@ def test_a_model_is_retrieved_by_its_id_and_an_unknown_id_is_an_openai_404():
     assert card == client.get("/v1/models").json()["data"][0] and card["id"] == "m"
     err = _error(client.get("/v1/models/org/other"), 404)
     assert err["code"] == "model_not_found" and err["type"] == "not_found_error"
+
+
+def test_an_anthropic_client_may_send_its_key_as_x_api_key():
+    client = _client(api_key="k")
+    assert client.get("/v1/models", headers={"x-api-key": "k"}).status_code == 200
+    assert client.get("/v1/models", headers={"x-api-key": "nope"}).status_code == 401

@@ -8,7 +8,7 @@ from typing import Callable
 
 from fastapi import FastAPI, Request, Response
 
-from freetoken.serving import chat, completion, errors, metrics
+from freetoken.serving import anthropic, chat, completion, errors, metrics, responses
 from freetoken.serving.client import FrontendManager
 from freetoken.serving.errors import AsciiJSONResponse, RequestError
 from freetoken.serving.handling import check_model
@@ -22,10 +22,14 @@ from freetoken.serving.protocol import (
 )
 
 
-def _authorized(header: str | None, key: str) -> bool:
-    scheme, _, token = (header or "").partition(" ")
+def _authorized(headers: dict, key: str) -> bool:
+    """`Authorization: Bearer KEY`, or `x-api-key: KEY` as Anthropic's clients send it."""
+    bearer = headers.get(b"authorization", b"").decode("latin-1")
+    scheme, _, token = bearer.partition(" ")
+    if scheme.lower() != "bearer":
+        token = headers.get(b"x-api-key", b"").decode("latin-1")
     # Constant-time: the comparison must not tell an attacker how much of the key matched.
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+    return bool(token) and hmac.compare_digest(token.strip().encode(), key.encode())
 
 
 def create_app(get_state: Callable[[], FrontendManager]):
@@ -70,6 +74,28 @@ def create_app(get_state: Callable[[], FrontendManager]):
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         return await chat.create_chat_completion(req, request, get_state(), limits)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        return await anthropic.create_message(request, get_state(), limits)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        return await anthropic.count_tokens(request, get_state(), limits)
+
+    store = responses.ResponseStore()
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        return await responses.create_response(request, get_state(), limits, store)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        return store.get(response_id)[0]
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return store.delete(response_id)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
@@ -141,8 +167,7 @@ class _Gate:
             return None
         state = self.get_state()
         key = state.config.api_key
-        header = dict(scope.get("headers", ())).get(b"authorization", b"").decode("latin-1")
-        if key and not _authorized(header, key):
+        if key and not _authorized(dict(scope.get("headers", ())), key):
             return errors.error_response("Invalid API key", 401)
         if state.dead:
             return errors.error_response(errors.ENGINE_DEAD, 503, code="engine_dead")

@@ -49,9 +49,7 @@ async def handle_chat_completion(req: ChatCompletionRequest, raw_request, state:
 async def create_chat_completion(req: ChatCompletionRequest, raw_request, state: EngineClient,
                                  limits: Limits):
     try:
-        check_model(req.model, state)
-        spec = _gen_spec(req, req.to_sampling_params(limits), state)
-        await structured.check(state, spec.sampling_params.structured, spec.structured_param)
+        spec = await prepare(req, state, limits)
         specs = _choice_specs(spec, req.n)
         if req.stream:
             streams = await all_or_none([generation.generate_events(state, s) for s in specs])
@@ -113,6 +111,16 @@ def call_format(tool_parser: str | None, tools: list[dict] | None, choice: Any) 
     if tool_parser is None and forces_calls(tools, choice):
         return FORCED_CALL_FORMAT
     return tool_parser
+
+
+async def prepare(req: ChatCompletionRequest, state: EngineClient,
+                  limits: Limits) -> generation.GenSpec:
+    """The generation a chat request asks for, checked (model, limits, grammar): what chat and
+    the APIs adapted onto it (anthropic.py, responses.py) run."""
+    check_model(req.model, state)
+    spec = _gen_spec(req, req.to_sampling_params(limits), state)
+    await structured.check(state, spec.sampling_params.structured, spec.structured_param)
+    return spec
 
 
 def _gen_spec(req: ChatCompletionRequest, params: SamplingParams, state) -> generation.GenSpec:
