@@ -118,7 +118,8 @@ class _Builder:
             status="incomplete" if cut else "completed",
             incomplete_details={"reason": "max_output_tokens"} if cut else None,
             usage={"input_tokens": done.prompt_tokens,
-                   "input_tokens_details": {"cached_tokens": done.cached_tokens},
+                   "input_tokens_details": {"cached_tokens": done.cached_tokens,
+                                            "cache_write_tokens": 0},
                    "output_tokens": done.completion_tokens,
                    "output_tokens_details": {"reasoning_tokens": done.reasoning_tokens},
                    "total_tokens": done.prompt_tokens + done.completion_tokens})
