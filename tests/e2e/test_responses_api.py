@@ -157,3 +157,26 @@ def test_previous_response_id_continues_the_stored_conversation(tiny):
 def test_refusals_name_the_field(tiny, fields, param):
     r = httpx.post(f"{tiny.url}/v1/responses", json={"input": "x", **fields})
     assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, r.text
+
+
+@pytest.fixture(scope="module")
+def harmony(server, harmony_scripted_path):
+    """The Harmony scripted model; auto picks the gpt_oss reasoning and tool parsers."""
+    return server("--model", str(harmony_scripted_path))
+
+
+def test_harmony_effort_reasoning_item_and_tool_call(harmony, harmony_scripted_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(harmony_scripted_path)
+    r = both(harmony, input="Say hello.", reasoning={"effort": "high"}, max_output_tokens=40)
+    assert [(i.type, i.content[0].text) for i in r.output] == [
+        ("reasoning", "Let me think."), ("message", "Use a <b> tag.")]
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Say hello."}],
+                                     add_generation_prompt=True, tokenize=False,
+                                     reasoning_effort="high")
+    assert r.usage.input_tokens == len(tok.encode(prompt, add_special_tokens=False))
+    call = both(harmony, input="The weather in Paris?", tools=[WEATHER],
+                max_output_tokens=60).output[-1]
+    assert (call.type, call.name, json.loads(call.arguments)) == (
+        "function_call", "get_weather", {"city": "Paris"})
