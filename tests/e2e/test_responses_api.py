@@ -70,6 +70,15 @@ def test_reasoning_and_message_items(scripted):
     assert r.usage.input_tokens_details.cached_tokens >= 0
 
 
+def test_output_text_logprobs_hold_no_reasoning_token(scripted):
+    r = both(scripted, input="Hello", max_output_tokens=40,
+             include=["message.output_text.logprobs"], top_logprobs=1)
+    [reasoning, message] = r.output
+    part = message.content[0]
+    assert "".join(e.token for e in part.logprobs) == part.text == "Use a <b> tag."
+    assert reasoning.content[0].text == "Let me think."
+
+
 def test_reasoning_effort_none_turns_thinking_off(scripted):
     r = both(scripted, input="Hello", max_output_tokens=40, reasoning=NO_THINKING)
     assert [i.type for i in r.output] == ["message"] and r.output_text == "Use a <b> tag."

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
-from freetoken.serving.errors import RequestError
+from freetoken.serving.errors import RequestError, validation_error
 from freetoken.serving.responses import ResponsesRequest, ResponseStore, chat_messages
 
 
@@ -49,3 +50,17 @@ def test_the_store_drops_the_least_recently_used():
     with pytest.raises(RequestError) as exc:
         store.get("b")
     assert exc.value.status == 404
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"text": {"verbosity": "low"}}, "text"),
+    ({"include": ["file_search_call.results"]}, "include"),
+    ({"background": True}, "background"),
+    ({"frob": 1}, "frob"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
+])
+def test_what_would_change_the_result_unsupported_is_refused(fields, param):
+    with pytest.raises((ValidationError, RequestError)) as exc:
+        ResponsesRequest.model_validate({"input": "x", **fields}).chat_body([])
+    err = exc.value if isinstance(exc.value, RequestError) else validation_error(exc.value)
+    assert err.param == param

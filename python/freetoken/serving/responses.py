@@ -60,6 +60,10 @@ class ResponsesRequest(OpenAIBaseModel):
                 continue
             if name not in HARMLESS_FIELDS:
                 raise RequestError(f"{name} is not supported by this server", param=name)
+        if self.text and (self.text.keys() - {"format", "verbosity"}
+                          or self.text.get("verbosity") not in (None, "medium")):
+            raise RequestError("text: only format (and verbosity 'medium') is supported",
+                               param="text")
         for item in self.include or []:
             if item != LOGPROBS:
                 raise RequestError(f"include {item!r} is not supported (only {LOGPROBS!r})",
@@ -121,11 +125,11 @@ def _text_of(content: Any) -> str:
     """A message's text: a string, or its input_text / output_text parts joined."""
     if isinstance(content, str):
         return content
-    parts = content if isinstance(content, list) else []
-    if any(not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text")
-           for p in parts) or not isinstance(content, list):
+    if not isinstance(content, list) or any(
+            not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text")
+            for p in content):
         raise RequestError("input: only text content parts are supported", param="input")
-    return "".join(p.get("text") or "" for p in parts)
+    return "".join(p.get("text") or "" for p in content)
 
 
 def chat_messages(items: list[dict]) -> list[dict]:
