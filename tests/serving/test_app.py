@@ -133,3 +133,11 @@ def test_an_anthropic_client_may_send_its_key_as_x_api_key():
     client = _client(api_key="k")
     assert client.get("/v1/models", headers={"x-api-key": "k"}).status_code == 200
     assert client.get("/v1/models", headers={"x-api-key": "nope"}).status_code == 401
+
+
+def test_the_gate_answers_anthropic_routes_in_anthropics_shape():
+    r = _client(api_key="k").post("/v1/messages", json={})
+    assert r.status_code == 401 and r.json() == {
+        "type": "error", "error": {"type": "authentication_error", "message": "Invalid API key"}}
+    r = _client(dead=True).post("/v1/messages/count_tokens", json={})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error"

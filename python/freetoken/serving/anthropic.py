@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from freetoken.serving.client import EngineClient
 
 # Accepted because they cannot change the generated result.
-HARMLESS_FIELDS = {"metadata", "service_tier", "container", "mcp_servers", "cache_control"}
+HARMLESS_FIELDS = {"metadata", "service_tier", "cache_control"}
 
 
 class Block(OpenAIBaseModel):

@@ -167,10 +167,13 @@ class _Gate:
             return None
         state = self.get_state()
         key = state.config.api_key
+        # Anthropic's clients read errors in Anthropic's shape.
+        shaped = errors.anthropic_error if scope["path"].startswith("/v1/messages") \
+            else errors.error_from
         if key and not _authorized(dict(scope.get("headers", ())), key):
-            return errors.error_response("Invalid API key", 401)
+            return shaped(RequestError("Invalid API key", status=401))
         if state.dead:
-            return errors.error_response(errors.ENGINE_DEAD, 503, code="engine_dead")
+            return shaped(RequestError(errors.ENGINE_DEAD, code="engine_dead", status=503))
         if state.draining:
-            return errors.error_response(errors.SHUTTING_DOWN, 503, code="shutdown")
+            return shaped(RequestError(errors.SHUTTING_DOWN, code="shutdown", status=503))
         return None
