@@ -162,3 +162,19 @@ def test_unknown_model_is_an_sdk_not_found(scripted):
     with pytest.raises(anthropic.NotFoundError):
         client(scripted).messages.create(model="claude-nope", max_tokens=5,
                                          messages=[{"role": "user", "content": "x"}])
+
+
+@pytest.fixture(scope="module")
+def harmony(server, harmony_scripted_path):
+    """The Harmony scripted model; auto picks the gpt_oss reasoning and tool parsers."""
+    return server("--model", str(harmony_scripted_path))
+
+
+def test_harmony_thinking_and_tool_use(harmony):
+    msg = both(harmony, max_tokens=40, messages=[{"role": "user", "content": "Say hello."}])
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None))
+            for b in msg.content] == [("thinking", "Let me think."), ("text", "Use a <b> tag.")]
+    msg = both(harmony, max_tokens=60, tools=[WEATHER],
+               messages=[{"role": "user", "content": "The weather in Paris?"}])
+    assert [b.type for b in msg.content] == ["thinking", "tool_use"]
+    assert msg.content[1].input == {"city": "Paris"} and msg.stop_reason == "tool_use"

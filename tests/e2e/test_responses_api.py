@@ -189,3 +189,18 @@ def test_harmony_effort_reasoning_item_and_tool_call(harmony, harmony_scripted_p
                 max_output_tokens=60).output[-1]
     assert (call.type, call.name, json.loads(call.arguments)) == (
         "function_call", "get_weather", {"city": "Paris"})
+
+
+def test_the_stream_names_each_kind_of_delta(scripted):
+    events = list(scripted.client().responses.create(
+        model=model(scripted), input="What is the weather in Paris?", tools=[WEATHER],
+        temperature=0, max_output_tokens=60, stream=True))
+    kinds = [e.type for e in events]
+    for kind in ("response.output_item.added", "response.content_part.added",
+                 "response.reasoning_text.delta", "response.reasoning_text.done",
+                 "response.function_call_arguments.delta",
+                 "response.function_call_arguments.done", "response.output_item.done",
+                 "response.completed"):
+        assert kind in kinds, kind
+    added = [e.output_index for e in events if e.type == "response.output_item.added"]
+    assert added == [0, 1]  # the reasoning item, then the call
