@@ -234,8 +234,6 @@ REFUSED = [
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {
         "type": "integer", "minimum": 3, "maximum": 1}}}}, "response_format"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
-     "tool_choice"),  # the default model runs without a tool parser
 ]
 
 
@@ -244,6 +242,17 @@ def test_bad_structured_requests_are_400s_naming_the_field(default_server, field
     r = post(default_server, "chat/completions",
              {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_required_tool_choice_without_a_tool_parser_is_a_forced_call(default_server):
+    """The default model runs without a tool parser: the call is forced all the same."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40,
+            "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+            "parallel_tool_calls": False}
+    choice = ok(default_server, "chat/completions", body)["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [
+        {"name": "f", "arguments": "{}"}]
 
 
 # Tool calls on the tiny random Qwen3: any token the grammar allows may come, so the tools'

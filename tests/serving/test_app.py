@@ -119,3 +119,25 @@ def test_draining_server_refuses_new_requests_with_503():
     client = _client(draining=True)
     assert _error(client.get("/health"), 503)["code"] == "shutdown"
     assert _error(client.post("/v1/completions", json={"prompt": "x"}), 503)["code"] == "shutdown"
+
+
+def test_a_model_is_retrieved_by_its_id_and_an_unknown_id_is_an_openai_404():
+    client = _client()
+    card = client.get("/v1/models/m").json()
+    assert card == client.get("/v1/models").json()["data"][0] and card["id"] == "m"
+    err = _error(client.get("/v1/models/org/other"), 404)
+    assert err["code"] == "model_not_found" and err["type"] == "not_found_error"
+
+
+def test_an_anthropic_client_may_send_its_key_as_x_api_key():
+    client = _client(api_key="k")
+    assert client.get("/v1/models", headers={"x-api-key": "k"}).status_code == 200
+    assert client.get("/v1/models", headers={"x-api-key": "nope"}).status_code == 401
+
+
+def test_the_gate_answers_anthropic_routes_in_anthropics_shape():
+    r = _client(api_key="k").post("/v1/messages", json={})
+    assert r.status_code == 401 and r.json() == {
+        "type": "error", "error": {"type": "authentication_error", "message": "Invalid API key"}}
+    r = _client(dead=True).post("/v1/messages/count_tokens", json={})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error"

@@ -253,3 +253,19 @@ def test_tokenize_takes_one_of_prompt_or_messages():
     assert msg.text == MESSAGES and not msg.add_special_tokens
     assert parse_refusal(TokenizeRequest, messages=[
         {"role": "user", "content": [{"type": "image_url"}]}]).param == "messages"
+
+
+@pytest.mark.parametrize("effort,ctk,expected", [
+    ("high", None, {"reasoning_effort": "high"}),
+    ("none", None, {"reasoning_effort": "none", "enable_thinking": False}),
+    ("none", {"enable_thinking": True}, {"reasoning_effort": "none", "enable_thinking": True}),
+    (None, {"x": 1}, {"x": 1}),
+])
+def test_reasoning_effort_reaches_the_template_and_none_turns_thinking_off(effort, ctk, expected):
+    assert chat(reasoning_effort=effort, chat_template_kwargs=ctk).template_kwargs == expected
+
+
+def test_an_unknown_reasoning_effort_is_a_400_naming_it():
+    with pytest.raises(ValidationError) as exc:
+        chat(reasoning_effort="extreme")
+    assert validation_error(exc.value).param == "reasoning_effort"

@@ -237,15 +237,18 @@ def test_harmony_answers_after_the_final_channel_header(tiny_harmony_path):
     assert spec.kind == "lark" and spec.after_ids == ()  # its grammar spans the analysis
 
 
-@pytest.mark.parametrize("fields,param,words", [
-    ({"tool_choice": "required"}, "tool_choice", "tool call parser"),
-    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",
-     "tool call parser"),
-])
-def test_forced_tool_calls_without_a_tool_parser_are_refused(fields, param, words):
-    with pytest.raises(RequestError) as exc:
-        for_chat(tool_parser=None, tools=TOOLS, **fields)
-    assert exc.value.param == param and words in exc.value.message
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}])
+def test_forced_tool_calls_without_a_tool_parser_are_written_as_hermes_calls(choice):
+    assert chat_endpoint.call_format(None, TOOLS, choice) == "hermes"
+    spec, param = for_chat(tool_parser=chat_endpoint.call_format(None, TOOLS, choice),
+                           tools=TOOLS, tool_choice=choice)
+    assert spec.kind == "lark" and "<tool_call>" in spec.value and param == "tools"
+
+
+def test_free_tool_choices_without_a_tool_parser_parse_no_calls():
+    assert chat_endpoint.call_format(None, TOOLS, "auto") is None
+    assert chat_endpoint.call_format(None, None, "required") is None
+    assert chat_endpoint.call_format("qwen3_coder", TOOLS, "required") == "qwen3_coder"
 
 
 def test_forced_tool_calls_and_a_response_format_do_not_combine():

@@ -8,9 +8,10 @@ from typing import Callable
 
 from fastapi import FastAPI, Request, Response
 
-from freetoken.serving import chat, completion, errors, metrics
+from freetoken.serving import anthropic, chat, completion, errors, metrics, responses
 from freetoken.serving.client import FrontendManager
 from freetoken.serving.errors import AsciiJSONResponse, RequestError
+from freetoken.serving.handling import check_model
 from freetoken.serving.limits import Limits
 from freetoken.serving.playground import Playground
 from freetoken.serving.protocol import (
@@ -21,10 +22,14 @@ from freetoken.serving.protocol import (
 )
 
 
-def _authorized(header: str | None, key: str) -> bool:
-    scheme, _, token = (header or "").partition(" ")
+def _authorized(headers: dict, key: str) -> bool:
+    """`Authorization: Bearer KEY`, or `x-api-key: KEY` as Anthropic's clients send it."""
+    bearer = headers.get(b"authorization", b"").decode("latin-1")
+    scheme, _, token = bearer.partition(" ")
+    if scheme.lower() != "bearer":
+        token = headers.get(b"x-api-key", b"").decode("latin-1")
     # Constant-time: the comparison must not tell an attacker how much of the key matched.
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+    return bool(token) and hmac.compare_digest(token.strip().encode(), key.encode())
 
 
 def create_app(get_state: Callable[[], FrontendManager]):
@@ -54,10 +59,13 @@ def create_app(get_state: Callable[[], FrontendManager]):
 
     @app.get("/v1/models")
     async def models():
-        cfg = get_state().config
-        return {"object": "list", "data": [{
-            "id": cfg.served_model_name, "object": "model", "created": 0, "owned_by": "freetoken",
-            "root": cfg.served_model_name, "max_model_len": cfg.max_model_len}]}
+        return {"object": "list", "data": [_model_card(get_state().config)]}
+
+    @app.get("/v1/models/{model_id:path}")  # :path: served names may hold slashes (org/name)
+    async def model(model_id: str):
+        state = get_state()
+        check_model(model_id, state)
+        return _model_card(state.config)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -66,6 +74,28 @@ def create_app(get_state: Callable[[], FrontendManager]):
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         return await chat.create_chat_completion(req, request, get_state(), limits)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        return await anthropic.create_message(request, get_state(), limits)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        return await anthropic.count_tokens(request, get_state(), limits)
+
+    store = responses.ResponseStore()
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        return await responses.create_response(request, get_state(), limits, store)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        return store.get(response_id)[0]
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return store.delete(response_id)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
@@ -90,6 +120,11 @@ def create_app(get_state: Callable[[], FrontendManager]):
     counted = metrics.HttpMetrics(gated, lambda: getattr(get_state(), "metrics", None),
                                   {route.path for route in app.routes})
     return Playground(counted, get_state)
+
+
+def _model_card(cfg) -> dict:
+    return {"id": cfg.served_model_name, "object": "model", "created": 0, "owned_by": "freetoken",
+            "root": cfg.served_model_name, "max_model_len": cfg.max_model_len}
 
 
 def tokenizer_config(tokenizer) -> dict:
@@ -132,11 +167,13 @@ class _Gate:
             return None
         state = self.get_state()
         key = state.config.api_key
-        header = dict(scope.get("headers", ())).get(b"authorization", b"").decode("latin-1")
-        if key and not _authorized(header, key):
-            return errors.error_response("Invalid API key", 401)
+        # Anthropic's clients read errors in Anthropic's shape.
+        shaped = errors.anthropic_error if scope["path"].startswith("/v1/messages") \
+            else errors.error_from
+        if key and not _authorized(dict(scope.get("headers", ())), key):
+            return shaped(RequestError("Invalid API key", status=401))
         if state.dead:
-            return errors.error_response(errors.ENGINE_DEAD, 503, code="engine_dead")
+            return shaped(RequestError(errors.ENGINE_DEAD, code="engine_dead", status=503))
         if state.draining:
-            return errors.error_response(errors.SHUTTING_DOWN, 503, code="shutdown")
+            return shaped(RequestError(errors.SHUTTING_DOWN, code="shutdown", status=503))
         return None

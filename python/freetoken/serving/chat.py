@@ -49,9 +49,7 @@ async def handle_chat_completion(req: ChatCompletionRequest, raw_request, state:
 async def create_chat_completion(req: ChatCompletionRequest, raw_request, state: EngineClient,
                                  limits: Limits):
     try:
-        check_model(req.model, state)
-        spec = _gen_spec(req, req.to_sampling_params(limits), state)
-        await structured.check(state, spec.sampling_params.structured, spec.structured_param)
+        spec = await prepare(req, state, limits)
         specs = _choice_specs(spec, req.n)
         if req.stream:
             streams = await all_or_none([generation.generate_events(state, s) for s in specs])
@@ -96,15 +94,44 @@ async def create_chat_completion(req: ChatCompletionRequest, raw_request, state:
     return response
 
 
+# The call format forced calls are written in on a server without a tool parser: hermes's
+# `<tool_call>` JSON, the tool-call format most chat templates are trained on.
+FORCED_CALL_FORMAT = "hermes"
+
+
+def forces_calls(tools: list[dict] | None, choice: Any) -> bool:
+    return bool(tools) and (choice == "required" or isinstance(choice, dict))
+
+
+def call_format(tool_parser: str | None, tools: list[dict] | None, choice: Any) -> str | None:
+    """The tool parser that reads this request's calls: the server's, or for a forced
+    tool_choice on a server without one `FORCED_CALL_FORMAT`, whose grammar then makes the
+    model write its calls in the format read back (vLLM forces them with structured outputs
+    likewise)."""
+    if tool_parser is None and forces_calls(tools, choice):
+        return FORCED_CALL_FORMAT
+    return tool_parser
+
+
+async def prepare(req: ChatCompletionRequest, state: EngineClient,
+                  limits: Limits) -> generation.GenSpec:
+    """The generation a chat request asks for, checked (model, limits, grammar): what chat and
+    the APIs adapted onto it (anthropic.py, responses.py) run."""
+    check_model(req.model, state)
+    spec = _gen_spec(req, req.to_sampling_params(limits), state)
+    await structured.check(state, spec.sampling_params.structured, spec.structured_param)
+    return spec
+
+
 def _gen_spec(req: ChatCompletionRequest, params: SamplingParams, state) -> generation.GenSpec:
     cfg = state.config
     tools, choice = req.tool_dicts, req.tool_choice
     template_tools = tools
     if isinstance(choice, dict) and tools:  # the template shows the named function alone
         template_tools = [t for t in tools if t["function"]["name"] == choice["function"]["name"]]
-    tool_parser, reasoning = cfg.tool_call_parser, cfg.reasoning_parser
+    tool_parser, reasoning = call_format(cfg.tool_call_parser, tools, choice), cfg.reasoning_parser
     parser_tools = tools if tools and choice != "none" and tool_parser else None
-    ctk = dict(req.chat_template_kwargs or {})
+    ctk = req.template_kwargs
     tokenizer = getattr(state, "tokenizer", None)
     grammar = output_grammar(req.structured_output, tools, choice,
                              req.parallel_tool_calls is not False, tool_parser, reasoning, ctk,
@@ -136,17 +163,14 @@ def output_grammar(found: Requested | None, tools: list[dict] | None, choice: An
                    parallel: bool, tool_parser: str | None, reasoning: str | None,
                    chat_template_kwargs: dict, tokenizer: Any) -> Requested | None:
     """The grammar of the output and the field named if it does not compile: the tool-call
-    grammar of tool_choice "required" or a named function, else the structured output asked
-    for; either starts after the reasoning."""
-    if tools and (choice == "required" or isinstance(choice, dict)):
+    grammar of tool_choice "required" or a named function in `tool_parser`'s format (see
+    `call_format`), else the structured output asked for; either starts after the
+    reasoning."""
+    if forces_calls(tools, choice):
         forced = "'required'" if choice == "required" else "naming a function"
         if found is not None:
             raise RequestError(f"{found.field} cannot be combined with tool_choice {forced}: the "
                                "reply is tool calls", param=found.field)
-        if tool_parser is None:
-            raise RequestError(f"tool_choice {forced} needs a tool call parser, and this server "
-                               "runs without one (--tool-call-parser): calls could not be read "
-                               "from the output", param="tool_choice")
         name = choice["function"]["name"] if isinstance(choice, dict) else None
         literal = token_literal(tokenizer) if tokenizer is not None else json.dumps
         built = registry.tool_call_grammar(tool_parser, tools, name, parallel, literal)

@@ -1,4 +1,5 @@
-"""Every error the server answers, in OpenAI's shape `{"error": {message, type, param, code}}`.
+"""Every error the server answers, in OpenAI's shape `{"error": {message, type, param, code}}`
+(and Anthropic's, for its Messages API).
 
 Handlers and the requests' own checks (protocol.py) raise `RequestError`; the engine and the
 frontend report failures as an error code on a reply (`reply_error` maps it to a status).
@@ -57,6 +58,21 @@ def error_body(exc: RequestError) -> dict:
 
 def error_from(exc: RequestError) -> JSONResponse:
     return AsciiJSONResponse(error_body(exc), status_code=exc.status)
+
+
+_ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_body(exc: RequestError) -> dict:
+    """Anthropic's shape, for /v1/messages: `{"type": "error", "error": {type, message}}`."""
+    err_type = _ANTHROPIC_TYPES.get(exc.status,
+                                    "invalid_request_error" if exc.status < 500 else "api_error")
+    return {"type": "error", "error": {"type": err_type, "message": exc.message}}
+
+
+def anthropic_error(exc: RequestError) -> JSONResponse:
+    return AsciiJSONResponse(anthropic_body(exc), status_code=exc.status)
 
 
 def error_response(message: str, status: int = 400, param: str | None = None,

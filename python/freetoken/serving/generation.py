@@ -65,6 +65,14 @@ class ToolCallDelta:
 
 
 @dataclass
+class GenStart:
+    """The first event: the prompt's size, known before any output."""
+
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass
 class GenDone:
     finish_reason: str | None
     prompt_tokens: int
@@ -73,6 +81,8 @@ class GenDone:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # content entries still held
     reasoning_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    matched_stop: int | str | None = None  # the stop string or stop token id that ended it
+    reasoning_tokens: int = 0  # the tokens the parser read as reasoning
 
 
 @dataclass
@@ -87,14 +97,16 @@ class GenResult:
     content_logprobs: list[TokenLogprob]
     reasoning_logprobs: list[TokenLogprob]
     prompt_logprobs: list[TokenLogprob | None] | None
+    matched_stop: int | str | None = None
 
 
 def reply_options(config: FrontendConfig, chat: bool, params: SamplingParams) -> dict:
     """How a request's replies are built (`ReplyBuilder`'s options): chat output that a parser
     reads needs each token's text, and some families' markers are special tokens kept in it
-    whatever `skip_special_tokens` says (the parser takes them out of the content)."""
+    whatever `skip_special_tokens` says (the parser takes them out of the content). A chat
+    under a grammar may be forced tool calls, parsed even on a server without a tool parser."""
     reasoning, tool = config.reasoning_parser, config.tool_call_parser
-    parsed = chat and (reasoning is not None or tool is not None)
+    parsed = chat and (reasoning is not None or tool is not None or params.structured is not None)
     keep = parsed and registry.keeps_special_tokens(reasoning, tool)
     return {"skip_special_tokens": params.skip_special_tokens and not keep,
             "token_texts": parsed,
@@ -123,7 +135,7 @@ async def _events(spec: GenSpec, first: UserReply, replies) -> AsyncIterator:
     parser = registry.output_parser(spec.reasoning_parser, spec.tool_call_parser,
                                     spec.parser_tools, spec.force_reasoning, spec.special_ids)
     router = LogprobRouter()
-    prompt_tokens = completion_tokens = cached = 0
+    prompt_tokens = completion_tokens = cached = reasoning_tokens = 0
     called = False
 
     def step_events(step: Step):
@@ -139,6 +151,7 @@ async def _events(spec: GenSpec, first: UserReply, replies) -> AsyncIterator:
             if item.parameters:
                 yield ToolCallDelta(item.tool_index, arguments=item.parameters)
 
+    yield GenStart(first.prompt_tokens_delta, first.cached_tokens)
     reply: UserReply | None = first
     while reply is not None:
         if reply.error:
@@ -150,6 +163,7 @@ async def _events(spec: GenSpec, first: UserReply, replies) -> AsyncIterator:
         router.add(entries + [None] * (len(reply.token_ids) - len(entries)))
         step = parser.feed(reply.token_ids, reply.incremental_output, reply.token_texts)
         router.route(step.labels)
+        reasoning_tokens += step.labels.count(Label.REASONING)
         for ev in step_events(step):
             yield ev
         if reply.finished:
@@ -159,11 +173,13 @@ async def _events(spec: GenSpec, first: UserReply, replies) -> AsyncIterator:
     for ev in step_events(step):  # what the end released; entries labelled only now...
         yield ev
     router.route(step.labels)  # ...go on the finish chunk
+    reasoning_tokens += step.labels.count(Label.REASONING)
     finish = reply.finish_reason if reply is not None else None
     if called and finish != "length":
         finish = "tool_calls"
     yield GenDone(finish, prompt_tokens, completion_tokens, cached,
-                  router.take(Label.CONTENT), router.take(Label.REASONING), first.prompt_logprobs)
+                  router.take(Label.CONTENT), router.take(Label.REASONING), first.prompt_logprobs,
+                  reply.matched_stop if reply is not None else None, reasoning_tokens)
 
 
 async def collect(events: AsyncIterator) -> GenResult:
@@ -198,4 +214,5 @@ async def collect(events: AsyncIterator) -> GenResult:
         content_logprobs=content_lps,
         reasoning_logprobs=reasoning_lps,
         prompt_logprobs=done.prompt_logprobs,
+        matched_stop=done.matched_stop,
     )

@@ -14,7 +14,7 @@ one that could change the result rather than drop it.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from pydantic import Field, PrivateAttr, StrictBool, StrictInt, model_validator
 
@@ -51,7 +51,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "logprob_token_ids": _neutral(None),
     "function_call": _neutral(None),
     "functions": _neutral(None),
-    "reasoning_effort": _neutral(None),
 }
 # Accepted because they cannot change the generated result.
 HARMLESS_FIELDS = {"user", "request_id", "priority", "cache_salt", "metadata", "store",
@@ -334,7 +333,20 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     add_special_tokens: StrictBool = False  # the chat template brings its own
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        """`chat_template_kwargs` with `reasoning_effort` in it: a template that reads it
+        (gpt-oss's Harmony system message) gets it as it is, and "none" also turns Qwen3's
+        thinking off, as vLLM; what `chat_template_kwargs` sets itself wins."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+            if self.reasoning_effort == "none":
+                kwargs.setdefault("enable_thinking", False)
+        return kwargs
 
     @property
     def tool_dicts(self) -> list[dict] | None:
