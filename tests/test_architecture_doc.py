@@ -1,0 +1,24 @@
+"""docs/architecture.md's module table names every module of the package, and nothing else."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "python" / "freetoken"
+
+
+def _modules() -> set[str]:
+    """Source files as paths under python/freetoken/; an empty __init__.py is no module."""
+    return {path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*")
+            if path.suffix in (".py", ".c") and "__pycache__" not in path.parts
+            and not (path.name == "__init__.py" and not path.read_text().strip())}
+
+
+def test_the_module_table_lists_exactly_the_packages_modules():
+    rows = re.findall(r"^\| `([\w/]+\.(?:py|c))` \|", (ROOT / "docs" / "architecture.md").read_text(),
+                      flags=re.M)
+    assert len(rows) == len(set(rows)), "a module listed twice"
+    assert sorted(_modules() - set(rows)) == [], "modules missing from docs/architecture.md"
+    assert sorted(set(rows) - _modules()) == [], "docs/architecture.md lists modules that are gone"
