@@ -8,11 +8,12 @@ from typing import Callable
 
 from fastapi import FastAPI, Request, Response
 
-from freetoken.serving import chat, completion, errors, metrics
+from freetoken.serving import chat, completion, errors, metrics, rerank
 from freetoken.serving.client import FrontendManager
 from freetoken.serving.errors import AsciiJSONResponse, RequestError
 from freetoken.serving.limits import Limits
 from freetoken.serving.playground import Playground
+from freetoken.serving.pooling_protocol import RerankRequest, ScoreRequest
 from freetoken.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -66,6 +67,17 @@ def create_app(get_state: Callable[[], FrontendManager]):
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         return await chat.create_chat_completion(req, request, get_state(), limits)
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def rerank_route(req: RerankRequest, request: Request):
+        return await rerank.create_rerank(req, request, get_state(), limits.max_running_requests)
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score_route(req: ScoreRequest, request: Request):
+        return await rerank.create_score(req, request, get_state(), limits.max_running_requests)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):

@@ -1,0 +1,125 @@
+"""/rerank (also /v1/rerank, /v2/rerank) and /score on a causal-LM reranker (--convert classify).
+
+A (query, document) pair is rendered through the score template (or, without one, tokenized as
+a text pair), and scored as a one-token completion: greedy, `allowed_token_ids` the [false, true]
+labels, so its logprobs are renormalised over them, and `logprob_token_ids` the true label. Its
+score is exp of that: p(true) / (p(true) + p(false)) at the last position. The pairs of one query
+share its prefix in the prefix cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+from freetoken.core import SamplingParams
+from freetoken.message import TokenizeMsg
+from freetoken.serving.errors import RequestError, error_from, reply_error
+from freetoken.serving.handling import all_or_none, check_model, until_disconnected
+from freetoken.serving.pooling_protocol import RerankRequest, ScoreRequest
+
+if TYPE_CHECKING:
+    from freetoken.serving.client import EngineClient
+    from freetoken.serving.pooling_config import PoolingConfig
+
+
+def reranker(state: EngineClient, task: str = "classify") -> PoolingConfig:
+    """The served model's pooling config, or a 400 when it is not served for `task`."""
+    pooling = getattr(state.config, "pooling", None)
+    if pooling is None or pooling.task != task:
+        what = {"classify": "a reranker: start the server with --runner pooling --convert "
+                "classify and --hf-overrides giving classifier_from_token",
+                "embed": "an embedding model: start the server with --runner pooling "
+                "--convert embed"}[task]
+        raise RequestError(f"The served model is not {what}.", param="model")
+    return pooling
+
+
+def label_id(tokenizer, label: str) -> int:
+    """A `classifier_from_token` label as its vocabulary id (vLLM's reading of it)."""
+    token = tokenizer.convert_tokens_to_ids(label)
+    if token is None or token == tokenizer.unk_token_id:
+        ids = tokenizer.encode(label, add_special_tokens=False)
+        if len(ids) != 1:
+            raise RequestError(f"classifier_from_token {label!r} is not one token",
+                               status=500, code="engine_error")
+        token = ids[0]
+    return token
+
+
+def pair_prompt(tokenizer, template: str | None, query: str, document: str) -> list[int]:
+    if template is None:  # vLLM's default for a pair: the tokenizer's text pair
+        return tokenizer(text=query, text_pair=document)["input_ids"]
+    text = tokenizer.apply_chat_template(
+        [{"role": "query", "content": query}, {"role": "document", "content": document}],
+        chat_template=template, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+async def score_pairs(state: EngineClient, pairs: list[tuple[str, str]],
+                      window: int) -> tuple[list[float], int]:
+    """Each pair's score, and the prompt tokens they took, all pairs in the engine at once (a
+    window of them at a time)."""
+    pooling = reranker(state)
+    tokenizer = state.tokenizer
+    false_id, true_id = (label_id(tokenizer, label) for label in pooling.label_tokens)
+    prompts = await asyncio.to_thread(
+        lambda: [pair_prompt(tokenizer, pooling.score_template, q, d) for q, d in pairs])
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=0,
+                            allowed_token_ids=[false_id, true_id], logprob_token_ids=[true_id])
+    gate = asyncio.Semaphore(window)
+
+    async def one(ids: list[int]) -> tuple[float, int]:
+        async with gate:
+            uid = state.new_user()
+            await state.send_one(TokenizeMsg(uid, ids, params, add_special_tokens=False))
+            score, tokens = math.nan, 0
+            async for reply in state.wait_for_ack(uid):
+                if reply.error:
+                    raise reply_error(reply.error, reply.error_code)
+                tokens += reply.prompt_tokens_delta
+                entries = [e for e in [*reply.logprobs, reply.stop_logprob] if e is not None]
+                if entries:
+                    score = math.exp(entries[0].top_logprobs[0])
+            return score, tokens
+
+    results = await all_or_none([one(ids) for ids in prompts])
+    return [s for s, _ in results], sum(t for _, t in results)
+
+
+def _usage(tokens: int) -> dict:
+    return {"prompt_tokens": tokens, "total_tokens": tokens}
+
+
+async def create_rerank(req: RerankRequest, raw_request, state: EngineClient, window: int):
+    try:
+        check_model(req.model, state)
+        texts = req.texts
+        scores, tokens = await until_disconnected(
+            raw_request, score_pairs(state, [(req.query, d) for d in texts], window))
+    except RequestError as exc:
+        return error_from(exc)
+    order = sorted(range(len(texts)), key=lambda i: -scores[i])[: req.top_n or len(texts)]
+    results = []
+    for i in order:
+        result = {"index": i, "relevance_score": scores[i]}
+        if req.return_documents:
+            result["document"] = {"text": texts[i]}
+        results.append(result)
+    return {"id": f"rerank-{uuid.uuid4().hex}", "model": req.model or state.config.served_model_name,
+            "results": results, "usage": _usage(tokens)}
+
+
+async def create_score(req: ScoreRequest, raw_request, state: EngineClient, window: int):
+    try:
+        check_model(req.model, state)
+        scores, tokens = await until_disconnected(raw_request, score_pairs(state, req.pairs, window))
+    except RequestError as exc:
+        return error_from(exc)
+    return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+            "model": req.model or state.config.served_model_name,
+            "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+            "usage": _usage(tokens)}
