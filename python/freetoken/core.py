@@ -69,6 +69,9 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     structured: StructuredSpec | None = None  # None: free output
     speculative: bool = True  # False: never drafted, where the server speculates
+    # Embeddings: "last", "mean" or "cls"; the first message carries the prompt's final-norm
+    # hidden states pooled so (engine/pooling.py). None: a generation request.
+    pooling: str | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -120,6 +123,8 @@ class Req:
     drafts: list[int] = field(default_factory=list)
     draft_pause: int = 0
     draft_backoff: int = 0
+    # With params.pooling: the final-norm hidden state of each prompt position it reads, so far.
+    hidden: dict[int, torch.Tensor] | None = None
 
     @property
     def all_ids(self) -> list[int]:

@@ -134,6 +134,10 @@ class ForwardContext:
     logit_rows: torch.Tensor  # [R] rows of T whose hidden state produces logits
     kv_cache: list[torch.Tensor]  # per layer [num_slots + 1, 2 * kv_heads, head_dim], K then V
     linear: Any = None  # hybrid models: engine.state_pool.LinearContext
+    # Embeddings (engine/pooling.py): rows of T whose final-norm hidden states the forward also
+    # leaves in `hidden`, for models with `supports_pooling`.
+    hidden_rows: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
 
 
 class RMSNorm(nn.Module):
@@ -263,6 +267,7 @@ class LlamaForCausalLM(nn.Module):
     # Every row attends on its own keys, so a request's draft rows can each run as a decode step
     # (scheduler/speculation.py); a hybrid's recurrent layers hold one state per request.
     verifies_drafts = True
+    supports_pooling = True  # fills ctx.hidden
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -294,6 +299,8 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, ctx)
+        if ctx.hidden_rows is not None:
+            ctx.hidden = self.model.norm(x.index_select(0, ctx.hidden_rows))
         # Only rows with logits (sampling or prompt logprobs) need the norm and the LM head.
         x = self.model.norm(x.index_select(0, ctx.logit_rows))
         return self.lm_head(x).float()
