@@ -8,12 +8,12 @@ from typing import Callable
 
 from fastapi import FastAPI, Request, Response
 
-from freetoken.serving import chat, completion, errors, metrics, rerank
+from freetoken.serving import chat, completion, embeddings, errors, metrics, rerank
 from freetoken.serving.client import FrontendManager
 from freetoken.serving.errors import AsciiJSONResponse, RequestError
 from freetoken.serving.limits import Limits
 from freetoken.serving.playground import Playground
-from freetoken.serving.pooling_protocol import RerankRequest, ScoreRequest
+from freetoken.serving.pooling_protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 from freetoken.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -67,6 +67,10 @@ def create_app(get_state: Callable[[], FrontendManager]):
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         return await chat.create_chat_completion(req, request, get_state(), limits)
+
+    @app.post("/v1/embeddings")
+    async def embeddings_route(req: EmbeddingRequest, request: Request):
+        return await embeddings.create_embeddings(req, request, get_state(), limits)
 
     @app.post("/rerank")
     @app.post("/v1/rerank")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from freetoken.config import text_config
+from freetoken.serving.errors import RequestError
 
 # sentence-transformers' pooling modes, as the engine names them.
 POOLING_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
@@ -111,3 +112,16 @@ def pooling_config(runner: str, convert: str, overrides_text: str | None,
     matryoshka = tuple(dims) if dims else (() if config.get("is_matryoshka") else None)
     return PoolingConfig("embed", pooling=mode, normalize=normalize,
                          hidden_size=config["hidden_size"], matryoshka_dimensions=matryoshka)
+
+
+def served_for(config, task: str) -> PoolingConfig:
+    """The served model's `PoolingConfig` (`config` a FrontendConfig), or a 400 naming `model`
+    when the model is not served for `task`."""
+    pooling = getattr(config, "pooling", None)
+    if pooling is None or pooling.task != task:
+        what = {"classify": "a reranker: start the server with --runner pooling --convert "
+                "classify and --hf-overrides giving classifier_from_token",
+                "embed": "an embedding model: start the server with --runner pooling "
+                "--convert embed"}[task]
+        raise RequestError(f"The served model is not {what}.", param="model")
+    return pooling

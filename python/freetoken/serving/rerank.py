@@ -17,25 +17,14 @@ from typing import TYPE_CHECKING
 
 from freetoken.core import SamplingParams
 from freetoken.message import TokenizeMsg
-from freetoken.serving.errors import RequestError, error_from, reply_error
-from freetoken.serving.handling import all_or_none, check_model, until_disconnected
+from freetoken.serving.errors import RequestError, error_from
+from freetoken.serving.handling import check_model, until_disconnected
+from freetoken.serving.one_step import run_all
+from freetoken.serving.pooling_config import served_for
 from freetoken.serving.pooling_protocol import RerankRequest, ScoreRequest
 
 if TYPE_CHECKING:
     from freetoken.serving.client import EngineClient
-    from freetoken.serving.pooling_config import PoolingConfig
-
-
-def reranker(state: EngineClient, task: str = "classify") -> PoolingConfig:
-    """The served model's pooling config, or a 400 when it is not served for `task`."""
-    pooling = getattr(state.config, "pooling", None)
-    if pooling is None or pooling.task != task:
-        what = {"classify": "a reranker: start the server with --runner pooling --convert "
-                "classify and --hf-overrides giving classifier_from_token",
-                "embed": "an embedding model: start the server with --runner pooling "
-                "--convert embed"}[task]
-        raise RequestError(f"The served model is not {what}.", param="model")
-    return pooling
 
 
 def label_id(tokenizer, label: str) -> int:
@@ -63,31 +52,17 @@ async def score_pairs(state: EngineClient, pairs: list[tuple[str, str]],
                       window: int) -> tuple[list[float], int]:
     """Each pair's score, and the prompt tokens they took, all pairs in the engine at once (a
     window of them at a time)."""
-    pooling = reranker(state)
+    pooling = served_for(state.config, "classify")
     tokenizer = state.tokenizer
     false_id, true_id = (label_id(tokenizer, label) for label in pooling.label_tokens)
     prompts = await asyncio.to_thread(
         lambda: [pair_prompt(tokenizer, pooling.score_template, q, d) for q, d in pairs])
-    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=0,
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=0, speculative=False,
                             allowed_token_ids=[false_id, true_id], logprob_token_ids=[true_id])
-    gate = asyncio.Semaphore(window)
-
-    async def one(ids: list[int]) -> tuple[float, int]:
-        async with gate:
-            uid = state.new_user()
-            await state.send_one(TokenizeMsg(uid, ids, params, add_special_tokens=False))
-            score, tokens = math.nan, 0
-            async for reply in state.wait_for_ack(uid):
-                if reply.error:
-                    raise reply_error(reply.error, reply.error_code)
-                tokens += reply.prompt_tokens_delta
-                entries = [e for e in [*reply.logprobs, reply.stop_logprob] if e is not None]
-                if entries:
-                    score = math.exp(entries[0].top_logprobs[0])
-            return score, tokens
-
-    results = await all_or_none([one(ids) for ids in prompts])
-    return [s for s, _ in results], sum(t for _, t in results)
+    msgs = [TokenizeMsg(state.new_user(), ids, params) for ids in prompts]
+    replies = await run_all(state, msgs, window)
+    return ([math.exp(r.logprobs[0].top_logprobs[0]) for r in replies],
+            sum(r.prompt_tokens_delta for r in replies))
 
 
 def _usage(tokens: int) -> dict:
