@@ -48,10 +48,10 @@ class SamplingParams:
     logprobs: int | None = None
     # Vocabulary mask; a masked row that asks for logprobs gets them renormalised over these ids.
     allowed_token_ids: list[int] | None = None
+    return_tokens_as_token_ids: bool = False
     # Ids whose logprobs each generated position reports instead of the top `logprobs`
     # (vLLM's field); from the same distribution as the sampled token's.
     logprob_token_ids: list[int] | None = None
-    return_tokens_as_token_ids: bool = False
     # Logit processing (engine/sample.py applies it in vLLM's order; raw logprobs ignore it).
     min_tokens: int = 0  # EOS and stop_token_ids banned, stop strings ignored, until this many
     presence_penalty: float = 0.0
