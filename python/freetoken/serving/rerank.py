@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from freetoken.core import SamplingParams
 from freetoken.message import TokenizeMsg
 from freetoken.serving.errors import RequestError, error_from
-from freetoken.serving.handling import check_model, until_disconnected
+from freetoken.serving.handling import check_model, until_disconnected, usage_dict
 from freetoken.serving.one_step import run_all
 from freetoken.serving.pooling_config import served_for
 from freetoken.serving.pooling_protocol import RerankRequest, ScoreRequest
@@ -49,9 +49,9 @@ def pair_prompt(tokenizer, template: str | None, query: str, document: str) -> l
 
 
 async def score_pairs(state: EngineClient, pairs: list[tuple[str, str]],
-                      window: int) -> tuple[list[float], int]:
-    """Each pair's score, and the prompt tokens they took, all pairs in the engine at once (a
-    window of them at a time)."""
+                      window: int) -> tuple[list[float], dict]:
+    """Each pair's score, and the usage (prompt tokens, those found in the prefix cache), all
+    pairs in the engine at once (a window of them at a time)."""
     pooling = served_for(state.config, "classify")
     tokenizer = state.tokenizer
     false_id, true_id = (label_id(tokenizer, label) for label in pooling.label_tokens)
@@ -61,19 +61,16 @@ async def score_pairs(state: EngineClient, pairs: list[tuple[str, str]],
                             allowed_token_ids=[false_id, true_id], logprob_token_ids=[true_id])
     msgs = [TokenizeMsg(state.new_user(), ids, params) for ids in prompts]
     replies = await run_all(state, msgs, window)
+    tokens = sum(r.prompt_tokens_delta for r in replies)
     return ([math.exp(r.logprobs[0].top_logprobs[0]) for r in replies],
-            sum(r.prompt_tokens_delta for r in replies))
-
-
-def _usage(tokens: int) -> dict:
-    return {"prompt_tokens": tokens, "total_tokens": tokens}
+            usage_dict(tokens, 0, sum(r.cached_tokens for r in replies)))
 
 
 async def create_rerank(req: RerankRequest, raw_request, state: EngineClient, window: int):
     try:
         check_model(req.model, state)
         texts = req.texts
-        scores, tokens = await until_disconnected(
+        scores, usage = await until_disconnected(
             raw_request, score_pairs(state, [(req.query, d) for d in texts], window))
     except RequestError as exc:
         return error_from(exc)
@@ -85,16 +82,16 @@ async def create_rerank(req: RerankRequest, raw_request, state: EngineClient, wi
             result["document"] = {"text": texts[i]}
         results.append(result)
     return {"id": f"rerank-{uuid.uuid4().hex}", "model": req.model or state.config.served_model_name,
-            "results": results, "usage": _usage(tokens)}
+            "results": results, "usage": usage}
 
 
 async def create_score(req: ScoreRequest, raw_request, state: EngineClient, window: int):
     try:
         check_model(req.model, state)
-        scores, tokens = await until_disconnected(raw_request, score_pairs(state, req.pairs, window))
+        scores, usage = await until_disconnected(raw_request, score_pairs(state, req.pairs, window))
     except RequestError as exc:
         return error_from(exc)
     return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
             "model": req.model or state.config.served_model_name,
             "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
-            "usage": _usage(tokens)}
+            "usage": usage}
