@@ -11,6 +11,10 @@ Scenarios (all on the default model, same threads on every side, one run):
      recomputing the prefix in every batch, and HF reusing the prefix's KV (DynamicCache).
   C  chat decode: /v1/chat/completions, 64 new tokens (ignore_eos), temperature 0, at 1, 8 and 32
      concurrent clients, vs HF `generate` over a batch of the same size.
+  R  rerank: /v1/rerank of 64 documents (~40 tokens) under one query, the default model served as
+     a Qwen3-Reranker-style reranker (examples/qwen3_reranker.jinja, labels "no" / "yes"), one
+     client, a new query per request; prefix cache on (the query's prefix shared by its
+     documents) and off. Peer: HF scoring the same 64 rendered prompts in one left-padded batch.
 
 Roofline: the best torch GEMM GFLOP/s measured in this run on the model's projection shapes.
 Model cost: 2 * n_body FLOPs per computed prompt token (n_body = every matmul weight except the
@@ -21,12 +25,14 @@ attention's own FLOPs are left out. "% roofline" = useful FLOPs per second / roo
     python scripts/bench_scoring.py --quick
     python scripts/bench_scoring.py --dtype bfloat16
     python scripts/bench_scoring.py --dtype float32,bfloat16 --scenarios A,B
+    python scripts/bench_scoring.py --scenarios R
 """
 
 from __future__ import annotations
 
 import copy
 import gc
+import math
 import random
 import sys
 import time
@@ -42,6 +48,9 @@ from freetoken.models.registry import load_model  # noqa: E402
 
 QUESTION = "\nQuestion: Is this review positive? Answer:"
 LABELS = (" Yes", " No")
+ROOT = Path(__file__).resolve().parents[1]
+RERANK_TEMPLATE = ROOT / "examples" / "qwen3_reranker.jinja"
+RERANK_OVERRIDES = '{"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}'
 TOPICS = ("a lighthouse", "a lost key", "the first snow", "a robot gardener", "an old map",
           "a night train", "a quiet library", "a paper boat")
 
@@ -231,6 +240,47 @@ class Run:
                     self.scenario_b(srv.url + "/v1/completions", b_on, t_kv)
                 if "C" in scen:
                     self.scenario_c(srv.url + "/v1/chat/completions")
+        if "R" in scen:
+            self.scenario_r()
+
+    def scenario_r(self) -> None:
+        """64 documents under one query, a new query per request, cache on and off, vs HF."""
+        args, n_docs = self.args, 64
+        n_queries = 2 if args.quick else 4
+        docs = items(self.tok, n_docs, "R")
+        queries = [f"Which reviews praise {TOPICS[i % len(TOPICS)]}? (query {i})"
+                   for i in range(n_queries + 1)]
+        payloads = [{"query": q, "documents": docs} for q in queries]
+        template = RERANK_TEMPLATE.read_text()
+        labels = self.tok.convert_tokens_to_ids(["no", "yes"])
+        prompts = [self.tok.apply_chat_template(
+            [{"role": "query", "content": queries[1]}, {"role": "document", "content": d}],
+            chat_template=template, tokenize=False) for d in docs]
+        rows, results = [], {}
+        for cache in (True, False):
+            flags = ("--runner", "pooling", "--hf-overrides", RERANK_OVERRIDES,
+                     "--chat-template", str(RERANK_TEMPLATE), *(() if cache else ("--no-prefix-cache",)))
+            with self.server(*flags, name=f"freetoken-rerank{'' if cache else '-nocache'}") as srv:
+                url = srv.url + "/v1/rerank"
+                bc.run_load(url, payloads[:1], 1)  # warm-up, another query
+                results[cache] = bc.run_load(url, payloads[1:], 1)
+        t_hf, hf_lps = self.hf.score(prompts, labels, n_docs)
+        t_hf = min(t_hf, self.hf.score(prompts, labels, n_docs)[0])
+        on, off = results[True], results[False]
+        for r, label in ((on, "freetoken, prefix cache on"), (off, "freetoken, --no-prefix-cache")):
+            cached = r.cached_tokens() / (r.n * n_docs)
+            rows.append([label, r.n * n_docs / r.wall_s, bc.ms(r.p50), cached,
+                         bc.ratio(r.n * n_docs / r.wall_s, n_docs / t_hf)])
+        rows.append([f"HF transformers, batch {n_docs}", n_docs / t_hf, bc.ms(t_hf), 0.0, "1.00x"])
+        bc.print_table(f"R: rerank, {n_docs} documents under one query, {self.dtype}",
+                       ["system", "documents/s", "p50 ms per request", "cached tok/doc", "vs HF"],
+                       rows)
+        ours = {x["index"]: x["relevance_score"] for x in on.responses[0]["results"]}
+        hf_scores = [math.exp(lp[1]) for lp in hf_lps]
+        diff = max(abs(ours[i] - hf_scores[i]) for i in range(n_docs))
+        bc.note(f"cache on vs off: {bc.ratio(on.rps, off.rps)}; check: scores vs HF p(yes) / "
+                f"(p(yes) + p(no)): max |diff| {diff:.2e}")
+        bc.load_note()
 
     def run_llama_cpp(self) -> None:
         """llama.cpp's server on the same GGUF file (its own Q4_1 kernels), first pass only."""
@@ -342,7 +392,7 @@ class Run:
 def main() -> None:
     p = bc.base_parser(__doc__.split("\n")[0], repeats=False)
     p.add_argument("--dtype", default="float32", help="float32, bfloat16, or both comma-separated")
-    p.add_argument("--scenarios", default="A,B,C", help="any of A, B, C, comma-separated")
+    p.add_argument("--scenarios", default="A,B,C", help="any of A, B, C, R, comma-separated")
     p.add_argument("--items", type=int, default=None,
                    help="scoring requests in A and B (default 256, quick 64)")
     p.add_argument("--items-no-cache", type=int, default=None,

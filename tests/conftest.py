@@ -32,6 +32,12 @@ def tiny_qwen3_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_embedding_path() -> Path:
+    """tiny-qwen3 laid out as Qwen3-Embedding: last-token pooling, Normalize, EOS appended."""
+    return bm.cached("tiny-qwen3-embedding", bm.build_tiny_qwen3_embedding)
+
+
+@pytest.fixture(scope="session")
 def tiny_hybrid_path() -> Callable[[str], Path]:
     """`tiny_hybrid_path(variant)` -> folder of bm.build_tiny_hybrid: qwen3_5_text (default),
     qwen3_5 (image-text layout), qwen3_5_moe_text or qwen3_next, random, on the Qwen3.5 vocab."""

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from freetoken.serving.pooling_config import PoolingConfig
 
 
 def context_length(requested: int | None, native: int) -> int:
@@ -107,6 +111,7 @@ class FrontendConfig:
     max_request_bytes: int = 32 * 1024 * 1024
     max_prompts_per_request: int = 1024
     playground: bool = True
+    pooling: PoolingConfig | None = None  # None: a generation model (serving/pooling_config.py)
 
 
 def engine_config(args, model_folder: str) -> EngineConfig:
@@ -129,9 +134,10 @@ def engine_config(args, model_folder: str) -> EngineConfig:
     )
 
 
-def frontend_config(args, hf_config: dict, name: str,
-                    parsers: tuple[str | None, str | None]) -> FrontendConfig:
-    """`args` is a `ServerArgs`; `parsers` the resolved (reasoning, tool call) families."""
+def frontend_config(args, hf_config: dict, name: str, parsers: tuple[str | None, str | None],
+                    pooling: PoolingConfig | None = None) -> FrontendConfig:
+    """`args` is a `ServerArgs`; `parsers` the resolved (reasoning, tool call) families;
+    `pooling` what the model is served as beyond generation."""
     return FrontendConfig(
         served_model_name=args.served_model_name or name,
         max_model_len=context_length(args.max_model_len, native_context(hf_config)),
@@ -146,6 +152,7 @@ def frontend_config(args, hf_config: dict, name: str,
         max_request_bytes=args.max_request_bytes,
         max_prompts_per_request=args.max_prompts_per_request,
         playground=not args.no_playground,
+        pooling=pooling,
     )
 
 

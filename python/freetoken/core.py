@@ -49,6 +49,9 @@ class SamplingParams:
     # Vocabulary mask; a masked row that asks for logprobs gets them renormalised over these ids.
     allowed_token_ids: list[int] | None = None
     return_tokens_as_token_ids: bool = False
+    # Ids whose logprobs each generated position reports instead of the top `logprobs`
+    # (vLLM's field); from the same distribution as the sampled token's.
+    logprob_token_ids: list[int] | None = None
     # Logit processing (engine/sample.py applies it in vLLM's order; raw logprobs ignore it).
     min_tokens: int = 0  # EOS and stop_token_ids banned, stop strings ignored, until this many
     presence_penalty: float = 0.0
@@ -66,6 +69,9 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     structured: StructuredSpec | None = None  # None: free output
     speculative: bool = True  # False: never drafted, where the server speculates
+    # Embeddings: "last", "mean" or "cls"; the first message carries the prompt's final-norm
+    # hidden states pooled so (engine/pooling.py). None: a generation request.
+    pooling: str | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -117,6 +123,8 @@ class Req:
     drafts: list[int] = field(default_factory=list)
     draft_pause: int = 0
     draft_backoff: int = 0
+    # With params.pooling: the final-norm hidden state of each prompt position it reads, so far.
+    hidden: dict[int, torch.Tensor] | None = None
 
     @property
     def all_ids(self) -> list[int]:

@@ -60,6 +60,8 @@ STATELESS = [
     ({"max_completion_tokens": 0, "max_tokens": 5}, "max_completion_tokens"),
     ({"stop": [""]}, "stop"),
     ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"logprob_token_ids": []}, "logprob_token_ids"),
+    ({"logprob_token_ids": [1.5]}, "logprob_token_ids"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"presence_penalty": float("nan")}, "presence_penalty"),
     ({"frequency_penalty": -2.01}, "frequency_penalty"),
@@ -269,3 +271,20 @@ def test_an_unknown_reasoning_effort_is_a_400_naming_it():
     with pytest.raises(ValidationError) as exc:
         chat(reasoning_effort="extreme")
     assert validation_error(exc.value).param == "reasoning_effort"
+
+
+@pytest.mark.parametrize("fields", [{"logprob_token_ids": [1000]}, {"logprob_token_ids": [-1]},
+                                    {"logprob_token_ids": list(range(21))}])
+@pytest.mark.parametrize("make,on", [(completion, {}), (chat, {"logprobs": True})],
+                         ids=["completions", "chat"])
+def test_logprob_token_ids_are_checked_against_the_vocabulary_and_the_cap(make, on, fields):
+    err = refusal(make, **on, **fields)
+    assert err.param == "logprob_token_ids" and err.status == 400, err.message
+
+
+def test_logprob_token_ids_reach_sampling_params():
+    params = completion(logprob_token_ids=[5, 7, 5]).to_sampling_params(LIMITS)
+    assert params.logprob_token_ids == [5, 7, 5] and params.logprobs == 0
+    params = chat(logprobs=True, logprob_token_ids=[9]).to_sampling_params(LIMITS)
+    assert params.logprob_token_ids == [9] and params.logprobs == 0
+    assert parse_refusal(chat, logprob_token_ids=[9]).param == "logprob_token_ids"

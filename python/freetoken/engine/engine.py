@@ -8,6 +8,7 @@ from typing import NamedTuple
 import torch
 
 from freetoken.core import Batch, Req, SamplingParams, TokenLogprob
+from freetoken.engine import pooling
 from freetoken.engine.kv_pool import KVPool
 from freetoken.engine.sample import Sampler, logprob_entries
 from freetoken.engine.state_pool import LinearContext, PrefillPiece, StatePool
@@ -35,6 +36,7 @@ class StepPlan(NamedTuple):
     logit_rows: list[int]
     chunks: list[tuple[int, int, list[int]]]  # prompt chunks: (first row, new tokens, key slots)
     decoding: list[tuple[int, list[int]]]  # decoding requests: (row, key slots)
+    hidden_rows: list[int] = []  # rows whose final-norm hidden states pooling requests read
 
 
 class StepOutput(NamedTuple):
@@ -70,6 +72,7 @@ class Engine:
         self.sampler = Sampler(model.vocab_size, device, eos_token_ids)
         # Sliding-window layers get masks of their own in every attention group.
         self.window = getattr(cfg, "sliding_window", None) if getattr(cfg, "sliding_layers", None) else None
+        self.can_pool = getattr(model, "supports_pooling", False)
 
     def new_generator(self, params: SamplingParams) -> torch.Generator:
         gen = torch.Generator(device=self.device)
@@ -93,9 +96,20 @@ class Engine:
             ks += [req.params.prompt_logprobs] * rows
         n = sum(1 + len(r.drafts) for r in batch.logit_reqs)
         out = StepOutput(tokens, logprobs, prompt_logprobs(logits[n : n + len(targets)], targets, ks))
+        self._collect_hidden(batch, ctx)
         if ctx.linear is not None:  # the step went through: its new recurrent states stand
             self.states.commit(ctx.linear)
         return out
+
+    def _collect_hidden(self, batch: Batch, ctx: ForwardContext) -> None:
+        """Hand each pooling request the hidden states of this step's positions it reads."""
+        row = 0
+        for req, new in zip(batch.reqs, batch.new_ids):
+            if req.params.pooling is not None:
+                at = pooling.positions(req, req.num_computed - len(new), len(new))
+                if at:
+                    pooling.collect(req, ctx.hidden[row : row + len(at)], at)
+                    row += len(at)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> tuple[list[list[int]], list[list]]:
         """Each request's tokens: a row each, in order; a request with drafts keeps the rows up
@@ -204,6 +218,7 @@ class Engine:
 
     def plan(self, batch: Batch) -> StepPlan:
         ids, positions, out_slots, logit_rows, chunks, decoding = [], [], [], [], [], []
+        hidden_rows = []
         logit_set = {id(r) for r in batch.logit_reqs}
         first_row = {}
         for req, new in zip(batch.reqs, batch.new_ids):
@@ -220,9 +235,13 @@ class Engine:
             out_slots += req.slots[total - q :]
             if id(req) in logit_set:
                 logit_rows += range(len(ids) - 1 - len(req.drafts), len(ids))
+            if req.params.pooling is not None:
+                start = total - q
+                hidden_rows += [first_row[id(req)] + p - start
+                                for p in pooling.positions(req, start, q)]
         for req, n in batch.prompt_rows:
             logit_rows += range(first_row[id(req)], first_row[id(req)] + n)
-        return StepPlan(ids, positions, out_slots, logit_rows, chunks, decoding)
+        return StepPlan(ids, positions, out_slots, logit_rows, chunks, decoding, hidden_rows)
 
     def context(self, plan: StepPlan) -> ForwardContext:
         dev = self.device
@@ -234,6 +253,8 @@ class Engine:
             decode_groups=self._decode_groups(plan.decoding),
             logit_rows=torch.tensor(plan.logit_rows, dtype=torch.long, device=dev),
             kv_cache=self.kv.kv,
+            hidden_rows=torch.tensor(plan.hidden_rows, dtype=torch.long, device=dev)
+            if plan.hidden_rows else None,
         )
 
     def _linear_context(self, batch: Batch) -> LinearContext:

@@ -58,3 +58,7 @@ class ForwardContext:
     logit_rows: torch.Tensor  # [R] rows of T whose hidden state produces logits
     kv_cache: list[torch.Tensor]  # per layer [num_slots + 1, 2 * kv_heads, head_dim], K then V
     linear: Any = None  # hybrid models: engine.state_pool.LinearContext
+    # Embeddings (engine/pooling.py): rows of T whose final-norm hidden states the forward also
+    # leaves in `hidden`, for models with `supports_pooling`.
+    hidden_rows: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None

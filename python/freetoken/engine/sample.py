@@ -30,8 +30,9 @@ Order of operations, per row (mirrors vLLM's v1 sampler, "raw_logprobs" mode):
    only, so seeded rows do not depend on their batch neighbours or row position.
 8. Logprobs from the distribution of step 2/4: the sampled token's logprob, its rank
    (1 + number of tokens with a strictly greater logprob) and the top-K sorted descending,
-   K = params.logprobs. The logit processors, temperature, min_p, top-k and top-p never change
-   logprobs.
+   K = params.logprobs; a row with params.logprob_token_ids gets the logprobs of those ids, in
+   their order, instead of the top-K (vLLM's `logprob_token_ids`). The logit processors,
+   temperature, min_p, top-k and top-p never change logprobs.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class BatchSamplingArgs:
     lp_rows: torch.Tensor | None  # [L] long rows that want logprobs; None: nobody does
     lp_k: list[int]  # K per row of lp_rows
     lp_masked: list[bool]  # per row of lp_rows: drop -inf entries from its top-K
+    lp_listed: list[list[int] | None]  # per row of lp_rows: the ids it lists instead of a top-K
 
 
 def _logsumexp(x: torch.Tensor) -> torch.Tensor:
@@ -176,6 +178,7 @@ class Sampler:
             lp_rows=self._rows(lp) if lp else None,
             lp_k=[min(k, V) if k >= 0 else V for k in (int(params[i].logprobs or 0) for i in lp)],
             lp_masked=[params[i].allowed_token_ids is not None for i in lp],
+            lp_listed=[params[i].logprob_token_ids for i in lp],
         )
 
     def sample(self, logits: torch.Tensor, args: BatchSamplingArgs) -> SampleOutput:
@@ -267,33 +270,56 @@ class Sampler:
         what they may sample, since `x` is masked)."""
         assert args.lp_rows is not None
         if len(args.lp_k) == args.batch_size:
-            return logprob_entries(x, tokens, args.lp_k, args.lp_masked)
-        return logprob_entries(x[args.lp_rows], tokens[args.lp_rows], args.lp_k, args.lp_masked)
+            return logprob_entries(x, tokens, args.lp_k, args.lp_masked, args.lp_listed)
+        return logprob_entries(x[args.lp_rows], tokens[args.lp_rows], args.lp_k, args.lp_masked,
+                               args.lp_listed)
 
 
 def logprob_entries(x: torch.Tensor, tokens: torch.Tensor, ks: list[int],
-                    masked: list[bool] | None = None) -> list[TokenLogprob]:
+                    masked: list[bool] | None = None,
+                    listed: list[list[int] | None] | None = None) -> list[TokenLogprob]:
     """One batched log-softmax / gather / topk: for row i of logits `x` [N, V], the logprob and
     rank of tokens[i] and the top ks[i]; a `masked` row drops its -inf alternatives (banned
-    ids, when it allows fewer than K)."""
+    ids, when it allows fewer than K). A row with `listed` ids gets their logprobs, in order
+    and all of them (a banned one at -inf), in place of its top-K."""
     # x - logsumexp, not log_softmax: on AVX2 CPUs torch's fused fp32 log_softmax sums the
     # vocabulary in vector lanes and is off by ~3e-4 over 248k ids; logsumexp is within 2e-7.
     lp = x - _logsumexp(x)
     tok_lp = lp.gather(1, tokens.unsqueeze(1))
     ranks = ((lp > tok_lp).sum(dim=-1) + 1).tolist()
     tok_ids, tok_lps = tokens.tolist(), tok_lp.squeeze(1).tolist()
-    k_max = min(max(ks), lp.shape[1])
+    listed = listed or [None] * len(ks)
+    k_max = min(max((k for k, ids in zip(ks, listed) if ids is None), default=0), lp.shape[1])
     top_v: list[list[float]] = [[] for _ in ks]
     top_i: list[list[int]] = [[] for _ in ks]
     if k_max > 0:
         v, i = lp.topk(k_max, dim=-1)
         top_v, top_i = v.tolist(), i.tolist()
+    listed_values = _listed_logprobs(lp, listed)
 
     out = []
     for j, k in enumerate(ks):
+        if listed[j] is not None:
+            out.append(TokenLogprob(tok_ids[j], tok_lps[j], ranks[j], list(listed[j]),
+                                    listed_values[j]))
+            continue
         vals, ids = top_v[j][:k], top_i[j][:k]
         if masked is not None and masked[j]:
             n = sum(1 for val in vals if val != _NEG_INF)
             vals, ids = vals[:n], ids[:n]
         out.append(TokenLogprob(tok_ids[j], tok_lps[j], ranks[j], ids, vals))
+    return out
+
+
+def _listed_logprobs(lp: torch.Tensor, listed: list[list[int] | None]) -> list[list[float]]:
+    """Row j's logprobs at the ids listed[j] (empty where None), with one gather."""
+    rows = [j for j, ids in enumerate(listed) for _ in ids or ()]
+    if not rows:
+        return [[] for _ in listed]
+    ids = [t for row_ids in listed for t in row_ids or ()]
+    flat = lp[torch.tensor(rows, device=lp.device), torch.tensor(ids, device=lp.device)].tolist()
+    out, start = [], 0
+    for row_ids in listed:
+        out.append(flat[start : start + len(row_ids or ())])
+        start += len(row_ids or ())
     return out

@@ -62,6 +62,7 @@ class DetokenizeMsg:
     # With params.prompt_logprobs, on the first message: one entry per prompt token (the first
     # is None: nothing precedes it), each scoring that prompt token given the ones before it.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    embedding: list[float] | None = None  # with params.pooling, on the first message
 
 
 @dataclass
@@ -87,3 +88,4 @@ class UserReply:
     token_texts: list[str] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # as DetokenizeMsg's, on the first
     prompt_token_ids: list[int] | None = None  # beside prompt_logprobs
+    embedding: list[float] | None = None  # as DetokenizeMsg's

@@ -114,6 +114,7 @@ class LlamaForCausalLM(CausalLM):
     # The checkpoint's stacked experts are [E, in, out] with gate and up interleaved (gpt-oss),
     # not [E, out, in] with gate then up: a tensor-parallel rank reads other slices of them.
     experts_in_out = False
+    supports_pooling = True  # fills ctx.hidden
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -135,6 +136,8 @@ class LlamaForCausalLM(CausalLM):
         cos, sin = cos_sin(ctx.positions, cfg.head_dim, cfg.rope_theta, cfg.rope_yarn, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, ctx)
+        if ctx.hidden_rows is not None:
+            ctx.hidden = self.model.norm(x.index_select(0, ctx.hidden_rows))
         # Only rows with logits (sampling or prompt logprobs) need the norm and the LM head.
         x = self.model.norm(x.index_select(0, ctx.logit_rows))
         return self.lm_head(x).float()

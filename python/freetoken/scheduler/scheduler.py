@@ -34,6 +34,7 @@ from itertools import islice
 
 from freetoken.config import SpeculativeConfig
 from freetoken.core import Batch, Req
+from freetoken.engine import pooling
 from freetoken.engine.engine import Engine, StepOutput
 from freetoken.message import DetokenizeMsg, UserMsg
 from freetoken.scheduler.cache import PrefixCache
@@ -157,6 +158,8 @@ class Scheduler:
                 return f"'{name}' has token ids outside the vocabulary [0, {vocab})."
         if not all(params.bad_words_token_ids):
             return "'bad_words' has a word of no tokens."
+        if params.pooling is not None and not self.engine.can_pool:
+            return "This model cannot be pooled for embeddings."
         return None
 
     def abort(self, uid: int) -> list[DetokenizeMsg]:
@@ -270,7 +273,8 @@ class Scheduler:
                 continue
             # A prompt scored for prompt logprobs is computed whole: a cached position has no
             # logits, and recomputing it gives the exact ones (as vLLM). Its KV is still cached.
-            looked_up = self.cache is not None and req.prompt_logprobs is None
+            looked_up = self.cache is not None and req.prompt_logprobs is None \
+                and not pooling.needs_every_position(req.params)
             if looked_up:
                 # After a preemption the output so far is recomputed too; it may hit the cache.
                 req.slots, hit = self.cache.match(req.all_ids)
@@ -361,6 +365,8 @@ class Scheduler:
             msg.prompt_tokens, msg.cached_tokens = len(req.prompt_ids), req.cached_tokens
             # Handed over, not kept: the request no longer holds a long prompt's entries.
             msg.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
+            if req.params.pooling is not None:
+                msg.embedding = pooling.pooled(req)
         if token in params.stop_token_ids or (
             not params.ignore_eos and token in self.config.eos_token_ids
         ):

@@ -8,12 +8,13 @@ from typing import Callable
 
 from fastapi import FastAPI, Request, Response
 
-from freetoken.serving import anthropic, chat, completion, errors, metrics, responses
+from freetoken.serving import anthropic, chat, completion, embeddings, errors, metrics, rerank, responses
 from freetoken.serving.client import FrontendManager
 from freetoken.serving.errors import AsciiJSONResponse, RequestError
 from freetoken.serving.handling import check_model
 from freetoken.serving.limits import Limits
 from freetoken.serving.playground import Playground
+from freetoken.serving.pooling_protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 from freetoken.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -96,6 +97,21 @@ def create_app(get_state: Callable[[], FrontendManager]):
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):
         return store.delete(response_id)
+
+    @app.post("/v1/embeddings")
+    async def embeddings_route(req: EmbeddingRequest, request: Request):
+        return await embeddings.create_embeddings(req, request, get_state(), limits)
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def rerank_route(req: RerankRequest, request: Request):
+        return await rerank.create_rerank(req, request, get_state(), limits.max_running_requests)
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score_route(req: ScoreRequest, request: Request):
+        return await rerank.create_score(req, request, get_state(), limits.max_running_requests)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from freetoken.config import SpeculativeConfig
 from freetoken.parsing import registry
+from freetoken.serving.pooling_config import parse_overrides
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,10 @@ class ServerArgs:
     distributed_backend: str = "auto"
     distributed_timeout: float = 30.0
     no_playground: bool = False
+    runner: str = "auto"
+    convert: str = "auto"
+    hf_overrides: str | None = None
+    chat_template: str | None = None
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -122,6 +127,23 @@ def build_parser(prog: str = "freetoken serve") -> argparse.ArgumentParser:
                    help="largest request body accepted; larger bodies get 413")
     p.add_argument("--max-prompts-per-request", type=int, default=1024,
                    help="most prompts one /v1/completions request may carry")
+    pool = p.add_argument_group("pooling models (vLLM's flags; docs/scoring.md)")
+    pool.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
+                      help="pooling serves /v1/embeddings or /rerank and /score instead of "
+                      "generation; auto is pooling when --hf-overrides names a classifier")
+    pool.add_argument("--convert", default="auto", choices=["auto", "none", "embed", "classify"],
+                      help="with --runner pooling: embed (hidden states pooled as the folder's "
+                      "sentence-transformers files say) or classify (a causal-LM reranker); auto "
+                      "is classify when --hf-overrides gives classifier_from_token, else embed")
+    pool.add_argument("--hf-overrides", metavar="JSON",
+                      help='config.json values to override, e.g. {"architectures": '
+                      '["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], '
+                      '"is_original_qwen3_reranker": true} for Qwen3-Reranker, or {"is_matryoshka": '
+                      "true} to allow embedding dimensions (default: none)")
+    pool.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
+                      help="a reranker's score template (jinja over messages of role query and "
+                      "document, as examples/qwen3_reranker.jinja) "
+                      "(default: the query and document as a tokenizer text pair)")
     dist = p.add_argument_group("tensor parallelism (torch.distributed, torchrun's conventions)")
     dist.add_argument("--tensor-parallel-size", "--tp-size", "-tp", dest="tensor_parallel_size",
                       type=int, default=1, metavar="N",
@@ -153,6 +175,12 @@ def parse_args(argv: list[str] | None = None, prog: str = "freetoken serve") -> 
         p.error("--tensor-parallel-size must be a positive multiple of --nnodes")
     if not 0 <= ns.node_rank < ns.nnodes:
         p.error("--node-rank must be in [0, --nnodes)")
+    if ns.chat_template is not None and ns.runner == "generate":
+        p.error("--chat-template is a reranker's score template: it needs --runner pooling")
+    try:
+        parse_overrides(ns.hf_overrides)
+    except ValueError as exc:
+        p.error(str(exc))
     if ns.speculative_config:
         try:
             SpeculativeConfig.parse(ns.speculative_config)
@@ -189,6 +217,10 @@ def parse_args(argv: list[str] | None = None, prog: str = "freetoken serve") -> 
         distributed_backend=ns.distributed_backend,
         distributed_timeout=ns.distributed_timeout,
         no_playground=ns.no_playground,
+        runner=ns.runner,
+        convert=ns.convert,
+        hf_overrides=ns.hf_overrides,
+        chat_template=ns.chat_template,
     )
 
 

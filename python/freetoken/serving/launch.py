@@ -92,6 +92,7 @@ def build_frontend(args: ServerArgs, ipc_dir: str, procs: list):
     from transformers import AutoTokenizer
 
     from freetoken.serving.client import FrontendManager
+    from freetoken.serving.pooling_config import pooling_config
 
     steps = _Steps(3)
     try:
@@ -99,12 +100,17 @@ def build_frontend(args: ServerArgs, ipc_dir: str, procs: list):
         steps.step(f"found {folder}")
         tokenizer = AutoTokenizer.from_pretrained(folder)
         hf_config = json.loads((folder / "config.json").read_text())
+        try:
+            pooling = pooling_config(args.runner, args.convert, args.hf_overrides,
+                                     args.chat_template, hf_config, folder)
+        except ValueError as exc:  # flags that do not fit this model: refused before it loads
+            raise RuntimeError(str(exc)) from None
         steps.step("tokenizer loaded")
         in_addr, out_addr = start_engine(engine_config(args, str(folder)), ipc_dir, procs)
         steps.step("engine ready")
     finally:
         steps.close()
-    config = frontend_config(args, hf_config, name, resolve_parsers(args, tokenizer))
+    config = frontend_config(args, hf_config, name, resolve_parsers(args, tokenizer), pooling)
 
     def alive() -> bool:  # every rank on this node: one that dies takes the group down
         return all(proc.is_alive() for proc in procs)

@@ -48,7 +48,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "truncate_prompt_tokens": _neutral(None),
     "prompt_embeds": _neutral(None),
     "vllm_xargs": _neutral(None, {}),
-    "logprob_token_ids": _neutral(None),
     "function_call": _neutral(None),
     "functions": _neutral(None),
 }
@@ -103,6 +102,7 @@ class _SamplingRequest(OpenAIBaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     allowed_token_ids: TokenIds | None = None
+    logprob_token_ids: TokenIds | None = None
     return_tokens_as_token_ids: StrictBool | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -190,6 +190,8 @@ class _SamplingRequest(OpenAIBaseModel):
         return False  # completions' echo of the prompt alone (CompletionRequest)
 
     def _check_logprobs(self) -> None:
+        if self.logprob_token_ids is not None and not self.logprob_token_ids:
+            raise _refuse("logprob_token_ids must not be empty", "logprob_token_ids")
         if self.prompt_logprobs is not None:
             if self.stream:
                 raise _refuse("`prompt_logprobs` are not available when `stream=True`.",
@@ -234,6 +236,10 @@ class _SamplingRequest(OpenAIBaseModel):
         vocabulary and the caps that both endpoints share."""
         limits.check_ids(self.stop_token_ids or [], "stop_token_ids")
         limits.check_ids(self.allowed_token_ids or [], "allowed_token_ids")
+        listed = self.logprob_token_ids
+        if listed is not None:
+            limits.check_ids(listed, "logprob_token_ids")
+            limits.logprobs(len(listed), "logprob_token_ids")
         if self.prompt_logprobs is not None:
             prompt_logprobs = limits.logprobs(self.prompt_logprobs, "prompt_logprobs", "prompt")
         logit_bias = {int(key): value for key, value in (self.logit_bias or {}).items()}
@@ -257,6 +263,7 @@ class _SamplingRequest(OpenAIBaseModel):
             logprobs=logprobs,
             allowed_token_ids=None if self.allowed_token_ids is None
             else list(self.allowed_token_ids),
+            logprob_token_ids=None if listed is None else list(listed),
             return_tokens_as_token_ids=limits.return_tokens_as_token_ids if as_ids is None
             else as_ids,
             min_tokens=min_tokens,
@@ -319,6 +326,8 @@ class CompletionRequest(_SamplingRequest):
         max_tokens = 1 if self.echo_only else limits.max_tokens(
             *self._max_tokens_field(), DEFAULT_COMPLETION_MAX_TOKENS)
         logprobs = None if self.logprobs is None else limits.logprobs(self.logprobs, "logprobs")
+        if self.logprob_token_ids is not None and logprobs is None:
+            logprobs = 0  # the listed ids stand in for the top K (vLLM's num_logprobs)
         # Echoed prompt tokens come with their logprobs, as vLLM.
         echoed = logprobs if self.echo else None
         return self._sampling_params(limits, max_tokens, logprobs, echoed)
@@ -367,6 +376,9 @@ class ChatCompletionRequest(_SamplingRequest):
             if reason is not None:
                 raise _refuse(reason, "tool_choice" if reason.startswith("tool_choice")
                               else "tools")
+        if self.logprob_token_ids is not None and not self.logprobs:
+            raise _refuse("when using `logprob_token_ids`, `logprobs` must be set to true.",
+                          "logprob_token_ids")
         if self.include_reasoning_logprobs and not self.logprobs:
             raise _refuse("include_reasoning_logprobs needs logprobs: true",
                           "include_reasoning_logprobs")

@@ -56,4 +56,5 @@ class ReplyBuilder:
             stop_logprob=stop_logprob,
             token_texts=step.shares() if self._token_texts else None,
             prompt_logprobs=msg.prompt_logprobs,
+            embedding=msg.embedding,
         )

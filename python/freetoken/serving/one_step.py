@@ -1,0 +1,35 @@
+"""Requests that the engine answers in one step each (rerank, score, embeddings): all sent at
+once, a window of them at a time, each read to its end; the first error ends them all."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from freetoken.message import TokenizeMsg, UserReply
+from freetoken.serving.errors import reply_error
+from freetoken.serving.handling import all_or_none
+
+if TYPE_CHECKING:
+    from freetoken.serving.client import EngineClient
+
+
+async def run_all(state: EngineClient, msgs: list[TokenizeMsg], window: int) -> list[UserReply]:
+    """Each message's replies merged into one: prompt tokens summed, logprobs and embedding
+    kept."""
+    gate = asyncio.Semaphore(window)
+
+    async def one(msg: TokenizeMsg) -> UserReply:
+        async with gate:
+            await state.send_one(msg)
+            merged = UserReply(msg.uid)
+            async for reply in state.wait_for_ack(msg.uid):
+                if reply.error:
+                    raise reply_error(reply.error, reply.error_code)
+                merged.prompt_tokens_delta += reply.prompt_tokens_delta
+                merged.cached_tokens = max(merged.cached_tokens, reply.cached_tokens)
+                merged.logprobs += [e for e in [*reply.logprobs, reply.stop_logprob] if e is not None]
+                merged.embedding = reply.embedding or merged.embedding
+            return merged
+
+    return await all_or_none([one(m) for m in msgs])
