@@ -5,9 +5,12 @@ and seeded; /metrics counts the drafts."""
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
+
+from tests.support.servers import ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -65,6 +68,9 @@ def test_metrics_count_drafts_and_a_request_may_opt_out(servers):
         lines = [x for x in text.splitlines() if x.startswith("freetoken:spec_decode_num_")]
         assert lines and all('method="ngram"' in x for x in lines)
         return {x.split("{")[0]: float(x.rsplit(" ", 1)[1]) for x in lines}
+
+    documented = set(re.findall(r"`(freetoken:spec_decode_[a-z_]+)`", (ROOT / "docs/server.md").read_text()))
+    assert set(counted()) == documented
 
     # Repeated text: its last tokens occurred before, so the first decode step has a draft.
     body = {"prompt": PASSAGE * 3, "max_tokens": 24, "temperature": 0}
