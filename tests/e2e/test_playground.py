@@ -1,7 +1,9 @@
 """The playground in a real browser (Debian's chromium, driven headless by playwright) against
 `freetoken serve` on the scripted Qwen model (DEFAULT_SCRIPT; qwen3 reasoning, hermes tool
 calls) behind an API key. What the page shows is checked against the API's answer to the very
-request the page sent, asked again without streaming. The tests save docs/playground/*.png.
+request the page sent, asked again without streaming. Each mode is screenshotted; with
+FREETOKEN_UPDATE_SCREENSHOTS=1 the shots replace docs/playground/*.png (else they go to a
+temporary folder, so that a test run leaves the checkout as it was).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import httpx
@@ -24,7 +27,8 @@ pytestmark = pytest.mark.slow
 # Debian's chromium, as the README's test command installs it.
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 KEY = "playground-test-key"
-SHOTS = ROOT / "docs" / "playground"
+SHOTS = (ROOT / "docs" / "playground" if os.environ.get("FREETOKEN_UPDATE_SCREENSHOTS")
+         else Path(tempfile.gettempdir()) / "freetoken-playground-shots")
 # Off: what a closed network refuses (the browser's background connections), and /dev/shm,
 # which containers make too small for the renderer.
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
