@@ -119,8 +119,10 @@ class Req:
     state_slot: int | None = None
     snapshots: dict[int, int] = field(default_factory=dict)
     # Speculative decoding (scheduler/speculation.py): the tokens this step verifies after its
-    # last one, and how many coming steps it decodes plainly after drafts were rejected.
+    # last one; the longest its next draft may be (0: the server's), and how many coming steps
+    # it decodes plainly after drafts were rejected.
     drafts: list[int] = field(default_factory=list)
+    draft_length: int = 0
     draft_pause: int = 0
     draft_backoff: int = 0
     # With params.pooling: the final-norm hidden state of each prompt position it reads, so far.

@@ -8,8 +8,10 @@ differs from the draft ends the step, its token emitted in place of the draft's.
 kernels give each row the bits of a plain decode step, and a seeded request's random stream is
 rewound to the draws its emitted tokens used, so its output is the plain one, bit for bit.
 
-A request whose drafts keep being rejected stops drafting for a while (twice as long each time,
-up to `MAX_PAUSE` steps), so that text with no repeats costs little more than plain decoding.
+A request's next draft is one token longer than what its last draft had accepted (up to
+`num_speculative_tokens`), and a request whose draft had nothing accepted stops drafting for a
+while (twice as long each time, up to `MAX_PAUSE` steps), so that rows verified in vain stay
+few where text does not repeat.
 """
 
 from __future__ import annotations
@@ -63,13 +65,15 @@ class Speculator:
             return []
         # The bonus token counts against max_tokens too: k drafts emit up to k + 1 tokens.
         room = req.params.max_tokens - len(req.output_ids) - 1
-        return lookup(req.all_ids, self.config, min(self.config.num_speculative_tokens, room))
+        return lookup(req.all_ids, self.config, min(req.draft_length or self.config.num_speculative_tokens,
+                                                     room))
 
     def verified(self, req: Req, drafts: list[int], accepted: int, emitted: int) -> None:
         self.stats.spec_decode_num_drafts += 1
         self.stats.spec_decode_num_draft_tokens += len(drafts)
         self.stats.spec_decode_num_accepted_tokens += accepted
         self.stats.spec_decode_num_emitted_tokens += emitted
+        req.draft_length = min(accepted + 1, self.config.num_speculative_tokens)
         if accepted:
             req.draft_backoff = 0
         else:
