@@ -11,13 +11,21 @@ from agents import (Agent, ModelSettings, OpenAIResponsesModel, Runner, function
                     set_tracing_disabled)
 from openai import AsyncOpenAI
 
+from tests.fixtures import build_models as bm
+
 pytestmark = pytest.mark.slow
 
 
+# Asked about the weather it calls get_weather for Paris; once the tool's answer is in the
+# conversation (the first trigger found wins), it answers from it.
+ANSWER = "It is sunny in Paris."
+SCRIPT = [{"trigger": "Sunny in Paris", "text": f"The tool answered.\n</think>\n\n{ANSWER}"},
+          *bm.DEFAULT_SCRIPT]
+
+
 @pytest.fixture(scope="module")
-def scripted(server, scripted_model_path):
-    """The default script: asked about the weather, it calls get_weather for Paris."""
-    return server("--model", str(scripted_model_path))
+def scripted(server, make_scripted_model):
+    return server("--model", str(make_scripted_model(SCRIPT, alternatives=bm.DEFAULT_ALTERNATIVES)))
 
 
 @function_tool
@@ -30,17 +38,16 @@ def agent(server) -> Agent:
     set_tracing_disabled(True)  # no traces sent anywhere
     name = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
     client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
-    # The script calls the tool on every turn that mentions the weather: the run ends with the
-    # tool's answer rather than asking the model again.
     return Agent(name="weather", instructions="Answer with the tool.", tools=[get_weather],
                  model=OpenAIResponsesModel(model=name, openai_client=client),
-                 model_settings=ModelSettings(temperature=0, max_tokens=80),
-                 tool_use_behavior="stop_on_first_tool")
+                 model_settings=ModelSettings(temperature=0, max_tokens=80))
 
 
 def test_an_agent_runs_its_tool_to_the_end(scripted):
     result = Runner.run_sync(agent(scripted), "What is the weather in Paris?")
-    assert result.final_output == "Sunny in Paris"
+    # model -> tool call -> tool -> model again -> its final answer
+    calls = [item.raw_item.name for item in result.new_items if item.type == "tool_call_item"]
+    assert calls == ["get_weather"] and result.final_output == ANSWER
 
 
 def test_a_streamed_agent_runs_its_tool_to_the_end(scripted):
@@ -50,4 +57,4 @@ def test_a_streamed_agent_runs_its_tool_to_the_end(scripted):
         return result.final_output, kinds
 
     final, kinds = asyncio.run(run())
-    assert final == "Sunny in Paris" and "raw_response_event" in kinds
+    assert final == ANSWER and "raw_response_event" in kinds
