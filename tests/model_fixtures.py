@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import random
 import shutil
 from pathlib import Path
 
@@ -182,3 +183,9 @@ def assert_cache_hit_and_chunks_give_the_cold_result(loaded, base: list[int], st
         assert_same_run(chunked[uid], cold[uid])
         assert_matches_reference(loaded.folder, prompts[uid], cold[uid])
     return cached
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    """n token ids drawn from the middle of the default vocabulary, the same for a seed."""
+    r = random.Random(seed)
+    return [r.randrange(1000, 40000) for _ in range(n)]

@@ -42,6 +42,17 @@ class ParallelConfig:
         return range(self.node_rank * self.per_node, (self.node_rank + 1) * self.per_node)
 
 
+def json_object_flag(flag: str, text: str) -> dict:
+    """A flag's JSON object value; a ValueError naming the flag otherwise."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{flag} is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object")
+    return value
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """`--speculative-config` as vLLM spells it (its `ngram` method)."""
@@ -53,12 +64,7 @@ class SpeculativeConfig:
 
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig:
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--speculative-config is not JSON: {exc}") from None
-        if not isinstance(raw, dict):
-            raise ValueError("--speculative-config must be a JSON object")
+        raw = json_object_flag("--speculative-config", text)
         method = raw.pop("method", "ngram")
         if method != "ngram":
             raise ValueError(f"--speculative-config: method {method!r} is not supported "

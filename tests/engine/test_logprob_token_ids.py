@@ -5,15 +5,13 @@ included; renormalised over `allowed_token_ids` on a masked row."""
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 import torch
 
 from freetoken.core import SamplingParams
-from freetoken.models.registry import load_model
 from freetoken.scheduler.factory import build_scheduler
-from tests.model_fixtures import drain, reference_logprobs, tiny_random_folder
+from tests.model_fixtures import drain, loaded_fp32, random_prompt, reference_logprobs, tiny_random_folder
 
 TOLERANCE = 1e-4
 STEPS = 3
@@ -21,12 +19,8 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def tiny():
-    return load_model(str(tiny_random_folder("qwen3")), dtype="float32", device="cpu")
+    return loaded_fp32(tiny_random_folder("qwen3"))
 
-
-def _prompt(n: int, seed: int) -> list[int]:
-    r = random.Random(seed)
-    return [r.randrange(1000, 40000) for _ in range(n)]
 
 
 def _listed(prompt: list[int]) -> list[int]:
@@ -42,13 +36,13 @@ def _entries(tiny, requests: dict[int, tuple[list[int], SamplingParams]]) -> dic
 
 
 def test_listed_ids_match_the_full_log_softmax(tiny):
-    prompts = {uid: _prompt(9 + 4 * uid, uid) for uid in range(3)}
+    prompts = {uid: random_prompt(9 + 4 * uid, uid) for uid in range(3)}
     listed = {uid: _listed(p) for uid, p in prompts.items()}
     requests = {uid: (p, SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True,
                                         logprobs=0, logprob_token_ids=listed[uid]))
                 for uid, p in prompts.items()}
     # A neighbour with a plain top-5 in the same batch keeps its own shape.
-    requests[9] = (_prompt(7, 9), SamplingParams(temperature=0, max_tokens=STEPS, logprobs=5,
+    requests[9] = (random_prompt(7, 9), SamplingParams(temperature=0, max_tokens=STEPS, logprobs=5,
                                                  ignore_eos=True))
     runs = _entries(tiny, requests)
     for uid, prompt in prompts.items():
@@ -64,7 +58,7 @@ def test_listed_ids_match_the_full_log_softmax(tiny):
 
 
 def test_allowed_token_ids_renormalise_the_listed_ids(tiny):
-    prompt = _prompt(11, 5)
+    prompt = random_prompt(11, 5)
     listed = _listed(prompt)
     allowed = listed[:3]  # the bottom id is listed but not allowed
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=0, allowed_token_ids=allowed,

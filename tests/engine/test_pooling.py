@@ -4,27 +4,21 @@ and (last-token pooling) after a prefix-cache hit."""
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 
 from freetoken.core import SamplingParams
-from freetoken.models.registry import load_model
 from freetoken.scheduler.factory import build_scheduler
-from tests.model_fixtures import drain, hf_reference, tiny_random_folder
+from tests.model_fixtures import drain, hf_reference, loaded_fp32, random_prompt, tiny_random_folder
 
 TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    return load_model(str(tiny_random_folder("qwen3")), dtype="float32", device="cpu")
+    return loaded_fp32(tiny_random_folder("qwen3"))
 
-
-def _prompt(n: int, seed: int) -> list[int]:
-    r = random.Random(seed)
-    return [r.randrange(1000, 40000) for _ in range(n)]
 
 
 def _embed(scheduler, prompts: dict[int, list[int]], mode: str) -> dict[int, list[float]]:
@@ -42,7 +36,7 @@ def _reference(ids: list[int], mode: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("mode", ["last", "mean", "cls"])
 def test_pooled_states_match_transformers_and_do_not_depend_on_the_batch(tiny, mode):
-    prompts = {uid: _prompt(6 + 5 * uid, uid) for uid in range(4)}
+    prompts = {uid: random_prompt(6 + 5 * uid, uid) for uid in range(4)}
     together = _embed(build_scheduler(tiny, kv_slots=1024), prompts, mode)
     chunked = _embed(build_scheduler(tiny, kv_slots=1024, max_prefill_tokens=5), prompts, mode)
     for uid, ids in prompts.items():
@@ -55,7 +49,7 @@ def test_pooled_states_match_transformers_and_do_not_depend_on_the_batch(tiny, m
 
 
 def test_last_token_pooling_takes_prefix_cache_hits_unchanged(tiny):
-    base = _prompt(30, 7)
+    base = random_prompt(30, 7)
     scheduler = build_scheduler(tiny, kv_slots=1024)
     cold = _embed(build_scheduler(tiny, kv_slots=1024, prefix_cache=False), {1: base + [5000]}, "last")
     _embed(scheduler, {0: base + [6000]}, "last")
@@ -65,7 +59,7 @@ def test_last_token_pooling_takes_prefix_cache_hits_unchanged(tiny):
 
 
 def test_mean_pooling_takes_no_prefix_cache_hit(tiny):
-    base = _prompt(30, 8)
+    base = random_prompt(30, 8)
     scheduler = build_scheduler(tiny, kv_slots=1024)
     _embed(scheduler, {0: base}, "last")
     msgs = drain(scheduler, {1: (base + [5000], SamplingParams(temperature=0, max_tokens=1,

@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from freetoken.config import text_config
+from freetoken.config import json_object_flag, text_config
 from freetoken.serving.errors import RequestError
 
 # sentence-transformers' pooling modes, as the engine names them.
@@ -39,13 +39,7 @@ class PoolingConfig:
 def parse_overrides(text: str | None) -> dict:
     if not text:
         return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--hf-overrides is not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise ValueError("--hf-overrides must be a JSON object")
-    return value
+    return json_object_flag("--hf-overrides", text)
 
 
 def read_template(value: str | None) -> str | None:
