@@ -140,21 +140,24 @@ def amx_linear(lib: ctypes.CDLL, packed: torch.Tensor, bias: torch.Tensor | None
     return y
 
 
-def build() -> Path:
-    """Compile the source once per content into the cache folder (atomic: concurrent first
-    uses each compile to their own file and keep whichever lands)."""
-    source = SOURCE.read_bytes()
+def build(source_path: Path = SOURCE) -> Path:
+    """Compile a kernel source (this file's, or quant.py's) once per content into the cache
+    folder (atomic: concurrent first uses each compile to their own file and keep whichever
+    lands)."""
+    source = source_path.read_bytes()
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
-    digest = hashlib.sha256(source + compiler.encode()).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"grouped_gemm-{digest}.so"
+    # -fopenmp links libgomp.so.1, which resolves to the copy torch already loaded; no contracting
+    # of a multiply and an add into an FMA where the source did not write one (the sums' order).
+    flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
+    digest = hashlib.sha256(source + compiler.encode() + " ".join(flags).encode()).hexdigest()[:16]
+    target = cache_root() / "kernels" / f"{source_path.stem}-{digest}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
-    # -fopenmp links libgomp.so.1, which resolves to the copy torch already loaded.
-    command = [compiler, "-O3", "-fopenmp", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE)]
+    command = [compiler, *flags, "-o", str(tmp), str(source_path)]
     try:
         subprocess.run(command, check=True, capture_output=True, text=True)
     except subprocess.CalledProcessError as exc:

@@ -1,23 +1,41 @@
 """Quantized weights kept in GGUF's block layouts, as the file stores them, and the matmuls that
 read them.
 
-INTERFACE STUB: the functions below run through the `gguf` package's numpy dequantizers and
-torch; the C kernels (quant_gemm.c) replace their insides, keeping these signatures.
+The kernels (quant_gemm.c, built at first use like grouped_gemm.c and sharing its build) read the
+blocks in place and dequantize them in registers, to exactly gguf's float32 values. Each output
+element is one sum in a fixed order (eight lanes of FMA chains along K, then a fixed tree; see the
+C file) whatever the row count, tile, thread or group, and the AVX2 and AVX-512 paths give the same
+bits: a row's output never depends on its batch. Where the kernel cannot run (no C compiler, a CPU
+without AVX2/FMA/F16C, FREETOKEN_NO_KERNELS set), `supported()` is False and the loader
+dequantizes at load; the functions here still answer, through gguf's numpy dequantizers.
+FREETOKEN_QUANT_ISA=avx2 caps the kernel at AVX2 (tests and benchmarks compare the paths).
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import os
 from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
 
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
+from freetoken.models.kernels.grouped_gemm import build
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("quant_gemm.c")
+
 # The block formats kept quantized (the others are dequantized at load).
 FORMATS = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
            GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
            GGMLQuantizationType.MXFP4)
+ISAS = {"avx2": 1, "avx512": 2}
 
 
 @dataclass(frozen=True)
@@ -40,37 +58,110 @@ def row_bytes(qtype: GGMLQuantizationType, k: int) -> int:
     return k // block * size
 
 
+@cache
+def _kernel() -> ctypes.CDLL | None:
+    """The built kernel, or None where it cannot run here (logged once)."""
+    if os.environ.get("FREETOKEN_NO_KERNELS"):
+        return None
+    try:
+        lib = ctypes.CDLL(str(build(SOURCE)))
+    except OSError as exc:  # FileNotFoundError too: no compiler
+        log.warning("quantized-weight kernel unavailable (%s); quantized layers are dequantized at load", exc)
+        return None
+    if not lib.quant_isa():
+        log.info("this CPU lacks AVX2/FMA/F16C, which the quantized-weight kernel needs; quantized "
+                 "layers are dequantized at load")
+        return None
+    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.quant_gemm.argtypes = [i32, i32, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64]
+    lib.quant_gemm.restype = None
+    lib.quant_dequantize_rows.argtypes = [i32, ptr, i64, ptr, i64, i64, ptr]
+    lib.quant_dequantize_rows.restype = None
+    return lib
+
+
+def isa() -> int:
+    """The kernel path this process runs: 2 AVX-512, 1 AVX2, 0 none (FREETOKEN_QUANT_ISA caps it)."""
+    lib = _kernel()
+    if lib is None:
+        return 0
+    return min(lib.quant_isa(), ISAS.get(os.environ.get("FREETOKEN_QUANT_ISA", ""), 2))
+
+
 def supported(qtype: GGMLQuantizationType) -> bool:
     """Is there a kernel for `qtype` on this CPU?"""
-    return qtype in FORMATS
+    return qtype in FORMATS and _kernel() is not None
+
+
+def _rows(data: torch.Tensor, ids: torch.Tensor | None, qtype: GGMLQuantizationType, k: int) -> torch.Tensor:
+    """Rows `ids` (None: all) of blocks `data` [rows, row_bytes] as float32 [n, k]."""
+    lib = _kernel()
+    if lib is None or qtype not in FORMATS:
+        picked = data if ids is None else data[ids]
+        values = gguf_quants.dequantize(picked.numpy(), qtype)
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(-1, k)
+    data = data.contiguous()
+    n = data.shape[0] if ids is None else ids.numel()
+    out = torch.empty(n, k, dtype=torch.float32)
+    if ids is not None:
+        ids = ids.to(torch.int64).contiguous()
+    lib.quant_dequantize_rows(int(qtype), data.data_ptr(), data.shape[1], None if ids is None else ids.data_ptr(),
+                              n, k, out.data_ptr())
+    return out
 
 
 def dequantize(weight: QuantizedWeight) -> torch.Tensor:
     """The float32 weight, [N, K] (or [E, N, K])."""
-    values = gguf_quants.dequantize(weight.data.numpy(), weight.qtype)
-    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(weight.shape)
+    rows = weight.data.reshape(-1, weight.data.shape[-1])
+    return _rows(rows, None, weight.qtype, weight.shape[-1]).view(weight.shape)
 
 
 def dequantize_rows(weight: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of a [N, K] weight as float32 [len(ids), K] (an embedding lookup)."""
-    picked = weight.data[ids.cpu()]
-    values = gguf_quants.dequantize(picked.numpy(), weight.qtype)
-    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(len(ids), weight.shape[-1])
+    return _rows(weight.data, ids.cpu().reshape(-1), weight.qtype, weight.shape[-1])
+
+
+def _gemm(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, groups: torch.Tensor) -> torch.Tensor:
+    rows = x.float().contiguous()
+    n, k = weight.shape[-2:]
+    assert rows.shape[1] == k and weight.data.is_contiguous(), (tuple(rows.shape), weight.shape)
+    y = torch.empty(rows.shape[0], n, dtype=torch.float32)
+    if bias is not None:
+        bias = bias.float().contiguous()
+    _kernel().quant_gemm(isa(), int(weight.qtype), rows.data_ptr(), rows.stride(0), weight.data.data_ptr(),
+                         weight.data.shape[-1], None if bias is None else bias.data_ptr(), y.data_ptr(),
+                         y.stride(0), groups.data_ptr(), groups.shape[0], k, n)
+    return y.to(x.dtype)
 
 
 def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [R, K] (float32 or bfloat16) @ weight[N, K]^T + bias: [R, N] in x's dtype, float32 sums."""
-    y = x.float() @ dequantize(weight).T
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
+    if not supported(weight.qtype):
+        y = x.float() @ dequantize(weight).T
+        return (y if bias is None else y + bias.float()).to(x.dtype)
+    return _gemm(x, weight, bias, torch.tensor([[0, 0, x.shape[0]]], dtype=torch.int64))
 
 
 def grouped_quant_gemm(x: torch.Tensor, experts: QuantizedWeight, groups: torch.Tensor) -> torch.Tensor:
     """As models/kernels/grouped_gemm.py's grouped_gemm, experts [E, N, K] quantized: groups [G, 3]
     int64 (expert, first row, row count) covering every row of x; [R, N] in x's dtype."""
+    groups = groups.to(torch.int64).contiguous()
+    if supported(experts.qtype):
+        return _gemm(x, experts, None, groups)
     y = torch.empty(x.shape[0], experts.shape[1], dtype=torch.float32)
     full = dequantize(experts)
     for expert, first, count in groups.tolist():
         y[first:first + count] = x[first:first + count].float() @ full[expert].T
     return y.to(x.dtype)
+
+
+def from_mxfp4_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> QuantizedWeight:
+    """gpt-oss's HF MXFP4 weight (blocks [..., N, G, 16] uint8, consecutive values in a byte's low
+    then high nibble; scales [..., N, G] E8M0 bytes; see mxfp4.py) as GGUF MXFP4 blocks: per block
+    the scale byte, then 16 bytes holding values 0-15 in the low nibbles and 16-31 in the high."""
+    blocks = blocks.to(torch.uint8)
+    values = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2)  # [..., G, 32]
+    packed = values[..., :16] | (values[..., 16:] << 4)
+    data = torch.cat([scales.to(torch.uint8)[..., None], packed], dim=-1).flatten(-2).contiguous()
+    shape = (*blocks.shape[:-2], blocks.shape[-2] * 32)
+    return QuantizedWeight(GGMLQuantizationType.MXFP4, data, shape)

@@ -1,0 +1,159 @@
+"""The quantized-weight kernels (models/kernels/quant.py, quant_gemm.c) against gguf's numpy
+dequantizers and float64 matmuls: dequantized values bit-equal, products within float32 rounding,
+and every row's bits independent of its batch, its group, the thread count and the ISA path."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import quants as gguf_quants
+
+from freetoken.models.kernels import quant
+from freetoken.models.kernels.mxfp4 import dequantize_mxfp4
+
+pytestmark = pytest.mark.skipif(not quant.supported(T.Q4_0), reason="no quantized-weight kernel on this CPU")
+
+N = 44  # not a multiple of the kernel's 8-column tiles
+K_SMALL = 352  # 11 blocks of 32: one full 256-value range and a partial one
+K_SUPER = 512  # 2 super-blocks of 256
+# Where each format keeps its float16 scales (byte offsets in a block).
+HALF_SCALES = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+
+
+def random_blocks(qtype: T, rows: int, k: int, seed: int = 0, e8m0=(112, 136)) -> torch.Tensor:
+    """Random valid blocks: random quants and packed scales, finite float16 scales."""
+    rng = np.random.default_rng(seed)
+    block, size = GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, size=(rows, k // block, size), dtype=np.uint8)
+    if qtype == T.MXFP4:
+        data[..., 0] = rng.integers(*e8m0, size=data.shape[:2])
+    for offset in HALF_SCALES.get(qtype, ()):
+        scale = (rng.standard_normal(data.shape[:2]) * 0.02).astype(np.float16)
+        data[..., offset:offset + 2] = scale.view(np.uint8).reshape(*data.shape[:2], 2)
+    return torch.from_numpy(data.reshape(rows, -1))
+
+
+def weight(qtype: T, rows: int = N, seed: int = 0) -> quant.QuantizedWeight:
+    k = K_SUPER if GGML_QUANT_SIZES[qtype][0] == 256 else K_SMALL
+    return quant.QuantizedWeight(qtype, random_blocks(qtype, rows, k, seed), (rows, k))
+
+
+def gguf_reference(w: quant.QuantizedWeight) -> torch.Tensor:
+    with np.errstate(over="ignore"):  # MXFP4's largest scales overflow to infinity, ours too
+        values = gguf_quants.dequantize(w.data.numpy(), w.qtype)
+    return torch.from_numpy(values.astype(np.float32)).view(w.shape)
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(params=sorted(quant.ISAS), ids=sorted(quant.ISAS))
+def isa_cap(request, monkeypatch):
+    if quant.ISAS[request.param] > quant._kernel().quant_isa():
+        pytest.skip(f"this CPU lacks {request.param}")
+    monkeypatch.setenv("FREETOKEN_QUANT_ISA", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("qtype", quant.FORMATS, ids=lambda t: t.name)
+def test_dequantize_is_gguf_bit_for_bit(qtype):
+    w = weight(qtype)
+    assert torch.equal(quant.dequantize(w), gguf_reference(w))
+    ids = torch.tensor([5, 0, 43, 5, 17])
+    assert torch.equal(quant.dequantize_rows(w, ids), gguf_reference(w)[ids])
+
+
+def test_mxfp4_dequantizes_every_scale_byte_as_gguf():
+    data = random_blocks(T.MXFP4, 4, 8192, e8m0=(0, 256))  # subnormal to infinite
+    w = quant.QuantizedWeight(T.MXFP4, data, (4, 8192))
+    assert torch.equal(quant.dequantize(w), gguf_reference(w))
+
+
+@pytest.mark.parametrize("qtype", quant.FORMATS, ids=lambda t: t.name)
+def test_quant_linear_matches_a_float64_product(qtype, isa_cap):
+    w = weight(qtype)
+    x = torch.randn(9, w.shape[1], generator=torch.Generator().manual_seed(1))
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(2))
+    dense = gguf_reference(w).double()
+    exact = x.double() @ dense.T + bias.double()
+    scale = x.double().abs() @ dense.abs().T + bias.double().abs()
+    y = quant.quant_linear(x, w, bias)
+    assert y.dtype == torch.float32 and y.shape == (9, N)
+    assert ((y.double() - exact).abs() <= 1e-5 * scale).all()
+    # The bias is added once to the finished sum.
+    assert torch.equal(y, quant.quant_linear(x, w, None) + bias)
+
+
+@pytest.mark.parametrize("qtype", quant.FORMATS, ids=lambda t: t.name)
+def test_every_row_gets_the_bits_it_gets_alone(qtype, threads, isa_cap):
+    w = weight(qtype)
+    x = torch.randn(70, w.shape[1], generator=torch.Generator().manual_seed(3))  # > one 64-row item
+    alone = torch.cat([quant.quant_linear(x[r:r + 1], w, None) for r in range(len(x))])
+    for rows in (1, 2, 3, 7, 13, 33, 64, 70):
+        first = (rows * 7) % (len(x) - rows + 1)
+        assert torch.equal(quant.quant_linear(x[first:first + rows], w, None), alone[first:first + rows]), rows
+
+
+@pytest.mark.parametrize("qtype", quant.FORMATS, ids=lambda t: t.name)
+def test_avx2_and_avx512_paths_give_the_same_bits(qtype, monkeypatch):
+    if quant._kernel().quant_isa() < quant.ISAS["avx512"]:
+        pytest.skip("this CPU lacks AVX-512: one path only")
+    w = weight(qtype)
+    x = torch.randn(70, w.shape[1], generator=torch.Generator().manual_seed(4))
+    wide = quant.quant_linear(x, w, None)
+    monkeypatch.setenv("FREETOKEN_QUANT_ISA", "avx2")
+    assert quant.isa() == quant.ISAS["avx2"]
+    assert torch.equal(quant.quant_linear(x, w, None), wide)
+
+
+@pytest.mark.parametrize("qtype", quant.FORMATS, ids=lambda t: t.name)
+def test_grouped_matches_each_expert_alone_bit_for_bit(qtype, threads):
+    experts = 4
+    flat = weight(qtype, rows=experts * N, seed=5)
+    stacked = quant.QuantizedWeight(qtype, flat.data.view(experts, N, -1), (experts, N, flat.shape[1]))
+    counts = [(2, 3), (0, 1), (3, 0), (1, 70), (2, 5)]  # (expert, rows), an empty group too
+    x = torch.randn(sum(c for _, c in counts), flat.shape[1], generator=torch.Generator().manual_seed(6))
+    groups, first = [], 0
+    for expert, count in counts:
+        groups.append((expert, first, count))
+        first += count
+    y = quant.grouped_quant_gemm(x, stacked, torch.tensor(groups))
+    for expert, first, count in groups:
+        one = quant.QuantizedWeight(qtype, stacked.data[expert], (N, flat.shape[1]))
+        assert torch.equal(y[first:first + count], quant.quant_linear(x[first:first + count], one, None))
+
+
+def test_bfloat16_rows_come_back_in_bfloat16():
+    w = weight(T.Q4_1)
+    x = torch.randn(3, w.shape[1]).bfloat16()
+    y = quant.quant_linear(x, w, None)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, quant.quant_linear(x.float(), w, None).bfloat16())
+
+
+def test_hf_mxfp4_converts_to_gguf_blocks_bit_for_bit():
+    gen = torch.Generator().manual_seed(7)
+    blocks = torch.randint(0, 256, (3, 5, 12, 16), dtype=torch.uint8, generator=gen)  # [E, N, G, 16]
+    scales = torch.randint(100, 150, (3, 5, 12), dtype=torch.uint8, generator=gen)
+    w = quant.from_mxfp4_blocks(blocks, scales)
+    assert w.shape == (3, 5, 384) and w.data.shape == (3, 5, 12 * 17)
+    assert torch.equal(quant.dequantize(w), dequantize_mxfp4(blocks, scales, torch.float32))
+
+
+def test_without_kernels_nothing_is_supported_and_the_reference_answers(monkeypatch):
+    w = weight(T.Q6_K)
+    x = torch.randn(2, w.shape[1])
+    monkeypatch.setenv("FREETOKEN_NO_KERNELS", "1")
+    quant._kernel.cache_clear()
+    try:
+        assert not any(quant.supported(t) for t in quant.FORMATS)
+        assert torch.equal(quant.dequantize(w), gguf_reference(w))
+        assert torch.allclose(quant.quant_linear(x, w, None), x @ gguf_reference(w).T, rtol=1e-5, atol=1e-6)
+    finally:
+        monkeypatch.delenv("FREETOKEN_NO_KERNELS")
+        quant._kernel.cache_clear()
