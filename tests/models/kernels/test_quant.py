@@ -14,28 +14,13 @@ from freetoken.models.kernels.mxfp4 import dequantize_mxfp4
 pytestmark = pytest.mark.skipif(not quant.supported(T.Q4_0), reason="no quantized-weight kernel on this CPU")
 
 N = 44  # not a multiple of the kernel's 8-column tiles
-K_SMALL = 352  # 11 blocks of 32: one full 256-value range and a partial one
-K_SUPER = 512  # 2 super-blocks of 256
-# Where each format keeps its float16 scales (byte offsets in a block).
-HALF_SCALES = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
-
-
-def random_blocks(qtype: T, rows: int, k: int, seed: int = 0, e8m0=(112, 136)) -> torch.Tensor:
-    """Random valid blocks: random quants and packed scales, finite float16 scales."""
-    rng = np.random.default_rng(seed)
-    block, size = GGML_QUANT_SIZES[qtype]
-    data = rng.integers(0, 256, size=(rows, k // block, size), dtype=np.uint8)
-    if qtype == T.MXFP4:
-        data[..., 0] = rng.integers(*e8m0, size=data.shape[:2])
-    for offset in HALF_SCALES.get(qtype, ()):
-        scale = (rng.standard_normal(data.shape[:2]) * 0.02).astype(np.float16)
-        data[..., offset:offset + 2] = scale.view(np.uint8).reshape(*data.shape[:2], 2)
-    return torch.from_numpy(data.reshape(rows, -1))
+K_SMALL = 608  # 19 blocks of 32: one full 512-value range of the kernel and a partial one
+K_SUPER = 768  # 3 super-blocks of 256: a full range and a partial one
 
 
 def weight(qtype: T, rows: int = N, seed: int = 0) -> quant.QuantizedWeight:
     k = K_SUPER if GGML_QUANT_SIZES[qtype][0] == 256 else K_SMALL
-    return quant.QuantizedWeight(qtype, random_blocks(qtype, rows, k, seed), (rows, k))
+    return quant.random_weight(qtype, (rows, k), seed)
 
 
 def gguf_reference(w: quant.QuantizedWeight) -> torch.Tensor:
@@ -61,16 +46,15 @@ def isa_cap(request, monkeypatch):
 
 
 @pytest.mark.parametrize("qtype", quant.FORMATS, ids=lambda t: t.name)
-def test_dequantize_is_gguf_bit_for_bit(qtype):
+def test_dequantize_is_gguf_bit_for_bit(qtype, isa_cap):
     w = weight(qtype)
     assert torch.equal(quant.dequantize(w), gguf_reference(w))
     ids = torch.tensor([5, 0, 43, 5, 17])
     assert torch.equal(quant.dequantize_rows(w, ids), gguf_reference(w)[ids])
 
 
-def test_mxfp4_dequantizes_every_scale_byte_as_gguf():
-    data = random_blocks(T.MXFP4, 4, 8192, e8m0=(0, 256))  # subnormal to infinite
-    w = quant.QuantizedWeight(T.MXFP4, data, (4, 8192))
+def test_mxfp4_dequantizes_every_scale_byte_as_gguf(isa_cap):
+    w = quant.random_weight(T.MXFP4, (4, 8192), e8m0=(0, 256))  # subnormal to infinite
     assert torch.equal(quant.dequantize(w), gguf_reference(w))
 
 
@@ -92,7 +76,7 @@ def test_quant_linear_matches_a_float64_product(qtype, isa_cap):
 @pytest.mark.parametrize("qtype", quant.FORMATS, ids=lambda t: t.name)
 def test_every_row_gets_the_bits_it_gets_alone(qtype, threads, isa_cap):
     w = weight(qtype)
-    x = torch.randn(70, w.shape[1], generator=torch.Generator().manual_seed(3))  # > one 64-row item
+    x = torch.randn(70, w.shape[1], generator=torch.Generator().manual_seed(3))  # > one 48-row work item
     alone = torch.cat([quant.quant_linear(x[r:r + 1], w, None) for r in range(len(x))])
     for rows in (1, 2, 3, 7, 13, 33, 64, 70):
         first = (rows * 7) % (len(x) - rows + 1)

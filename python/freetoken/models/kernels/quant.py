@@ -36,6 +36,9 @@ FORMATS = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizatio
            GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
            GGMLQuantizationType.MXFP4)
 ISAS = {"avx2": 1, "avx512": 2}
+# Where each format keeps float16 scales (byte offsets in a block), for `random_weight`.
+_HALF_SCALES = {GGMLQuantizationType.Q8_0: (0,), GGMLQuantizationType.Q4_0: (0,), GGMLQuantizationType.Q4_1: (0, 2),
+                GGMLQuantizationType.Q4_K: (0, 2), GGMLQuantizationType.Q5_K: (0, 2), GGMLQuantizationType.Q6_K: (208,)}
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ def _kernel() -> ctypes.CDLL | None:
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.quant_gemm.argtypes = [i32, i32, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64]
     lib.quant_gemm.restype = None
-    lib.quant_dequantize_rows.argtypes = [i32, ptr, i64, ptr, i64, i64, ptr]
+    lib.quant_dequantize_rows.argtypes = [i32, i32, ptr, i64, ptr, i64, i64, ptr]
     lib.quant_dequantize_rows.restype = None
     return lib
 
@@ -105,7 +108,7 @@ def _rows(data: torch.Tensor, ids: torch.Tensor | None, qtype: GGMLQuantizationT
     out = torch.empty(n, k, dtype=torch.float32)
     if ids is not None:
         ids = ids.to(torch.int64).contiguous()
-    lib.quant_dequantize_rows(int(qtype), data.data_ptr(), data.shape[1], None if ids is None else ids.data_ptr(),
+    lib.quant_dequantize_rows(isa(), int(qtype), data.data_ptr(), data.shape[1], None if ids is None else ids.data_ptr(),
                               n, k, out.data_ptr())
     return out
 
@@ -165,3 +168,20 @@ def from_mxfp4_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> QuantizedWe
     data = torch.cat([scales.to(torch.uint8)[..., None], packed], dim=-1).flatten(-2).contiguous()
     shape = (*blocks.shape[:-2], blocks.shape[-2] * 32)
     return QuantizedWeight(GGMLQuantizationType.MXFP4, data, shape)
+
+
+def random_weight(qtype: GGMLQuantizationType, shape: tuple[int, ...], seed: int = 0,
+                  e8m0: tuple[int, int] = (112, 136)) -> QuantizedWeight:
+    """Random valid blocks for tests and benchmarks: random quants and packed scales, finite
+    float16 scales around 0.02, MXFP4 scale bytes drawn from `e8m0` (low, high exclusive)."""
+    rng = np.random.default_rng(seed)
+    block, size = GGML_QUANT_SIZES[qtype]
+    rows = int(np.prod(shape[:-1]))
+    data = rng.integers(0, 256, size=(rows, shape[-1] // block, size), dtype=np.uint8)
+    if qtype == GGMLQuantizationType.MXFP4:
+        data[..., 0] = rng.integers(*e8m0, size=data.shape[:2])
+    for offset in _HALF_SCALES.get(qtype, ()):
+        scale = (rng.standard_normal(data.shape[:2]) * 0.02).astype(np.float16)
+        data[..., offset:offset + 2] = scale.view(np.uint8).reshape(*data.shape[:2], 2)
+    blocks = torch.from_numpy(data).view(*shape[:-1], -1)
+    return QuantizedWeight(qtype, blocks, tuple(shape))

@@ -6,19 +6,20 @@
  * product of a scale and a quant is exact in float32, and where the format adds a minimum the
  * one rounding is an FMA's, as numpy's multiply-then-add (the product being exact).
  *
- * THE ORDER. Each output element is one sum in a fixed order: eight lanes, lane j the fused
- * multiply-add chain over c = 0, 1, ..., K/8 - 1 of x[8c + j] * w[8c + j] from zero, then
- *     y = ((s0 + s4) + (s2 + s6)) + ((s1 + s5) + (s3 + s7))   (+ bias).
- * Nothing of it depends on the row count, the tile or strip the element lands in, the thread,
- * the group, or the instruction set: the AVX-512 path holds two output columns' eight lanes in
- * one register and runs the same chains, so both paths give the same bits.
+ * THE ORDER. Each output element is one sum in a fixed order: sixteen lanes, lane j the fused
+ * multiply-add chain over c = 0, 1, ..., K/16 - 1 of x[16c + j] * w[16c + j] from zero; then
+ * t_j = s_j + s_(j+8) and y = ((t0 + t4) + (t2 + t6)) + ((t1 + t5) + (t3 + t7)) (+ bias, last).
+ * Nothing of it depends on the row count, the tile the element lands in, the thread, the group,
+ * or the instruction set: AVX-512 holds the sixteen lanes in one register, AVX2 in two (lanes
+ * 0-7 and 8-15), both run the same chains and the same final additions, so both give the same
+ * bits (on one CPU or across CPUs).
  *
  * How it runs. Work items are (group, block of RB rows, tile of NT output columns), spread over
  * torch's OpenMP threads (we share its libgomp). An item walks K in ranges of KB: it dequantizes
- * the tile's weights for the range into a panel in L1 ([chunk][column][8 lanes]), then runs every
- * row tile of its rows over the panel, accumulators kept in an L1 buffer between ranges. A
- * decode step's few rows read each weight byte once; a prefill's rows reuse each panel RB times,
- * so the FMA microkernel, not the dequantization, sets the pace.
+ * its columns' weights for the range into a panel in L1, then runs every row tile of its rows
+ * over the panel, the lanes kept in an L1 buffer between ranges. A decode step's few rows read
+ * each weight byte once from memory (the step is bound by that read); a prefill's rows reuse each
+ * panel RB times, so the FMA microkernel, not the dequantization, sets the pace.
  *
  * Built at first use by models/kernels/quant.py; x86-64 with AVX2, FMA and F16C, else unsupported.
  */
@@ -29,8 +30,8 @@
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, MXFP4 = 39 };
 
 #define NT 8   /* output columns per tile */
-#define KB 256 /* k values per panel */
-#define RB 64  /* rows per work item */
+#define KB 512 /* k values per panel */
+#define RB 48  /* rows per work item (a multiple of both row tiles) */
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -56,54 +57,48 @@ AVX2 INLINE float half(const uint8_t *p) {
 }
 
 /* ---------------------------------------------------------------- dequantizing one block
- * Each writes the block's values in k order, eight at a time: values 8i..8i+7 at dst + i*stride. */
+ * Each writes the block's values in k order to dst. AVX2 and AVX-512 variants compute the same
+ * values (each is exact or one FMA rounding); the AVX-512 ones look 4-bit codes up in a table of
+ * the block's 16 values (vpermps reads an index's low 4 bits only). */
 
-AVX2 INLINE void put_i8(__m128i q, __m256 scale, float *dst, int64_t stride) { /* 16 int8 */
+AVX2 INLINE void put_i8(__m128i q, __m256 scale, float *dst) { /* 16 int8 times scale */
     _mm256_storeu_ps(dst, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), scale));
-    _mm256_storeu_ps(dst + stride,
-                     _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))), scale));
+    _mm256_storeu_ps(dst + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))), scale));
 }
 
-AVX2 INLINE void put_u8_fma(__m128i q, __m256 d, __m256 m, float *dst, int64_t stride) { /* 16 uint8: d*q + m */
+AVX2 INLINE void put_u8_fma(__m128i q, __m256 d, __m256 m, float *dst) { /* 16 uint8: q*d + m */
     _mm256_storeu_ps(dst, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), d, m));
-    _mm256_storeu_ps(dst + stride,
-                     _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8))), d, m));
+    _mm256_storeu_ps(dst + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8))), d, m));
+}
+
+AVX512 INLINE void put_i8_512(__m128i q, __m512 scale, float *dst) {
+    _mm512_storeu_ps(dst, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), scale));
+}
+
+AVX512 INLINE void put_u8_fma_512(__m128i q, __m512 d, __m512 m, float *dst) {
+    _mm512_storeu_ps(dst, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)), d, m));
+}
+
+/* 32 values from 16 bytes of 4-bit codes (low nibbles first) through a 16-entry table. */
+AVX512 INLINE void put_nibbles_512(const uint8_t *q, __m512 table, float *dst) {
+    const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+    _mm512_storeu_ps(dst, _mm512_permutexvar_ps(codes, table));
+    _mm512_storeu_ps(dst + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table));
+}
+
+AVX512 INLINE __m512 iota_512(void) {
+    return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 }
 
 AVX2 INLINE __m128i low_nibbles(__m128i q) { return _mm_and_si128(q, _mm_set1_epi8(0x0F)); }
 AVX2 INLINE __m128i high_nibbles(__m128i q) { return _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0F)); }
 
-AVX2 INLINE void dq_q8_0(const uint8_t *b, float *dst, int64_t stride) {
-    const __m256 d = _mm256_set1_ps(half(b));
-    put_i8(_mm_loadu_si128((const __m128i *)(b + 2)), d, dst, stride);
-    put_i8(_mm_loadu_si128((const __m128i *)(b + 18)), d, dst + 2 * stride, stride);
-}
-
-/* Q4_0, Q4_1, MXFP4: values 0-15 the low nibbles of the 16 bytes, 16-31 the high ones. */
-AVX2 INLINE void dq_q4_0(const uint8_t *b, float *dst, int64_t stride) {
-    const __m256 d = _mm256_set1_ps(half(b));
-    const __m128i q = _mm_loadu_si128((const __m128i *)(b + 2)), eight = _mm_set1_epi8(8);
-    put_i8(_mm_sub_epi8(low_nibbles(q), eight), d, dst, stride);
-    put_i8(_mm_sub_epi8(high_nibbles(q), eight), d, dst + 2 * stride, stride);
-}
-
-AVX2 INLINE void dq_q4_1(const uint8_t *b, float *dst, int64_t stride) {
-    const __m256 d = _mm256_set1_ps(half(b)), m = _mm256_set1_ps(half(b + 2));
-    const __m128i q = _mm_loadu_si128((const __m128i *)(b + 4));
-    put_u8_fma(low_nibbles(q), d, m, dst, stride);
-    put_u8_fma(high_nibbles(q), d, m, dst + 2 * stride, stride);
-}
-
-AVX2 INLINE void dq_mxfp4(const uint8_t *b, float *dst, int64_t stride) {
-    /* The E8M0 byte as half its power of two (gguf's e8m0_to_fp32_half), times doubled e2m1 codes. */
-    const uint32_t bits = b[0] < 2 ? 0x00200000u << b[0] : (uint32_t)(b[0] - 1) << 23;
+/* The E8M0 byte as half its power of two (gguf's e8m0_to_fp32_half), for doubled e2m1 codes. */
+INLINE float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
     float scale;
     memcpy(&scale, &bits, 4);
-    const __m256 d = _mm256_set1_ps(scale);
-    const __m128i codes = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-    const __m128i q = _mm_loadu_si128((const __m128i *)(b + 1));
-    put_i8(_mm_shuffle_epi8(codes, low_nibbles(q)), d, dst, stride);
-    put_i8(_mm_shuffle_epi8(codes, high_nibbles(q)), d, dst + 2 * stride, stride);
+    return scale;
 }
 
 /* Q4_K and Q5_K: 8 sub-blocks of 32, each with a 6-bit scale and minimum packed in 12 bytes. */
@@ -115,63 +110,115 @@ INLINE void k_scales(const uint8_t *b, float sc[8], float mn[8]) {
     }
 }
 
-AVX2 INLINE void dq_q4_k(const uint8_t *b, float *dst, int64_t stride) {
+/* Q5_K's 16 5-bit codes of sub-block j from 16 bytes of nibbles and the matching 16 of qh. */
+AVX2 INLINE __m128i q5_codes(__m128i q, __m128i qh, int j) {
+    const __m128i high = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(qh, j), _mm_set1_epi8(1)), 4);
+    return _mm_or_si128(j & 1 ? high_nibbles(q) : low_nibbles(q), high);
+}
+
+/* Q6_K's 16 codes minus 32: in half h, value v takes the nibble v/64 of ql[64h + v%64] and the
+ * bit pair v/32 of qh[32h + v%32]; part p of group t is values 32t + 16p of the half. */
+AVX2 INLINE __m128i q6_codes(const uint8_t *b, int h, int t, int p) {
+    const __m128i ql = _mm_loadu_si128((const __m128i *)(b + 64 * h + 32 * (t & 1) + 16 * p));
+    const __m128i qh = _mm_loadu_si128((const __m128i *)(b + 128 + 32 * h + 16 * p));
+    const __m128i high = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(qh, 2 * t), _mm_set1_epi8(3)), 4);
+    return _mm_sub_epi8(_mm_or_si128(t >> 1 ? high_nibbles(ql) : low_nibbles(ql), high), _mm_set1_epi8(32));
+}
+
+#define Q8_0_BODY(PUT, SET)                                                                      \
+    const float d = half(b);                                                                     \
+    PUT(_mm_loadu_si128((const __m128i *)(b + 2)), SET(d), dst);                                 \
+    PUT(_mm_loadu_si128((const __m128i *)(b + 18)), SET(d), dst + 16);
+
+#define Q5_K_BODY(PUT, SET)                                                                      \
+    float sc[8], mn[8];                                                                          \
+    k_scales(b, sc, mn);                                                                         \
+    const float d = half(b), dmin = half(b + 2);                                                 \
+    for (int j = 0; j < 8; j++)                                                                  \
+        for (int p = 0; p < 2; p++)                                                              \
+            PUT(q5_codes(_mm_loadu_si128((const __m128i *)(b + 48 + 32 * (j / 2) + 16 * p)),     \
+                         _mm_loadu_si128((const __m128i *)(b + 16 + 16 * p)), j),                \
+                SET(d * sc[j]), SET(-(dmin * mn[j])), dst + 32 * j + 16 * p);
+
+#define Q6_K_BODY(PUT, SET)                                                                      \
+    const float d = half(b + 208);                                                               \
+    const int8_t *scales = (const int8_t *)(b + 192);                                            \
+    for (int h = 0; h < 2; h++)                                                                  \
+        for (int t = 0; t < 4; t++)                                                              \
+            for (int p = 0; p < 2; p++)                                                          \
+                PUT(q6_codes(b, h, t, p), SET(d * (float)scales[8 * h + 2 * t + p]),             \
+                    dst + 128 * h + 32 * t + 16 * p);
+
+AVX2 INLINE void dq_q8_0(const uint8_t *b, float *dst) { Q8_0_BODY(put_i8, _mm256_set1_ps) }
+AVX2 INLINE void dq_q5_k(const uint8_t *b, float *dst) { Q5_K_BODY(put_u8_fma, _mm256_set1_ps) }
+AVX2 INLINE void dq_q6_k(const uint8_t *b, float *dst) { Q6_K_BODY(put_i8, _mm256_set1_ps) }
+AVX512 INLINE void dq_q8_0_512(const uint8_t *b, float *dst) { Q8_0_BODY(put_i8_512, _mm512_set1_ps) }
+AVX512 INLINE void dq_q5_k_512(const uint8_t *b, float *dst) { Q5_K_BODY(put_u8_fma_512, _mm512_set1_ps) }
+AVX512 INLINE void dq_q6_k_512(const uint8_t *b, float *dst) { Q6_K_BODY(put_i8_512, _mm512_set1_ps) }
+
+/* Q4_0, Q4_1, MXFP4: values 0-15 the low nibbles of the 16 bytes, 16-31 the high ones. */
+AVX2 INLINE void dq_q4_0(const uint8_t *b, float *dst) {
+    const __m256 d = _mm256_set1_ps(half(b));
+    const __m128i q = _mm_loadu_si128((const __m128i *)(b + 2)), eight = _mm_set1_epi8(8);
+    put_i8(_mm_sub_epi8(low_nibbles(q), eight), d, dst);
+    put_i8(_mm_sub_epi8(high_nibbles(q), eight), d, dst + 16);
+}
+
+AVX2 INLINE void dq_q4_1(const uint8_t *b, float *dst) {
+    const __m256 d = _mm256_set1_ps(half(b)), m = _mm256_set1_ps(half(b + 2));
+    const __m128i q = _mm_loadu_si128((const __m128i *)(b + 4));
+    put_u8_fma(low_nibbles(q), d, m, dst);
+    put_u8_fma(high_nibbles(q), d, m, dst + 16);
+}
+
+AVX2 INLINE void dq_mxfp4(const uint8_t *b, float *dst) {
+    const __m256 d = _mm256_set1_ps(e8m0_half(b[0]));
+    const __m128i codes = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m128i q = _mm_loadu_si128((const __m128i *)(b + 1));
+    put_i8(_mm_shuffle_epi8(codes, low_nibbles(q)), d, dst);
+    put_i8(_mm_shuffle_epi8(codes, high_nibbles(q)), d, dst + 16);
+}
+
+AVX2 INLINE void dq_q4_k(const uint8_t *b, float *dst) {
     float sc[8], mn[8];
     k_scales(b, sc, mn);
     const float d = half(b), dmin = half(b + 2);
-    for (int g = 0; g < 4; g++) {
-        const __m128i q0 = _mm_loadu_si128((const __m128i *)(b + 16 + 32 * g));
-        const __m128i q1 = _mm_loadu_si128((const __m128i *)(b + 16 + 32 * g + 16));
-        for (int upper = 0; upper < 2; upper++) {
-            const int j = 2 * g + upper;
-            const __m256 dj = _mm256_set1_ps(d * sc[j]), mj = _mm256_set1_ps(-(dmin * mn[j]));
-            float *out = dst + 4 * j * stride;
-            put_u8_fma(upper ? high_nibbles(q0) : low_nibbles(q0), dj, mj, out, stride);
-            put_u8_fma(upper ? high_nibbles(q1) : low_nibbles(q1), dj, mj, out + 2 * stride, stride);
+    for (int j = 0; j < 8; j++) {
+        const __m256 dj = _mm256_set1_ps(d * sc[j]), mj = _mm256_set1_ps(-(dmin * mn[j]));
+        for (int p = 0; p < 2; p++) {
+            const __m128i q = _mm_loadu_si128((const __m128i *)(b + 16 + 32 * (j / 2) + 16 * p));
+            put_u8_fma(j & 1 ? high_nibbles(q) : low_nibbles(q), dj, mj, dst + 32 * j + 16 * p);
         }
     }
 }
 
-AVX2 INLINE void dq_q5_k(const uint8_t *b, float *dst, int64_t stride) {
+AVX512 INLINE void dq_q4_0_512(const uint8_t *b, float *dst) {
+    const __m512 table = _mm512_mul_ps(_mm512_sub_ps(iota_512(), _mm512_set1_ps(8)), _mm512_set1_ps(half(b)));
+    put_nibbles_512(b + 2, table, dst);
+}
+
+AVX512 INLINE void dq_q4_1_512(const uint8_t *b, float *dst) {
+    const __m512 table = _mm512_fmadd_ps(iota_512(), _mm512_set1_ps(half(b)), _mm512_set1_ps(half(b + 2)));
+    put_nibbles_512(b + 4, table, dst);
+}
+
+AVX512 INLINE void dq_mxfp4_512(const uint8_t *b, float *dst) {
+    const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    put_nibbles_512(b + 1, _mm512_mul_ps(codes, _mm512_set1_ps(e8m0_half(b[0]))), dst);
+}
+
+AVX512 INLINE void dq_q4_k_512(const uint8_t *b, float *dst) {
     float sc[8], mn[8];
     k_scales(b, sc, mn);
     const float d = half(b), dmin = half(b + 2);
-    const __m128i qh0 = _mm_loadu_si128((const __m128i *)(b + 16));
-    const __m128i qh1 = _mm_loadu_si128((const __m128i *)(b + 32)), one = _mm_set1_epi8(1);
-    for (int g = 0; g < 4; g++) {
-        const __m128i q0 = _mm_loadu_si128((const __m128i *)(b + 48 + 32 * g));
-        const __m128i q1 = _mm_loadu_si128((const __m128i *)(b + 48 + 32 * g + 16));
-        for (int upper = 0; upper < 2; upper++) {
-            const int j = 2 * g + upper;
-            const __m128i h0 = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(qh0, j), one), 4);
-            const __m128i h1 = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(qh1, j), one), 4);
-            const __m256 dj = _mm256_set1_ps(d * sc[j]), mj = _mm256_set1_ps(-(dmin * mn[j]));
-            float *out = dst + 4 * j * stride;
-            put_u8_fma(_mm_or_si128(upper ? high_nibbles(q0) : low_nibbles(q0), h0), dj, mj, out, stride);
-            put_u8_fma(_mm_or_si128(upper ? high_nibbles(q1) : low_nibbles(q1), h1), dj, mj,
-                       out + 2 * stride, stride);
-        }
-    }
-}
-
-/* Q6_K: two halves of 128; in half h, value v takes the nibble v/64 of ql[64h + v%64] and the
- * bit pair v/32 of qh[32h + v%32], minus 32; an int8 scale per 16 values, times d. */
-AVX2 INLINE void dq_q6_k(const uint8_t *b, float *dst, int64_t stride) {
-    const float d = half(b + 208);
-    const int8_t *scales = (const int8_t *)(b + 192);
-    const __m128i three = _mm_set1_epi8(3), bias = _mm_set1_epi8(32);
-    for (int h = 0; h < 2; h++) {
-        for (int t = 0; t < 4; t++) {
-            for (int part = 0; part < 2; part++) { /* 16 values */
-                const __m128i ql = _mm_loadu_si128((const __m128i *)(b + 64 * h + 32 * (t & 1) + 16 * part));
-                const __m128i qh = _mm_loadu_si128((const __m128i *)(b + 128 + 32 * h + 16 * part));
-                const __m128i lo = t >> 1 ? high_nibbles(ql) : low_nibbles(ql);
-                const __m128i hi = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(qh, 2 * t), three), 4);
-                const __m128i q = _mm_sub_epi8(_mm_or_si128(lo, hi), bias);
-                const int sub = 8 * h + 2 * t + part;
-                const __m256 s = _mm256_set1_ps(d * (float)scales[sub]);
-                put_i8(q, s, dst + 2 * sub * stride, stride);
-            }
+    for (int g = 0; g < 4; g++) { /* 32 bytes: sub-block 2g in the low nibbles, 2g + 1 in the high */
+        const __m512 lo = _mm512_fmadd_ps(iota_512(), _mm512_set1_ps(d * sc[2 * g]), _mm512_set1_ps(-(dmin * mn[2 * g])));
+        const __m512 hi =
+            _mm512_fmadd_ps(iota_512(), _mm512_set1_ps(d * sc[2 * g + 1]), _mm512_set1_ps(-(dmin * mn[2 * g + 1])));
+        for (int p = 0; p < 2; p++) {
+            const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 16 + 32 * g + 16 * p)));
+            _mm512_storeu_ps(dst + 64 * g + 16 * p, _mm512_permutexvar_ps(codes, lo));
+            _mm512_storeu_ps(dst + 64 * g + 32 + 16 * p, _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), hi));
         }
     }
 }
@@ -191,80 +238,86 @@ static int block_bytes(int type) {
     }
 }
 
-/* Blocks [b0, b0 + count) of a row: block i's values from dst + (i - b0) * (values / 8) * stride. */
-AVX2 static void dequant_blocks(int type, const uint8_t *row, int64_t b0, int64_t count, float *dst,
-                                int64_t stride) {
-    const int64_t size = block_bytes(type), step = block_values(type) / 8 * stride;
-#define EACH(FN) for (int64_t i = 0; i < count; i++) FN(row + (b0 + i) * size, dst + i * step, stride); break
-    switch (type) {
-    case Q8_0: EACH(dq_q8_0);
-    case Q4_0: EACH(dq_q4_0);
-    case Q4_1: EACH(dq_q4_1);
-    case MXFP4: EACH(dq_mxfp4);
-    case Q4_K: EACH(dq_q4_k);
-    case Q5_K: EACH(dq_q5_k);
-    case Q6_K: EACH(dq_q6_k);
+/* Blocks [b0, b0 + count) of a row, their values contiguous from dst. */
+#define DEQUANT_BLOCKS(NAME, TARGET, Q8_0_, Q4_0_, Q4_1_, MXFP4_, Q4_K_, Q5_K_, Q6_K_)                  \
+    TARGET static void NAME(int type, const uint8_t *row, int64_t b0, int64_t count, float *dst) {      \
+        const int64_t size = block_bytes(type), values = block_values(type);                            \
+        row += b0 * size;                                                                               \
+        switch (type) {                                                                                 \
+        case Q8_0: for (int64_t i = 0; i < count; i++) Q8_0_(row + i * size, dst + i * values); break;  \
+        case Q4_0: for (int64_t i = 0; i < count; i++) Q4_0_(row + i * size, dst + i * values); break;  \
+        case Q4_1: for (int64_t i = 0; i < count; i++) Q4_1_(row + i * size, dst + i * values); break;  \
+        case MXFP4: for (int64_t i = 0; i < count; i++) MXFP4_(row + i * size, dst + i * values); break; \
+        case Q4_K: for (int64_t i = 0; i < count; i++) Q4_K_(row + i * size, dst + i * values); break;  \
+        case Q5_K: for (int64_t i = 0; i < count; i++) Q5_K_(row + i * size, dst + i * values); break;  \
+        case Q6_K: for (int64_t i = 0; i < count; i++) Q6_K_(row + i * size, dst + i * values); break;  \
+        }                                                                                               \
     }
-#undef EACH
+
+DEQUANT_BLOCKS(dequant_avx2, AVX2, dq_q8_0, dq_q4_0, dq_q4_1, dq_mxfp4, dq_q4_k, dq_q5_k, dq_q6_k)
+DEQUANT_BLOCKS(dequant_avx512, AVX512, dq_q8_0_512, dq_q4_0_512, dq_q4_1_512, dq_mxfp4_512, dq_q4_k_512,
+               dq_q5_k_512, dq_q6_k_512)
+
+static void dequant_blocks(int isa, int type, const uint8_t *row, int64_t b0, int64_t count, float *dst) {
+    if (isa == 2) dequant_avx512(type, row, b0, count, dst);
+    else dequant_avx2(type, row, b0, count, dst);
 }
 
 /* Rows ids[i] of a [rows, K] weight (ids NULL: every row) to float32 out [n, K]. */
-void quant_dequantize_rows(int type, const uint8_t *w, int64_t row_bytes, const int64_t *ids, int64_t n,
+void quant_dequantize_rows(int isa, int type, const uint8_t *w, int64_t row_bytes, const int64_t *ids, int64_t n,
                            int64_t K, float *out) {
     _Pragma("omp parallel for schedule(static)")
     for (int64_t i = 0; i < n; i++)
-        dequant_blocks(type, w + (ids ? ids[i] : i) * row_bytes, 0, K / block_values(type), out + i * K, 8);
+        dequant_blocks(isa, type, w + (ids ? ids[i] : i) * row_bytes, 0, K / block_values(type), out + i * K);
 }
 
 /* ---------------------------------------------------------------- microkernels
- * acc [rows][NT][8] in memory between K ranges; panel [chunks][NT][8]; x rows of stride ldx. */
+ * panel [NT][KB]: the tile's columns' dequantized weights for one K range; acc [rows][NT][16]: the
+ * sixteen lanes of every (row, column), in memory between K ranges; x rows of stride ldx. */
 
-/* AVX2: two rows by four columns (the other four by a second call). */
+/* AVX2: two rows by two columns, each (row, column) as two registers: lanes 0-7 and 8-15. */
 AVX2 INLINE void tile_avx2(const float *x, int64_t ldx, const int rows, const float *panel, int64_t chunks,
                            float *acc) {
-    __m256 a[2][4];
+    __m256 lo[2][2], hi[2][2];
     for (int r = 0; r < rows; r++)
-        for (int n = 0; n < 4; n++) a[r][n] = _mm256_loadu_ps(acc + r * NT * 8 + n * 8);
-    for (int64_t c = 0; c < chunks; c++) {
-        const float *p = panel + c * NT * 8;
-        const __m256 w0 = _mm256_load_ps(p), w1 = _mm256_load_ps(p + 8);
-        const __m256 w2 = _mm256_load_ps(p + 16), w3 = _mm256_load_ps(p + 24);
-        for (int r = 0; r < rows; r++) {
-            const __m256 xv = _mm256_loadu_ps(x + r * ldx + c * 8);
-            a[r][0] = _mm256_fmadd_ps(xv, w0, a[r][0]);
-            a[r][1] = _mm256_fmadd_ps(xv, w1, a[r][1]);
-            a[r][2] = _mm256_fmadd_ps(xv, w2, a[r][2]);
-            a[r][3] = _mm256_fmadd_ps(xv, w3, a[r][3]);
+        for (int n = 0; n < 2; n++) {
+            lo[r][n] = _mm256_loadu_ps(acc + r * NT * 16 + n * 16);
+            hi[r][n] = _mm256_loadu_ps(acc + r * NT * 16 + n * 16 + 8);
         }
-    }
+    for (int64_t c = 0; c < chunks; c++)
+        for (int n = 0; n < 2; n++) {
+            const __m256 w_lo = _mm256_load_ps(panel + n * KB + 16 * c), w_hi = _mm256_load_ps(panel + n * KB + 16 * c + 8);
+            for (int r = 0; r < rows; r++) {
+                lo[r][n] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * ldx + 16 * c), w_lo, lo[r][n]);
+                hi[r][n] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * ldx + 16 * c + 8), w_hi, hi[r][n]);
+            }
+        }
     for (int r = 0; r < rows; r++)
-        for (int n = 0; n < 4; n++) _mm256_storeu_ps(acc + r * NT * 8 + n * 8, a[r][n]);
+        for (int n = 0; n < 2; n++) {
+            _mm256_storeu_ps(acc + r * NT * 16 + n * 16, lo[r][n]);
+            _mm256_storeu_ps(acc + r * NT * 16 + n * 16 + 8, hi[r][n]);
+        }
 }
 
-AVX2 static void rows_avx2(const float *x, int64_t ldx, int64_t rows, const float *panel, int64_t chunks,
-                           float *acc) {
-    for (int64_t r = 0; r < rows; r += 2) {
-        const float *xr = x + r * ldx;
-        float *ar = acc + r * NT * 8;
-        for (int h = 0; h < 2; h++) {
-            if (rows - r >= 2) tile_avx2(xr, ldx, 2, panel + 32 * h, chunks, ar + 32 * h);
-            else tile_avx2(xr, ldx, 1, panel + 32 * h, chunks, ar + 32 * h);
+AVX2 static void rows_avx2(const float *x, int64_t ldx, int64_t rows, const float *panel, int64_t chunks, float *acc) {
+    for (int64_t r = 0; r < rows; r += 2)
+        for (int n = 0; n < NT; n += 2) {
+            if (rows - r >= 2) tile_avx2(x + r * ldx, ldx, 2, panel + n * KB, chunks, acc + r * NT * 16 + n * 16);
+            else tile_avx2(x + r * ldx, ldx, 1, panel + n * KB, chunks, acc + r * NT * 16 + n * 16);
         }
-    }
 }
 
-/* AVX-512: up to six rows by eight columns, a register per row and column pair (two times 8 lanes). */
-AVX512 INLINE void tile_avx512(const float *x, int64_t ldx, const int rows, const float *panel,
-                               int64_t chunks, float *acc) {
+/* AVX-512: up to six rows by four columns, a register per (row, column). */
+AVX512 INLINE void tile_avx512(const float *x, int64_t ldx, const int rows, const float *panel, int64_t chunks,
+                               float *acc) {
     __m512 a[6][4];
     for (int r = 0; r < rows; r++)
-        for (int p = 0; p < 4; p++) a[r][p] = _mm512_loadu_ps(acc + r * NT * 8 + p * 16);
+        for (int n = 0; n < 4; n++) a[r][n] = _mm512_loadu_ps(acc + r * NT * 16 + n * 16);
     for (int64_t c = 0; c < chunks; c++) {
-        const float *pc = panel + c * NT * 8;
-        const __m512 w0 = _mm512_load_ps(pc), w1 = _mm512_load_ps(pc + 16);
-        const __m512 w2 = _mm512_load_ps(pc + 32), w3 = _mm512_load_ps(pc + 48);
+        const __m512 w0 = _mm512_load_ps(panel + 16 * c), w1 = _mm512_load_ps(panel + KB + 16 * c);
+        const __m512 w2 = _mm512_load_ps(panel + 2 * KB + 16 * c), w3 = _mm512_load_ps(panel + 3 * KB + 16 * c);
         for (int r = 0; r < rows; r++) {
-            const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + r * ldx + c * 8));
+            const __m512 xv = _mm512_loadu_ps(x + r * ldx + 16 * c);
             a[r][0] = _mm512_fmadd_ps(xv, w0, a[r][0]);
             a[r][1] = _mm512_fmadd_ps(xv, w1, a[r][1]);
             a[r][2] = _mm512_fmadd_ps(xv, w2, a[r][2]);
@@ -272,48 +325,79 @@ AVX512 INLINE void tile_avx512(const float *x, int64_t ldx, const int rows, cons
         }
     }
     for (int r = 0; r < rows; r++)
-        for (int p = 0; p < 4; p++) _mm512_storeu_ps(acc + r * NT * 8 + p * 16, a[r][p]);
+        for (int n = 0; n < 4; n++) _mm512_storeu_ps(acc + r * NT * 16 + n * 16, a[r][n]);
 }
 
 AVX512 static void rows_avx512(const float *x, int64_t ldx, int64_t rows, const float *panel, int64_t chunks,
                                float *acc) {
-    for (int64_t r = 0; r < rows; r += 6) {
-        const float *xr = x + r * ldx;
-        float *ar = acc + r * NT * 8;
-        switch (rows - r < 6 ? rows - r : 6) {
-        case 1: tile_avx512(xr, ldx, 1, panel, chunks, ar); break;
-        case 2: tile_avx512(xr, ldx, 2, panel, chunks, ar); break;
-        case 3: tile_avx512(xr, ldx, 3, panel, chunks, ar); break;
-        case 4: tile_avx512(xr, ldx, 4, panel, chunks, ar); break;
-        case 5: tile_avx512(xr, ldx, 5, panel, chunks, ar); break;
-        default: tile_avx512(xr, ldx, 6, panel, chunks, ar); break;
+    for (int64_t r = 0; r < rows; r += 6)
+        for (int n = 0; n < NT; n += 4) {
+            const float *xr = x + r * ldx, *pn = panel + n * KB;
+            float *ar = acc + r * NT * 16 + n * 16;
+            switch (rows - r < 6 ? rows - r : 6) {
+            case 1: tile_avx512(xr, ldx, 1, pn, chunks, ar); break;
+            case 2: tile_avx512(xr, ldx, 2, pn, chunks, ar); break;
+            case 3: tile_avx512(xr, ldx, 3, pn, chunks, ar); break;
+            case 4: tile_avx512(xr, ldx, 4, pn, chunks, ar); break;
+            case 5: tile_avx512(xr, ldx, 5, pn, chunks, ar); break;
+            default: tile_avx512(xr, ldx, 6, pn, chunks, ar); break;
+            }
         }
+}
+
+/* ---------------------------------------------------------------- the sums' last steps
+ * Sixteen lanes s to one value: t_j = s_j + s_(j+8), then ((t0 + t4) + (t2 + t6)) + ((t1 + t5) + (t3 + t7)).
+ * The AVX-512 form runs these very additions for four (row, column) pairs at once. */
+
+static void finish_scalar(const float *acc, float out[4]) {
+    for (int n = 0; n < 4; n++) {
+        const float *s = acc + 16 * n;
+        float t[8];
+        for (int j = 0; j < 8; j++) t[j] = s[j] + s[j + 8];
+        out[n] = ((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7]));
     }
+}
+
+AVX512 static void finish_avx512(const float *acc, float out[4]) {
+    const __m512 a = _mm512_loadu_ps(acc), b = _mm512_loadu_ps(acc + 16);
+    const __m512 c = _mm512_loadu_ps(acc + 32), d = _mm512_loadu_ps(acc + 48);
+    /* [t(a) | t(b)] and [t(c) | t(d)]: each 8 lanes t_j = s_j + s_(j+8) */
+    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+    /* 128-bit lane k of u: u_j = t_j + t_(j+4), j < 4, for a, b, c, d */
+    const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+    const __m512 v = _mm512_add_ps(u, _mm512_permute_ps(u, 0x4E)); /* v_0 = u_0 + u_2, v_1 = u_1 + u_3 */
+    const __m512 y = _mm512_add_ps(v, _mm512_permute_ps(v, 0xB1)); /* v_0 + v_1 */
+    float all[16];
+    _mm512_storeu_ps(all, y);
+    for (int n = 0; n < 4; n++) out[n] = all[4 * n];
 }
 
 /* ---------------------------------------------------------------- the GEMM */
 
-/* One work item: rows [first, first + rows) of x against output columns [n0, n0 + cols) of a
- * weight whose row n starts at w + n * row_bytes. */
-AVX2 static void item(int isa, int type, const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes,
-                      const float *bias, float *y, int64_t ldy, int64_t rows, int64_t n0, int cols, int64_t K) {
-    float panel[KB / 8 * NT * 8] __attribute__((aligned(64)));
-    float acc[RB * NT * 8] __attribute__((aligned(64)));
+/* One work item: rows [0, rows) of x against output columns [n0, n0 + cols) of a weight whose
+ * row n starts at w + n * row_bytes. */
+static void item(int isa, int type, const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes,
+                 const float *bias, float *y, int64_t ldy, int64_t rows, int64_t n0, int cols, int64_t K) {
+    float panel[NT * KB] __attribute__((aligned(64)));
+    float acc[RB * NT * 16] __attribute__((aligned(64)));
     const int64_t per_block = block_values(type);
-    memset(acc, 0, (size_t)rows * NT * 8 * sizeof(float));
+    memset(acc, 0, (size_t)rows * NT * 16 * sizeof(float));
     if (cols < NT) memset(panel, 0, sizeof panel);
     for (int64_t k0 = 0; k0 < K; k0 += KB) {
         const int64_t kb = K - k0 < KB ? K - k0 : KB;
         for (int n = 0; n < cols; n++)
-            dequant_blocks(type, w + (n0 + n) * row_bytes, k0 / per_block, kb / per_block, panel + n * 8, NT * 8);
-        if (isa == 2) rows_avx512(x + k0, ldx, rows, panel, kb / 8, acc);
-        else rows_avx2(x + k0, ldx, rows, panel, kb / 8, acc);
+            dequant_blocks(isa, type, w + (n0 + n) * row_bytes, k0 / per_block, kb / per_block, panel + n * KB);
+        if (isa == 2) rows_avx512(x + k0, ldx, rows, panel, kb / 16, acc);
+        else rows_avx2(x + k0, ldx, rows, panel, kb / 16, acc);
     }
     for (int64_t r = 0; r < rows; r++)
-        for (int n = 0; n < cols; n++) {
-            const float *s = acc + r * NT * 8 + n * 8;
-            const float sum = ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
-            y[r * ldy + n0 + n] = bias ? sum + bias[n0 + n] : sum;
+        for (int n = 0; n < cols; n += 4) {
+            float out[4];
+            if (isa == 2) finish_avx512(acc + r * NT * 16 + n * 16, out);
+            else finish_scalar(acc + r * NT * 16 + n * 16, out);
+            for (int i = 0; i < 4 && n + i < cols; i++)
+                y[r * ldy + n0 + n + i] = bias ? out[i] + bias[n0 + n + i] : out[i];
         }
 }
 
