@@ -141,3 +141,23 @@ def test_without_kernels_nothing_is_supported_and_the_reference_answers(monkeypa
     finally:
         monkeypatch.delenv("FREETOKEN_NO_KERNELS")
         quant._kernel.cache_clear()
+
+
+def test_a_slice_of_whole_blocks_along_k_is_read_in_place():
+    """As a tensor-parallel shard of a row-parallel layer: columns [k0, k1) of every row."""
+    w = weight(T.Q4_K)
+    block, size = GGML_QUANT_SIZES[T.Q4_K]
+    shard = quant.QuantizedWeight(T.Q4_K, w.data[:, size:3 * size], (N, 2 * block))
+    x = torch.randn(5, 2 * block)
+    assert shard.data.data_ptr() == w.data.data_ptr() + size  # no copy
+    expected = quant.quant_linear(x, quant.QuantizedWeight(T.Q4_K, shard.data.contiguous(), shard.shape), None)
+    assert torch.equal(quant.quant_linear(x, shard, None), expected)
+    assert torch.equal(quant.dequantize(shard), gguf_reference(w)[:, block:3 * block])
+
+
+def test_blocks_not_matching_the_shape_are_refused():
+    w = weight(T.Q8_0)
+    with pytest.raises(ValueError, match="Q8_0 rows of 64 values are 68 bytes"):
+        quant.quant_linear(torch.randn(1, 64), quant.QuantizedWeight(T.Q8_0, w.data, (N, 64)), None)
+    with pytest.raises(IndexError):
+        quant.dequantize_rows(w, torch.tensor([N]))

@@ -76,7 +76,7 @@ def _kernel() -> ctypes.CDLL | None:
                  "layers are dequantized at load")
         return None
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.quant_gemm.argtypes = [i32, i32, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64]
+    lib.quant_gemm.argtypes = [i32, i32, ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64]
     lib.quant_gemm.restype = None
     lib.quant_dequantize_rows.argtypes = [i32, i32, ptr, i64, ptr, i64, i64, ptr]
     lib.quant_dequantize_rows.restype = None
@@ -96,6 +96,15 @@ def supported(qtype: GGMLQuantizationType) -> bool:
     return qtype in FORMATS and _kernel() is not None
 
 
+def _blocks(data: torch.Tensor, qtype: GGMLQuantizationType, k: int) -> torch.Tensor:
+    """`data` checked to hold K's blocks in each row, bytes contiguous within a row (rows and
+    experts may be strided: a slice of whole blocks along K is read in place)."""
+    if data.dtype != torch.uint8 or data.shape[-1] != row_bytes(qtype, k):
+        raise ValueError(f"{qtype.name} rows of {k} values are {row_bytes(qtype, k)} bytes, "
+                         f"got {data.dtype} {tuple(data.shape)}")
+    return data if data.stride(-1) == 1 else data.contiguous()
+
+
 def _rows(data: torch.Tensor, ids: torch.Tensor | None, qtype: GGMLQuantizationType, k: int) -> torch.Tensor:
     """Rows `ids` (None: all) of blocks `data` [rows, row_bytes] as float32 [n, k]."""
     lib = _kernel()
@@ -103,13 +112,15 @@ def _rows(data: torch.Tensor, ids: torch.Tensor | None, qtype: GGMLQuantizationT
         picked = data if ids is None else data[ids]
         values = gguf_quants.dequantize(picked.numpy(), qtype)
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(-1, k)
-    data = data.contiguous()
+    data = _blocks(data, qtype, k)
     n = data.shape[0] if ids is None else ids.numel()
-    out = torch.empty(n, k, dtype=torch.float32)
     if ids is not None:
         ids = ids.to(torch.int64).contiguous()
-    lib.quant_dequantize_rows(isa(), int(qtype), data.data_ptr(), data.shape[1], None if ids is None else ids.data_ptr(),
-                              n, k, out.data_ptr())
+        if n and (ids.min() < 0 or ids.max() >= data.shape[0]):
+            raise IndexError(f"row ids out of range for {data.shape[0]} rows")
+    out = torch.empty(n, k, dtype=torch.float32)
+    lib.quant_dequantize_rows(isa(), int(qtype), data.data_ptr(), data.stride(0),
+                              None if ids is None else ids.data_ptr(), n, k, out.data_ptr())
     return out
 
 
@@ -127,13 +138,16 @@ def dequantize_rows(weight: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
 def _gemm(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, groups: torch.Tensor) -> torch.Tensor:
     rows = x.float().contiguous()
     n, k = weight.shape[-2:]
-    assert rows.shape[1] == k and weight.data.is_contiguous(), (tuple(rows.shape), weight.shape)
+    if rows.shape[1] != k:
+        raise ValueError(f"x has {rows.shape[1]} features, the weight {k}")
+    data = _blocks(weight.data, weight.qtype, k)
     y = torch.empty(rows.shape[0], n, dtype=torch.float32)
     if bias is not None:
         bias = bias.float().contiguous()
-    _kernel().quant_gemm(isa(), int(weight.qtype), rows.data_ptr(), rows.stride(0), weight.data.data_ptr(),
-                         weight.data.shape[-1], None if bias is None else bias.data_ptr(), y.data_ptr(),
-                         y.stride(0), groups.data_ptr(), groups.shape[0], k, n)
+    _kernel().quant_gemm(isa(), int(weight.qtype), rows.data_ptr(), rows.stride(0), data.data_ptr(),
+                         data.stride(0) if data.dim() == 3 else 0, data.stride(-2),
+                         None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0),
+                         groups.data_ptr(), groups.shape[0], k, n)
     return y.to(x.dtype)
 
 

@@ -263,12 +263,12 @@ static void dequant_blocks(int isa, int type, const uint8_t *row, int64_t b0, in
     else dequant_avx2(type, row, b0, count, dst);
 }
 
-/* Rows ids[i] of a [rows, K] weight (ids NULL: every row) to float32 out [n, K]. */
-void quant_dequantize_rows(int isa, int type, const uint8_t *w, int64_t row_bytes, const int64_t *ids, int64_t n,
+/* Rows ids[i] of a [rows, K] weight, row stride ldw bytes (ids NULL: every row), to float32 out [n, K]. */
+void quant_dequantize_rows(int isa, int type, const uint8_t *w, int64_t ldw, const int64_t *ids, int64_t n,
                            int64_t K, float *out) {
     _Pragma("omp parallel for schedule(static)")
     for (int64_t i = 0; i < n; i++)
-        dequant_blocks(isa, type, w + (ids ? ids[i] : i) * row_bytes, 0, K / block_values(type), out + i * K);
+        dequant_blocks(isa, type, w + (ids ? ids[i] : i) * ldw, 0, K / block_values(type), out + i * K);
 }
 
 /* ---------------------------------------------------------------- microkernels
@@ -376,8 +376,8 @@ AVX512 static void finish_avx512(const float *acc, float out[4]) {
 /* ---------------------------------------------------------------- the GEMM */
 
 /* One work item: rows [0, rows) of x against output columns [n0, n0 + cols) of a weight whose
- * row n starts at w + n * row_bytes. */
-static void item(int isa, int type, const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes,
+ * row n starts at w + n * ldw. */
+static void item(int isa, int type, const float *x, int64_t ldx, const uint8_t *w, int64_t ldw,
                  const float *bias, float *y, int64_t ldy, int64_t rows, int64_t n0, int cols, int64_t K) {
     float panel[NT * KB] __attribute__((aligned(64)));
     float acc[RB * NT * 16] __attribute__((aligned(64)));
@@ -387,7 +387,7 @@ static void item(int isa, int type, const float *x, int64_t ldx, const uint8_t *
     for (int64_t k0 = 0; k0 < K; k0 += KB) {
         const int64_t kb = K - k0 < KB ? K - k0 : KB;
         for (int n = 0; n < cols; n++)
-            dequant_blocks(isa, type, w + (n0 + n) * row_bytes, k0 / per_block, kb / per_block, panel + n * KB);
+            dequant_blocks(isa, type, w + (n0 + n) * ldw, k0 / per_block, kb / per_block, panel + n * KB);
         if (isa == 2) rows_avx512(x + k0, ldx, rows, panel, kb / 16, acc);
         else rows_avx2(x + k0, ldx, rows, panel, kb / 16, acc);
     }
@@ -401,9 +401,9 @@ static void item(int isa, int type, const float *x, int64_t ldx, const uint8_t *
         }
 }
 
-/* x [*, K] float32 (row stride ldx); w uint8 [E][N][row_bytes]; bias [N] float32 or NULL (dense
+/* x [*, K] float32 (row stride ldx); w uint8 [E][N][K's blocks], strides lde and ldw bytes; bias [N] float32 or NULL (dense
  * calls only); y [*, N] (row stride ldy); groups [G][3]: expert, first row, rows. */
-void quant_gemm(int isa, int type, const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes,
+void quant_gemm(int isa, int type, const float *x, int64_t ldx, const uint8_t *w, int64_t lde, int64_t ldw,
                 const float *bias, float *y, int64_t ldy, const int64_t *groups, int64_t G, int64_t K,
                 int64_t N) {
     const int64_t tiles = (N + NT - 1) / NT;
@@ -422,7 +422,7 @@ void quant_gemm(int isa, int type, const float *x, int64_t ldx, const uint8_t *w
         const int64_t e = groups[3 * g], first = groups[3 * g + 1] + block * RB;
         const int64_t left = groups[3 * g + 1] + groups[3 * g + 2] - first;
         const int cols = N - tile * NT < NT ? (int)(N - tile * NT) : NT;
-        item(isa, type, x + first * ldx, ldx, w + e * N * row_bytes, row_bytes, bias, y + first * ldy, ldy,
+        item(isa, type, x + first * ldx, ldx, w + e * lde, ldw, bias, y + first * ldy, ldy,
              left < RB ? left : RB, tile * NT, cols, K);
     }
     free(start);
