@@ -74,13 +74,21 @@ def test_quant_linear_matches_a_float64_product(qtype, isa_cap):
 
 
 @pytest.mark.parametrize("qtype", quant.FORMATS, ids=lambda t: t.name)
-def test_every_row_gets_the_bits_it_gets_alone(qtype, threads, isa_cap):
+def test_every_row_gets_the_bits_it_gets_alone(qtype, isa_cap):
     w = weight(qtype)
     x = torch.randn(70, w.shape[1], generator=torch.Generator().manual_seed(3))  # > one 48-row work item
-    alone = torch.cat([quant.quant_linear(x[r:r + 1], w, None) for r in range(len(x))])
-    for rows in (1, 2, 3, 7, 13, 33, 64, 70):
-        first = (rows * 7) % (len(x) - rows + 1)
-        assert torch.equal(quant.quant_linear(x[first:first + rows], w, None), alone[first:first + rows]), rows
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([quant.quant_linear(x[r:r + 1], w, None) for r in range(len(x))])
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for rows in (1, 2, 3, 7, 13, 33, 64, 70):
+                first = (rows * 7) % (len(x) - rows + 1)
+                batch = quant.quant_linear(x[first:first + rows], w, None)
+                assert torch.equal(batch, alone[first:first + rows]), (rows, threads)
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("qtype", quant.FORMATS, ids=lambda t: t.name)
