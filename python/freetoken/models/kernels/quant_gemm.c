@@ -30,7 +30,8 @@
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, MXFP4 = 39 };
 
 #define NT 8   /* output columns per tile */
-#define KB 512 /* k values per panel */
+#define KB 1024 /* most k values per panel (K splits evenly into ranges of whole super-blocks) */
+#define LDP (KB + 16) /* panel column stride: off a multiple of 4 KiB */
 #define RB 48  /* rows per work item (a multiple of both row tiles) */
 
 #if defined(__x86_64__)
@@ -272,7 +273,7 @@ void quant_dequantize_rows(int isa, int type, const uint8_t *w, int64_t ldw, con
 }
 
 /* ---------------------------------------------------------------- microkernels
- * panel [NT][KB]: the tile's columns' dequantized weights for one K range; acc [rows][NT][16]: the
+ * panel [NT][LDP]: the tile's columns' dequantized weights for one K range; acc [rows][NT][16]: the
  * sixteen lanes of every (row, column), in memory between K ranges; x rows of stride ldx. */
 
 /* AVX2: two rows by two columns, each (row, column) as two registers: lanes 0-7 and 8-15. */
@@ -286,7 +287,7 @@ AVX2 INLINE void tile_avx2(const float *x, int64_t ldx, const int rows, const fl
         }
     for (int64_t c = 0; c < chunks; c++)
         for (int n = 0; n < 2; n++) {
-            const __m256 w_lo = _mm256_load_ps(panel + n * KB + 16 * c), w_hi = _mm256_load_ps(panel + n * KB + 16 * c + 8);
+            const __m256 w_lo = _mm256_load_ps(panel + n * LDP + 16 * c), w_hi = _mm256_load_ps(panel + n * LDP + 16 * c + 8);
             for (int r = 0; r < rows; r++) {
                 lo[r][n] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * ldx + 16 * c), w_lo, lo[r][n]);
                 hi[r][n] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * ldx + 16 * c + 8), w_hi, hi[r][n]);
@@ -302,46 +303,8 @@ AVX2 INLINE void tile_avx2(const float *x, int64_t ldx, const int rows, const fl
 AVX2 static void rows_avx2(const float *x, int64_t ldx, int64_t rows, const float *panel, int64_t chunks, float *acc) {
     for (int64_t r = 0; r < rows; r += 2)
         for (int n = 0; n < NT; n += 2) {
-            if (rows - r >= 2) tile_avx2(x + r * ldx, ldx, 2, panel + n * KB, chunks, acc + r * NT * 16 + n * 16);
-            else tile_avx2(x + r * ldx, ldx, 1, panel + n * KB, chunks, acc + r * NT * 16 + n * 16);
-        }
-}
-
-/* AVX-512: up to six rows by four columns, a register per (row, column). */
-AVX512 INLINE void tile_avx512(const float *x, int64_t ldx, const int rows, const float *panel, int64_t chunks,
-                               float *acc) {
-    __m512 a[6][4];
-    for (int r = 0; r < rows; r++)
-        for (int n = 0; n < 4; n++) a[r][n] = _mm512_loadu_ps(acc + r * NT * 16 + n * 16);
-    for (int64_t c = 0; c < chunks; c++) {
-        const __m512 w0 = _mm512_load_ps(panel + 16 * c), w1 = _mm512_load_ps(panel + KB + 16 * c);
-        const __m512 w2 = _mm512_load_ps(panel + 2 * KB + 16 * c), w3 = _mm512_load_ps(panel + 3 * KB + 16 * c);
-        for (int r = 0; r < rows; r++) {
-            const __m512 xv = _mm512_loadu_ps(x + r * ldx + 16 * c);
-            a[r][0] = _mm512_fmadd_ps(xv, w0, a[r][0]);
-            a[r][1] = _mm512_fmadd_ps(xv, w1, a[r][1]);
-            a[r][2] = _mm512_fmadd_ps(xv, w2, a[r][2]);
-            a[r][3] = _mm512_fmadd_ps(xv, w3, a[r][3]);
-        }
-    }
-    for (int r = 0; r < rows; r++)
-        for (int n = 0; n < 4; n++) _mm512_storeu_ps(acc + r * NT * 16 + n * 16, a[r][n]);
-}
-
-AVX512 static void rows_avx512(const float *x, int64_t ldx, int64_t rows, const float *panel, int64_t chunks,
-                               float *acc) {
-    for (int64_t r = 0; r < rows; r += 6)
-        for (int n = 0; n < NT; n += 4) {
-            const float *xr = x + r * ldx, *pn = panel + n * KB;
-            float *ar = acc + r * NT * 16 + n * 16;
-            switch (rows - r < 6 ? rows - r : 6) {
-            case 1: tile_avx512(xr, ldx, 1, pn, chunks, ar); break;
-            case 2: tile_avx512(xr, ldx, 2, pn, chunks, ar); break;
-            case 3: tile_avx512(xr, ldx, 3, pn, chunks, ar); break;
-            case 4: tile_avx512(xr, ldx, 4, pn, chunks, ar); break;
-            case 5: tile_avx512(xr, ldx, 5, pn, chunks, ar); break;
-            default: tile_avx512(xr, ldx, 6, pn, chunks, ar); break;
-            }
+            if (rows - r >= 2) tile_avx2(x + r * ldx, ldx, 2, panel + n * LDP, chunks, acc + r * NT * 16 + n * 16);
+            else tile_avx2(x + r * ldx, ldx, 1, panel + n * LDP, chunks, acc + r * NT * 16 + n * 16);
         }
 }
 
@@ -358,9 +321,8 @@ static void finish_scalar(const float *acc, float out[4]) {
     }
 }
 
-AVX512 static void finish_avx512(const float *acc, float out[4]) {
-    const __m512 a = _mm512_loadu_ps(acc), b = _mm512_loadu_ps(acc + 16);
-    const __m512 c = _mm512_loadu_ps(acc + 32), d = _mm512_loadu_ps(acc + 48);
+/* Four (row, column) pairs' lanes a, b, c, d to their sums. */
+AVX512 INLINE void finish_avx512(__m512 a, __m512 b, __m512 c, __m512 d, float out[4]) {
     /* [t(a) | t(b)] and [t(c) | t(d)]: each 8 lanes t_j = s_j + s_(j+8) */
     const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
     const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
@@ -368,9 +330,56 @@ AVX512 static void finish_avx512(const float *acc, float out[4]) {
     const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
     const __m512 v = _mm512_add_ps(u, _mm512_permute_ps(u, 0x4E)); /* v_0 = u_0 + u_2, v_1 = u_1 + u_3 */
     const __m512 y = _mm512_add_ps(v, _mm512_permute_ps(v, 0xB1)); /* v_0 + v_1 */
-    float all[16];
-    _mm512_storeu_ps(all, y);
-    for (int n = 0; n < 4; n++) out[n] = all[4 * n];
+    _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), y)));
+}
+
+/* AVX-512: up to six rows by four columns, a register per (row, column). The first K range
+ * starts the lanes from zero, the last finishes the sums into y (cols of the four, + bias). */
+AVX512 INLINE void tile_avx512(const float *x, int64_t ldx, const int rows, const float *panel, int64_t chunks,
+                               float *acc, int first, int last, float *y, int64_t ldy, const float *bias, int cols) {
+    __m512 a[6][4];
+    for (int r = 0; r < rows; r++)
+        for (int n = 0; n < 4; n++) a[r][n] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + r * NT * 16 + n * 16);
+    for (int64_t c = 0; c < chunks; c++) {
+        const __m512 w0 = _mm512_load_ps(panel + 16 * c), w1 = _mm512_load_ps(panel + LDP + 16 * c);
+        const __m512 w2 = _mm512_load_ps(panel + 2 * LDP + 16 * c), w3 = _mm512_load_ps(panel + 3 * LDP + 16 * c);
+        for (int r = 0; r < rows; r++) {
+            const __m512 xv = _mm512_loadu_ps(x + r * ldx + 16 * c);
+            a[r][0] = _mm512_fmadd_ps(xv, w0, a[r][0]);
+            a[r][1] = _mm512_fmadd_ps(xv, w1, a[r][1]);
+            a[r][2] = _mm512_fmadd_ps(xv, w2, a[r][2]);
+            a[r][3] = _mm512_fmadd_ps(xv, w3, a[r][3]);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        if (!last) {
+            for (int n = 0; n < 4; n++) _mm512_storeu_ps(acc + r * NT * 16 + n * 16, a[r][n]);
+            continue;
+        }
+        float out[4];
+        finish_avx512(a[r][0], a[r][1], a[r][2], a[r][3], out);
+        for (int n = 0; n < cols; n++) y[r * ldy + n] = bias ? out[n] + bias[n] : out[n];
+    }
+}
+
+AVX512 static void rows_avx512(const float *x, int64_t ldx, int64_t rows, const float *panel, int64_t chunks,
+                               float *acc, int first, int last, float *y, int64_t ldy, const float *bias, int cols) {
+    for (int64_t r = 0; r < rows; r += 6)
+        for (int n = 0; n < NT && n < cols; n += 4) {
+            const float *xr = x + r * ldx, *pn = panel + n * LDP, *bn = bias ? bias + n : 0;
+            float *ar = acc + r * NT * 16 + n * 16, *yr = y + r * ldy + n;
+            const int c4 = cols - n < 4 ? cols - n : 4;
+#define TILE(ROWS) tile_avx512(xr, ldx, ROWS, pn, chunks, ar, first, last, yr, ldy, bn, c4)
+            switch (rows - r < 6 ? rows - r : 6) {
+            case 1: TILE(1); break;
+            case 2: TILE(2); break;
+            case 3: TILE(3); break;
+            case 4: TILE(4); break;
+            case 5: TILE(5); break;
+            default: TILE(6); break;
+            }
+#undef TILE
+        }
 }
 
 /* ---------------------------------------------------------------- the GEMM */
@@ -379,23 +388,27 @@ AVX512 static void finish_avx512(const float *acc, float out[4]) {
  * row n starts at w + n * ldw. */
 static void item(int isa, int type, const float *x, int64_t ldx, const uint8_t *w, int64_t ldw,
                  const float *bias, float *y, int64_t ldy, int64_t rows, int64_t n0, int cols, int64_t K) {
-    float panel[NT * KB] __attribute__((aligned(64)));
+    float panel[NT * LDP] __attribute__((aligned(64)));
     float acc[RB * NT * 16] __attribute__((aligned(64)));
-    const int64_t per_block = block_values(type);
-    memset(acc, 0, (size_t)rows * NT * 16 * sizeof(float));
+    const int64_t per_block = block_values(type), ranges = (K + KB - 1) / KB;
+    /* Even ranges of whole 256-value super-blocks (32-value blocks for a K that has no such). */
+    const int64_t unit = K % 256 ? 32 : 256, span = (K / unit + ranges - 1) / ranges * unit;
     if (cols < NT) memset(panel, 0, sizeof panel);
-    for (int64_t k0 = 0; k0 < K; k0 += KB) {
-        const int64_t kb = K - k0 < KB ? K - k0 : KB;
+    if (isa != 2) memset(acc, 0, (size_t)rows * NT * 16 * sizeof(float));
+    for (int64_t k0 = 0; k0 < K; k0 += span) {
+        const int64_t kb = K - k0 < span ? K - k0 : span;
         for (int n = 0; n < cols; n++)
-            dequant_blocks(isa, type, w + (n0 + n) * ldw, k0 / per_block, kb / per_block, panel + n * KB);
-        if (isa == 2) rows_avx512(x + k0, ldx, rows, panel, kb / 16, acc);
+            dequant_blocks(isa, type, w + (n0 + n) * ldw, k0 / per_block, kb / per_block, panel + n * LDP);
+        if (isa == 2)
+            rows_avx512(x + k0, ldx, rows, panel, kb / 16, acc, k0 == 0, k0 + kb == K, y + n0, ldy,
+                        bias ? bias + n0 : 0, cols);
         else rows_avx2(x + k0, ldx, rows, panel, kb / 16, acc);
     }
+    if (isa == 2) return;
     for (int64_t r = 0; r < rows; r++)
         for (int n = 0; n < cols; n += 4) {
             float out[4];
-            if (isa == 2) finish_avx512(acc + r * NT * 16 + n * 16, out);
-            else finish_scalar(acc + r * NT * 16 + n * 16, out);
+            finish_scalar(acc + r * NT * 16 + n * 16, out);
             for (int i = 0; i < 4 && n + i < cols; i++)
                 y[r * ldy + n0 + n + i] = bias ? out[i] + bias[n0 + n + i] : out[i];
         }
