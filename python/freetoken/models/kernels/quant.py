@@ -71,12 +71,13 @@ def _kernel() -> ctypes.CDLL | None:
     except OSError as exc:  # FileNotFoundError too: no compiler
         log.warning("quantized-weight kernel unavailable (%s); quantized layers are dequantized at load", exc)
         return None
-    if not lib.quant_isa():
+    lib.best_isa = lib.quant_isa()  # asked once: CPUID is slow under a hypervisor
+    if not lib.best_isa:
         log.info("this CPU lacks AVX2/FMA/F16C, which the quantized-weight kernel needs; quantized "
                  "layers are dequantized at load")
         return None
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.quant_gemm.argtypes = [i32, i32, ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64]
+    lib.quant_gemm.argtypes = [i32, i32, ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64]
     lib.quant_gemm.restype = None
     lib.quant_dequantize_rows.argtypes = [i32, i32, ptr, i64, ptr, i64, i64, ptr]
     lib.quant_dequantize_rows.restype = None
@@ -88,7 +89,7 @@ def isa() -> int:
     lib = _kernel()
     if lib is None:
         return 0
-    return min(lib.quant_isa(), ISAS.get(os.environ.get("FREETOKEN_QUANT_ISA", ""), 2))
+    return min(lib.best_isa, ISAS.get(os.environ.get("FREETOKEN_QUANT_ISA", ""), 2))
 
 
 def supported(qtype: GGMLQuantizationType) -> bool:
@@ -135,7 +136,9 @@ def dequantize_rows(weight: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
     return _rows(weight.data, ids.cpu().reshape(-1), weight.qtype, weight.shape[-1])
 
 
-def _gemm(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, groups: torch.Tensor) -> torch.Tensor:
+def _gemm(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
+          groups: torch.Tensor | None) -> torch.Tensor:
+    """groups None: every row through the one weight."""
     rows = x.float().contiguous()
     n, k = weight.shape[-2:]
     if rows.shape[1] != k:
@@ -147,7 +150,8 @@ def _gemm(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, g
     _kernel().quant_gemm(isa(), int(weight.qtype), rows.data_ptr(), rows.stride(0), data.data_ptr(),
                          data.stride(0) if data.dim() == 3 else 0, data.stride(-2),
                          None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0),
-                         groups.data_ptr(), groups.shape[0], k, n)
+                         None if groups is None else groups.data_ptr(),
+                         1 if groups is None else groups.shape[0], rows.shape[0], k, n)
     return y.to(x.dtype)
 
 
@@ -156,7 +160,7 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
     if not supported(weight.qtype):
         y = x.float() @ dequantize(weight).T
         return (y if bias is None else y + bias.float()).to(x.dtype)
-    return _gemm(x, weight, bias, torch.tensor([[0, 0, x.shape[0]]], dtype=torch.int64))
+    return _gemm(x, weight, bias, None)
 
 
 def grouped_quant_gemm(x: torch.Tensor, experts: QuantizedWeight, groups: torch.Tensor) -> torch.Tensor:

@@ -415,15 +415,18 @@ static void item(int isa, int type, const float *x, int64_t ldx, const uint8_t *
 }
 
 /* x [*, K] float32 (row stride ldx); w uint8 [E][N][K's blocks], strides lde and ldw bytes; bias [N] float32 or NULL (dense
- * calls only); y [*, N] (row stride ldy); groups [G][3]: expert, first row, rows. */
+ * calls only); y [*, N] (row stride ldy); groups [G][3]: expert, first row, rows, or NULL: the R
+ * rows through expert 0. */
 void quant_gemm(int isa, int type, const float *x, int64_t ldx, const uint8_t *w, int64_t lde, int64_t ldw,
-                const float *bias, float *y, int64_t ldy, const int64_t *groups, int64_t G, int64_t K,
-                int64_t N) {
+                const float *bias, float *y, int64_t ldy, const int64_t *groups, int64_t G, int64_t R,
+                int64_t K, int64_t N) {
+    const int64_t all[3] = {0, 0, R};
+    if (!groups) groups = all;
     const int64_t tiles = (N + NT - 1) / NT;
     int64_t *start = malloc((G + 1) * sizeof(int64_t)); /* first item of each group */
     start[0] = 0;
     for (int64_t g = 0; g < G; g++) start[g + 1] = start[g] + (groups[3 * g + 2] + RB - 1) / RB * tiles;
-    _Pragma("omp parallel for schedule(dynamic, 1)")
+    _Pragma("omp parallel for schedule(dynamic, 1) if (start[G] > 1)")
     for (int64_t it = 0; it < start[G]; it++) {
         int64_t g = 0, hi = G - 1; /* the last group starting at or before it */
         while (g < hi) {
