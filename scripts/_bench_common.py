@@ -154,13 +154,15 @@ def token_prompts(tokenizer, count: int, length: int, seed: int = 0) -> list[lis
 # ----------------------------------------------------------------------------- timing
 
 
-def best_time(fn: Callable[[], Any], repeats: int) -> float:
-    """Seconds of the fastest of `repeats` calls (other processes only ever slow a run down)."""
-    best = float("inf")
-    for _ in range(repeats):
+def best_time(fn: Callable[[], Any], repeats: int, min_seconds: float = 0.0) -> float:
+    """Seconds of the fastest of `repeats` calls, or of as many more as fill `min_seconds`
+    (other processes only ever slow a run down)."""
+    best, start, count = float("inf"), time.perf_counter(), 0
+    while count < repeats or time.perf_counter() - start < min_seconds:
         t0 = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - t0)
+        count += 1
     return best
 
 

@@ -2,9 +2,12 @@
 F.linear on the same weights dequantized, in the same process.
 
 For each format and shape, quant_linear at 1, 8, 32 and 512 rows: milliseconds, GFLOP/s, GB/s of
-weight bytes read (what bounds a decode step), and torch's time over ours. The heading gives the
-CPU, the kernel's path (AVX2 or AVX-512) and a plain memory read (a numpy sum over 512 MiB) to
-show how far the 1-row figures are from the bandwidth bound.
+weight bytes read (what bounds a decode step), and torch's time over ours; then the default
+model's linear layers (SmolLM2-135M: Q4_1 projections, fused as the engine fuses them, and the
+Q8_0 tied head) for one decode step of 1, 8 and 32 rows, as a bound on decode tokens/s. The
+heading gives the CPU, the kernel's path (AVX2 or AVX-512) and a plain memory read (a numpy sum
+over 512 MiB) to show how far the 1-row figures are from the bandwidth bound. Each figure is the
+fastest of its calls over at least --seconds.
 
     python scripts/bench_quant.py [--threads 2] [--formats Q4_1,Q8_0] [--quick]
 """
@@ -24,6 +27,9 @@ from freetoken.models.layers.kernel_choice import cpu_name
 
 SHAPES = ((4096, 4096), (576, 1536))  # (N, K): a 7B-class projection, the default model's down_proj
 ROWS = (1, 8, 32, 512)
+# SmolLM2-135M's linears per layer (qkv, o, gate_up, down; N x K) x 30 layers, and its head.
+MODEL_LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+MODEL_LAYERS, MODEL_HEAD = 30, (49152, 576)
 
 
 def memory_read_gbs(repeats: int) -> float:
@@ -35,6 +41,7 @@ def main() -> None:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--formats", default=",".join(t.name for t in quant.FORMATS),
                    help="comma-separated GGUF types")
+    p.add_argument("--seconds", type=float, default=0.3, help="least time spent on each figure")
     args = p.parse_args()
     setup(args)
     if not quant.supported(GGMLQuantizationType.Q4_0):
@@ -52,15 +59,33 @@ def main() -> None:
             dense = quant.dequantize(weight)
             for rows in rows_list:
                 x = torch.randn(rows, k)
-                repeats = max(1, args.repeats if rows < 512 else args.repeats // 2)
                 quant.quant_linear(x, weight, None), F.linear(x, dense)  # warm-up
-                ours = best_time(lambda: quant.quant_linear(x, weight, None), repeats * 3)
-                torch_s = best_time(lambda: F.linear(x, dense), repeats * 3)
+                ours = best_time(lambda: quant.quant_linear(x, weight, None), args.repeats, args.seconds)
+                torch_s = best_time(lambda: F.linear(x, dense), args.repeats, args.seconds)
                 table.append([name, rows, f"{ours * 1e3:.3f}", 2 * rows * n * k / ours / 1e9,
                               weight.nbytes / ours / 1e9, f"{torch_s * 1e3:.3f}", ratio(torch_s, ours)])
         print_table(f"{n}x{k} (N x K), {args.threads} thread(s), {time.strftime('%Y-%m-%d')}",
                     ["format", "rows", "ours ms", "GFLOP/s", "weight GB/s", "torch f32 ms", "torch / ours"],
                     table)
+    model_step(args)
+
+
+def model_step(args) -> None:
+    """All of the default model's linears for one decode step, ours against float32 F.linear."""
+    weights = [quant.random_weight(GGMLQuantizationType.Q4_1, shape, seed=i)
+               for i in range(MODEL_LAYERS) for shape in MODEL_LAYER]
+    weights.append(quant.random_weight(GGMLQuantizationType.Q8_0, MODEL_HEAD))
+    dense = [quant.dequantize(w) for w in weights]
+    table = []
+    for rows in (1, 8, 32):
+        xs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights}}
+        ours = best_time(lambda: [quant.quant_linear(xs[w.shape[1]], w, None) for w in weights],
+                         args.repeats, args.seconds)
+        torch_s = best_time(lambda: [F.linear(xs[d.shape[1]], d) for d in dense], args.repeats, args.seconds)
+        table.append([rows, f"{ours * 1e3:.2f}", rows / ours, sum(w.nbytes for w in weights) / ours / 1e9,
+                      f"{torch_s * 1e3:.2f}", ratio(torch_s, ours)])
+    print_table(f"SmolLM2-135M Q4_1 linears + Q8_0 head, one decode step, {args.threads} thread(s)",
+                ["rows", "ours ms", "tokens/s bound", "weight GB/s", "torch f32 ms", "torch / ours"], table)
 
 
 if __name__ == "__main__":
