@@ -14,8 +14,8 @@ from freetoken.models.kernels.mxfp4 import dequantize_mxfp4
 pytestmark = pytest.mark.skipif(not quant.supported(T.Q4_0), reason="no quantized-weight kernel on this CPU")
 
 N = 44  # not a multiple of the kernel's 8-column tiles
-K_SMALL = 1120  # 35 blocks of 32: two K ranges of the kernel (at most 1024 values each)
-K_SUPER = 1280  # 5 super-blocks of 256: two K ranges
+K_SMALL = 1120  # 35 blocks of 32: three K ranges of the kernel (at most 512 values each)
+K_SUPER = 1280  # 5 super-blocks of 256: three K ranges
 
 
 def weight(qtype: T, rows: int = N, seed: int = 0) -> quant.QuantizedWeight:

@@ -3,9 +3,9 @@ read them.
 
 The kernels (quant_gemm.c, built at first use like grouped_gemm.c and sharing its build) read the
 blocks in place and dequantize them in registers, to exactly gguf's float32 values. Each output
-element is one sum in a fixed order (eight lanes of FMA chains along K, then a fixed tree; see the
-C file) whatever the row count, tile, thread or group, and the AVX2 and AVX-512 paths give the same
-bits: a row's output never depends on its batch. Where the kernel cannot run (no C compiler, a CPU
+element is one sum in a fixed order (sixteen lanes of FMA chains along K, then a fixed tree; see
+the C file) whatever the row count, tile, thread or group, and the AVX2 and AVX-512 paths give the
+same bits: a row's output never depends on its batch. Where the kernel cannot run (no C compiler, a CPU
 without AVX2/FMA/F16C, FREETOKEN_NO_KERNELS set), `supported()` is False and the loader
 dequantizes at load; the functions here still answer, through gguf's numpy dequantizers.
 FREETOKEN_QUANT_ISA=avx2 caps the kernel at AVX2 (tests and benchmarks compare the paths).

@@ -30,7 +30,7 @@
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, MXFP4 = 39 };
 
 #define NT 8   /* output columns per tile */
-#define KB 1024 /* most k values per panel (K splits evenly into ranges of whole super-blocks) */
+#define KB 512 /* most k values per panel (K splits evenly into ranges of whole super-blocks) */
 #define LDP (KB + 16) /* panel column stride: off a multiple of 4 KiB */
 #define RB 48  /* rows per work item (a multiple of both row tiles) */
 
