@@ -397,8 +397,13 @@ static void item(int isa, int type, const float *x, int64_t ldx, const uint8_t *
     if (isa != 2) memset(acc, 0, (size_t)rows * NT * 16 * sizeof(float));
     for (int64_t k0 = 0; k0 < K; k0 += span) {
         const int64_t kb = K - k0 < span ? K - k0 : span;
-        for (int n = 0; n < cols; n++)
+        for (int n = 0; n < cols; n++) {
+            /* The same range of the next tile's rows, which the memory system would otherwise
+             * start fetching only once a thread asks for them (prefetches do not fault). */
+            const uint8_t *ahead = w + (n0 + n + NT) * ldw + k0 / per_block * block_bytes(type);
+            for (int64_t b = 0; b < kb / per_block * block_bytes(type); b += 64) _mm_prefetch((const char *)ahead + b, _MM_HINT_T0);
             dequant_blocks(isa, type, w + (n0 + n) * ldw, k0 / per_block, kb / per_block, panel + n * LDP);
+        }
         if (isa == 2)
             rows_avx512(x + k0, ldx, rows, panel, kb / 16, acc, k0 == 0, k0 + kb == K, y + n0, ldy,
                         bias ? bias + n0 : 0, cols);
