@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from freetoken.models import loader
+from freetoken.models.layers.tensor_parallel import block_part, even_part
 from freetoken.models.registry import load_model
 from tests.model_fixtures import tiny_random_folder
 
@@ -42,7 +43,8 @@ def rank_pieces(folder, rank: int, monkeypatch) -> tuple[dict, object]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fixture", ["qwen3", "tiny_qwen3_moe_path", "tiny_gpt_oss_path"])
+@pytest.mark.parametrize("fixture", ["qwen3", "tiny_qwen3_moe_path", "tiny_gpt_oss_path",
+                                     "tiny_gpt_oss_mxfp4_path"])
 def test_each_rank_reads_only_its_part_and_the_parts_make_up_the_checkpoint(fixture, request,
                                                                             monkeypatch):
     folder = tiny_random_folder() if fixture == "qwen3" else request.getfixturevalue(fixture)
@@ -68,3 +70,15 @@ def test_each_rank_reads_only_its_part_and_the_parts_make_up_the_checkpoint(fixt
     assert split >= 7 * model0.model.cfg.num_layers + 1
     held = [sum(t.numel() for t in pieces.values()) for pieces in (first, second)]
     assert all(n < sum(t.numel() for t in full.values()) for n in held)
+
+
+def test_block_part_splits_whole_blocks_as_evenly_as_they_go():
+    # gpt-oss-20b's experts: 2880 = 90 MXFP4 blocks of 32, over 4 ranks 22, 23, 22 and 23 blocks
+    # (an even split, 720 each, would cut blocks in half).
+    parts = [block_part(2880, r, 4, 32) for r in range(4)]
+    assert [len(p) for p in parts] == [704, 736, 704, 736] and all(p.start % 32 == 0 for p in parts)
+    assert parts[0].start == 0 and parts[-1].stop == 2880
+    assert all(a.stop == b.start for a, b in zip(parts, parts[1:]))
+    assert block_part(2880, 1, 4, 1) == even_part(2880, 1, 4)
+    # Fewer blocks than ranks: the even split (an MXFP4 checkpoint then refuses it).
+    assert [block_part(32, r, 2, 32) for r in range(2)] == [range(0, 16), range(16, 32)]
