@@ -184,7 +184,7 @@ def _routed_rows() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x, *softmax_topk(x @ router.T, K, normalize=True)
 
 
-@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("bias", [False, True])
 def test_quantized_experts_match_the_float_path_on_their_dequantized_weights(qtype, bias):
     quantized, plain = _quantized_and_float(qtype, bias)
@@ -198,10 +198,27 @@ def test_quantized_experts_match_the_float_path_on_their_dequantized_weights(qty
     assert bf16.dtype == torch.bfloat16 and (bf16.float() - expected).abs().max() < 0.05 * scale
 
 
-@QUANT_STUB
-@pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantized_experts_batched_is_alone_bit_for_bit(qtype, dtype):
+def _row_by_row(x: torch.Tensor, experts: QuantizedWeight, groups: torch.Tensor) -> torch.Tensor:
+    """grouped_quant_gemm's contract one row at a time: rows independent by construction."""
+    weights = _float_weights(experts)
+    y = torch.empty(x.shape[0], experts.shape[1])
+    for e, first, count in groups.tolist():
+        for row in range(first, first + count):
+            y[row] = (x[row : row + 1].float() @ weights[e].T)[0]
+    return y.to(x.dtype)
+
+
+# On quant.py's kernels every format; on a row-by-row stand-in, the grouping, biases and sums of
+# layers/moe.py alone. bfloat16 rows are widened before the kernel whatever the format.
+@pytest.mark.parametrize(("kernel", "qtype", "dtype"), [
+    *(pytest.param("quant", q, torch.float32, marks=QUANT_STUB) for q in QTYPES),
+    pytest.param("quant", GGMLQuantizationType.Q4_K, torch.bfloat16, marks=QUANT_STUB),
+    ("row_by_row", GGMLQuantizationType.MXFP4, torch.float32),
+    ("row_by_row", GGMLQuantizationType.Q4_K, torch.bfloat16),
+], ids=lambda v: getattr(v, "name", str(v).removeprefix("torch.")))
+def test_quantized_experts_batched_is_alone_bit_for_bit(kernel, qtype, dtype, monkeypatch):
+    if kernel == "row_by_row":
+        monkeypatch.setattr(moe, "grouped_quant_gemm", _row_by_row)
     quantized, _ = _quantized_and_float(qtype, bias=True)
     x, weights, ids = _routed_rows()
     x = x.to(dtype)
