@@ -72,6 +72,8 @@ def test_mxfp4_experts_stay_mxfp4_and_are_the_values_transformers_dequantises(lo
         bias = state[prefix + "gate_up_proj_bias"]
         assert torch.equal(held.gate_up_bias, torch.cat([bias[:, 0::2], bias[:, 1::2]], dim=1))
         assert torch.equal(held.down_bias, state[prefix + "down_proj_bias"])
+        # 8 experts of 64 x 64 x 3 weights: 17 bytes per 32 (float32: 128 per 32), biases in float32.
+        assert held.nbytes == 8 * 64 * 64 * 3 * 17 // 32 + 8 * (128 + 64) * 4 == 58368
 
 
 def test_mxfp4_batch_of_8_matches_transformers_on_the_dequantized_weights_and_each_alone(loaded_mxfp4):

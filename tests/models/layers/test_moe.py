@@ -157,12 +157,15 @@ def _float_weights(weight: QuantizedWeight) -> torch.Tensor:
     return torch.from_numpy(gguf_quants.dequantize(weight.data.numpy(), weight.qtype)).reshape(weight.shape)
 
 
-def _quantized_and_float(qtype: GGMLQuantizationType, bias: bool) -> tuple[Experts, Experts]:
+def _quantized_and_float(qtype: GGMLQuantizationType, bias: bool,
+                         down_qtype: GGMLQuantizationType | None = None) -> tuple[Experts, Experts]:
     """The same experts as `use_quantized` runs them and as float Linears on their dequantized
-    weights (the plain torch path)."""
+    weights (the plain torch path); down in `down_qtype` if given (GGUF's Q4_K_M files keep
+    some ffn_down_exps in Q6_K)."""
     quantized = Experts(QE, QH, QI, bias=bias, activation=silu_and_mul).requires_grad_(False)
     plain = Experts(QE, QH, QI, bias=bias, activation=silu_and_mul).requires_grad_(False)
-    gate_up, down = _random_quantized(qtype, QE, 2 * QI, QH, 1), _random_quantized(qtype, QE, QH, QI, 2)
+    gate_up = _random_quantized(qtype, QE, 2 * QI, QH, 1)
+    down = _random_quantized(down_qtype or qtype, QE, QH, QI, 2)
     generator = torch.Generator().manual_seed(4)
     biases = [torch.randn(QE, n, generator=generator) * 0.1 if bias else None for n in (2 * QI, QH)]
     for name, weight, b in (("gate_up_proj", gate_up, biases[0]), ("down_proj", down, biases[1])):
@@ -184,10 +187,12 @@ def _routed_rows() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x, *softmax_topk(x @ router.T, K, normalize=True)
 
 
-@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize(("qtype", "down_qtype"), [*((q, None) for q in QTYPES),
+                                                   (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K)],
+                         ids=lambda q: getattr(q, "name", "same"))
 @pytest.mark.parametrize("bias", [False, True])
-def test_quantized_experts_match_the_float_path_on_their_dequantized_weights(qtype, bias):
-    quantized, plain = _quantized_and_float(qtype, bias)
+def test_quantized_experts_match_the_float_path_on_their_dequantized_weights(qtype, down_qtype, bias):
+    quantized, plain = _quantized_and_float(qtype, bias, down_qtype)
     assert quantized.experts is None and quantized.quantized is not None
     x, weights, ids = _routed_rows()
     with torch.inference_mode():
