@@ -8,8 +8,10 @@ import random
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
+from freetoken.models.kernels import quant
 from freetoken.models.layers.linear import CANDIDATES
 from freetoken.models.registry import load_model, model_folder
 from freetoken.paths import cache_root
@@ -17,6 +19,10 @@ from freetoken.paths import cache_root
 # The linear kernels that run float32 (amx runs bfloat16 only), and (kernel, dtype) pairs.
 FLOAT32_KERNELS = tuple(k for k in CANDIDATES if k != "amx")
 KERNEL_DTYPES = [*((k, torch.float32) for k in FLOAT32_KERNELS), *((k, torch.bfloat16) for k in CANDIDATES)]
+# models/kernels/quant.py's reference stub multiplies with torch's GEMM, whose bits depend on the
+# row count; its C kernels' do not. Bit-for-bit batch invariance of quantized weights waits on them.
+QUANT_STUB = pytest.mark.xfail("INTERFACE STUB" in (quant.__doc__ or ""), strict=False,
+                               reason="quant.py's reference stub is not batch-invariant")
 
 
 @functools.lru_cache(maxsize=None)

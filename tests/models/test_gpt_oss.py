@@ -11,7 +11,9 @@ from safetensors.torch import load_file
 
 from freetoken.models.gpt_oss import GptOssForCausalLM
 from freetoken.models.registry import load_model
-from tests.model_fixtures import assert_batch_matches_alone_and_reference, assert_cache_hit_and_chunks_give_the_cold_result
+from freetoken.scheduler.factory import build_scheduler
+from tests.model_fixtures import (QUANT_STUB, assert_batch_matches_alone_and_reference,
+                                  assert_cache_hit_and_chunks_give_the_cold_result, greedy_run)
 
 TEXTS = ["What is the capital of France? The capital is Paris.", "def add(a, b):\n    return a + b",
          "Write a short poem about the sea, the wind and the stars", "Numbers 0 1 2 3 4 5 6 7 8 9 10 42",
@@ -78,3 +80,15 @@ def test_mxfp4_experts_stay_mxfp4_and_are_the_values_transformers_dequantises(lo
 
 def test_mxfp4_batch_of_8_matches_transformers_on_the_dequantized_weights_and_each_alone(loaded_mxfp4):
     assert_batch_matches_alone_and_reference(loaded_mxfp4, TEXTS)
+
+
+@pytest.mark.parametrize("fixture", ["loaded", pytest.param("loaded_mxfp4", marks=QUANT_STUB)])
+def test_batched_is_alone_bit_for_bit(fixture, request):
+    """Tokens and logprobs, not only within 1e-5 (the sinks' sigmoid, one value per row and
+    head, is where a batch's size once showed)."""
+    loaded = request.getfixturevalue(fixture)
+    prompts = {uid: loaded.tokenizer.encode(text) for uid, text in enumerate(TEXTS[:4])}
+    together, _ = greedy_run(build_scheduler(loaded, kv_slots=1024, prefix_cache=False), prompts)
+    for uid, ids in prompts.items():
+        alone, _ = greedy_run(build_scheduler(loaded, kv_slots=256, prefix_cache=False), {uid: ids})
+        assert alone[uid] == together[uid], uid

@@ -23,6 +23,7 @@ from torch import nn
 from freetoken.models.kernels.mxfp4 import BLOCK, to_gguf_blocks
 from freetoken.models.kernels.quant import QuantizedWeight
 from freetoken.models.layers.attention import Attention
+from freetoken.models.layers.elementwise import lanewise
 from freetoken.models.layers.linear import Linear
 from freetoken.models.layers.moe import Experts, split_stacked_experts, widen_unsupported_experts
 from freetoken.models.llama import LlamaForCausalLM, ModelConfig, fuse_hf_weights
@@ -86,7 +87,8 @@ class SinkAttention(Attention):
                 q, k, v, 0.0, mask is None, attn_mask=float_mask)
         else:
             out, lse = _attention_with_lse(q, k, v, float_mask)
-        return out * torch.sigmoid(lse.float().unsqueeze(-1) - sinks).to(out.dtype)
+        # One value per (row, head): lanewise, or its bits would depend on the batch.
+        return out * lanewise(torch.sigmoid, lse.float().unsqueeze(-1) - sinks).to(out.dtype)
 
 
 def _attention_with_lse(q, k, v, float_mask):

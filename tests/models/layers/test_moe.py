@@ -13,12 +13,11 @@ from gguf import quants as gguf_quants
 from torch import nn
 
 from freetoken.models.kernels.grouped_gemm import load as load_kernel
-from freetoken.models.kernels import quant
 from freetoken.models.kernels.quant import QuantizedWeight
 from freetoken.models.layers.linear import pack_linears
 from freetoken.models.layers import moe
 from freetoken.models.layers.moe import Experts, silu_and_mul, softmax_topk, split_stacked_experts, stack_experts
-from tests.model_fixtures import FLOAT32_KERNELS
+from tests.model_fixtures import FLOAT32_KERNELS, QUANT_STUB
 
 E, H, I, K = 8, 48, 80, 2
 
@@ -178,10 +177,6 @@ def _quantized_and_float(qtype: GGMLQuantizationType, bias: bool,
     return quantized, plain
 
 
-# models/kernels/quant.py's reference stub multiplies with torch's GEMM, whose bits depend on the
-# row count; its C kernels' do not. Bit-for-bit batch invariance on quant.py waits on them.
-QUANT_STUB = pytest.mark.xfail("INTERFACE STUB" in (quant.__doc__ or ""), strict=False,
-                               reason="quant.py's reference stub is not batch-invariant")
 QTYPES = [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K,
           GGMLQuantizationType.MXFP4]
 
