@@ -73,6 +73,12 @@ def tiny_gpt_oss_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gpt_oss_mxfp4_path() -> Path:
+    """The tiny gpt-oss with experts of 64 stored in MXFP4, as gpt-oss releases them."""
+    return bm.cached("tiny-gpt-oss-mxfp4", bm.build_tiny_gpt_oss, mxfp4=True)
+
+
+@pytest.fixture(scope="session")
 def make_scripted_model() -> Callable[..., Path]:
     """`make_scripted_model(outputs, **opts)` -> cached folder of `bm.build_scripted`."""
 

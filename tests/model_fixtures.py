@@ -8,6 +8,7 @@ import random
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 from freetoken.models.layers.linear import CANDIDATES

@@ -20,8 +20,8 @@ from freetoken.engine.parallel import GroupLost, follow, load_rank
 from freetoken.models.registry import load_model
 from freetoken.models.layers.tensor_parallel import head_split
 from freetoken.scheduler.factory import build_engine, build_scheduler
-from tests.model_fixtures import (default_folder, default_model, drain, reference_logprobs,
-                                  tiny_random_folder)
+from tests.model_fixtures import (default_folder, default_model, drain,
+                                  reference_logprobs, tiny_random_folder)
 from tests.support.servers import free_port
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
@@ -104,9 +104,11 @@ def test_head_split_covers_every_head_once():
         head_split(2, 1, 2, 3)
 
 
-@pytest.mark.parametrize("fixture", ["qwen3", "tiny_qwen3_moe_path", "tiny_gpt_oss_path"])
+@pytest.mark.parametrize("fixture", ["qwen3", "tiny_qwen3_moe_path", "tiny_gpt_oss_path",
+                                     "tiny_gpt_oss_mxfp4_path"])
 def test_tiny_tp2_matches_tp1_and_transformers(rank1, fixture, request):
-    # Qwen3-MoE: experts sharded, a dense layer between; gpt-oss: sinks and biases everywhere.
+    # Qwen3-MoE: experts sharded, a dense layer between; gpt-oss: sinks and biases everywhere,
+    # and MXFP4 experts kept quantized, one block of the intermediate size per rank.
     folder = tiny_random_folder() if fixture == "qwen3" else request.getfixturevalue(fixture)
     loaded = load_model(folder, dtype="float32", device="cpu")
     tp1, tok = build_scheduler(loaded, kv_slots=1024), loaded.tokenizer

@@ -1,18 +1,19 @@
 """gpt-oss against transformers on the same tiny checkpoint (sinks, a sliding window shorter than
-the prompts, YaRN, clamped SwiGLU), batch / cache invariance, and MXFP4 experts."""
+the prompts, YaRN, clamped SwiGLU), batch / cache invariance, and MXFP4 experts kept MXFP4."""
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
+from safetensors.torch import load_file
 
 from freetoken.models.gpt_oss import GptOssForCausalLM
 from freetoken.models.registry import load_model
-from tests.model_fixtures import assert_batch_matches_alone_and_reference, assert_cache_hit_and_chunks_give_the_cold_result
+from freetoken.scheduler.factory import build_scheduler
+from tests.model_fixtures import (assert_batch_matches_alone_and_reference,
+                                  assert_cache_hit_and_chunks_give_the_cold_result, greedy_run)
 
 TEXTS = ["What is the capital of France? The capital is Paris.", "def add(a, b):\n    return a + b",
          "Write a short poem about the sea, the wind and the stars", "Numbers 0 1 2 3 4 5 6 7 8 9 10 42",
@@ -45,58 +46,49 @@ def test_prefix_hit_and_chunked_prefill_give_the_cold_result(loaded):
     assert cached[0] >= len(base) - 1 and cached[1] >= len(base) - 4 > 2 * 8
 
 
-def _quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Round [..., K] weights (K a multiple of 32) to MXFP4: (blocks [..., K/32, 16], scales)."""
-    from freetoken.models.kernels.mxfp4 import FP4_VALUES
-
-    groups = weight.reshape(*weight.shape[:-1], -1, 32)
-    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-30) / 6.0))
-    scaled = groups / torch.exp2(exponent)[..., None]
-    codes = (scaled.unsqueeze(-1) - torch.tensor(FP4_VALUES)).abs().argmin(-1)  # nearest value
-    pairs = codes.to(torch.uint8).reshape(*codes.shape[:-1], 16, 2)
-    return pairs[..., 0] | (pairs[..., 1] << 4), (exponent + 127).to(torch.uint8)
+@pytest.fixture(scope="module")
+def loaded_mxfp4(tiny_gpt_oss_mxfp4_path):
+    return load_model(tiny_gpt_oss_mxfp4_path, dtype="float32", device="cpu")
 
 
-def _expert_weight(experts, projection: str, e: int) -> torch.Tensor:
-    """Expert e's [out, in] weight as loaded, from the grouped kernel's strips or, where the
-    experts run on packed Linears (which free the plain weight), through a unit input."""
-    if experts.stacked is not None:
-        packed = experts.stacked[0 if projection == "gate_up" else 1]
-        strips = packed.weight[e].transpose(0, 1).reshape(packed.in_features, -1)
-        return strips[:, : packed.out_features].T
-    layer = getattr(experts.experts[e], f"{projection}_proj")
-    with torch.inference_mode():
-        return (layer(torch.eye(layer.in_features)) - layer.bias).T
-
-
-def test_mxfp4_experts_load_as_transformers_dequantises_them(tiny_gpt_oss_path, tmp_path):
-    """A released-style folder (experts as *_blocks / *_scales, [E, out, in]): our loaded expert
-    weights equal transformers' own dequantisation of the same bytes."""
+def test_mxfp4_experts_stay_mxfp4_and_are_the_values_transformers_dequantises(loaded_mxfp4):
+    """A released-style folder (experts as *_blocks / *_scales, [E, out, in / 32, 16]): each
+    layer's experts are held as GGUF MXFP4 blocks, the checkpoint's bytes and no more, whose
+    values (by gguf's own dequantizer) are transformers' dequantisation of the same bytes, bit
+    for bit, gate/up rows gathered into [gate | up]."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    folder = tmp_path / "mxfp4"
-    shutil.copytree(tiny_gpt_oss_path, folder)
-    state = load_file(folder / "model.safetensors")
-    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        blocks, scales = _quantize_mxfp4(state.pop(name).transpose(1, 2))  # stored [E, out, in]
-        state[name + "_blocks"], state[name + "_scales"] = blocks, scales
-    save_file(state, folder / "model.safetensors")
-    config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4"}
-    (folder / "config.json").write_text(json.dumps(config))
-    ours = load_model(folder, dtype="float32", device="cpu").model
-    for name, blocks in state.items():
-        if not name.endswith("_blocks"):
-            continue
-        scales = state[name.replace("_blocks", "_scales")]
-        ref = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
-        layer = int(name.split(".")[2])
-        experts = ours.model.layers[layer].mlp
-        for e in range(experts.num_experts):
-            if "gate_up" in name:
-                gate_up = ref[e].T  # [2I, H], gate rows even
-                expected = torch.cat([gate_up[0::2], gate_up[1::2]])
-            else:
-                expected = ref[e].T
-            weights = _expert_weight(experts, "gate_up" if "gate_up" in name else "down", e)
-            assert torch.allclose(weights, expected, atol=1e-6), (name, e)
+    state = load_file(loaded_mxfp4.folder / "model.safetensors")
+    for i, layer in enumerate(loaded_mxfp4.model.model.layers):
+        held, prefix = layer.mlp.quantized, f"model.layers.{i}.mlp.experts."
+        assert layer.mlp.experts is None and layer.mlp.stacked is None
+        for name, weight in (("gate_up_proj", held.gate_up), ("down_proj", held.down)):
+            blocks, scales = state[prefix + name + "_blocks"], state[prefix + name + "_scales"]
+            assert weight.qtype == GGMLQuantizationType.MXFP4
+            assert weight.nbytes == blocks.numel() + scales.numel()
+            expected = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2)
+            if name == "gate_up_proj":  # released rows interleaved, gate even
+                expected = torch.cat([expected[:, 0::2], expected[:, 1::2]], dim=1)
+            values = gguf_quants.dequantize(weight.data.numpy(), weight.qtype).reshape(weight.shape)
+            assert torch.equal(torch.from_numpy(values), expected), (i, name)
+        bias = state[prefix + "gate_up_proj_bias"]
+        assert torch.equal(held.gate_up_bias, torch.cat([bias[:, 0::2], bias[:, 1::2]], dim=1))
+        assert torch.equal(held.down_bias, state[prefix + "down_proj_bias"])
+        # 8 experts of 64 x 64 x 3 weights: 17 bytes per 32 (float32: 128 per 32), biases in float32.
+        assert held.nbytes == 8 * 64 * 64 * 3 * 17 // 32 + 8 * (128 + 64) * 4 == 58368
+
+
+def test_mxfp4_batch_of_8_matches_transformers_on_the_dequantized_weights_and_each_alone(loaded_mxfp4):
+    assert_batch_matches_alone_and_reference(loaded_mxfp4, TEXTS)
+
+
+@pytest.mark.parametrize("fixture", ["loaded", "loaded_mxfp4"])
+def test_batched_is_alone_bit_for_bit(fixture, request):
+    """Tokens and logprobs, not only within 1e-5 (the sinks' sigmoid, one value per row and
+    head, is where a batch's size once showed)."""
+    loaded = request.getfixturevalue(fixture)
+    prompts = {uid: loaded.tokenizer.encode(text) for uid, text in enumerate(TEXTS[:4])}
+    together, _ = greedy_run(build_scheduler(loaded, kv_slots=1024, prefix_cache=False), prompts)
+    for uid, ids in prompts.items():
+        alone, _ = greedy_run(build_scheduler(loaded, kv_slots=256, prefix_cache=False), {uid: ids})
+        assert alone[uid] == together[uid], uid

@@ -3,8 +3,11 @@ sliding-window layers alternating with full ones, YaRN rotary angles, and in eve
 router with bias choosing the top k experts, weighted by a softmax over the chosen logits.
 
 An expert's gate/up projection comes interleaved (gate in even columns); it is split into
-halves at load so the clamped SwiGLU reads contiguous slices. Expert weights released in MXFP4
-are dequantised at load (models/kernels/mxfp4.py).
+halves at load so the clamped SwiGLU reads contiguous slices. Experts released in MXFP4 stay
+MXFP4, about a quarter of bfloat16's bytes: rewritten bit for bit into GGUF's block layout
+(models/kernels/mxfp4.py) and run through the quantized grouped kernel (layers/moe.py's
+`use_quantized`); on a device or CPU without that kernel they are dequantized at load, with a
+log line.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ from functools import partial
 import torch
 from torch import nn
 
-from freetoken.models.kernels.mxfp4 import dequantize_mxfp4
+from freetoken.models.kernels.mxfp4 import BLOCK
+from freetoken.models.kernels.quant import QuantizedWeight, from_mxfp4_blocks
 from freetoken.models.layers.attention import Attention
+from freetoken.models.layers.elementwise import lanewise
 from freetoken.models.layers.linear import Linear
-from freetoken.models.layers.moe import Experts, split_stacked_experts
+from freetoken.models.layers.moe import Experts, split_stacked_experts, widen_unsupported_experts
 from freetoken.models.llama import LlamaForCausalLM, ModelConfig, fuse_hf_weights
 
 
@@ -29,13 +34,16 @@ class GptOssConfig(ModelConfig):
     num_experts_per_tok: int = 0
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    mxfp4_experts: bool = False  # the checkpoint's experts are MXFP4 blocks (as released)
 
     @classmethod
     def from_hf(cls, cfg: dict, **extra) -> GptOssConfig:
+        quantization = (cfg.get("quantization_config") or {}).get("quant_method")
         return super().from_hf(cfg, num_experts=cfg["num_local_experts"],
                                num_experts_per_tok=cfg["num_experts_per_tok"],
                                swiglu_alpha=cfg.get("swiglu_alpha", 1.702),
-                               swiglu_limit=cfg.get("swiglu_limit", 7.0), **extra)
+                               swiglu_limit=cfg.get("swiglu_limit", 7.0),
+                               mxfp4_experts=quantization == "mxfp4", **extra)
 
 
 def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -78,7 +86,8 @@ class SinkAttention(Attention):
                 q, k, v, 0.0, mask is None, attn_mask=float_mask)
         else:
             out, lse = _attention_with_lse(q, k, v, float_mask)
-        return out * torch.sigmoid(lse.float().unsqueeze(-1) - sinks).to(out.dtype)
+        # One value per (row, head): lanewise, or its bits would depend on the batch.
+        return out * lanewise(torch.sigmoid, lse.float().unsqueeze(-1) - sinks).to(out.dtype)
 
 
 def _attention_with_lse(q, k, v, float_mask):
@@ -115,18 +124,45 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     def __init__(self, cfg: GptOssConfig):
         super().__init__(cfg)
+        # A tensor-parallel rank keeps whole MXFP4 blocks of the experts' intermediate size.
+        self.experts_block = BLOCK if cfg.mxfp4_experts else 1
         for i, layer in enumerate(self.model.layers):
             layer.self_attn = SinkAttention(cfg, i)
             layer.mlp = GptOssMoe(cfg)
 
     def convert_hf_weights(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        for name in [n for n in state if n.endswith("_blocks")]:
-            base = name.removesuffix("_blocks")
-            # Released [E, out, in]; transformers' parameters (and our split below) [E, in, out].
-            state[base] = dequantize_mxfp4(state.pop(name), state.pop(base + "_scales")).transpose(1, 2)
+        for i, layer in enumerate(self.model.layers):
+            prefix = f"model.layers.{i}.mlp.experts."
+            if prefix + "gate_up_proj_blocks" in state:
+                _keep_mxfp4(layer.mlp, state, prefix)
         for stacked in ("gate_up_proj", "down_proj"):
             state = split_stacked_experts(state, stacked, transpose=True)
         for name, value in state.items():
             if ".experts." in name and ".gate_up_proj." in name:
                 state[name] = torch.cat([value[0::2], value[1::2]])  # [gate | up]
         return fuse_hf_weights(state)
+
+    def post_load(self, tokenizer, device: torch.device) -> None:
+        super().post_load(tokenizer, device)
+        widen_unsupported_experts(self, self.lm_head.weight.dtype, device)
+
+
+def _keep_mxfp4(experts: Experts, state: dict[str, torch.Tensor], prefix: str) -> None:
+    """A layer's released MXFP4 experts (`prefix` + gate_up_proj / down_proj as `_blocks` [E,
+    out, in / 32, 16] and `_scales` [E, out, in / 32], biases [E, out]) onto `experts`, kept
+    quantized; the gate/up rows, interleaved (gate even), gathered into [gate | up]."""
+    rows = state[prefix + "gate_up_proj_blocks"].shape[1]
+    halves = torch.cat([torch.arange(0, rows, 2), torch.arange(1, rows, 2)])
+    gate_up_bias = state.pop(prefix + "gate_up_proj_bias", None)
+    experts.use_quantized(_mxfp4(state, prefix + "gate_up_proj", halves), _mxfp4(state, prefix + "down_proj"),
+                          None if gate_up_bias is None else gate_up_bias[:, halves],
+                          state.pop(prefix + "down_proj_bias", None))
+
+
+def _mxfp4(state: dict[str, torch.Tensor], name: str, rows: torch.Tensor | None = None) -> QuantizedWeight:
+    """`name`'s blocks and scales (popped from `state`), its output rows `rows` (all if None), as
+    a QuantizedWeight [E, out, in] in GGUF's MXFP4 layout."""
+    blocks, scales = state.pop(name + "_blocks"), state.pop(name + "_scales")
+    if rows is not None:
+        blocks, scales = blocks.index_select(1, rows), scales.index_select(1, rows)
+    return from_mxfp4_blocks(blocks, scales)

@@ -114,6 +114,8 @@ class LlamaForCausalLM(CausalLM):
     # The checkpoint's stacked experts are [E, in, out] with gate and up interleaved (gpt-oss),
     # not [E, out, in] with gate then up: a tensor-parallel rank reads other slices of them.
     experts_in_out = False
+    # Stacked experts whose intermediate size a tensor-parallel rank takes in whole blocks of this.
+    experts_block = 1
     supports_pooling = True  # fills ctx.hidden
 
     def __init__(self, cfg: ModelConfig):

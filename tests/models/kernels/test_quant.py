@@ -9,7 +9,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from gguf import quants as gguf_quants
 
 from freetoken.models.kernels import quant
-from freetoken.models.kernels.mxfp4 import dequantize_mxfp4
+from tests.fixtures.build_models import FP4_VALUES
 
 pytestmark = pytest.mark.skipif(not quant.supported(T.Q4_0), reason="no quantized-weight kernel on this CPU")
 
@@ -134,7 +134,16 @@ def test_hf_mxfp4_converts_to_gguf_blocks_bit_for_bit():
     scales = torch.randint(100, 150, (3, 5, 12), dtype=torch.uint8, generator=gen)
     w = quant.from_mxfp4_blocks(blocks, scales)
     assert w.shape == (3, 5, 384) and w.data.shape == (3, 5, 12 * 17)
-    assert torch.equal(quant.dequantize(w), dequantize_mxfp4(blocks, scales, torch.float32))
+    assert torch.equal(quant.dequantize(w), hf_mxfp4_reference(blocks, scales))
+
+
+def hf_mxfp4_reference(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's HF layout read directly: value 2i in byte i's low nibble, 2i + 1 in its high one,
+    times 2**(scale - 127)."""
+    lut = torch.tensor(FP4_VALUES)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()
+    values = torch.ldexp(lut[codes], scales.int()[..., None] - 127)
+    return values.flatten(-2)
 
 
 def test_without_kernels_nothing_is_supported_and_the_reference_answers(monkeypatch):

@@ -1,14 +1,19 @@
 """The grouped expert executor: a token's result does not depend on its batch, and equals the
-plain per-token sum of its experts' outputs."""
+plain per-token sum of its experts' outputs; experts kept quantized equal the float path on
+their dequantized weights."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants
 from torch import nn
 
 from freetoken.models.kernels.grouped_gemm import load as load_kernel
+from freetoken.models.kernels.quant import QuantizedWeight
 from freetoken.models.layers.linear import pack_linears
 from freetoken.models.layers import moe
 from freetoken.models.layers.moe import Experts, silu_and_mul, softmax_topk, split_stacked_experts, stack_experts
@@ -110,3 +115,127 @@ def test_experts_go_on_the_kernel_only_where_its_rows_come_out_alike(monkeypatch
     experts = _experts(bias=True)
     stack_experts(experts)
     assert (experts.stacked is not None) == alike and (experts.experts is None) == alike
+
+
+# ---------------------------------------------------------------- experts kept quantized
+
+QE, QH, QI = 4, 256, 256  # K-quant blocks are 256 wide along K (H for gate/up, I for down)
+
+
+def _random_blocks(qtype: GGMLQuantizationType, rows: int, k: int, seed: int) -> np.ndarray:
+    """[rows, row bytes] of valid `qtype` blocks: random bytes, the float fields set to small
+    finite scales (gguf's numpy code has no K-quant quantizer, and random blocks cover every
+    code and sub-block scale)."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, (rows, k // block, size), dtype=np.uint8)
+    # Scales that keep the weights within about 0.1 (K-quants multiply d by 6-bit sub-scales).
+    top = {GGMLQuantizationType.Q8_0: 1e-3, GGMLQuantizationType.Q4_0: 1e-2, GGMLQuantizationType.Q4_1: 1e-2}
+
+    def scales(n: int) -> np.ndarray:
+        values = rng.uniform(0.2, 1.0, (rows, k // block, n)) * top.get(qtype, 1e-4)
+        return values.astype(np.float16).view(np.uint8)
+
+    if qtype == GGMLQuantizationType.MXFP4:
+        data[..., 0] = rng.integers(118, 122, (rows, k // block))  # E8M0 exponents near 2**-7
+    elif qtype == GGMLQuantizationType.Q6_K:
+        data[..., -2:] = scales(1)  # d last
+    elif qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q4_1):
+        data[..., :4] = scales(2)  # d, then dmin (Q4_1: m)
+    else:
+        data[..., :2] = scales(1)
+    return data.reshape(rows, -1)
+
+
+def _random_quantized(qtype: GGMLQuantizationType, e: int, n: int, k: int, seed: int) -> QuantizedWeight:
+    data = np.stack([_random_blocks(qtype, n, k, seed * 100 + i) for i in range(e)])
+    return QuantizedWeight(qtype, torch.from_numpy(data), (e, n, k))
+
+
+def _float_weights(weight: QuantizedWeight) -> torch.Tensor:
+    """gguf's own numpy dequantizer, the reference."""
+    return torch.from_numpy(gguf_quants.dequantize(weight.data.numpy(), weight.qtype)).reshape(weight.shape)
+
+
+def _quantized_and_float(qtype: GGMLQuantizationType, bias: bool,
+                         down_qtype: GGMLQuantizationType | None = None) -> tuple[Experts, Experts]:
+    """The same experts as `use_quantized` runs them and as float Linears on their dequantized
+    weights (the plain torch path); down in `down_qtype` if given (GGUF's Q4_K_M files keep
+    some ffn_down_exps in Q6_K)."""
+    quantized = Experts(QE, QH, QI, bias=bias, activation=silu_and_mul).requires_grad_(False)
+    plain = Experts(QE, QH, QI, bias=bias, activation=silu_and_mul).requires_grad_(False)
+    gate_up = _random_quantized(qtype, QE, 2 * QI, QH, 1)
+    down = _random_quantized(down_qtype or qtype, QE, QH, QI, 2)
+    generator = torch.Generator().manual_seed(4)
+    biases = [torch.randn(QE, n, generator=generator) * 0.1 if bias else None for n in (2 * QI, QH)]
+    for name, weight, b in (("gate_up_proj", gate_up, biases[0]), ("down_proj", down, biases[1])):
+        for e, expert in enumerate(plain.experts):
+            getattr(expert, name).weight.copy_(_float_weights(weight)[e])
+            if b is not None:
+                getattr(expert, name).bias.copy_(b[e])
+    quantized.use_quantized(gate_up, down, *biases)
+    return quantized, plain
+
+
+QTYPES = [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K,
+          GGMLQuantizationType.MXFP4]
+
+
+def _routed_rows() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x = torch.randn(13, QH, generator=torch.Generator().manual_seed(3))
+    router = torch.randn(QE, QH, generator=torch.Generator().manual_seed(2))
+    return x, *softmax_topk(x @ router.T, K, normalize=True)
+
+
+@pytest.mark.parametrize(("qtype", "down_qtype"), [*((q, None) for q in QTYPES),
+                                                   (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K)],
+                         ids=lambda q: getattr(q, "name", "same"))
+@pytest.mark.parametrize("bias", [False, True])
+def test_quantized_experts_match_the_float_path_on_their_dequantized_weights(qtype, down_qtype, bias):
+    quantized, plain = _quantized_and_float(qtype, bias, down_qtype)
+    assert quantized.experts is None and quantized.quantized is not None
+    x, weights, ids = _routed_rows()
+    with torch.inference_mode():
+        got, expected = quantized(x, ids, weights), plain(x, ids, weights)
+        bf16 = quantized(x.bfloat16(), ids, weights)
+    assert expected.abs().max() > 0.1 and (got - expected).abs().max().item() < 1e-5
+    scale = expected.abs().max()
+    assert bf16.dtype == torch.bfloat16 and (bf16.float() - expected).abs().max() < 0.05 * scale
+
+
+# bfloat16 rows are widened before the kernel whatever the format.
+@pytest.mark.parametrize(("qtype", "dtype"), [*((q, torch.float32) for q in QTYPES),
+                                              (GGMLQuantizationType.Q4_K, torch.bfloat16)],
+                         ids=lambda v: getattr(v, "name", str(v).removeprefix("torch.")))
+def test_quantized_experts_batched_is_alone_bit_for_bit(qtype, dtype):
+    quantized, _ = _quantized_and_float(qtype, bias=True)
+    x, weights, ids = _routed_rows()
+    x = x.to(dtype)
+    with torch.inference_mode():
+        batched = quantized(x, ids, weights)
+        for t in range(x.shape[0]):
+            assert torch.equal(quantized(x[t : t + 1], ids[t : t + 1], weights[t : t + 1])[0], batched[t]), t
+        mixed = quantized(x[[5, 0, 12, 5]], ids[[5, 0, 12, 5]], weights[[5, 0, 12, 5]])
+    assert torch.equal(mixed[0], batched[5]) and torch.equal(mixed[3], batched[5])
+
+
+def test_use_quantized_refuses_weights_of_another_shape():
+    experts = Experts(QE, QH, QI, bias=False, activation=silu_and_mul)
+    down = _random_quantized(GGMLQuantizationType.Q8_0, QE, QH, QI, 2)
+    with pytest.raises(ValueError, match=r"gate_up weight is \(4, 256, 256\).*\(4, 512, 256\)"):
+        experts.use_quantized(_random_quantized(GGMLQuantizationType.Q8_0, QE, QI, QH, 1), down)
+
+
+def test_experts_without_a_kernel_here_are_dequantized_at_load_with_a_log_line(monkeypatch, caplog):
+    quantized, plain = _quantized_and_float(GGMLQuantizationType.Q4_K, bias=True)
+    holder = nn.Sequential(quantized)
+    moe.widen_unsupported_experts(holder, torch.float32, torch.device("cpu"))
+    assert quantized.quantized is not None  # the stub's formats all run here
+    monkeypatch.setattr(moe, "supported", lambda qtype: qtype != GGMLQuantizationType.Q4_K)
+    with caplog.at_level("INFO", logger=moe.__name__):
+        moe.widen_unsupported_experts(holder, torch.float32, torch.device("cpu"))
+    assert quantized.quantized is None and "Q4_K experts dequantized to float32" in caplog.text
+    for mine, theirs in zip(quantized.experts, plain.experts):
+        for name in ("gate_up_proj", "down_proj"):
+            assert torch.equal(getattr(mine, name).weight, getattr(theirs, name).weight)
+            assert torch.equal(getattr(mine, name).bias, getattr(theirs, name).bias)

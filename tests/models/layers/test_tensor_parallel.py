@@ -9,6 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from freetoken.models import loader
+from freetoken.models.layers.moe import Experts
+from freetoken.models.layers.tensor_parallel import block_part, even_part
 from freetoken.models.registry import load_model
 from tests.model_fixtures import tiny_random_folder
 
@@ -42,7 +44,8 @@ def rank_pieces(folder, rank: int, monkeypatch) -> tuple[dict, object]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fixture", ["qwen3", "tiny_qwen3_moe_path", "tiny_gpt_oss_path"])
+@pytest.mark.parametrize("fixture", ["qwen3", "tiny_qwen3_moe_path", "tiny_gpt_oss_path",
+                                     "tiny_gpt_oss_mxfp4_path"])
 def test_each_rank_reads_only_its_part_and_the_parts_make_up_the_checkpoint(fixture, request,
                                                                             monkeypatch):
     folder = tiny_random_folder() if fixture == "qwen3" else request.getfixturevalue(fixture)
@@ -68,3 +71,35 @@ def test_each_rank_reads_only_its_part_and_the_parts_make_up_the_checkpoint(fixt
     assert split >= 7 * model0.model.cfg.num_layers + 1
     held = [sum(t.numel() for t in pieces.values()) for pieces in (first, second)]
     assert all(n < sum(t.numel() for t in full.values()) for n in held)
+
+
+def test_block_part_splits_whole_blocks_as_evenly_as_they_go():
+    # gpt-oss-20b's experts: 2880 = 90 MXFP4 blocks of 32, over 4 ranks 22, 23, 22 and 23 blocks
+    # (an even split, 720 each, would cut blocks in half).
+    parts = [block_part(2880, r, 4, 32) for r in range(4)]
+    assert [len(p) for p in parts] == [704, 736, 704, 736] and all(p.start % 32 == 0 for p in parts)
+    assert parts[0].start == 0 and parts[-1].stop == 2880
+    assert all(a.stop == b.start for a, b in zip(parts, parts[1:]))
+    assert block_part(2880, 1, 4, 1) == even_part(2880, 1, 4)
+    # Fewer blocks than ranks: the even split (an MXFP4 checkpoint then refuses it).
+    assert [block_part(32, r, 2, 32) for r in range(2)] == [range(0, 16), range(16, 32)]
+
+
+def test_mxfp4_experts_split_in_whole_blocks_sum_to_the_whole_layer(tiny_gpt_oss_mxfp4_path):
+    """Two ranks' MXFP4 experts (one block of the intermediate size of 64 each, kept quantized;
+    the down bias on rank 0 only): their partial outputs sum to the unsplit layer's."""
+    folder = tiny_gpt_oss_mxfp4_path
+    whole = load_model(folder, dtype="float32", device="cpu").model.model.layers[1].mlp
+    parts = [load_model(folder, dtype="float32", device="cpu", group=OneRank(rank, 2)).model.model.layers[1].mlp
+             for rank in (0, 1)]
+    assert [p.quantized.down.shape for p in parts] == [(8, 64, 32)] * 2
+    assert parts[0].quantized.down_bias is not None and parts[1].quantized.down_bias is None
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        top, ids = torch.topk(whole.router(x), whole.top_k, dim=-1)
+        weights = torch.softmax(top, dim=-1)
+        expected = whole(x)
+        for part in parts:
+            part.sum_over_ranks = None  # summed here instead
+        summed = sum(Experts.forward(part, x, ids, weights) for part in parts)
+    assert (summed - expected).abs().max().item() < 1e-5

@@ -1,24 +1,14 @@
-"""MXFP4 weights, as gpt-oss releases its experts: dequantised once at load.
+"""MXFP4 weights as gpt-oss releases its experts, rewritten into GGUF's MXFP4 blocks, which
+models/kernels/quant.py keeps and multiplies (`quant.from_mxfp4_blocks` rewrites them).
 
-A block of 32 weights is 16 bytes of FP4 (e2m1) values, two per byte with the low nibble
-first, sharing one E8M0 scale byte, 2**(scale - 127) (the OCP microscaling format). Every such
-value is exact in bfloat16 (1 mantissa bit, an 8-bit exponent like float32's), so dequantising
-to bfloat16 loses nothing and takes half the memory of float32.
+Both are the OCP microscaling format: blocks of 32 FP4 (e2m1) values sharing one E8M0 scale
+byte. The HF release stores a block as 16 bytes, value 2i in the low nibble of byte i and 2i + 1
+in its high nibble, its scales in a tensor of their own, a value being e2m1 * 2**(scale - 127).
+GGUF (llama.cpp) stores a block as 17 bytes: the scale byte, then value j in the low nibble of
+byte j and value j + 16 in its high nibble, with the e2m1 table doubled and the scale halved
+(ggml's e8m0_to_fp32_half): the same numbers. The rewrite only moves nibbles, so it is
+bit-exact.
 """
 
-from __future__ import annotations
+BLOCK = 32  # weights per scale
 
-import torch
-
-# e2m1 codes 0-15: sign bit, 2 exponent bits, 1 mantissa bit.
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor,
-                     dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """blocks [..., G, 16] uint8 and scales [..., G] uint8 -> weights [..., G * 32] in `dtype`."""
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
-    blocks = blocks.to(torch.uint8).int()
-    values = torch.stack([lut[blocks & 0x0F], lut[blocks >> 4]], dim=-1).flatten(-2)
-    values = torch.ldexp(values, scales.to(torch.int32)[..., None] - 127)
-    return values.flatten(-2).to(dtype)

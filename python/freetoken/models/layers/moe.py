@@ -3,8 +3,10 @@
 A step's (token, expert) assignments are sorted by expert id, and the gathered rows run through
 each active expert's projections. On CPU (float32 or bfloat16) that is the grouped kernel of
 grouped_gemm.c, one call per projection for all experts, whose rows never depend on their
-group. Elsewhere each active expert runs its `Linear`s over its rows (the kernel each expert
-shape runs on, and its row rule, are chosen at load by `pack_linears` as for the dense layers).
+group; experts kept quantized (a GGUF file's, gpt-oss's MXFP4) run the same way through
+models/kernels/quant.py's `grouped_quant_gemm`. Elsewhere each active expert runs its `Linear`s
+over its rows (the kernel each expert shape runs on, and its row rule, are chosen at load by
+`pack_linears` as for the dense layers).
 The weighted outputs are then added into their tokens' rows in ascending expert id
 (`index_add_` adds in row order), the order transformers' reference loop adds them in: a
 token's sum runs in that fixed order, so a row's result does not depend on which other rows
@@ -18,6 +20,8 @@ families' (Qwen3-MoE, Qwen2-MoE, the Qwen3.5 / Qwen3-Next hybrids).
 from __future__ import annotations
 
 import ctypes
+import logging
+from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
@@ -27,10 +31,13 @@ from torch import nn
 
 from freetoken.models.kernels.grouped_gemm import KERNELS, PackedLinears, grouped_gemm, pack
 from freetoken.models.kernels.grouped_gemm import load as load_kernel
+from freetoken.models.kernels.quant import QuantizedWeight, dequantize, grouped_quant_gemm, supported
 from freetoken.models.layers.kernel_choice import RowRule, probe_weight, rule_holds
 from freetoken.models.layers.elementwise import lanewise
 from freetoken.models.layers.linear import Linear
 from freetoken.models.layers.mlp import MLP
+
+log = logging.getLogger(__name__)
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
@@ -60,6 +67,22 @@ class Expert(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
 
+@dataclass(frozen=True)
+class QuantizedExperts:
+    """A layer's experts kept quantized: gate_up [E, 2I, H] (each expert's I gate rows, then its
+    I up rows), down [E, H, I], biases float32 [E, 2I] and [E, H] or None."""
+
+    gate_up: QuantizedWeight
+    down: QuantizedWeight
+    gate_up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+
+    @property
+    def nbytes(self) -> int:
+        biases = [b.numel() * b.element_size() for b in (self.gate_up_bias, self.down_bias) if b is not None]
+        return self.gate_up.nbytes + self.down.nbytes + sum(biases)
+
+
 class Experts(nn.Module):
     """`num_experts` experts (`experts.{e}.gate_up_proj`, `experts.{e}.down_proj`) run grouped."""
 
@@ -69,6 +92,8 @@ class Experts(nn.Module):
     # Set by `stack`: the experts' projections in the grouped kernel's layout, and the kernel.
     stacked: tuple[PackedLinears, PackedLinears] | None = None
     kernel: ctypes.CDLL | None = None
+    # Set by `use_quantized`.
+    quantized: QuantizedExperts | None = None
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, bias: bool,
                  activation: Activation):
@@ -86,6 +111,42 @@ class Experts(nn.Module):
         self.stacked, self.kernel = tuple(projections), kernel
         self.experts = None
 
+    def use_quantized(self, gate_up: QuantizedWeight, down: QuantizedWeight,
+                      gate_up_bias: torch.Tensor | None = None,
+                      down_bias: torch.Tensor | None = None) -> None:
+        """Run on `grouped_quant_gemm` from now on, over the experts' weights as stored: the
+        per-expert Linears are freed. `gate_up` [E, 2I, H] holds each expert's I gate rows first,
+        then its I up rows, the order `activation` reads ([gate | up]): a GGUF file's
+        ffn_gate_exps and ffn_up_exps concatenated along their rows (dim 1), or gpt-oss's
+        interleaved rows gathered into halves; `down` [E, H, I]. Biases ([E, 2I] in the same row
+        order, [E, H]) are kept as float32 and added to the float32 sums, rounded once to the rows'
+        dtype, as the grouped kernel adds its biases. Shapes must be those of the Linears they
+        replace (a tensor-parallel rank's slice, where sharded)."""
+        for name, weight in (("gate_up", gate_up), ("down", down)):
+            layer = getattr(self.experts[0], f"{name}_proj")
+            expected = (self.num_experts, layer.out_features, layer.in_features)
+            if tuple(weight.shape) != expected:
+                raise ValueError(f"quantized experts' {name} weight is {tuple(weight.shape)}, "
+                                 f"the layer's experts are {expected}")
+        biases = [None if b is None else b.float().contiguous() for b in (gate_up_bias, down_bias)]
+        self.quantized = QuantizedExperts(gate_up, down, *biases)
+        self.experts = None
+
+    def widen(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Back on per-expert Linears of `dtype` on `device`: the quantized experts dequantized."""
+        q = self.quantized
+        e, two_i, hidden = q.gate_up.shape
+        with torch.device("meta"):
+            experts = nn.ModuleList(Expert(hidden, two_i // 2, bias=False) for _ in range(e))
+        for name, weight, bias in (("gate_up_proj", dequantize(q.gate_up), q.gate_up_bias),
+                                   ("down_proj", dequantize(q.down), q.down_bias)):
+            for i, expert in enumerate(experts):
+                layer = getattr(expert, name)
+                layer.weight = nn.Parameter(weight[i].to(device=device, dtype=dtype), requires_grad=False)
+                if bias is not None:
+                    layer.bias = nn.Parameter(bias[i].to(device=device, dtype=dtype), requires_grad=False)
+        self.experts, self.quantized = experts, None
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; ids [T, k] expert of each of a token's k slots; weights [T, k]."""
         k = ids.shape[1]
@@ -94,7 +155,10 @@ class Experts(nn.Module):
         tokens = by_expert // k
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         rows = x.index_select(0, tokens)
-        out = self._on_kernel(counts, rows) if self.stacked else self._on_linears(counts, rows)
+        if self.experts is not None:
+            out = self._on_linears(counts, rows)
+        else:
+            out = self._on_quantized(counts, rows) if self.quantized else self._on_kernel(counts, rows)
         out.mul_(weights.reshape(-1, 1).index_select(0, by_expert).to(x.dtype))
         # Rows are in ascending expert id, and index_add_ adds them in row order: each token's
         # sum runs over its experts in that fixed order.
@@ -104,15 +168,18 @@ class Experts(nn.Module):
     def _on_kernel(self, counts: list[int], rows: torch.Tensor) -> torch.Tensor:
         """Both projections as one kernel call each, over rows grouped by expert (no padding:
         the kernel's rows never depend on their group)."""
-        groups, first = [], 0
-        for e, n in enumerate(counts):
-            if n:
-                groups.append((e, first, n))
-                first += n
-        groups_t = torch.tensor(groups, dtype=torch.int64)
+        groups = _groups(counts)
         gate_up, down = self.stacked
-        hidden = self.activation(grouped_gemm(self.kernel, rows, gate_up, groups_t))
-        return grouped_gemm(self.kernel, hidden, down, groups_t)
+        hidden = self.activation(grouped_gemm(self.kernel, rows, gate_up, groups))
+        return grouped_gemm(self.kernel, hidden, down, groups)
+
+    def _on_quantized(self, counts: list[int], rows: torch.Tensor) -> torch.Tensor:
+        """As `_on_kernel`, on the quantized weights."""
+        groups = _groups(counts)
+        expert_of_row = torch.repeat_interleave(groups[:, 0], groups[:, 2])
+        q = self.quantized
+        gate_up = _quantized_projection(rows, q.gate_up, q.gate_up_bias, groups, expert_of_row)
+        return _quantized_projection(self.activation(gate_up), q.down, q.down_bias, groups, expert_of_row)
 
     def _on_linears(self, counts: list[int], rows: torch.Tensor) -> torch.Tensor:
         """Each active expert's Linears over its rows (each Linear keeps its own row rule)."""
@@ -129,6 +196,26 @@ class Experts(nn.Module):
             start += n
         return torch.cat(outs)
 
+
+def _groups(counts: list[int]) -> torch.Tensor:
+    """The grouped kernels' groups [G, 3] int64 (expert, first row, row count) of the active
+    experts, rows in ascending expert id."""
+    groups, first = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            groups.append((e, first, n))
+            first += n
+    return torch.tensor(groups, dtype=torch.int64)
+
+
+def _quantized_projection(rows: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
+                          groups: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
+    """float32 sums (rows widened exactly), plus each row's expert bias, rounded once to the
+    rows' dtype."""
+    y = grouped_quant_gemm(rows.float(), weight, groups)
+    if bias is not None:
+        y += bias.index_select(0, expert_of_row)
+    return y.to(rows.dtype)
 
 
 class SparseMoeBlock(Experts):
@@ -158,7 +245,7 @@ def stack_experts(model: nn.Module) -> None:
     """Put every CPU Experts of `model` on the grouped kernel, where it runs here and a row's
     bits come out the same at every row count on the experts' own shapes (checked, as the
     dense layers' are; otherwise they stay on packed Linears)."""
-    layers = [m for m in model.modules() if isinstance(m, Experts)]
+    layers = [m for m in model.modules() if isinstance(m, Experts) and m.experts is not None]
     weight = layers[0].experts[0].down_proj.weight if layers else None
     if weight is None or weight.dtype not in KERNELS or weight.device.type != "cpu":
         return
@@ -174,6 +261,22 @@ def stack_experts(model: nn.Module) -> None:
             return
     for layer in layers:
         layer.stack(kernel)
+
+
+def widen_unsupported_experts(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Dequantize, to `dtype` on `device`, the quantized experts no kernel here reads (a device
+    other than the CPU, or a format without a kernel on this CPU), with one log line saying so."""
+    widened = set()
+    for layer in model.modules():
+        if isinstance(layer, Experts) and layer.quantized is not None:
+            qtypes = {layer.quantized.gate_up.qtype, layer.quantized.down.qtype}
+            if device.type != "cpu" or not all(supported(t) for t in qtypes):
+                widened |= qtypes
+                layer.widen(dtype, device)
+    if widened:
+        where = f"on {device.type}" if device.type != "cpu" else "for this CPU"
+        log.info("%s experts dequantized to %s at load: no quantized kernel %s",
+                 "/".join(sorted(t.name for t in widened)), str(dtype).removeprefix("torch."), where)
 
 
 def split_stacked_experts(state: dict[str, torch.Tensor], name: str, transpose: bool = False,

@@ -14,6 +14,8 @@ Megatron's split, each rank keeping:
 - MoE layers: every expert split as gate/up and down are (sharded experts, not expert
   parallelism), the router whole on every rank, so all ranks route alike; the ranks' partial
   outputs are summed once, after the experts' weighted sum, expert down biases on rank 0 only.
+  Experts stored in blocks along the intermediate size (gpt-oss's MXFP4: the family's
+  `experts_block`) are split along whole blocks, as evenly as the block count allows.
   gpt-oss's attention sinks follow their query heads.
 - the embedding vocabulary-parallel (an id outside a rank's rows looks up zeros, then the sum);
   the LM head vocabulary-parallel, its logit rows gathered on every rank, so that the sampler,
@@ -32,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from freetoken.models.kernels.mxfp4 import BLOCK as MXFP4_BLOCK
 from freetoken.models.layers.linear import Linear
 from freetoken.models.layers.moe import Experts
 
@@ -39,6 +42,14 @@ from freetoken.models.layers.moe import Experts
 def even_part(n: int, rank: int, world: int) -> range:
     """`rank`'s part of n items cut into `world` contiguous parts that differ by one at most."""
     return range(rank * n // world, (rank + 1) * n // world)
+
+
+def block_part(n: int, rank: int, world: int, block: int) -> range:
+    """`rank`'s part of n items in whole blocks of `block`, or `even_part` where n is not whole
+    blocks or there are fewer blocks than ranks."""
+    if block == 1 or n % block or n // block < world:
+        return even_part(n, rank, world)
+    return _scaled(even_part(n // block, rank, world), block)
 
 
 def head_split(heads: int, kv_heads: int, rank: int, world: int) -> tuple[range, range]:
@@ -119,24 +130,24 @@ def shard_model(model: nn.Module, group) -> RankPart:
             attn.sinks = nn.Parameter(torch.empty(len(q), device="meta"))
         if isinstance(mlp, Experts):
             for expert in mlp.experts:
-                _shard_feed_forward(expert, group, summed=False)
+                _shard_feed_forward(expert, group, summed=False, block=model.experts_block)
             mlp.sum_over_ranks = group.sum  # once, after the experts' weighted sum
         else:
             _shard_feed_forward(mlp, group, summed=True)
     vocab_rows, vocab_part = _shard_vocabulary(model, group)
     return RankPart(rank, world, q, kv, d, vocab_rows, vocab_part,
-                    experts_in_out=model.experts_in_out)
+                    experts_in_out=model.experts_in_out, experts_block=model.experts_block)
 
 
-def _shard_feed_forward(block: nn.Module, group, summed: bool) -> None:
-    """`group.rank`'s part of the intermediate size: the same rows of the gate and up halves of
-    `gate_up_proj` ([gate | up]), those columns of `down_proj`, summed over the ranks if
-    `summed`; the down bias on rank 0 only."""
-    hidden, size = block.down_proj.out_features, block.down_proj.in_features
-    part = len(even_part(size, group.rank, group.world))
-    block.gate_up_proj = _meta_linear(hidden, 2 * part, block.gate_up_proj.bias is not None)
-    bias = block.down_proj.bias is not None and group.rank == 0
-    block.down_proj = (RowParallelLinear(part, hidden, bias, group) if summed
+def _shard_feed_forward(layer: nn.Module, group, summed: bool, block: int = 1) -> None:
+    """`group.rank`'s part of the intermediate size (whole blocks of `block`): the same rows of
+    the gate and up halves of `gate_up_proj` ([gate | up]), those columns of `down_proj`,
+    summed over the ranks if `summed`; the down bias on rank 0 only."""
+    hidden, size = layer.down_proj.out_features, layer.down_proj.in_features
+    part = len(block_part(size, group.rank, group.world, block))
+    layer.gate_up_proj = _meta_linear(hidden, 2 * part, layer.gate_up_proj.bias is not None)
+    bias = layer.down_proj.bias is not None and group.rank == 0
+    layer.down_proj = (RowParallelLinear(part, hidden, bias, group) if summed
                        else _meta_linear(part, hidden, bias))
 
 
@@ -149,9 +160,6 @@ def _shard_vocabulary(model: nn.Module, group) -> tuple[range, int]:
     model.model.embed_tokens = VocabParallelEmbedding(embedding, rows, group)
     model.lm_head = VocabParallelHead(head, vocab, group)
     return rows, per_rank
-
-
-MXFP4_BLOCK = 32  # weights per scale of an MXFP4 tensor (models/kernels/mxfp4.py)
 
 
 @dataclass(frozen=True)
@@ -169,6 +177,7 @@ class RankPart:
     # Stacked experts ([E, ...]) come [E, out, in] with gate then up (Qwen), or [E, in, out] with
     # gate and up interleaved (gpt-oss, whose MXFP4 blocks are [E, out, in / 32, 16]).
     experts_in_out: bool = False
+    experts_block: int = 1  # stacked experts' intermediate size is split in whole blocks of this
 
     def __call__(self, name: str, stored) -> torch.Tensor | None:
         """The piece of tensor `name` this rank keeps, read from `stored` (a
@@ -205,24 +214,27 @@ class RankPart:
         if leaf.startswith("gate_up_proj"):
             if self.experts_in_out:  # interleaved: a part's gate and up columns are adjacent
                 dim = 2 if leaf == "gate_up_proj" else 1
-                part = self._part(shape[dim] // 2)
+                part = self._expert_part(shape[dim] // 2)
                 return stored.read(dim, [range(2 * part.start, 2 * part.stop)])
             half = shape[1] // 2
-            part = self._part(half)
+            part = self._expert_part(half)
             return stored.read(1, [part, range(half + part.start, half + part.stop)])
         if leaf in ("down_proj_blocks", "down_proj_scales"):
-            part = self._part(shape[2] * MXFP4_BLOCK)
+            part = self._expert_part(shape[2] * MXFP4_BLOCK)
             if part.start % MXFP4_BLOCK or part.stop % MXFP4_BLOCK:
                 raise ValueError(f"{self.world} ranks split an MXFP4 intermediate size of "
                                  f"{shape[2] * MXFP4_BLOCK} within a block of {MXFP4_BLOCK}")
             return stored.read(2, [range(part.start // MXFP4_BLOCK, part.stop // MXFP4_BLOCK)])
         if leaf == "down_proj":
             dim = 1 if self.experts_in_out else 2
-            return stored.read(dim, [self._part(shape[dim])])
+            return stored.read(dim, [self._expert_part(shape[dim])])
         return stored.read()
 
     def _part(self, size: int) -> range:
         return even_part(size, self.rank, self.world)
+
+    def _expert_part(self, size: int) -> range:
+        return block_part(size, self.rank, self.world, self.experts_block)
 
     def _rank0(self, stored) -> torch.Tensor | None:
         return stored.read() if self.rank == 0 else None
