@@ -17,9 +17,9 @@ from tests.fixtures import build_models as bm
 from tests.model_fixtures import assert_matches_reference, assert_same_run, greedy_run
 
 FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
-# Every format in both: llama with q/k permuted and a tied Q8_0 embedding (as the default model),
-# a Q5_0 layer and an F16 norm; qwen3 with q/k norms and an untied head.
-MODELS = {"llama": FORMATS, "qwen3": FORMATS[::-1]}
+# Every format in each: llama with q/k permuted and a tied Q8_0 embedding (as the default model),
+# a Q5_0 layer and an F16 norm; qwen3 with q/k norms, qwen2 with q/k/v biases, untied heads.
+MODELS = {"llama": FORMATS, "qwen3": FORMATS[::-1], "qwen2": FORMATS[2:] + FORMATS[:2]}
 PROMPTS = {0: [5, 6, 7, 8, 9, 10, 11], 1: [100, 200, 300]}
 
 
