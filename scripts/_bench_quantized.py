@@ -52,7 +52,8 @@ def quantized_table(ours_class, batches: list[int], prefill_len: int, new_tokens
 
 def llama_cpp_rows(prefill_len: int, new_tokens: int, args) -> list[list]:
     if importlib.util.find_spec("llama_cpp") is None:
-        bc.note(bc.LLAMA_CPP_MISSING.replace("server", "(llama-cpp-python)"))
+        bc.note("llama.cpp: llama-cpp-python is not installed (pip install llama-cpp-python builds it "
+                "from source, ~5 min)")
         return []
     import llama_cpp
 

@@ -119,7 +119,7 @@ def write_model(path: Path, layers: int) -> None:
         # Small finite fp16 scales: d (and Q4_K's dmin) at the block's start, Q6_K's d at its end.
         fields = [0, 2] if kind == q4k else [size - 2]
         for offset in fields:
-            data[:, :, offset:offset + 2] = np.float16(1e-4).view(np.uint8)
+            data[:, :, offset:offset + 2] = np.array([1e-4], dtype=np.float16).view(np.uint8)
         writer.write_tensor_data(data.reshape(rows, -1))
     writer.close()
 
