@@ -11,7 +11,8 @@ one 8-token forward, which reads every weight) and float32 (refused by the memor
 the dequantised weights do not fit, both sizes named).
 
     python scripts/bench_gguf_load.py               # ~4.6 GB file
-    python scripts/bench_gguf_load.py --layers 8    # a smaller one
+    python scripts/bench_gguf_load.py --layers 8 --weights quantized   # a smaller one
+    python scripts/bench_gguf_load.py --no-forward  # the load alone
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ except ModelNotFound as exc:
     sys.exit()
 out = {"load_s": time.perf_counter() - t0, "after_load": status(),
        "weight_gb": sum(loaded.model.weight_bytes.values()) / 2**30}
+if sys.argv[3] == "0":
+    print(json.dumps(out))
+    sys.exit()
 from freetoken.scheduler.factory import build_scheduler
 from freetoken.core import SamplingParams
 from freetoken.message import UserMsg
@@ -127,6 +131,8 @@ def write_model(path: Path, layers: int) -> None:
 def main() -> None:
     p = bc.base_parser(__doc__.split("\n")[0], repeats=False)
     p.add_argument("--layers", type=int, default=36, help="decoder layers (Qwen3-8B: 36)")
+    p.add_argument("--weights", default="quantized,float32", help="FREETOKEN_GGUF_WEIGHTS values to load")
+    p.add_argument("--no-forward", action="store_true", help="measure the load only")
     args = p.parse_args()
     bc.setup(args)
     from freetoken.paths import cache_root
@@ -142,9 +148,9 @@ def main() -> None:
         print(f"# wrote {path} in {time.perf_counter() - t0:.0f} s")
     size_gb = path.stat().st_size / 2**30
     rows = []
-    for weights in ("quantized", "float32"):
-        done = subprocess.run([sys.executable, "-c", MEASURE, str(path), weights], capture_output=True,
-                              text=True)
+    for weights in args.weights.split(","):
+        done = subprocess.run([sys.executable, "-c", MEASURE, str(path), weights,
+                               "0" if args.no_forward else "1"], capture_output=True, text=True)
         if done.returncode != 0:
             print(done.stderr[-2000:])
             continue
@@ -152,9 +158,10 @@ def main() -> None:
         if "refused" in result:
             bc.note(f"{weights}: refused: {result['refused']}")
             continue
+        last = result.get("after_forward", result["after_load"])
         rows.append([weights, size_gb, result["weight_gb"], result["load_s"],
-                     result["after_load"]["VmRSS"], result["forward_s"],
-                     result["after_forward"]["VmRSS"], result["after_forward"]["VmHWM"]])
+                     result["after_load"]["VmRSS"], result.get("forward_s"),
+                     result.get("after_forward", {}).get("VmRSS"), last["VmHWM"]])
     bc.print_table(f"Loading {path.name} (GB; seconds)",
                    ["weights", "file", "weights held", "load s", "RSS after load", "8-token forward s",
                     "RSS after forward", "peak RSS"], rows)
