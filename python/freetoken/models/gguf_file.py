@@ -1,9 +1,9 @@
 """A GGUF file read as it is stored: its config and tokenizer (parsed by transformers, cached as
 a folder without weights) and its tensors under our HF names, from the memory-mapped file.
 
-Tensors in a block format models/kernels/quant.py runs on this CPU stay as the file stores them
-(a QuantizedWeight whose data is a view on the map: no copy; pages are read as the matmuls touch
-them). F32/F16/BF16 tensors come out as tensors; other block formats are dequantized at load,
+Asked for quantized weights, tensors in a block format models/kernels/quant.py runs on this CPU
+stay as the file stores them (a QuantizedWeight whose data is a view on the map: no copy; pages
+are read as the matmuls touch them); else they are dequantized at load. F32/F16/BF16 tensors come out as tensors; other block formats are dequantized at load,
 with one log line. llama.cpp's converter permutes a llama's q/k rows (rotary pairs
 interleaved); the permutation is over whole output rows, so it is undone by gathering rows,
 quantized or not (a copy of those two tensors only). Only the dense Llama-family decoders

