@@ -92,10 +92,12 @@ def parse_dtypes(value: str) -> list[str]:
 
 
 def model_folder() -> Path:
-    """The HF folder our loader reads for the default model (the converted GGUF)."""
+    """An HF folder of the default model's weights as transformers reads them (the GGUF's
+    float32 conversion: the blocks dequantized, as our loader reads them by default)."""
+    from freetoken.models.loader import weights_folder
     from freetoken.models.registry import model_folder as folder_of
 
-    return folder_of(None)[0]
+    return weights_folder(folder_of(None)[0])
 
 
 def default_gguf() -> Path:

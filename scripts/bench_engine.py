@@ -28,6 +28,9 @@ rule, then the prefix cache's gain on the scoring B scenario (a shared 400-token
 items of 24 tokens, max_tokens 1, the cache warmed with one item) against no cache.
 `--tables speculative` (not in the default run): decode with prompt-lookup speculation against
 plain decoding, on a copy-heavy workload and on free generation (scripts/_bench_speculative.py).
+`--tables quantized` (not in the default run): the default GGUF's blocks kept quantized against
+our float32 run on them dequantized, and llama.cpp where installed, with memory
+(scripts/_bench_quantized.py); scripts/bench_gguf_load.py measures loading a real-size GGUF.
 
     python scripts/bench_engine.py                 # float32, about 2-3 minutes on 2 cores
     python scripts/bench_engine.py --quick
@@ -38,6 +41,7 @@ plain decoding, on a copy-heavy workload and on free generation (scripts/_bench_
     python scripts/bench_engine.py --tables moe    # the MoE table alone, float32 and bfloat16
     python scripts/bench_engine.py --profile       # also: where a decode step's time goes
     python scripts/bench_engine.py --tables speculative   # about 2 minutes on 2 cores
+    python scripts/bench_engine.py --tables quantized --quick
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench_common as bc  # noqa: E402
+from _bench_quantized import quantized_table  # noqa: E402
 from _bench_speculative import speculative_table  # noqa: E402
 
 from freetoken.config import EngineConfig, ParallelConfig  # noqa: E402
@@ -87,6 +92,14 @@ class Ours:
             for ready, _ in self.ranks:
                 assert ready.recv() == "ok"
         self.uid = 0
+
+    @classmethod
+    def on(cls, loaded, kv_slots: int) -> Ours:
+        """Ours on a model already loaded (one process, no tensor parallelism)."""
+        ours = cls.__new__(cls)
+        ours.group, ours.ranks, ours.loaded, ours.uid = None, [], loaded, 0
+        ours.scheduler = build_scheduler(loaded, kv_slots=kv_slots, prefix_cache=False)
+        return ours
 
     def close(self) -> None:
         if self.group:
@@ -186,7 +199,7 @@ def main() -> None:
     p.add_argument("--grammar-batch", type=int, default=32,
                    help="batch of the structured outputs table")
     p.add_argument("--tables", default="engine,logprobs,processors,grammar",
-                   help="tables to print, comma-separated (also: moe, hybrid, speculative)")
+                   help="tables to print, comma-separated (also: moe, hybrid, speculative, quantized)")
     p.add_argument("--speculative-tokens", type=int, default=4,
                    help="draft length of the speculative table")
     p.add_argument("--moe-dtypes", default="float32,bfloat16", help="dtypes of the MoE table")
@@ -205,7 +218,7 @@ def main() -> None:
     if tp > 1 and args.tables == p.get_default("tables"):
         args.tables = "engine,tp"
     tables = set(args.tables.split(","))
-    known = {"engine", "logprobs", "processors", "grammar", "moe", "hybrid", "tp", "speculative"}
+    known = {"engine", "logprobs", "processors", "grammar", "moe", "hybrid", "tp", "speculative", "quantized"}
     assert tables <= known, f"unknown tables: {args.tables}"
     prefill_len = args.prefill_len or (64 if args.quick else 128)
     new_tokens = args.new_tokens or (16 if args.quick else 32)
@@ -217,7 +230,9 @@ def main() -> None:
         hybrid_tables(args, batches)
     if "speculative" in tables:
         speculative_table(load_model(None, dtype=args.dtype, device="cpu"), args)
-    tables -= {"moe", "hybrid", "speculative"}
+    if "quantized" in tables:
+        quantized_table(Ours, batches, prefill_len, new_tokens, args)
+    tables -= {"moe", "hybrid", "speculative", "quantized"}
     if not tables:
         return
 

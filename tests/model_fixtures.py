@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from freetoken.models.layers.linear import CANDIDATES
+from freetoken.models.loader import weights_folder
 from freetoken.models.registry import load_model, model_folder
 from freetoken.paths import cache_root
 
@@ -34,9 +35,10 @@ def loaded_fp32(folder: Path):
 
 @functools.lru_cache(maxsize=2)
 def hf_reference(folder: Path):
+    """transformers in float32 on `folder`'s weights (a GGUF's: dequantized by transformers)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(weights_folder(folder), dtype=torch.float32).eval()
 
 
 @functools.lru_cache(maxsize=None)

@@ -30,7 +30,8 @@ class LLM:
         if config.parallel.tp_size > 1:
             raise ValueError("LLM runs in this process: tensor parallelism is `freetoken serve "
                              "--tensor-parallel-size N`")
-        self.loaded = load_model(config.model_folder, dtype=config.dtype, device=config.device)
+        self.loaded = load_model(config.model_folder, dtype=config.dtype, device=config.device,
+                                 kv_slots=config.kv_slots)
         self.tokenizer = self.loaded.tokenizer
         self.scheduler = build_scheduler(self.loaded, config)
         self._uids = itertools.count()

@@ -32,10 +32,16 @@ def test_bad_paths_are_one_line_errors(tmp_path):
 
 
 @pytest.mark.slow
-def test_gguf_conversion_is_cached():
+def test_gguf_config_and_conversion_are_cached():
+    """The default GGUF's config and tokenizer are cached without weights (they are read from
+    the file); its float32 conversion, which the references read, is cached apart."""
     folder, name = registry.model_folder(None)
-    assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
+    assert (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
+    assert loader.gguf_source(folder) == loader.default_model_path().resolve()
     assert registry.model_folder(loader.default_model_path()) == (folder, name)
+    converted = loader.weights_folder(folder)
+    assert (converted / "model.safetensors").is_file() and (converted / "tokenizer.json").is_file()
+    assert loader.weights_folder(converted) == converted
 
 
 def test_an_unsupported_architecture_is_named_with_the_supported_list(tmp_path):

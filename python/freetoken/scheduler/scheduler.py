@@ -90,12 +90,14 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def stats(self) -> dict[str, int | float | dict[str, str]]:
+    def stats(self) -> dict[str, int | float | dict[str, str] | dict[str, int]]:
         plan = getattr(self.engine.model, "kernel_plan", None)
         return {"running": len(self.running), "waiting": len(self.waiting),
                 # A model without a plan has no linear layers (the scripted test model).
                 "batch_invariant": int(plan is None or plan.invariant),
                 "linear_kernels": plan.kernels if plan is not None else {},
+                # By format: a GGUF's block formats as stored, the other weights by dtype.
+                "weight_bytes": getattr(self.engine.model, "weight_bytes", {}),
                 "kv_free": self.engine.kv.num_free, "kv_total": self.engine.kv.num_slots,
                 "kv_used": self.engine.kv.num_used, "prefix_cache_queries": self.prefix_queries,
                 "prefix_cache_hits": self.prefix_hits, "preemptions": self.preemptions,

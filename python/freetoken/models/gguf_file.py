@@ -1,0 +1,238 @@
+"""A GGUF file read as it is stored: its config and tokenizer (parsed by transformers, cached as
+a folder without weights) and its tensors under our HF names, from the memory-mapped file.
+
+Asked for quantized weights, tensors in a block format models/kernels/quant.py runs on this CPU
+stay as the file stores them (a QuantizedWeight whose data is a view on the map: no copy; pages
+are read as the matmuls touch them); else they are dequantized at load. F32/F16/BF16 tensors come out as tensors; other block formats are dequantized at load,
+with one log line. llama.cpp's converter permutes a llama's q/k rows (rotary pairs
+interleaved); the permutation is over whole output rows, so it is undone by gathering rows,
+quantized or not (a copy of those two tensors only). Only the dense Llama-family decoders
+(models/llama.py) are read here; the others go through transformers' conversion (loader.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import struct
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import quants as gguf_quants
+
+from freetoken.models.kernels.quant import FORMATS, QuantizedWeight, supported
+from freetoken.paths import ModelNotFound
+
+log = logging.getLogger(__name__)
+
+FLOATS = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16,
+          GGMLQuantizationType.BF16: torch.bfloat16}
+TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+LAYER = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+         "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+         "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+         "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
+         "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+
+
+def config_folder(gguf: Path, cache: Path, link: str) -> Path:
+    """`cache`: config.json, the tokenizer's files and a link `link` to `gguf` (no weights),
+    written once; transformers parses the file's metadata (its tensors are not read), once
+    our reader has found every tensor's type and extent sound (a bad file names its tensor)."""
+    if (cache / "config.json").is_file() and (cache / link).exists():
+        return cache
+    open_gguf(gguf)
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config["model_type"], "?")]
+    tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    (tmp / link).symlink_to(gguf.resolve())
+    try:
+        tmp.replace(cache)  # atomic: a half-written folder is never picked up
+    except OSError:  # another process finished first
+        if not (cache / "config.json").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+    return cache
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; None for a name that has
+    no place in a Llama-family decoder."""
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in LAYER:
+        return f"model.layers.{parts[1]}.{LAYER[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in TOP:
+        return f"{TOP[parts[0]]}.{parts[1]}"
+    return None
+
+
+def expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    """Each HF tensor of a models/llama.py ModelConfig `cfg`, by name: its shape."""
+    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+             "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+             "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+             "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
+             "mlp.down_proj.weight": (h, inter)}
+    if cfg.attention_bias:
+        layer |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
+    if cfg.o_proj_bias:
+        layer["self_attn.o_proj.bias"] = (h,)
+    if cfg.qk_norm:
+        layer |= {"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
+    for i in range(cfg.num_layers):
+        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
+    return shapes
+
+
+class _CheckedReader(GGUFReader):
+    """GGUFReader, each tensor's type and extent checked first, so that a bad file names the
+    tensor (the reader's own errors do not); metadata arrays are stepped over, not read (the
+    reader parses each of a vocabulary's strings as a numpy view: 20 s for 150k of them)."""
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int):
+        if raw_type != GGUFValueType.ARRAY or self.byte_order != "I":
+            return super()._get_field_parts(orig_offs, raw_type)
+        view = memoryview(self.data)
+        item, count = struct.unpack_from("<IQ", view, orig_offs)
+        offs = orig_offs + 12
+        if item == GGUFValueType.STRING:
+            for _ in range(count):
+                offs += 8 + struct.unpack_from("<Q", view, offs)[0]
+        elif item in self.gguf_scalar_to_np:
+            offs += count * np.dtype(self.gguf_scalar_to_np[GGUFValueType(item)]).itemsize
+        else:  # nested arrays
+            return super()._get_field_parts(orig_offs, raw_type)
+        return offs - orig_offs, [], [], [GGUFValueType.ARRAY, GGUFValueType(item)]
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        for field in fields:
+            _, name, _, dims, raw_type, offset = field.parts
+            name = bytes(name).decode(errors="replace")
+            try:
+                qtype = GGMLQuantizationType(int(raw_type[0]))
+            except ValueError:
+                raise ModelNotFound(f"tensor {name} has an unknown tensor type {int(raw_type[0])}") from None
+            block, size = GGML_QUANT_SIZES[qtype]
+            end = start_offs + int(offset[0]) + math.prod(dims.tolist()) // block * size
+            if end > len(self.data):
+                raise ModelNotFound(f"the file ends inside tensor {name} (truncated: {len(self.data)} "
+                                    f"bytes, the tensor ends at {end})")
+        super()._build_tensors(start_offs, fields)
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    try:
+        return _CheckedReader(path)
+    except ModelNotFound as exc:
+        raise ModelNotFound(f"{path.name}: {exc}") from None
+    except (ValueError, KeyError, OSError) as exc:
+        raise ModelNotFound(f"{path.name}: not a readable GGUF file ({exc})") from None
+
+
+def kept_as_stored(qtype: GGMLQuantizationType, quantized: bool) -> bool:
+    """Is a tensor of `qtype` kept as stored (`quantized`: block formats are kept where a kernel
+    runs them)?"""
+    return quantized and qtype in FORMATS and supported(qtype)
+
+
+def planned_bytes(reader: GGUFReader, dtype: torch.dtype, quantized: bool) -> dict[str, int]:
+    """The bytes each tensor format will hold once loaded (by format name): kept blocks as
+    stored, the others widened to `dtype`."""
+    sizes: dict[str, int] = {}
+    for t in reader.tensors:
+        kept = kept_as_stored(t.tensor_type, quantized)
+        key = t.tensor_type.name if kept else str(dtype).removeprefix("torch.")
+        sizes[key] = sizes.get(key, 0) + (int(t.n_bytes) if kept else int(t.n_elements) * dtype.itemsize)
+    return sizes
+
+
+def read_tensors(path: Path, reader: GGUFReader, cfg, permuted: bool,
+                 quantized: bool) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """The file's tensors by HF name, each checked against `cfg`'s shapes (a ModelNotFound
+    naming the first that does not fit, or is missing); `permuted`: a llama's q/k rows are in
+    llama.cpp's order; `quantized`: block formats kept as stored where a kernel runs them,
+    else all dequantized (float32, as transformers' conversion gives them)."""
+    expected = expected_shapes(cfg)
+    state: dict[str, torch.Tensor | QuantizedWeight] = {}
+    widened: dict[str, list[str]] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        shape = tuple(reversed([int(n) for n in t.shape]))
+        if name is None or name not in expected:
+            raise ModelNotFound(f"{path.name}: tensor {t.name} has no place in this model")
+        if shape != expected[name]:
+            raise ModelNotFound(f"{path.name}: tensor {t.name} is {list(shape)}, the config says "
+                                f"{list(expected[name])}")
+        rows = _unpermute(name, cfg, shape[0]) if permuted else None
+        if t.tensor_type in FLOATS:
+            state[name] = _float(t, rows)
+        elif kept_as_stored(t.tensor_type, quantized):
+            data = _view(t.data) if rows is None else torch.from_numpy(t.data[rows])
+            state[name] = QuantizedWeight(t.tensor_type, data, shape)
+        else:
+            why = ("quantized weights not asked for" if not quantized
+                   else "no kernel for it on this CPU" if t.tensor_type in FORMATS
+                   else "a format kept quantized only as " + ", ".join(f.name for f in FORMATS))
+            widened.setdefault(f"{t.tensor_type.name} ({why})", []).append(t.name)
+            try:
+                values = gguf_quants.dequantize(t.data, t.tensor_type)
+            except NotImplementedError:
+                raise ModelNotFound(f"{path.name}: tensor {t.name}: the gguf package cannot read "
+                                    f"type {t.tensor_type.name}") from None
+            state[name] = torch.from_numpy(values if rows is None else values[rows]).reshape(shape)
+    if missing := sorted(set(expected) - set(state)):
+        raise ModelNotFound(f"{path.name}: no tensor for {len(missing)} weights ({', '.join(missing[:3])}"
+                            f"{', ...' if len(missing) > 3 else ''})")
+    for kind, names in widened.items():
+        log.info("%s: dequantized at load, %s: %d tensors (%s%s)", path.name, kind, len(names),
+                 ", ".join(names[:3]), ", ..." if len(names) > 3 else "")
+    return state
+
+
+def _float(t, rows: np.ndarray | None) -> torch.Tensor:
+    """A float tensor, copied off the map (it is cast to the model's dtype next)."""
+    data = np.asarray(t.data)
+    if t.tensor_type == GGMLQuantizationType.BF16:  # the reader leaves it as bytes
+        tensor = torch.from_numpy(np.array(data)).view(torch.bfloat16)
+    else:
+        tensor = torch.from_numpy(np.array(data))
+    return tensor if rows is None else tensor[torch.from_numpy(rows)]
+
+
+def _view(array: np.ndarray) -> torch.Tensor:
+    """A tensor on the read-only map, without a copy (nothing writes to a weight)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array)
+
+
+def _unpermute(name: str, cfg, n: int) -> np.ndarray | None:
+    """The row order that undoes llama.cpp's q/k permutation (transformers'
+    LlamaTensorProcessor), or None for a tensor it leaves alone: within each head, the rows
+    come as (pair, half) and go back to (half, pair)."""
+    if ".q_proj." in name:
+        heads = cfg.num_heads
+    elif ".k_proj." in name:
+        heads = cfg.num_kv_heads
+    else:
+        return None
+    return np.arange(n).reshape(heads, n // heads // 2, 2).swapaxes(1, 2).reshape(-1)

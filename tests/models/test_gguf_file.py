@@ -1,0 +1,158 @@
+"""GGUF files read as stored: block formats kept quantized against transformers' float32 run on
+the same file dequantized, batch-invariance, weight bytes, memory refusal and bad files."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import struct
+
+import pytest
+import torch
+
+from freetoken.models import loader, registry
+from freetoken.models.layers.quantized import QuantizedEmbedding, QuantizedLinear
+from freetoken.paths import ModelNotFound
+from tests.fixtures import build_models as bm
+from tests.model_fixtures import assert_matches_reference, assert_same_run, greedy_run
+
+FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+# Every format in each: llama with q/k permuted and a tied Q8_0 embedding (as the default model),
+# a Q5_0 layer and an F16 norm; qwen3 with q/k norms, qwen2 with q/k/v biases, untied heads.
+MODELS = {"llama": FORMATS, "qwen3": FORMATS[::-1], "qwen2": FORMATS[2:] + FORMATS[:2]}
+PROMPTS = {0: [5, 6, 7, 8, 9, 10, 11], 1: [100, 200, 300]}
+
+
+@pytest.fixture(scope="module")
+def built():
+    return {arch: bm.cached(f"tiny-quantized-{arch}", bm.build_quantized_gguf, formats, arch)
+            for arch, formats in MODELS.items()}
+
+
+@pytest.fixture(scope="module")
+def loaded(built):
+    return {arch: registry.load_model(path / "model.gguf", dtype="float32", device="cpu",
+                                      gguf_weights="quantized")
+            for arch, path in built.items()}
+
+
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_block_formats_stay_quantized_and_match_transformers(arch, built, loaded):
+    from gguf import GGUFReader
+
+    from freetoken.scheduler.factory import build_scheduler
+
+    model = loaded[arch]
+    assert isinstance(model.model.model.embed_tokens, QuantizedEmbedding)
+    assert isinstance(model.model.lm_head, QuantizedLinear)
+    qkv = model.model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, QuantizedLinear) and len({p.qtype for p in qkv.parts}) == 3
+    # Bytes by format as the file stores them (the F16 norm and Q5_0 layer widened to float32).
+    stored: dict[str, int] = {}
+    for t in GGUFReader(built[arch] / "model.gguf").tensors:
+        kept = t.tensor_type.name in FORMATS
+        key = t.tensor_type.name if kept else "float32"
+        stored[key] = stored.get(key, 0) + (int(t.n_bytes) if kept else int(t.n_elements) * 4)
+    assert model.model.weight_bytes == stored
+    scheduler = build_scheduler(model, kv_slots=256, prefix_cache=False)
+    assert scheduler.stats()["weight_bytes"] == stored
+    together, _ = greedy_run(scheduler, PROMPTS, steps=6)
+    for uid, ids in PROMPTS.items():
+        assert_matches_reference(model.folder, ids, together[uid])
+
+
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_batched_rows_equal_rows_alone_bit_for_bit(arch, loaded):
+    from freetoken.scheduler.factory import build_scheduler
+
+    model = loaded[arch]
+    if not model.model.kernel_plan.invariant:
+        pytest.skip(f"quant_linear's rows are not alike at every row count here: "
+                    f"{model.model.kernel_plan.kernels}")
+    together, _ = greedy_run(build_scheduler(model, kv_slots=256, prefix_cache=False), PROMPTS, steps=6)
+    for uid, ids in PROMPTS.items():
+        alone, _ = greedy_run(build_scheduler(model, kv_slots=256, prefix_cache=False), {uid: ids}, steps=6)
+        assert_same_run(together[uid], alone[uid], tol=0.0)
+
+
+def test_a_model_that_does_not_fit_is_refused_before_loading(built, monkeypatch):
+    monkeypatch.setattr(loader, "available_memory", lambda: 1 << 20)
+    monkeypatch.setattr("freetoken.models.gguf_file.read_tensors", _never)
+    with pytest.raises(ModelNotFound, match=r"needs 0\.00 GiB of weights \+ 0\.50 GiB of KV pool, "
+                                            r"but 0\.00 GiB of memory is available"):
+        # 2 layers x 2 KV heads x 64 x (K and V) x 4 bytes = 2 KiB per slot
+        registry.load_model(built["llama"] / "model.gguf", dtype="float32", device="cpu", kv_slots=1 << 18,
+                            gguf_weights="quantized")
+
+
+def _never(*args, **kwargs):
+    raise AssertionError("weights read although the memory check refused the model")
+
+
+def _tensor_info_offset(data: bytes, name: str) -> int:
+    """Offset of a tensor's type field in a GGUF's tensor infos (name, n_dims, dims, type)."""
+    at = data.index(name.encode()) + len(name)
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    return at + 4 + 8 * n_dims
+
+
+def _bad_copy(built, tmp_path, edit) -> object:
+    path = tmp_path / "bad.gguf"
+    data = bytearray((built["llama"] / "model.gguf").read_bytes())
+    path.write_bytes(edit(data))
+    return path
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d[: len(d) - 100], r"the file ends inside tensor output_norm\.weight \(truncated"),
+    (lambda d: d[:_tensor_info_offset(d, "blk.0.attn_k.weight")] + struct.pack("<I", 99)
+     + d[_tensor_info_offset(d, "blk.0.attn_k.weight") + 4:], r"tensor blk\.0\.attn_k\.weight has an unknown tensor type 99"),
+])
+def test_a_bad_file_is_one_error_naming_the_tensor_with_nothing_cached(built, tmp_path, edit, message):
+    path = _bad_copy(built, tmp_path, edit)
+    with pytest.raises(ModelNotFound, match=f"bad.gguf: {message}") as err:
+        registry.load_model(path, device="cpu")
+    assert err.value.__cause__ is None and err.value.__suppress_context__
+    assert not loader._cache_folder(path, "config").exists() and not loader._cache_folder(path).exists()
+
+
+def test_a_tensor_that_does_not_fit_the_config_is_named(built, tmp_path):
+    folder = registry.model_folder(built["llama"] / "model.gguf")[0]
+    changed = tmp_path / "config"
+    shutil.copytree(folder, changed, symlinks=True)
+    config = (changed / "config.json").read_text().replace('"intermediate_size": 512', '"intermediate_size": 384')
+    (changed / "config.json").write_text(config)
+    with pytest.raises(ModelNotFound, match=r"tensor blk\.0\.ffn_gate\.weight is \[512, 256\], "
+                                            r"the config says \[384, 256\]"):
+        registry.load_model(changed, device="cpu")
+
+
+def test_a_gguf_caches_its_config_and_tokenizer_only(built):
+    folder, name = registry.model_folder(built["qwen3"] / "model.gguf")
+    assert name == "model" and (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
+    assert not list(folder.glob("*.safetensors"))
+    assert loader.gguf_source(folder) == (built["qwen3"] / "model.gguf").resolve()
+    assert registry.model_folder(folder) == (folder, name)
+
+
+def test_tensor_parallel_and_moe_read_the_float32_conversion(caplog):
+    caplog.set_level(logging.INFO)
+    assert not registry._reads_gguf("Qwen3ForCausalLM", group=object())
+    assert not registry._reads_gguf("Qwen3MoeForCausalLM", group=None)
+    assert registry._reads_gguf("Qwen3ForCausalLM", group=None)
+    assert "tensor parallelism" in caplog.text and "transformers' conversion" in caplog.text
+
+
+def test_float32_weights_are_the_dequantized_blocks(built, loaded):
+    """FREETOKEN_GGUF_WEIGHTS=float32: plain layers on the blocks dequantized at load, the same
+    products as the quantized layers (which dequantize the same blocks) up to summation order."""
+    widened = registry.load_model(built["qwen3"] / "model.gguf", dtype="float32", device="cpu",
+                                  gguf_weights="float32")
+    assert set(widened.model.weight_bytes) == {"float32"}
+    for name in ("model.layers.0.self_attn.qkv_proj", "model.layers.1.mlp.down_proj", "lm_head"):
+        plain, kept = widened.model.get_submodule(name), loaded["qwen3"].model.get_submodule(name)
+        assert not isinstance(plain, QuantizedLinear) and isinstance(kept, QuantizedLinear)
+        x = torch.randn(5, kept.in_features, generator=torch.Generator().manual_seed(0))
+        torch.testing.assert_close(plain(x), kept(x), rtol=0, atol=1e-5)
+    with pytest.raises(ModelNotFound, match="FREETOKEN_GGUF_WEIGHTS=int3: not one of float32, quantized"):
+        registry.load_model(built["qwen3"] / "model.gguf", device="cpu", gguf_weights="int3")
