@@ -154,5 +154,5 @@ def test_float32_weights_are_the_dequantized_blocks(built, loaded):
         assert not isinstance(plain, QuantizedLinear) and isinstance(kept, QuantizedLinear)
         x = torch.randn(5, kept.in_features, generator=torch.Generator().manual_seed(0))
         torch.testing.assert_close(plain(x), kept(x), rtol=0, atol=1e-5)
-    with pytest.raises(ModelNotFound, match="FREETOKEN_GGUF_WEIGHTS=int3: not one of float32, quantized"):
+    with pytest.raises(ModelNotFound, match="FREETOKEN_GGUF_WEIGHTS=int3: not one of quantized, float32"):
         registry.load_model(built["qwen3"] / "model.gguf", device="cpu", gguf_weights="int3")
