@@ -61,12 +61,14 @@ def _expert_weight(experts, projection: str, e: int) -> torch.Tensor:
     """Expert e's [out, in] weight as loaded, from the grouped kernel's strips or, where the
     experts run on packed Linears (which free the plain weight), through a unit input."""
     if experts.stacked is not None:
-        packed = experts.stacked[0 if projection == "gate_up" else 1]
-        strips = packed.weight[e].transpose(0, 1).reshape(packed.in_features, -1)
-        return strips[:, : packed.out_features].T
+        gate_up, down_parts = experts.stacked  # the down projection in parts of its input
+        parts = [gate_up] if projection == "gate_up" else down_parts
+        strips = torch.cat([p.weight[e].transpose(0, 1).reshape(p.in_features, -1) for p in parts])
+        return strips[:, : parts[0].out_features].T
     layer = getattr(experts.experts[e], f"{projection}_proj")
+    layers = getattr(layer, "parts", [layer])  # parts.RowParts: the bias is its first part's
     with torch.inference_mode():
-        return (layer(torch.eye(layer.in_features)) - layer.bias).T
+        return (layer(torch.eye(sum(p.in_features for p in layers))) - layers[0].bias).T
 
 
 def test_mxfp4_experts_load_as_transformers_dequantises_them(tiny_gpt_oss_path, tmp_path):

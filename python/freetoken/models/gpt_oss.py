@@ -18,6 +18,7 @@ from torch import nn
 
 from freetoken.models.kernels.mxfp4 import dequantize_mxfp4
 from freetoken.models.layers.attention import Attention
+from freetoken.models.layers.elementwise import lanewise
 from freetoken.models.layers.linear import Linear
 from freetoken.models.layers.moe import Experts, split_stacked_experts
 from freetoken.models.llama import LlamaForCausalLM, ModelConfig, fuse_hf_weights
@@ -44,7 +45,7 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
     half = gate_up.shape[-1] // 2
     gate = gate_up[:, :half].clamp(max=limit)
     up = gate_up[:, half:].clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    return (up + 1) * (gate * lanewise(torch.sigmoid, gate * alpha))
 
 
 class SinkAttention(Attention):

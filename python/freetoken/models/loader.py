@@ -22,6 +22,7 @@ import torch
 from freetoken.models.checkpoint import read_weights
 from freetoken.models.layers.linear import pack_linears
 from freetoken.models.layers.moe import stack_experts
+from freetoken.models.layers.parts import compute_in_parts
 from freetoken.models.layers.tensor_parallel import shard_model
 from freetoken.paths import ModelNotFound, cache_root
 
@@ -123,9 +124,10 @@ def _gguf_architecture(gguf: Path) -> str:
 
 
 def build(model_class: type, folder: Path, hf_config: dict, tokenizer, dtype: torch.dtype,
-          device: torch.device, group=None) -> torch.nn.Module:
+          device: torch.device, group=None, in_parts: bool = False) -> torch.nn.Module:
     """`model_class` (a models/causal_lm.py CausalLM) with the folder's weights, its linear
-    layers packed; with `group`, that tensor-parallel rank's slices only."""
+    layers packed; with `group`, that tensor-parallel rank's slices only; `in_parts`: its sliced
+    layers computed as tensor-parallel ranks compute them (models/layers/parts.py)."""
     with torch.device("meta"):
         module = model_class.from_hf(hf_config)
     part = shard_model(module, group) if group is not None else None
@@ -148,6 +150,8 @@ def build(model_class: type, folder: Path, hf_config: dict, tokenizer, dtype: to
     module.post_load(tokenizer, device)
     module.requires_grad_(False)
     stack_experts(module)
+    if in_parts:
+        compute_in_parts(module)
     pack_linears(module)
     return module
 

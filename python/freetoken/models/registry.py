@@ -106,7 +106,9 @@ def load_model(model: str | os.PathLike | None = None, dtype: str = "auto", devi
     tokenizer = AutoTokenizer.from_pretrained(folder)
     dev = resolve_device(device)
     weights_dtype = resolve_dtype(dtype, dev)
-    module = build(cls, folder, hf_config, tokenizer, weights_dtype, dev, group)
+    # One CPU process computes as tensor-parallel ranks would, so that their results agree.
+    in_parts = group is None and dev.type == "cpu" and ARCHITECTURES[arch].tensor_parallel is None
+    module = build(cls, folder, hf_config, tokenizer, weights_dtype, dev, group, in_parts)
     return LoadedModel(
         model=module.eval(),
         tokenizer=tokenizer,
