@@ -52,7 +52,7 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
     half = gate_up.shape[-1] // 2
     gate = gate_up[:, :half].clamp(max=limit)
     up = gate_up[:, half:].clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    return (up + 1) * (gate * lanewise(torch.sigmoid, gate * alpha))
 
 
 class SinkAttention(Attention):

@@ -26,6 +26,7 @@ import torch
 from freetoken.models.checkpoint import read_weights
 from freetoken.models.layers.linear import pack_linears
 from freetoken.models.layers.moe import stack_experts
+from freetoken.models.layers.parts import compute_in_parts
 from freetoken.models.layers.quantized import (QuantizedEmbedding, QuantizedLinear, install, plan_quantized,
                                                take_quantized, weight_bytes)
 from freetoken.models.layers.tensor_parallel import shard_model
@@ -165,18 +166,20 @@ def _gguf_architecture(gguf: Path) -> str:
 
 
 def build(model_class: type, folder: Path, hf_config: dict, tokenizer, dtype: torch.dtype,
-          device: torch.device, group=None) -> torch.nn.Module:
+          device: torch.device, group=None, in_parts: bool = False) -> torch.nn.Module:
     """`model_class` (a models/causal_lm.py CausalLM) with the folder's weights, its linear
-    layers packed; with `group`, that tensor-parallel rank's slices only."""
+    layers packed; with `group`, that tensor-parallel rank's slices only; `in_parts`: its sliced
+    layers computed as tensor-parallel ranks compute them (models/layers/parts.py)."""
     with torch.device("meta"):
         module = model_class.from_hf(hf_config)
     part = shard_model(module, group) if group is not None else None
     state = module.convert_hf_weights(read_weights(folder, part))
-    return _assign(module, state, {}, tokenizer, dtype, device)
+    return _assign(module, state, {}, tokenizer, dtype, device, in_parts)
 
 
 def build_gguf(model_class: type, gguf: Path, hf_config: dict, tokenizer, dtype: torch.dtype,
-               device: torch.device, quantized: bool, kv_slots: int = 0) -> torch.nn.Module:
+               device: torch.device, quantized: bool, kv_slots: int = 0,
+               in_parts: bool = False) -> torch.nn.Module:
     """`model_class` (models/llama.py's) with `gguf`'s weights, read from the memory-mapped file:
     with `quantized` (on the CPU) the block formats kept as stored, else dequantized at load;
     refused before any weight is read where the weights and a KV pool of `kv_slots` would not
@@ -193,13 +196,14 @@ def build_gguf(model_class: type, gguf: Path, hf_config: dict, tokenizer, dtype:
     state = read_tensors(gguf, reader, cfg, hf_config.get("model_type") == "llama", quantized)
     layers = take_quantized(state, FUSED)
     state = module.convert_hf_weights(state)
-    return _assign(module, state, layers, tokenizer, dtype, device)
+    return _assign(module, state, layers, tokenizer, dtype, device, in_parts)
 
 
 def _assign(module: torch.nn.Module, state: dict[str, torch.Tensor], quantized: dict,
-            tokenizer, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+            tokenizer, dtype: torch.dtype, device: torch.device, in_parts: bool) -> torch.nn.Module:
     """`state` assigned to `module`'s parameters, the `quantized` layers (our module name ->
-    weight parts) put in place, the head tied, the linear layers packed."""
+    weight parts) put in place, the head tied, the linear layers packed (`in_parts`: the sliced
+    ones computed as tensor-parallel ranks compute them, models/layers/parts.py)."""
     tied = module.ties_head(state)
     if tied:
         state.pop("lm_head.weight", None)
@@ -225,6 +229,8 @@ def _assign(module: torch.nn.Module, state: dict[str, torch.Tensor], quantized: 
     module.requires_grad_(False)
     module.weight_bytes = weight_bytes(module)  # before packing frees the plain weights
     stack_experts(module)
+    if in_parts:
+        compute_in_parts(module)
     plan = pack_linears(module)
     if quantized:
         module.kernel_plan = plan_quantized(module, plan, dtype)

@@ -122,11 +122,16 @@ def load_model(model: str | os.PathLike | None = None, dtype: str = "auto", devi
         raise ModelNotFound(f"{arch}: {ARCHITECTURES[arch].tensor_parallel}")
     tokenizer = AutoTokenizer.from_pretrained(folder)
     weights_dtype = resolve_dtype(dtype, dev)
+    # FREETOKEN_EXACT_TP=1: one CPU process computes its sliced layers as two tensor-parallel
+    # ranks would, so that its results are theirs bit for bit (at a cost: docs/engine.md).
+    in_parts = (os.environ.get("FREETOKEN_EXACT_TP") == "1" and group is None and dev.type == "cpu"
+                and ARCHITECTURES[arch].tensor_parallel is None)
     if gguf is None:
-        module = build(cls, folder, hf_config, tokenizer, weights_dtype, dev, group)
+        module = build(cls, folder, hf_config, tokenizer, weights_dtype, dev, group, in_parts)
     else:
         quantized = _gguf_weights(gguf_weights) == "quantized" and dev.type == "cpu"
-        module = build_gguf(cls, gguf, hf_config, tokenizer, weights_dtype, dev, quantized, kv_slots)
+        module = build_gguf(cls, gguf, hf_config, tokenizer, weights_dtype, dev, quantized, kv_slots,
+                            in_parts)
     return LoadedModel(
         model=module.eval(),
         tokenizer=tokenizer,

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from freetoken.models import loader
 from freetoken.models.layers.moe import Experts
-from freetoken.models.layers.tensor_parallel import block_part, even_part
+from freetoken.models.layers.parts import block_part, even_part
 from freetoken.models.registry import load_model
 from tests.model_fixtures import tiny_random_folder
 

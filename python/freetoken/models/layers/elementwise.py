@@ -11,7 +11,8 @@ depends on its batch (seen on the hybrids' gates, [tokens, heads] with 4-32 head
 pairs for float32 and bfloat16 on AVX-512, AVX2 and NEON) in calls small enough for torch to run
 on one thread (below its parallel grain of 32768 elements), so that every element takes the
 vector path. Wide tensors whose rows are multiples of 64 elements need no padding, only an even
-split: the layers' own widths are.
+split: the layers' own widths are. The gated activations run lanewise too: a tensor-parallel
+rank's share of a feed-forward width need not be such a multiple (models/layers/parts.py).
 """
 
 from __future__ import annotations
@@ -35,3 +36,9 @@ def lanewise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> tor
     block = max(1, GRAIN // padded.shape[1])
     out = torch.cat([fn(part) for part in padded.split(block)]) if len(padded) > block else fn(padded)
     return out[:, :width].reshape(*x.shape[:-1], -1)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU over a fused projection whose first half is the gate (Llama, Qwen)."""
+    half = gate_up.shape[-1] // 2
+    return lanewise(F.silu, gate_up[:, :half]).mul_(gate_up[:, half:])

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from freetoken.models.layers.elementwise import silu_and_mul
 from freetoken.models.layers.linear import Linear
 
 
@@ -16,7 +16,4 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        half = gate_up.shape[-1] // 2
-        # silu makes the gate half contiguous; multiplying in place saves a tensor the size of it.
-        return self.down_proj(F.silu(gate_up[:, :half]).mul_(gate_up[:, half:]))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))

@@ -26,26 +26,19 @@ from functools import partial
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from freetoken.models.kernels.grouped_gemm import KERNELS, PackedLinears, grouped_gemm, pack
 from freetoken.models.kernels.grouped_gemm import load as load_kernel
 from freetoken.models.kernels.quant import QuantizedWeight, dequantize, grouped_quant_gemm, supported
 from freetoken.models.layers.kernel_choice import RowRule, probe_weight, rule_holds
-from freetoken.models.layers.elementwise import lanewise
+from freetoken.models.layers.elementwise import lanewise, silu_and_mul
 from freetoken.models.layers.linear import Linear
 from freetoken.models.layers.mlp import MLP
 
 log = logging.getLogger(__name__)
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU over a fused projection whose first half is the gate (Llama, Qwen)."""
-    half = gate_up.shape[-1] // 2
-    return F.silu(gate_up[:, :half]).mul_(gate_up[:, half:])
 
 
 def softmax_topk(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,10 +83,13 @@ class Experts(nn.Module):
     # ranks' partial outputs.
     sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None
     # Set by `stack`: the experts' projections in the grouped kernel's layout, and the kernel.
-    stacked: tuple[PackedLinears, PackedLinears] | None = None
+    stacked: tuple[PackedLinears, tuple[PackedLinears, ...]] | None = None  # gate/up, down's parts
     kernel: ctypes.CDLL | None = None
     # Set by `use_quantized`.
     quantized: QuantizedExperts | None = None
+    # Set by models/layers/parts.py where one process computes what tensor-parallel ranks would:
+    # the down projection's input columns per part, each part's weighted sum added in part order.
+    down_parts: tuple[slice, ...] = (slice(None),)
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, bias: bool,
                  activation: Activation):
@@ -104,11 +100,11 @@ class Experts(nn.Module):
 
     def stack(self, kernel: ctypes.CDLL) -> None:
         """Run on the grouped kernel from now on: its packed weights replace the Linears."""
-        projections = []
+        packed = {}
         for name in ("gate_up_proj", "down_proj"):
             layers = [getattr(expert, name) for expert in self.experts]
-            projections.append(pack([layer.weight for layer in layers], [layer.bias for layer in layers]))
-        self.stacked, self.kernel = tuple(projections), kernel
+            packed[name] = pack([layer.weight for layer in layers], [layer.bias for layer in layers])
+        self.stacked, self.kernel = (packed["gate_up_proj"], (packed["down_proj"],)), kernel
         self.experts = None
 
     def use_quantized(self, gate_up: QuantizedWeight, down: QuantizedWeight,
@@ -155,45 +151,47 @@ class Experts(nn.Module):
         tokens = by_expert // k
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         rows = x.index_select(0, tokens)
-        if self.experts is not None:
-            out = self._on_linears(counts, rows)
+        scale = weights.reshape(-1, 1).index_select(0, by_expert).to(x.dtype)
+        if self.quantized is not None:
+            downs = [self._on_quantized(counts, rows)]
         else:
-            out = self._on_quantized(counts, rows) if self.quantized else self._on_kernel(counts, rows)
-        out.mul_(weights.reshape(-1, 1).index_select(0, by_expert).to(x.dtype))
-        # Rows are in ascending expert id, and index_add_ adds them in row order: each token's
-        # sum runs over its experts in that fixed order.
-        out = torch.zeros_like(x).index_add_(0, tokens, out)
+            project = self._on_kernel if self.stacked else self._on_linears
+            hidden = self.activation(project(counts, rows, "gate_up_proj"))
+            downs = (project(counts, hidden[:, cols].contiguous(), "down_proj", part)
+                     for part, cols in enumerate(self.down_parts))
+        out = None
+        for down in downs:
+            # Rows are in ascending expert id, and index_add_ adds them in row order: each
+            # token's sum runs over its experts in that fixed order.
+            summed = torch.zeros_like(x).index_add_(0, tokens, down.mul_(scale))
+            out = summed if out is None else out.add_(summed)
         return out if self.sum_over_ranks is None else self.sum_over_ranks(out)
 
-    def _on_kernel(self, counts: list[int], rows: torch.Tensor) -> torch.Tensor:
-        """Both projections as one kernel call each, over rows grouped by expert (no padding:
-        the kernel's rows never depend on their group)."""
-        groups = _groups(counts)
-        gate_up, down = self.stacked
-        hidden = self.activation(grouped_gemm(self.kernel, rows, gate_up, groups))
-        return grouped_gemm(self.kernel, hidden, down, groups)
+    def _on_kernel(self, counts: list[int], rows: torch.Tensor, name: str, part: int = 0) -> torch.Tensor:
+        """Projection `name` (of the down projection, its part `part`) as one kernel call over
+        rows grouped by expert (no padding: the kernel's rows never depend on their group)."""
+        gate_up, downs = self.stacked
+        packed = gate_up if name == "gate_up_proj" else downs[part]
+        return grouped_gemm(self.kernel, rows, packed, _groups(counts))
 
     def _on_quantized(self, counts: list[int], rows: torch.Tensor) -> torch.Tensor:
-        """As `_on_kernel`, on the quantized weights."""
+        """Both projections on the quantized weights, grouped as `_on_kernel` groups them."""
         groups = _groups(counts)
         expert_of_row = torch.repeat_interleave(groups[:, 0], groups[:, 2])
         q = self.quantized
         gate_up = _quantized_projection(rows, q.gate_up, q.gate_up_bias, groups, expert_of_row)
         return _quantized_projection(self.activation(gate_up), q.down, q.down_bias, groups, expert_of_row)
 
-    def _on_linears(self, counts: list[int], rows: torch.Tensor) -> torch.Tensor:
-        """Each active expert's Linears over its rows (each Linear keeps its own row rule)."""
-        active = [(self.experts[e], n) for e, n in enumerate(counts) if n]
-        # Elementwise work runs once over all rows, not once per expert.
-        hidden = self.activation(self._grouped(active, "gate_up_proj", rows))
-        return self._grouped(active, "down_proj", hidden)
-
-    def _grouped(self, active: list[tuple[Expert, int]], name: str, rows: torch.Tensor) -> torch.Tensor:
-        """Each active expert's layer `name` over its run of `rows`."""
+    def _on_linears(self, counts: list[int], rows: torch.Tensor, name: str, part: int = 0) -> torch.Tensor:
+        """Each active expert's layer `name` (of a down projection in parts, its part `part`)
+        over its run of `rows` (each Linear keeps its own row rule)."""
         outs, start = [], 0
-        for expert, n in active:
-            outs.append(getattr(expert, name)(rows[start : start + n]))
-            start += n
+        for e, n in enumerate(counts):
+            if n:
+                layer = getattr(self.experts[e], name)
+                layer = layer.parts[part] if hasattr(layer, "parts") else layer  # parts.RowParts
+                outs.append(layer(rows[start : start + n]))
+                start += n
         return torch.cat(outs)
 
 

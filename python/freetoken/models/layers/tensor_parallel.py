@@ -37,35 +37,7 @@ from torch import nn
 from freetoken.models.kernels.mxfp4 import BLOCK as MXFP4_BLOCK
 from freetoken.models.layers.linear import Linear
 from freetoken.models.layers.moe import Experts
-
-
-def even_part(n: int, rank: int, world: int) -> range:
-    """`rank`'s part of n items cut into `world` contiguous parts that differ by one at most."""
-    return range(rank * n // world, (rank + 1) * n // world)
-
-
-def block_part(n: int, rank: int, world: int, block: int) -> range:
-    """`rank`'s part of n items in whole blocks of `block`, or `even_part` where n is not whole
-    blocks or there are fewer blocks than ranks."""
-    if block == 1 or n % block or n // block < world:
-        return even_part(n, rank, world)
-    return _scaled(even_part(n // block, rank, world), block)
-
-
-def head_split(heads: int, kv_heads: int, rank: int, world: int) -> tuple[range, range]:
-    """(query heads, kv heads) that `rank` holds."""
-    per_group = heads // kv_heads
-    if world <= kv_heads:
-        kv = even_part(kv_heads, rank, world)
-        return range(kv.start * per_group, kv.stop * per_group), kv
-    group = rank * kv_heads // world
-    sharing = [r for r in range(world) if r * kv_heads // world == group]
-    if per_group < len(sharing):
-        raise ValueError(f"{world} ranks cannot split {heads} attention heads "
-                         f"({kv_heads} kv heads): every rank needs one query head at least")
-    q = even_part(per_group, sharing.index(rank), len(sharing))
-    first = group * per_group
-    return range(first + q.start, first + q.stop), range(group, group + 1)
+from freetoken.models.layers.parts import block_part, even_part, head_split, scaled, vocab_part
 
 
 class RowParallelLinear(Linear):
@@ -153,8 +125,7 @@ def _shard_feed_forward(layer: nn.Module, group, summed: bool, block: int = 1) -
 
 def _shard_vocabulary(model: nn.Module, group) -> tuple[range, int]:
     vocab, hidden = model.cfg.vocab_size, model.cfg.hidden_size
-    per_rank = -(-vocab // group.world)
-    rows = range(min(vocab, group.rank * per_rank), min(vocab, (group.rank + 1) * per_rank))
+    rows, per_rank = vocab_part(vocab, group.rank, group.world)
     embedding = nn.Parameter(torch.empty(per_rank, hidden, device="meta"))
     head = embedding if model.cfg.tie_word_embeddings else nn.Parameter(torch.empty(per_rank, hidden, device="meta"))
     model.model.embed_tokens = VocabParallelEmbedding(embedding, rows, group)
@@ -191,11 +162,11 @@ class RankPart:
             return F.pad(rows, (0, 0, 0, self.vocab_part - len(self.vocab_rows)))
         if ".self_attn." in name:
             if module == "q_proj":
-                return stored.read(0, [_scaled(self.q, d)])
+                return stored.read(0, [scaled(self.q, d)])
             if module in ("k_proj", "v_proj"):
-                return stored.read(0, [_scaled(self.kv, d)])
+                return stored.read(0, [scaled(self.kv, d)])
             if module == "o_proj":
-                return stored.read(1, [_scaled(self.q, d)]) if leaf == "weight" else self._rank0(stored)
+                return stored.read(1, [scaled(self.q, d)]) if leaf == "weight" else self._rank0(stored)
             if leaf == "sinks":
                 return stored.read(0, [self.q])
             return stored.read()
@@ -238,8 +209,3 @@ class RankPart:
 
     def _rank0(self, stored) -> torch.Tensor | None:
         return stored.read() if self.rank == 0 else None
-
-
-def _scaled(items: range, size: int) -> range:
-    """The rows of `items` in a block of items `size` rows each."""
-    return range(items.start * size, items.stop * size)

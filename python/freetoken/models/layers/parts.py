@@ -1,0 +1,176 @@
+"""One process computing its layers as the ranks of a tensor-parallel split of EXACT_PARTS
+would (models/layers/tensor_parallel.py), so that tensor-parallel sizes 1 and 2 give the same
+bits.
+
+Tensor parallelism changes two things in a layer's arithmetic. A row-parallel layer (`o_proj`,
+`down_proj`, the experts' down projections) becomes partial products over parts of its input
+features, added over the ranks in rank order: another order of additions than one GEMM over
+all of them. A column-parallel layer (`qkv_proj`, `gate_up_proj`, the LM head) runs a GEMM of
+fewer columns, and a kernel may give a column other bits in a GEMM of another width (the probe
+of kernel_choice.py checks rows, not columns). Here a single process runs every such layer as
+those parts: each part a `Linear` of the very shape a rank holds (so the load-time probe picks
+the same kernel for it, with the same row rule), the row-parallel partial products added in part
+order, as the ranks' are. Nothing has to be column-invariant, only a kernel's bits the same on
+the same shape. The MoE experts' gate/up projections stay whole: the grouped kernel computes
+each column on its own (grouped_gemm.c), so their width does not matter.
+
+Only on CPU (on CUDA the ranks' sum is NCCL's all-reduce, whose order is its own).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from freetoken.models.layers.linear import Linear
+from freetoken.models.layers.moe import Experts
+
+# Tensor-parallel sizes whose ranks compute what one process computes: those dividing it.
+EXACT_PARTS = 2
+
+
+def even_part(n: int, rank: int, world: int) -> range:
+    """`rank`'s part of n items cut into `world` contiguous parts that differ by one at most."""
+    return range(rank * n // world, (rank + 1) * n // world)
+
+
+def block_part(n: int, rank: int, world: int, block: int) -> range:
+    """`rank`'s part of n items in whole blocks of `block`, or `even_part` where n is not whole
+    blocks or there are fewer blocks than ranks."""
+    if block == 1 or n % block or n // block < world:
+        return even_part(n, rank, world)
+    return scaled(even_part(n // block, rank, world), block)
+
+
+def head_split(heads: int, kv_heads: int, rank: int, world: int) -> tuple[range, range]:
+    """(query heads, kv heads) that `rank` holds: whole groups (a kv head and its query heads),
+    as evenly as the number of groups allows; with fewer kv heads than ranks, each kv head
+    replicated on the ranks that split its query heads."""
+    per_group = heads // kv_heads
+    if world <= kv_heads:
+        kv = even_part(kv_heads, rank, world)
+        return range(kv.start * per_group, kv.stop * per_group), kv
+    group = rank * kv_heads // world
+    sharing = [r for r in range(world) if r * kv_heads // world == group]
+    if per_group < len(sharing):
+        raise ValueError(f"{world} ranks cannot split {heads} attention heads "
+                         f"({kv_heads} kv heads): every rank needs one query head at least")
+    q = even_part(per_group, sharing.index(rank), len(sharing))
+    first = group * per_group
+    return range(first + q.start, first + q.stop), range(group, group + 1)
+
+
+def vocab_part(vocab: int, rank: int, world: int) -> tuple[range, int]:
+    """`rank`'s rows of the vocabulary, and the rows each part is padded to."""
+    per_rank = -(-vocab // world)
+    return range(min(vocab, rank * per_rank), min(vocab, (rank + 1) * per_rank)), per_rank
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+    layer = Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias, requires_grad=False)
+    return layer
+
+
+class ColumnParts(nn.Module):
+    """A layer's output features computed by parts: part p computes `rows[p]` (ranges of the
+    layer's output features, in that order), its weight padded with zero rows to `padded`
+    rows; the outputs are put back in the layer's order."""
+
+    def __init__(self, layer: Linear, rows: list[list[range]], padded: int = 0):
+        super().__init__()
+        self.out_features = layer.out_features
+        parts, self.pieces = [], []  # pieces: (part, first column in it, first column in out, count)
+        for p, ranges in enumerate(rows):
+            first = 0
+            for r in ranges:
+                self.pieces.append((p, first, r.start, len(r)))
+                first += len(r)
+            # Row slices are views: a tied head's parts still share the embedding's storage.
+            weight = torch.cat([layer.weight[r.start : r.stop] for r in ranges]) if len(ranges) > 1 \
+                else layer.weight[ranges[0].start : ranges[0].stop]
+            bias = None if layer.bias is None else torch.cat([layer.bias[r.start : r.stop] for r in ranges])
+            if padded > first:
+                weight = torch.cat([weight, weight.new_zeros(padded - first, weight.shape[1])])
+                bias = None if bias is None else torch.cat([bias, bias.new_zeros(padded - first)])
+            parts.append(_linear(weight, bias))
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [part(x) for part in self.parts]
+        out = x.new_empty(*x.shape[:-1], self.out_features)
+        for p, first, at, count in self.pieces:
+            out[..., at : at + count] = outs[p][..., first : first + count]
+        return out
+
+
+class RowParts(nn.Module):
+    """A layer's input features cut into the ranges `cols`, each part's partial product added in
+    part order (the bias in the first), as a tensor-parallel group's sum adds its ranks'."""
+
+    def __init__(self, layer: Linear, cols: list[range]):
+        super().__init__()
+        self.cols = cols
+        self.parts = nn.ModuleList(
+            _linear(layer.weight[:, c.start : c.stop].contiguous(), layer.bias if p == 0 else None)
+            for p, c in enumerate(cols))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Each part's input contiguous, as a rank's own is.
+        out, *rest = [part(x[..., c.start : c.stop].contiguous()) for part, c in zip(self.parts, self.cols)]
+        for partial in rest:
+            out += partial
+        return out
+
+
+def compute_in_parts(model: nn.Module, parts: int = EXACT_PARTS) -> None:
+    """Put the sliced layers of `model` (a models/llama.py decoder or a family built on it,
+    loaded whole, its experts stacked or not) in `parts` parts, cut as `parts` ranks are."""
+    cfg, d = model.cfg, model.cfg.head_dim
+    if cfg.num_kv_heads < parts:
+        return  # kv heads replicated over ranks: each rank attends with its own copy, not here
+    splits = [head_split(cfg.num_heads, cfg.num_kv_heads, p, parts) for p in range(parts)]
+    q_rows = [scaled(q, d) for q, _ in splits]
+    k_first, v_first = cfg.num_heads * d, (cfg.num_heads + cfg.num_kv_heads) * d
+    qkv_rows = [[q, scaled(kv, d, k_first), scaled(kv, d, v_first)]
+                for q, (_, kv) in zip(q_rows, splits)]
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj = ColumnParts(attn.qkv_proj, qkv_rows)
+        attn.o_proj = RowParts(attn.o_proj, q_rows)
+        if isinstance(mlp, Experts):
+            _experts_in_parts(mlp, parts)
+            continue
+        size = mlp.down_proj.in_features
+        cols = [even_part(size, p, parts) for p in range(parts)]
+        mlp.gate_up_proj = ColumnParts(mlp.gate_up_proj, [[c, scaled(c, 1, size)] for c in cols])
+        mlp.down_proj = RowParts(mlp.down_proj, cols)
+    vocab = [vocab_part(cfg.vocab_size, p, parts) for p in range(parts)]
+    model.lm_head = ColumnParts(model.lm_head, [[rows] for rows, _ in vocab], padded=vocab[0][1])
+
+
+def _experts_in_parts(experts: Experts, parts: int) -> None:
+    """The experts' down projections in parts of the intermediate size, each part's weighted sum
+    added in part order (moe.Experts.down_parts); gate/up stays whole."""
+    if experts.stacked:
+        gate_up, (down,) = experts.stacked
+        cols = [even_part(down.in_features, p, parts) for p in range(parts)]
+        # The packed layout is [E, strips, K, 16]: a part of K is a slice of dimension 2.
+        experts.stacked = (gate_up, tuple(
+            replace(down, weight=down.weight[:, :, c.start : c.stop].contiguous(),
+                    bias=down.bias if p == 0 else None, in_features=len(c))
+            for p, c in enumerate(cols)))
+    else:
+        cols = [even_part(experts.experts[0].down_proj.in_features, p, parts) for p in range(parts)]
+        for expert in experts.experts:
+            expert.down_proj = RowParts(expert.down_proj, cols)
+    experts.down_parts = tuple(slice(c.start, c.stop) for c in cols)
+
+
+def scaled(items: range, size: int, offset: int = 0) -> range:
+    """The rows of `items` in a block of items `size` rows each, starting at row `offset`."""
+    return range(offset + items.start * size, offset + items.stop * size)
