@@ -13,7 +13,9 @@
  * so this reuses its thread team).
  *
  * Built at first use by models/kernels/grouped_gemm.py; x86-64 with AVX2 and FMA, else unsupported.
- * The file also holds amx_linear_bf16 (below), a bfloat16 linear layer on AMX tiles.
+ * The file also holds rms_norm_* (RMSNorm in one pass per row), rotate_* (the rotary embedding in
+ * one pass) and amx_linear_bf16
+ * (below), a bfloat16 linear layer on AMX tiles.
  */
 #include <stdint.h>
 
@@ -104,6 +106,114 @@ DEFINE_KERNEL(grouped_gemm_f32, tile_f32, float)
 DEFINE_KERNEL(grouped_gemm_bf16, tile_bf16, uint16_t)
 
 
+/* RMSNorm of rows x [M, D] (D % 8 == 0) by w [D]: y = w * (x / sqrt(mean(x^2) + eps)), each row on
+ * its own in a fixed order (so its bits never depend on the rows beside it or the thread), as
+ * transformers computes it per dtype: float32 rows as (x * r) * w; bfloat16 rows normalised in
+ * float32, rounded to bfloat16, then multiplied by w and rounded again. One pass over a row where
+ * torch's rms_norm makes six (pow, sum, div, add, rsqrt, mul) and the bfloat16 casts three more. */
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256 widen_bf16(__m256i lanes) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(lanes, 16));
+}
+
+/* Eight floats rounded to bfloat16 as torch rounds (nearest-even, a NaN kept quiet), in the low
+ * 16 bits of each lane. */
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256i round_bf16(__m256 v) {
+    const __m256i bits = _mm256_castps_si256(v), high = _mm256_srli_epi32(bits, 16);
+    const __m256i lsb = _mm256_and_si256(high, _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(
+        _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    return _mm256_blendv_epi8(rounded, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
+}
+
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256 load8_f32(const float *p) {
+    return _mm256_loadu_ps(p);
+}
+
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256 load8_bf16(const uint16_t *p) {
+    return widen_bf16(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+__attribute__((target("avx2,fma"), always_inline)) static inline void store8_f32(
+    float *y, __m256 x, __m256 scale, __m256 w) {
+    _mm256_storeu_ps(y, _mm256_mul_ps(_mm256_mul_ps(x, scale), w));
+}
+
+/* round_bf16's eight lanes stored as eight bfloat16. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void pack_bf16(uint16_t *y, __m256i rounded) {
+    const __m256i packed = _mm256_packus_epi32(rounded, _mm256_setzero_si256());
+    _mm_storeu_si128((__m128i *)y, _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
+}
+
+__attribute__((target("avx2,fma"), always_inline)) static inline void store8_bf16(
+    uint16_t *y, __m256 x, __m256 scale, __m256 w) {
+    const __m256 normed = widen_bf16(round_bf16(_mm256_mul_ps(x, scale)));
+    pack_bf16(y, round_bf16(_mm256_mul_ps(w, normed)));
+}
+
+#define DEFINE_RMS_NORM(NAME, T, LOAD, STORE)                                                    \
+    __attribute__((target("avx2,fma"))) void NAME(const T *x, int64_t ldx, const T *w, T *y,     \
+                                                  int64_t M, int64_t D, float eps) {             \
+        _Pragma("omp parallel for if (M >= 64)")                                                 \
+        for (int64_t r = 0; r < M; r++) {                                                        \
+            const T *xr = x + r * ldx;                                                           \
+            __m256 acc = _mm256_setzero_ps();                                                    \
+            for (int64_t k = 0; k < D; k += 8) {                                                 \
+                const __m256 v = LOAD(xr + k);                                                   \
+                acc = _mm256_fmadd_ps(v, v, acc);                                                \
+            }                                                                                    \
+            __m128 sum = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1)); \
+            sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));                                      \
+            sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));                                         \
+            const float mean = _mm_cvtss_f32(sum) / (float)D;                                    \
+            const float root = _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(mean + eps)));              \
+            const __m256 scale = _mm256_set1_ps(1.0f / root);                                   \
+            for (int64_t k = 0; k < D; k += 8) STORE(y + r * D + k, LOAD(xr + k), scale, LOAD(w + k)); \
+        }                                                                                        \
+    }
+
+DEFINE_RMS_NORM(rms_norm_f32, float, load8_f32, store8_f32)
+DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, load8_bf16, store8_bf16)
+
+/* Rotary embedding of x [T, H, D] (rows ldt apart, heads ldh apart, D % 16 == 0) by cos and sin
+ * [T, D] into y [T, H, D] contiguous: y = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1)
+ * for halves x1, x2, with the roundings torch makes for each of the three operations in the
+ * tensors' dtype (built with -ffp-contract=off: no multiply-add fused), so the bits are torch's. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void rot8_f32(
+    float *y, __m256 x, __m256 c, __m256 other, __m256 s) {
+    _mm256_storeu_ps(y, _mm256_add_ps(_mm256_mul_ps(x, c), _mm256_mul_ps(other, s)));
+}
+
+__attribute__((target("avx2,fma"), always_inline)) static inline void rot8_bf16(
+    uint16_t *y, __m256 x, __m256 c, __m256 other, __m256 s) {
+    const __m256 a = widen_bf16(round_bf16(_mm256_mul_ps(x, c)));
+    const __m256 b = widen_bf16(round_bf16(_mm256_mul_ps(other, s)));
+    pack_bf16(y, round_bf16(_mm256_add_ps(a, b)));
+}
+
+#define DEFINE_ROTATE(NAME, T, LOAD, ROT)                                                        \
+    __attribute__((target("avx2,fma"))) void NAME(const T *x, int64_t ldt, int64_t ldh,          \
+                                                  const T *cos, const T *sin, T *y,              \
+                                                  int64_t tokens, int64_t heads, int64_t D) {   \
+        const int64_t half = D / 2;                                                              \
+        const __m256 sign = _mm256_set1_ps(-0.0f);                                               \
+        _Pragma("omp parallel for if (tokens * heads >= 512)")                                   \
+        for (int64_t i = 0; i < tokens * heads; i++) {                                           \
+            const int64_t t = i / heads, h = i % heads;                                          \
+            const T *xr = x + t * ldt + h * ldh, *c = cos + t * D, *s = sin + t * D;             \
+            T *yr = y + i * D;                                                                   \
+            for (int64_t k = 0; k < half; k += 8) {                                              \
+                const __m256 x1 = LOAD(xr + k), x2 = LOAD(xr + half + k);                        \
+                ROT(yr + k, x1, LOAD(c + k), _mm256_xor_ps(x2, sign), LOAD(s + k));              \
+                ROT(yr + half + k, x2, LOAD(c + half + k), x1, LOAD(s + half + k));              \
+            }                                                                                    \
+        }                                                                                        \
+    }
+
+DEFINE_ROTATE(rotate_f32, float, load8_f32, rot8_f32)
+DEFINE_ROTATE(rotate_bf16, uint16_t, load8_bf16, rot8_bf16)
+
+
 #if defined(__linux__) && (defined(__clang__) || __GNUC__ >= 11) /* AMX intrinsics, arch_prctl */
 /* A bfloat16 linear layer on AMX: y[M, N] = x[M, K] @ W^T + b, x and y bfloat16, W packed at load
  * into tiles, sums in float32 (rounded to bfloat16 once, nearest-even, as torch rounds).
@@ -136,17 +246,27 @@ int amx_bf16_supported(void) {
     unsigned a, b, c, d;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
     if (!((d >> 22) & 1) || !((d >> 24) & 1)) return 0; /* AMX-BF16, AMX-TILE */
+    if (!((b >> 16) & 1)) return 0;                         /* AVX512F, for the rounding */
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
-static inline uint16_t to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffff) > 0x7f800000) return (uint16_t)((bits >> 16) | 0x40); /* NaN */
-    return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+/* A row's 16 sums plus their bias, rounded to bfloat16 as torch rounds (nearest-even, a NaN kept
+ * quiet), the first `n` (<= 16) stored. */
+__attribute__((target("avx512f"), always_inline)) static inline void store_bf16(
+    const float *sums, const float *bias, uint16_t *y, int n) {
+    const __mmask16 keep = (__mmask16)((1u << n) - 1);
+    const __m512 v = _mm512_add_ps(_mm512_loadu_ps(sums),
+                                   bias ? _mm512_maskz_loadu_ps(keep, bias) : _mm512_setzero_ps());
+    const __m512i bits = _mm512_castps_si512(v), high = _mm512_srli_epi32(bits, 16);
+    const __m512i lsb = _mm512_and_si512(high, _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    rounded = _mm512_mask_or_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), high,
+                                   _mm512_set1_epi32(0x40));
+    _mm512_mask_cvtepi32_storeu_epi16(y, keep, rounded);
 }
 
-__attribute__((target("amx-tile,amx-bf16"))) void amx_linear_bf16(
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) void amx_linear_bf16(
     const uint16_t *x, int64_t ldx, const uint16_t *w, const float *bias, uint16_t *y, int64_t ldy,
     int64_t M, int64_t K, int64_t N) {
     const int64_t steps = K / 32, strips = (N + 31) / 32, blocks = (M + 31) / 32;
@@ -202,9 +322,9 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_linear_bf16(
                 _tile_stored(3, out + 16 * 32 + 16, 128);
             }
             for (int64_t r = 0; r < rows; r++)
-                for (int64_t c = 0; c < cols; c++)
-                    y[(m0 + r) * ldy + strip * 32 + c] =
-                        to_bf16(out[r * 32 + c] + (bias ? bias[strip * 32 + c] : 0.0f));
+                for (int c = 0; c < cols; c += 16)
+                    store_bf16(out + r * 32 + c, bias ? bias + strip * 32 + c : 0,
+                               y + (m0 + r) * ldy + strip * 32 + c, cols - c < 16 ? (int)(cols - c) : 16);
         }
         _tile_release();
     }
@@ -225,6 +345,10 @@ int grouped_gemm_supported(void) { return 0; }
 
 void grouped_gemm_f32(void) {}
 void grouped_gemm_bf16(void) {}
+void rms_norm_f32(void) {}
+void rms_norm_bf16(void) {}
+void rotate_f32(void) {}
+void rotate_bf16(void) {}
 int amx_bf16_supported(void) { return 0; }
 void amx_linear_bf16(void) {}
 

@@ -1,7 +1,8 @@
 """The kernels of grouped_gemm.c, built with the system's C compiler at first use and called
 through ctypes. The grouped GEMM runs the MoE experts (models/layers/moe.py: one call per projection
 for all of a layer's experts) and, where the load-time probe picks it, the dense layers
-(models/layers/linear.py: one group each). The AMX bfloat16 linear (`amx_linear`) is a candidate of
+(models/layers/linear.py: one group each); `rms_norm` and `rotate` run models/layers/norm.py's RMSNorm
+and rotary.py's rotation. The AMX bfloat16 linear (`amx_linear`) is a candidate of
 models/layers/linear.py on CPUs with AMX: invariant to the row count by construction, where oneDNN's
 AMX kernel is not (see the C file).
 
@@ -36,6 +37,9 @@ from freetoken.paths import cache_root
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("grouped_gemm.c")
+# -ffp-contract=off: no multiply and add fused where the source does not ask for it (rotate_*
+# rounds as torch does). -fopenmp links libgomp.so.1, which resolves to the copy torch loaded.
+FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 STRIP = 16
 
 
@@ -110,6 +114,13 @@ def load() -> ctypes.CDLL | None:
         kernel.restype = None
     lib.amx_linear_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
     lib.amx_linear_bf16.restype = None
+    for suffix in KERNELS.values():
+        kernel = getattr(lib, f"rms_norm_{suffix}")
+        kernel.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float]
+        kernel.restype = None
+        kernel = getattr(lib, f"rotate_{suffix}")
+        kernel.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64]
+        kernel.restype = None
     return lib
 
 
@@ -140,6 +151,28 @@ def amx_linear(lib: ctypes.CDLL, packed: torch.Tensor, bias: torch.Tensor | None
     return y
 
 
+def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [..., D] (D % 8 == 0, a dtype of KERNELS) by weight [D] of x's dtype, each
+    row in one pass (grouped_gemm.c's rms_norm_*)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    y = torch.empty(rows.shape, dtype=x.dtype)
+    getattr(lib, f"rms_norm_{KERNELS[x.dtype]}")(rows.data_ptr(), rows.stride(0), weight.data_ptr(),
+                                                 y.data_ptr(), rows.shape[0], rows.shape[1], eps)
+    return y.view(x.shape)
+
+
+def rotate(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] (D % 16 == 0, the last dim contiguous, a dtype of KERNELS) turned by cos and sin
+    [T, 1, D] of x's dtype, contiguous (grouped_gemm.c's rotate_*): torch's bits, in one pass."""
+    tokens, heads, dim = x.shape
+    y = torch.empty(tokens, heads, dim, dtype=x.dtype)
+    getattr(lib, f"rotate_{KERNELS[x.dtype]}")(x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(),
+                                               sin.data_ptr(), y.data_ptr(), tokens, heads, dim)
+    return y
+
+
 def build(source_path: Path = SOURCE) -> Path:
     """Compile a kernel source (this file's, or quant.py's) once per content into the cache
     folder (atomic: concurrent first uses each compile to their own file and keep whichever
@@ -148,16 +181,13 @@ def build(source_path: Path = SOURCE) -> Path:
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
-    # -fopenmp links libgomp.so.1, which resolves to the copy torch already loaded; no contracting
-    # of a multiply and an add into an FMA where the source did not write one (the sums' order).
-    flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
-    digest = hashlib.sha256(source + compiler.encode() + " ".join(flags).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
     target = cache_root() / "kernels" / f"{source_path.stem}-{digest}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
-    command = [compiler, *flags, "-o", str(tmp), str(source_path)]
+    command = [compiler, *FLAGS, "-o", str(tmp), str(source_path)]
     try:
         subprocess.run(command, check=True, capture_output=True, text=True)
     except subprocess.CalledProcessError as exc:

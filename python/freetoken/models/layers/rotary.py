@@ -15,6 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+from freetoken.models.kernels.grouped_gemm import KERNELS
+from freetoken.models.kernels.grouped_gemm import load as load_kernel
+from freetoken.models.kernels.grouped_gemm import rotate as rotate_kernel
+
 
 @dataclass(frozen=True)
 class Yarn:
@@ -79,7 +83,13 @@ def cos_sin(positions: torch.Tensor, dim: int, base: float, yarn: Yarn | None,
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., dim] turned by the angles of `cos_sin` (halves rotated, as transformers does)."""
+    """x [..., dim] turned by the angles of `cos_sin` (halves rotated, as transformers does): in
+    one pass on CPUs where models/kernels/grouped_gemm.c runs, with torch's bits."""
+    if (x.device.type == "cpu" and x.dim() == 3 and x.dtype in KERNELS and x.dtype == cos.dtype
+            and x.shape[-1] % 16 == 0 and x.stride(-1) == 1 and cos.is_contiguous()
+            and sin.is_contiguous() and cos.shape == sin.shape == (x.shape[0], 1, x.shape[-1])
+            and (lib := load_kernel()) is not None):
+        return rotate_kernel(lib, x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
