@@ -4,6 +4,7 @@ tokens and logprobs are those of plain decoding, bit for bit, alone and in a bat
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -11,6 +12,7 @@ from freetoken.config import SpeculativeConfig
 from freetoken.core import SamplingParams, StructuredSpec
 from freetoken.message import UserMsg
 from freetoken.scheduler.factory import build_scheduler
+from freetoken.scheduler import speculation
 from freetoken.scheduler.speculation import lookup
 from tests.model_fixtures import default_model, loaded_fp32
 
@@ -127,13 +129,63 @@ def test_moe_fixture_equals_plain_decoding(tiny_qwen3_moe_path):
     assert stats["spec_decode_num_drafts"] > 0, stats
 
 
+def _oracle(monkeypatch, prompts, outputs):
+    """Drafts taken from the plain outputs (a random model rarely repeats itself in a few
+    tokens), every third one with its last token wrong: drafts accepted whole and in part."""
+
+    def lookup(ids, config, most):
+        for prompt, out in zip(prompts, outputs):
+            if ids[: len(prompt)] == prompt:
+                done = len(ids) - len(prompt)
+                draft = out[done : done + most]
+                if draft and done % 3 == 0:
+                    draft[-1] = (draft[-1] + 1) % 1000
+                return draft
+        return []
+
+    monkeypatch.setattr(speculation, "lookup", lookup)
+
+
 @pytest.mark.slow
-def test_a_hybrid_model_decodes_plainly(tiny_hybrid_path):
+@pytest.mark.parametrize("variant", ["qwen3_5_text", "qwen3_next"])
+def test_hybrid_fixtures_equal_plain_decoding(tiny_hybrid_path, variant, monkeypatch):
+    # The recurrent layers run a draft's rows one round each, from the state the row before
+    # left, and keep the state of the last accepted row: later steps would show a wrong one.
+    loaded = loaded_fp32(tiny_hybrid_path(variant))
+    tok = loaded.tokenizer
+    # A 248k vocabulary: the sampler's rows dominate, so four requests of the list, shorter.
+    requests = lambda: [(tok.encode(f"{i} {CODE[:30]}"), replace(p, max_tokens=min(p.max_tokens, 16)))
+                        for i, p in enumerate(_params()) if i in (0, 1, 2, 7)]
+    plain, _ = _run(loaded, requests(), None)
+    _oracle(monkeypatch, [ids for ids, _ in requests()], [plain[uid][0] for uid in range(4)])
+    drafted, stats = _run(loaded, requests(), SPEC)
+    assert drafted == plain
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"], stats
+    for uid in (0, 1):  # greedy and seeded top-p, alone
+        alone, _ = _run(loaded, [requests()[uid]], SPEC)
+        assert alone[0] == plain[uid], uid
+
+
+@pytest.mark.slow
+def test_hybrid_drafts_survive_preemption_and_the_prefix_cache(tiny_hybrid_path, monkeypatch):
+    # 200 KV slots for four 67-token prompts and their outputs: requests are preempted and
+    # recomputed, and a prompt's snapshot serves the next request's cache hit.
     loaded = loaded_fp32(tiny_hybrid_path())
     tok = loaded.tokenizer
-    requests = [(tok.encode(CODE * 2), SamplingParams(temperature=0, max_tokens=8))]
-    plain, _ = _run(loaded, requests, None)
-    drafted, stats = _run(loaded, [(tok.encode(CODE * 2), SamplingParams(temperature=0, max_tokens=8))],
-                          SPEC)
-    assert drafted == plain
-    assert "spec_decode_num_drafts" not in stats
+    shared = tok.encode(CODE * 2)[:66]
+    requests = lambda: [(shared + [100 + i], SamplingParams(temperature=0.8, seed=i, max_tokens=24))
+                        for i in range(4)]
+    expected = [_run(loaded, [request], None)[0][0][0] for request in requests()]
+    _oracle(monkeypatch, [ids for ids, _ in requests()], expected)
+    scheduler = build_scheduler(loaded, kv_slots=200, speculative=SPEC, state_snapshots=2,
+                                max_running_requests=4)
+    out = {}
+    for uid, request in enumerate(requests()):
+        scheduler.add(UserMsg(uid, *request))
+    while scheduler.has_work:
+        for msg in scheduler.step():
+            out.setdefault(msg.uid, []).extend(msg.token_ids)
+    stats = scheduler.stats()
+    assert stats["preemptions"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0, stats
+    assert stats["prefix_cache_hits"] > 0, stats
+    assert [out[uid] for uid in range(4)] == expected
