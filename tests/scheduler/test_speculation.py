@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from freetoken.config import SpeculativeConfig
-from freetoken.core import SamplingParams, StructuredSpec
+from freetoken.core import Req, SamplingParams, StructuredSpec
 from freetoken.message import UserMsg
 from freetoken.scheduler.factory import build_scheduler
 from freetoken.scheduler import speculation
@@ -44,6 +44,38 @@ def test_lookup_takes_what_followed_the_latest_longest_match():
     assert lookup([1, 2, 3, 4], config, 3) == []  # no earlier occurrence of any suffix
     assert lookup([5, 5, 5], config, 3) == [5]  # the match may overlap the suffix
     assert lookup([1, 2, 1, 2], config, 0) == []
+
+
+def test_step_cost_fit_gives_the_rows_share_of_a_step():
+    cost = speculation.StepCost()
+    assert cost.row_share(8) == 0.0  # nothing seen yet: drafts are not held back
+    for rows in (8, 12, 9, 16, 8, 10):
+        cost.observe(rows, 0.020 + 0.001 * rows)
+    assert cost.row_share(8) == pytest.approx(0.008 / 0.028)
+    assert cost.row_share(1) == pytest.approx(0.001 / 0.021)
+
+
+def test_drafts_are_proposed_only_where_they_pay_for_their_rows():
+    ids = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    speculator = speculation.Speculator(SPEC)
+    req = lambda: Req(uid=0, prompt_ids=list(ids), params=SamplingParams(max_tokens=50))
+    assert speculator.propose(req(), 8) == [7, 8, 5, 6]  # no cost known: the whole draft
+    for rows in (8, 12, 9, 16, 8, 10):  # rows are half of a step of 8
+        speculator.observe(rows, 0.008 + 0.001 * rows)
+    doubtful = req()
+    speculator.verified(doubtful, [1, 2], 0, 1)  # nothing accepted: a pause of 1, then...
+    speculator.verified(doubtful, [1, 2], 1, 2)  # ...(its pause, begun, is kept as it is)
+    assert doubtful.draft_pause == 1 and speculation.acceptance(doubtful) < 0.5
+    assert speculator.propose(doubtful, 8) == []  # pausing
+    # 0.43 < 0.5: no token pays; after a pause, one is tried all the same, and a pause of 2 begins.
+    assert speculator.propose(doubtful, 8) == [7]
+    assert doubtful.draft_pause == 2
+    assert speculator.propose(doubtful, 1) == [] and speculator.propose(doubtful, 1) == []
+    assert speculator.propose(doubtful, 1) == [7, 8]  # at one row a row is cheap: it pays
+    good = req()
+    for _ in range(3):
+        speculator.verified(good, [1, 2, 3, 4], 4, 5)
+    assert speculator.propose(good, 8) == [7, 8, 5, 6]  # 0.91 ** 4 >= 0.5
 
 
 def _params():
