@@ -119,12 +119,15 @@ class Req:
     state_slot: int | None = None
     snapshots: dict[int, int] = field(default_factory=dict)
     # Speculative decoding (scheduler/speculation.py): the tokens this step verifies after its
-    # last one; the longest its next draft may be (0: the server's), and how many coming steps
-    # it decodes plainly after drafts were rejected.
+    # last one; the longest its next draft may be (0: the server's), how many coming steps it
+    # decodes plainly after drafts were rejected, and its draft tokens' recent (decayed) accepts
+    # and rejects.
     drafts: list[int] = field(default_factory=list)
     draft_length: int = 0
     draft_pause: int = 0
     draft_backoff: int = 0
+    draft_hits: float = 0.0
+    draft_misses: float = 0.0
     # With params.pooling: the final-norm hidden state of each prompt position it reads, so far.
     hidden: dict[int, torch.Tensor] | None = None
 

@@ -98,7 +98,9 @@ class Engine:
         out = StepOutput(tokens, logprobs, prompt_logprobs(logits[n : n + len(targets)], targets, ks))
         self._collect_hidden(batch, ctx)
         if ctx.linear is not None:  # the step went through: its new recurrent states stand
-            self.states.commit(ctx.linear)
+            kept = {id(r): len(t) for r, t in zip(batch.logit_reqs, tokens)}
+            self.states.commit(ctx.linear, torch.tensor([kept.get(id(r), 1) for r in ctx.linear.decoding],
+                                                        device=self.device))
         return out
 
     def _collect_hidden(self, batch: Batch, ctx: ForwardContext) -> None:
@@ -259,20 +261,25 @@ class Engine:
 
     def _linear_context(self, batch: Batch) -> LinearContext:
         """Linear-attention layers: prompt pieces run one request at a time (chunked form),
-        decoding requests together (recurrent form)."""
-        prefills, rows, slots = [], [], []
+        decoding requests together (recurrent form), a drafted request's rows one per round."""
+        prefills, rows, slots, decoding = [], [], [], []
         row = 0  # the request's first row, as plan() lays them out
         for req, new in zip(batch.reqs, batch.new_ids):
-            if _decodes(req, len(new)):
+            if req.drafts or _decodes(req, len(new)):
                 rows.append(row)
                 slots.append(req.state_slot)
+                decoding.append(req)
             else:
                 prefills.append(PrefillPiece(row, len(new), req.num_computed - len(new), req.state_slot,
                                              req.snapshots))
             row += len(new)
         on_device = partial(torch.tensor, device=self.device)
+        rounds = []
+        for j in range(1, 1 + max((len(r.drafts) for r in decoding), default=0)):
+            members = [i for i, r in enumerate(decoding) if len(r.drafts) >= j]
+            rounds.append((on_device(members), on_device([rows[i] + j for i in members])))
         return LinearContext(self.states, prefills, on_device(rows) if rows else None,
-                             on_device(slots) if slots else None)
+                             on_device(slots) if slots else None, rounds, decoding)
 
 
 def _decodes(req, q: int) -> bool:

@@ -45,10 +45,16 @@ class PrefillPiece:
 class LinearContext:
     pool: StatePool
     prefills: list[PrefillPiece]
-    decode_rows: torch.Tensor | None  # [B] rows of decoding requests
+    decode_rows: torch.Tensor | None  # [B] rows of decoding requests (a drafted one's first)
     decode_slots: torch.Tensor | None  # [B] their slots
-    # (layer, slots [n], conv [n, K-1, C], recurrent [n, H, dk, dv]) written at commit
-    staged: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # Speculative verification: round j >= 1 runs row j of the decoding requests that have more
+    # than j rows, (their indices among the B [m], their rows [m]), after round j - 1.
+    draft_rounds: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    decoding: list = field(default_factory=list)  # the B requests (core.Req), in order
+    # (layer, slots [n], conv [n, K-1, C], recurrent [n, H, dk, dv], round) written at commit;
+    # a round j >= 1 entry also names its requests' indices among the B, to keep or drop.
+    staged: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor | None]] = \
+        field(default_factory=list)
 
 
 class StatePool:
@@ -80,8 +86,14 @@ class StatePool:
             for t in tensors:
                 t[dst].copy_(t[src])
 
-    def commit(self, ctx: LinearContext) -> None:
-        for layer, slots, conv, rec in ctx.staged:
+    def commit(self, ctx: LinearContext, kept: torch.Tensor | None = None) -> None:
+        """Write the step's states. `kept` [B]: rows each decoding request kept (drafts
+        verified); a request keeps the state after its last kept row, so the rounds after it
+        are dropped (rounds are staged in order: a later kept round overwrites an earlier)."""
+        for layer, slots, conv, rec, round_, members in ctx.staged:
+            if members is not None:
+                keep = kept.index_select(0, members) > round_
+                slots, conv, rec = slots[keep], conv[keep], rec[keep]
             self.conv[layer].index_copy_(0, slots, conv.to(self.conv[layer].dtype))
             self.recurrent[layer].index_copy_(0, slots, rec)
         ctx.staged.clear()

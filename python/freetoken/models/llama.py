@@ -109,7 +109,7 @@ class Backbone(nn.Module):
 class LlamaForCausalLM(CausalLM):
     config_class = ModelConfig  # a family's subclass reads its own fields
     # Every row attends on its own keys, so a request's draft rows can each run as a decode step
-    # (scheduler/speculation.py); a hybrid's recurrent layers hold one state per request.
+    # (scheduler/speculation.py).
     verifies_drafts = True
     # The checkpoint's stacked experts are [E, in, out] with gate and up interleaved (gpt-oss),
     # not [E, out, in] with gate then up: a tensor-parallel rank reads other slices of them.

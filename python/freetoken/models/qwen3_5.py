@@ -167,6 +167,9 @@ class Qwen3_5ForCausalLM(CausalLM):
     """Every hybrid architecture of models/registry.py."""
 
     config_class = HybridConfig
+    # A draft's rows run through the recurrent layers one round per row, each from the state the
+    # row before left (models/layers/delta_rule.py), and the accepted rows' state is kept.
+    verifies_drafts = True
 
     def __init__(self, cfg: HybridConfig):
         super().__init__()

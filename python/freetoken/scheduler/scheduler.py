@@ -28,6 +28,7 @@ snapshots in the prefix cache; scheduler/states.py is their side of it.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 from itertools import islice
@@ -75,8 +76,8 @@ class Scheduler:
         if engine.states is not None:
             self.cache = SnapshotCache(engine.kv, engine.states) if config.prefix_cache else None
             self.states = RecurrentStates(engine.states, self.cache)
-        # Drafts need a model whose rows can each attend as a decode step: not a hybrid's
-        # recurrent layers (one state per request), nor the scripted test model.
+        # Drafts need a model whose rows can each run as a decode step (not the scripted test
+        # model).
         self.speculator = (Speculator(config.speculative) if config.speculative is not None
                            and getattr(engine.model, "verifies_drafts", False) else None)
         self.waiting: deque[Req] = deque()
@@ -177,12 +178,15 @@ class Scheduler:
     def step(self) -> list[DetokenizeMsg]:
         replies = self._resolve_grammars() if self.compiling else []
         self._admit()
-        batch = self._prefill_batch() or self._decode_batch()
+        start = time.perf_counter()
+        prefill = self._prefill_batch()
+        batch = prefill or self._decode_batch()
         if batch is None:
             self.engine.idle()
             if self.compiling:
                 wait_any([r.grammar for r in self.compiling], GRAMMAR_IDLE_WAIT_S)
             return replies
+        rows = sum(1 + len(r.drafts) for r in batch.reqs)
         done, failed = self._forward(batch)
         replies += failed
         for part, out in done:
@@ -197,6 +201,8 @@ class Scheduler:
                         self.cache.insert(req.prompt_ids, req.slots[: len(req.prompt_ids)])
             for req, tokens, logprobs in zip(part.logit_reqs, out.tokens, out.logprobs):
                 replies += self._emit(req, tokens, logprobs)
+        if self.speculator is not None and prefill is None and not failed:
+            self.speculator.observe(rows, time.perf_counter() - start)
         return replies
 
     def _emit(self, req: Req, tokens: list[int], logprobs: list) -> list[DetokenizeMsg]:
@@ -343,7 +349,7 @@ class Scheduler:
             self._take(req, 1)
         if self.speculator is not None:
             for req in reqs:  # drafts take free slots only: they never preempt anyone
-                drafts = self.speculator.propose(req)
+                drafts = self.speculator.propose(req, len(reqs))
                 if drafts and self._fits(len(drafts)):
                     req.drafts = drafts
                     self._take(req, len(drafts))

@@ -8,10 +8,15 @@ differs from the draft ends the step, its token emitted in place of the draft's.
 kernels give each row the bits of a plain decode step, and a seeded request's random stream is
 rewound to the draws its emitted tokens used, so its output is the plain one, bit for bit.
 
-A request's next draft is one token longer than what its last draft had accepted (up to
-`num_speculative_tokens`), and a request whose draft had nothing accepted stops drafting for a
-while (twice as long each time, up to `MAX_PAUSE` steps), so that rows verified in vain stay
-few where text does not repeat.
+A draft's rows are not free: a decode step costs about a + b * rows (the GEMMs and the sampler
+per row), and at 8 or more requests the rows' share of the step is large. So a draft's j-th
+token is proposed only where it pays for its row: where the chance that it is accepted (the
+request's per-token acceptance rate, to the j-th power) is at least the share b * B / (a + b * B)
+of a plain step of B rows that one row's worth of work is, with a and b fitted on the server's
+recent decode steps (`StepCost`). Besides, a request's next draft is at most one token longer
+than what its last draft had accepted (up to `num_speculative_tokens`), and a request whose
+draft had nothing accepted, or whose drafts do not pay, stops drafting for a while (twice as
+long each time, up to `MAX_PAUSE` steps) and then tries one token.
 """
 
 from __future__ import annotations
@@ -24,6 +29,10 @@ from freetoken.config import SpeculativeConfig
 from freetoken.core import Req
 
 MAX_PAUSE = 32
+# A request's acceptance counts decay by this per verified draft: its rate follows its text.
+ACCEPT_DECAY = 0.7
+# The step-cost fit forgets older steps by this per step (about the last 50 weigh).
+COST_DECAY = 0.98
 
 
 def lookup(ids: list[int], config: SpeculativeConfig, most: int) -> list[int]:
@@ -51,13 +60,41 @@ class SpecStats:
     spec_decode_num_emitted_tokens: int = 0  # by steps that verified a draft, bonus tokens too
 
 
+class StepCost:
+    """Decode step seconds as a + b * rows, a least-squares fit over recent decode steps (drafts'
+    lookups, rows and sampling included), older steps weighing less."""
+
+    def __init__(self):
+        self.n = self.x = self.y = self.xx = self.xy = 0.0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        d = COST_DECAY
+        self.n, self.x, self.y = d * self.n + 1, d * self.x + rows, d * self.y + seconds
+        self.xx, self.xy = d * self.xx + rows * rows, d * self.xy + rows * seconds
+
+    def row_share(self, rows: int) -> float:
+        """The share of a step of `rows` rows that one row's worth of work is times `rows`
+        (b * rows / (a + b * rows)); 0 until the fit has seen steps of different row counts."""
+        if self.n < 4:
+            return 0.0
+        mean_x, mean_y = self.x / self.n, self.y / self.n
+        var = self.xx / self.n - mean_x * mean_x
+        if var < 0.25:  # too few distinct row counts to tell a from b
+            return 0.0
+        b = max((self.xy / self.n - mean_x * mean_y) / var, 0.0)
+        a = max(mean_y - b * mean_x, 0.0)
+        return b * rows / (a + b * rows) if b > 0 else 0.0
+
+
 class Speculator:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
         self.stats = SpecStats()
+        self.cost = StepCost()
 
-    def propose(self, req: Req) -> list[int]:
-        """The draft for `req`'s next step, empty when it should decode plainly."""
+    def propose(self, req: Req, batch_rows: int) -> list[int]:
+        """The draft for `req`'s next step in a decode step of `batch_rows` plain rows, empty
+        when it should decode plainly."""
         if not speculates(req):
             return []
         if req.draft_pause > 0:
@@ -65,8 +102,18 @@ class Speculator:
             return []
         # The bonus token counts against max_tokens too: k drafts emit up to k + 1 tokens.
         room = req.params.max_tokens - len(req.output_ids) - 1
-        return lookup(req.all_ids, self.config, min(req.draft_length or self.config.num_speculative_tokens,
-                                                     room))
+        most = min(req.draft_length or self.config.num_speculative_tokens, room)
+        share, rate = self.cost.row_share(batch_rows), acceptance(req)
+        paying = 0
+        while paying < most and rate ** (paying + 1) >= share:
+            paying += 1
+        if paying or most <= 0:
+            return lookup(req.all_ids, self.config, paying)
+        # No token pays its row: decode plainly for a while; after a pause, one token is tried
+        # all the same, so that text that starts to repeat is noticed.
+        probe = req.draft_backoff > 0
+        self._pause(req)
+        return lookup(req.all_ids, self.config, 1) if probe else []
 
     def verified(self, req: Req, drafts: list[int], accepted: int, emitted: int) -> None:
         self.stats.spec_decode_num_drafts += 1
@@ -74,11 +121,29 @@ class Speculator:
         self.stats.spec_decode_num_accepted_tokens += accepted
         self.stats.spec_decode_num_emitted_tokens += emitted
         req.draft_length = min(accepted + 1, self.config.num_speculative_tokens)
+        req.draft_hits = ACCEPT_DECAY * req.draft_hits + accepted
+        req.draft_misses = ACCEPT_DECAY * req.draft_misses + (accepted < len(drafts))
+        if req.draft_pause:  # a token tried after a pause: the next pause has begun
+            return
         if accepted:
             req.draft_backoff = 0
         else:
-            req.draft_backoff = min(2 * req.draft_backoff or 1, MAX_PAUSE)
-            req.draft_pause = req.draft_backoff
+            self._pause(req)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A decode step of `rows` rows took `seconds`, its drafts' lookups and sampling too."""
+        self.cost.observe(rows, seconds)
+
+    @staticmethod
+    def _pause(req: Req) -> None:
+        req.draft_backoff = min(2 * req.draft_backoff or 1, MAX_PAUSE)
+        req.draft_pause = req.draft_backoff
+
+
+def acceptance(req: Req) -> float:
+    """The chance that `req`'s next draft token is accepted, given its last ones (a prior of
+    one accept and one reject)."""
+    return (req.draft_hits + 1) / (req.draft_hits + req.draft_misses + 2)
 
 
 def speculates(req: Req) -> bool:

@@ -172,15 +172,33 @@ class GatedDeltaNet(nn.Module):
                 states.append(boundaries[pos])
         if slots:
             lin.staged.append((self.layer, torch.tensor(slots, device=x.device), torch.stack(convs),
-                               torch.stack(states)))
+                               torch.stack(states), 0, None))
         if lin.decode_rows is not None:
-            rows, held = lin.decode_rows, lin.decode_slots
-            window = torch.cat([conv_pool.index_select(0, held).to(mixed.dtype),
-                                mixed.index_select(0, rows)[:, None]], dim=1)
-            q, k, v = split(causal_conv(window, weight)[:, 0])
-            o, state = recurrent(q, k, v, g.index_select(0, rows), beta.index_select(0, rows),
-                                     rec_pool.index_select(0, held), groups)
-            out.index_copy_(0, rows, o)
-            lin.staged.append((self.layer, held, window[:, 1:], state))
+            self._decode(lin, mixed, g, beta, out, split)
         out = (self.norm(out) * F.silu(z.float().view(t, vh, dv))).to(x.dtype)
         return self.out_proj(out.view(t, -1))
+
+    def _decode(self, lin, mixed, g, beta, out, split) -> None:
+        """Decoding requests, one row each per round: round 0 their first rows from their slots'
+        states, round j a drafted request's row j from its state after round j - 1, by the very
+        computation of a plain decode step; each round's states are staged for commit to keep
+        those of the rows the sampler accepts."""
+        weight, groups = self.conv1d.weight[:, 0], self.cfg.linear_v_heads // self.cfg.linear_k_heads
+        held = lin.decode_slots
+        conv = lin.pool.conv[self.layer].index_select(0, held).to(mixed.dtype)
+        rec = lin.pool.recurrent[self.layer].index_select(0, held)
+        for round_, (members, rows) in enumerate([(None, lin.decode_rows), *lin.draft_rounds]):
+            if members is not None:
+                conv, rec = running_conv.index_select(0, members), running_rec.index_select(0, members)
+            window = torch.cat([conv, mixed.index_select(0, rows)[:, None]], dim=1)
+            q, k, v = split(causal_conv(window, weight)[:, 0])
+            o, state = recurrent(q, k, v, g.index_select(0, rows), beta.index_select(0, rows), rec, groups)
+            out.index_copy_(0, rows, o)
+            slots = held if members is None else held.index_select(0, members)
+            lin.staged.append((self.layer, slots, window[:, 1:], state, round_, members))
+            if lin.draft_rounds:  # the states the next round starts from, staged ones kept intact
+                if members is None:
+                    running_conv, running_rec = window[:, 1:].clone(), state.clone()
+                else:
+                    running_conv.index_copy_(0, members, window[:, 1:])
+                    running_rec.index_copy_(0, members, state)
