@@ -130,8 +130,9 @@ def load_model(model: str | os.PathLike | None = None, dtype: str = "auto", devi
         module = build(cls, folder, hf_config, tokenizer, weights_dtype, dev, group, in_parts)
     else:
         quantized = _gguf_weights(gguf_weights) == "quantized" and dev.type == "cpu"
+        # Quantized layers are not cut into parts (their blocks are not cut between ranks yet).
         module = build_gguf(cls, gguf, hf_config, tokenizer, weights_dtype, dev, quantized, kv_slots,
-                            in_parts)
+                            in_parts and not quantized)
     return LoadedModel(
         model=module.eval(),
         tokenizer=tokenizer,

@@ -63,13 +63,21 @@ def test_each_kernel_matches_a_float64_matmul(kernel, dtype, bias):
     assert (got.double() - expected).abs().max().item() < (0.25 if dtype == torch.bfloat16 else 1e-4)
 
 
+@pytest.fixture(scope="module")
+def shared_probe_cache(tmp_path_factory):
+    """One probe cache for the row-count tests: each shape's candidates probed once (the LM
+    head's take a minute), not once per test."""
+    return tmp_path_factory.mktemp("probes")
+
+
 @pytest.mark.parametrize("kernel,dtype", [*(("auto", d) for d in DTYPES), *KERNEL_DTYPES])
 @pytest.mark.parametrize("in_features,out_features", SHAPES)
 def test_a_row_gets_the_same_bits_at_every_row_count(kernel, dtype, in_features, out_features,
-                                                     monkeypatch):
+                                                     monkeypatch, shared_probe_cache):
     """Row counts the probe did not try (6, 10, 300, 511: past `most`, split into calls), rows in
     the middle of their call, against the row computed alone (the layer pads a call below its
     rule's minimum itself)."""
+    monkeypatch.setenv("FREETOKEN_CACHE", str(shared_probe_cache))
     layer = _layer(in_features, out_features, dtype)
     if kernel == "auto":
         pack_linears(layer)

@@ -155,7 +155,10 @@ def compute_in_parts(model: nn.Module, parts: int = EXACT_PARTS) -> None:
 
 def _experts_in_parts(experts: Experts, parts: int) -> None:
     """The experts' down projections in parts of the intermediate size, each part's weighted sum
-    added in part order (moe.Experts.down_parts); gate/up stays whole."""
+    added in part order (moe.Experts.down_parts); gate/up stays whole. Quantized experts stay
+    whole (their blocks are not cut between parts yet)."""
+    if experts.quantized is not None:
+        return
     if experts.stacked:
         gate_up, (down,) = experts.stacked
         cols = [even_part(down.in_features, p, parts) for p in range(parts)]
