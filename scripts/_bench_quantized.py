@@ -1,7 +1,8 @@
 """The quantized table of bench_engine.py (`--tables quantized`): prefill and decode tokens/s on
 the default GGUF with its blocks kept quantized (FREETOKEN_GGUF_WEIGHTS=quantized) against our
-float32 run on the same blocks dequantized at load, and llama.cpp (llama-cpp-python, in this
-process, batch 1: it runs one sequence at a time) where it is installed; with each side's
+float32 run on the same blocks dequantized at load, and llama.cpp (llama-cpp-python, in a child
+process so that a crash of its native code cannot take the table with it; batch 1: it runs one
+sequence at a time) where it is installed; with each side's
 weight bytes and the process's resident memory once it has run (VmRSS: a mapped GGUF's pages
 count as they are read).
 """
@@ -10,7 +11,10 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import multiprocessing
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 import _bench_common as bc
 
@@ -55,21 +59,31 @@ def llama_cpp_rows(prefill_len: int, new_tokens: int, args) -> list[list]:
         bc.note("llama.cpp: llama-cpp-python is not installed (pip install llama-cpp-python builds it "
                 "from source, ~5 min)")
         return []
+    spawn = multiprocessing.get_context("spawn")
+    try:
+        with ProcessPoolExecutor(1, mp_context=spawn) as child:
+            return child.submit(_llama_cpp_rows, prefill_len, new_tokens, args.threads or 2,
+                                args.repeats).result()
+    except BrokenProcessPool:
+        bc.note("llama.cpp: its process died while running the model (a crash in llama-cpp-python)")
+        return []
+
+
+def _llama_cpp_rows(prefill_len: int, new_tokens: int, threads: int, repeats: int) -> list[list]:
     import llama_cpp
 
-    gc.collect()
     before = rss_mb()
     llm = llama_cpp.Llama(str(bc.default_gguf()), n_ctx=prefill_len + new_tokens + 64,
-                          n_threads=args.threads or 2, n_batch=512, verbose=False)
+                          n_threads=threads, n_batch=512, verbose=False)
     ids = bc.token_prompts(bc.load_tokenizer(), 1, prefill_len, seed=1)[0]
 
     def prefill() -> None:
         llm.reset()
         llm.eval(ids)
 
-    t_pre = bc.best_time(prefill, args.repeats)
+    t_pre = bc.best_time(prefill, repeats)
     best = float("inf")
-    for _ in range(args.repeats):
+    for _ in range(repeats):
         prefill()
         token = llm.sample(temp=0.0)
         t0 = time.perf_counter()
