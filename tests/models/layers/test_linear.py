@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from freetoken.models.layers import linear
+from freetoken.models.layers import kernel_choice, linear
 from freetoken.models.kernels.grouped_gemm import grouped_gemm
 from freetoken.models.layers.kernel_choice import Measured, RowRule
 from freetoken.models.layers.linear import Linear, choose, pack_linears, prepare
@@ -201,3 +201,16 @@ def test_a_shape_no_candidate_runs_is_reported_not_invariant(monkeypatch):
     assert not plan.invariant and set(plan.kernels.values()) == {"F.linear (not probed)"}
     x = torch.randn(3, 16)
     assert torch.equal(model.proj(x), torch.nn.functional.linear(x, model.proj.weight))
+
+
+@pytest.mark.parametrize("timings,widest", [
+    # Within RULE_TIE (5 %) of the fastest: noise on a loaded machine; the widest rule wins.
+    ({RowRule(1, 256): 1.03, RowRule(16, 256): 1.0, RowRule(1, 32): 0.99}, RowRule(1, 256)),
+    ({RowRule(1, 256): 1.2, RowRule(16, 256): 1.0, RowRule(1, 32): 0.99}, RowRule(16, 256)),
+    # Faster past the noise: the narrower rule is kept.
+    ({RowRule(1, 256): 1.0, RowRule(16, 256): 1.0, RowRule(1, 32): 0.5}, RowRule(1, 32)),
+])
+def test_rules_timed_within_noise_go_to_the_widest(timings, widest, monkeypatch):
+    monkeypatch.setattr(kernel_choice, "rule_holds", lambda run, k, dtype, rule, device: rule in timings)
+    monkeypatch.setattr(kernel_choice, "seconds", lambda run, k, dtype, rule, device: timings[rule])
+    assert kernel_choice.measure("fake", None, 16, torch.float32, "cpu").rule == widest

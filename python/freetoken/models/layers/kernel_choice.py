@@ -161,14 +161,15 @@ class Measured:
 def measure(kernel: str, run: Run, in_features: int, dtype: torch.dtype,
             device: torch.device) -> Measured:
     """`kernel` under the fastest rule of RULES that holds for it (rule None: none holds); rules
-    within RULE_TIE of the fastest count as ties, and the first of RULES wins those (timings
-    move by a few % from run to run on a shared machine)."""
+    within RULE_TIE of the fastest count as ties, and the widest of those wins (timings move by
+    a few % from run to run on a loaded machine: noise would pick otherwise)."""
     timed = [Measured(kernel, rule, seconds(run, in_features, dtype, rule, device))
              for rule in RULES if rule_holds(run, in_features, dtype, rule, device)]
     if not timed:
         return Measured(kernel, None, seconds(run, in_features, dtype, RowRule(), device))
     best = min(m.seconds for m in timed)
-    return next(m for m in timed if m.seconds <= best * (1 + RULE_TIE))
+    ties = [m for m in timed if m.seconds <= best * (1 + RULE_TIE)]
+    return max(ties, key=lambda m: (m.rule.most - m.rule.minimum, -m.rule.minimum))
 
 
 def ranked(measured: list[Measured]) -> list[Measured]:
@@ -180,20 +181,32 @@ def measured_with_cache(key: str, kernel: str,
                         probe: Callable[[], Measured | None]) -> Measured | None:
     """`probe()`'s result for this candidate and shape on this machine, probed once (None: the
     kernel cannot run it here, asked again next time)."""
+    def stored() -> dict | None:
+        result = probe()
+        return None if result is None else {
+            "rule": [result.rule.minimum, result.rule.most] if result.rule else None,
+            "seconds": result.seconds}
+
+    entry = probed_once(f"{key} {kernel}", stored)
+    if entry is None:
+        return None
+    return Measured(kernel, RowRule(*entry["rule"]) if entry["rule"] else None, entry["seconds"])
+
+
+def probed_once(key: str, probe: Callable[[], object]):
+    """`probe()`'s result (JSON) under `key` on this machine, from the cache folder if it was
+    probed before (None is not kept: asked again next time)."""
     path = cache_root() / "kernels" / f"probes-{_machine()}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         entries = json.loads(path.read_text()) if path.is_file() else {}
-        entry = entries.get(f"{key} {kernel}")
-        if entry is not None:
-            rule = RowRule(*entry["rule"]) if entry["rule"] else None
-            return Measured(kernel, rule, entry["seconds"])
+        if key in entries:
+            return entries[key]
         result = probe()
         if result is None:
             return None
-        entries[f"{key} {kernel}"] = {"rule": [result.rule.minimum, result.rule.most]
-                                      if result.rule else None, "seconds": result.seconds}
+        entries[key] = result
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
         os.replace(tmp, path)
