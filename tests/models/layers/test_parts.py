@@ -9,8 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from freetoken.models.layers.kernel_choice import Measured, RowRule
 from freetoken.models.layers.linear import Linear
 from freetoken.models.layers.moe import Experts
+from freetoken.models.layers import parts
 from freetoken.models.layers.parts import ColumnParts, RowParts, compute_in_parts
 from freetoken.models.layers.tensor_parallel import shard_model
 from freetoken.models.registry import architecture, model_class
@@ -30,10 +32,12 @@ def _shapes(layer) -> tuple[int, int, bool]:
 
 @pytest.mark.slow  # the default model's folder
 @pytest.mark.parametrize("fixture", ["default", "tiny_qwen3_moe_path", "tiny_gpt_oss_path"])
-def test_each_part_has_the_shape_of_its_rank(fixture, request):
+def test_each_part_has_the_shape_of_its_rank(fixture, request, monkeypatch):
     # The default model splits unevenly: 3 kv heads (9 query heads) over 2.
     folder = default_folder() if fixture == "default" else request.getfixturevalue(fixture)
     whole = _meta_model(folder)
+    # As where no column-parallel layer's columns come out alike: every layer cut.
+    monkeypatch.setattr(parts, "columns_alike", lambda layer, rows, padded=0: False)
     compute_in_parts(whole)
     for rank in range(2):
         ranked = _meta_model(folder)
@@ -70,3 +74,35 @@ def test_parts_compute_the_layer():
     padded = ColumnParts(layer, [[range(0, 7)], [range(7, 12)]], padded=7)
     assert [part.out_features for part in padded.parts] == [7, 7]
     torch.testing.assert_close(padded(x).double(), reference)
+
+
+def _fake_choose(width_dependent: bool, calls: list):
+    """A kernel whose columns are float64 dot products (the same bits at any width), or, as a
+    kernel whose blocking of K follows the GEMM's width would be, one whose bits depend on it."""
+    def choose(layer):
+        calls.append(layer.out_features)
+        weight = layer.weight.detach().double()
+
+        def run(x):
+            y = x.double() @ weight.T
+            return (y * (1 + 1e-6 * layer.out_features) if width_dependent else y).to(x.dtype)
+        return Measured("fake", RowRule(), 1.0), True, run
+    return choose
+
+
+@pytest.mark.parametrize("width_dependent", [False, True])
+def test_column_layers_stay_whole_only_where_the_probe_finds_columns_alike(width_dependent, tmp_path,
+                                                                           monkeypatch):
+    monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(parts, "choose", _fake_choose(width_dependent, calls))
+    layer = Linear(24, 12, bias=True).requires_grad_(False)
+    rows = [[range(0, 3), range(8, 10)], [range(3, 8), range(10, 12)]]
+    computed = parts._columns(layer, rows)
+    if width_dependent:  # the cut: each part the shape a rank holds
+        assert isinstance(computed, ColumnParts) and [p.out_features for p in computed.parts] == [5, 7]
+    else:
+        assert computed is layer
+    assert sorted(calls) == [5, 7, 12]
+    # Kept per machine: a second load probes nothing.
+    assert parts._columns(layer, rows).__class__ is computed.__class__ and len(calls) == 3

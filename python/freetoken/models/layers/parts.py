@@ -5,14 +5,18 @@ bits.
 Tensor parallelism changes two things in a layer's arithmetic. A row-parallel layer (`o_proj`,
 `down_proj`, the experts' down projections) becomes partial products over parts of its input
 features, added over the ranks in rank order: another order of additions than one GEMM over
-all of them. A column-parallel layer (`qkv_proj`, `gate_up_proj`, the LM head) runs a GEMM of
-fewer columns, and a kernel may give a column other bits in a GEMM of another width (the probe
-of kernel_choice.py checks rows, not columns). Here a single process runs every such layer as
-those parts: each part a `Linear` of the very shape a rank holds (so the load-time probe picks
-the same kernel for it, with the same row rule), the row-parallel partial products added in part
-order, as the ranks' are. Nothing has to be column-invariant, only a kernel's bits the same on
-the same shape. The MoE experts' gate/up projections stay whole: the grouped kernel computes
-each column on its own (grouped_gemm.c), so their width does not matter.
+all of them. So a single process computes every such layer in those parts of its K, added in
+part order, as the ranks' are (`RowParts`; a quantized layer's parts are whole blocks of its
+rows, read in place). A column-parallel layer (`qkv_proj`, `gate_up_proj`, the LM head) runs a
+GEMM of fewer columns on a rank, and a kernel may give a column other bits in a GEMM of another
+width. Whether the kernels chosen here do is probed at load (`columns_alike`: the kernel the
+row probe of kernel_choice.py picks for the whole shape against the ones it picks for the
+ranks' shapes, on weights that expose summation order, bit for bit); where they agree the layer
+stays whole, where not it runs as the ranks' parts (`ColumnParts`), each a `Linear` of a rank's
+very shape, so that the probe picks the same kernel for it with the same row rule. The
+quantized kernels compute each output on its own (kernels/quant_gemm.c), so quantized
+column-parallel layers stay whole. The MoE experts' gate/up projections stay whole: the grouped
+kernel computes each column on its own (grouped_gemm.c), so their width does not matter.
 
 Only on CPU (on CUDA the ranks' sum is NCCL's all-reduce, whose order is its own).
 """
@@ -22,10 +26,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+from gguf import GGML_QUANT_SIZES
 from torch import nn
 
-from freetoken.models.layers.linear import Linear
+from freetoken.models.kernels.quant import QuantizedWeight, dequantize
+from freetoken.models.layers.kernel_choice import RowRule, probe_rows, probe_weight, probed_once
+from freetoken.models.layers.linear import Linear, candidates, choose
 from freetoken.models.layers.moe import Experts
+from freetoken.models.layers.quantized import QuantizedLinear
 
 # Tensor-parallel sizes whose ranks compute what one process computes: those dividing it.
 EXACT_PARTS = 2
@@ -112,12 +120,10 @@ class RowParts(nn.Module):
     """A layer's input features cut into the ranges `cols`, each part's partial product added in
     part order (the bias in the first), as a tensor-parallel group's sum adds its ranks'."""
 
-    def __init__(self, layer: Linear, cols: list[range]):
+    def __init__(self, layer: Linear | QuantizedLinear, cols: list[range], dtype: torch.dtype | None = None):
         super().__init__()
         self.cols = cols
-        self.parts = nn.ModuleList(
-            _linear(layer.weight[:, c.start : c.stop].contiguous(), layer.bias if p == 0 else None)
-            for p, c in enumerate(cols))
+        self.parts = nn.ModuleList(k_part(layer, c, p == 0, dtype) for p, c in enumerate(cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Each part's input contiguous, as a rank's own is.
@@ -125,6 +131,75 @@ class RowParts(nn.Module):
         for partial in rest:
             out += partial
         return out
+
+
+def k_part(layer: Linear | QuantizedLinear, cols: range, with_bias: bool,
+           dtype: torch.dtype | None = None) -> Linear | QuantizedLinear:
+    """The input features `cols` of `layer` as the layer a rank holds: a quantized weight's whole
+    blocks of each row, read in place; a weight whose blocks `cols` would cut, dequantized to
+    `dtype` (as a rank's is: tensor_parallel.RankPart)."""
+    bias = layer.bias if with_bias else None
+    if isinstance(layer, Linear):
+        return _linear(layer.weight[:, cols.start : cols.stop].contiguous(), bias)
+    (weight,) = layer.parts  # row-parallel layers are not fused
+    if isinstance(weight, QuantizedWeight):
+        if (sliced := quantized_columns(weight, cols)) is not None:
+            return QuantizedLinear([sliced], None if bias is None else bias.detach())
+        weight = dequantize(weight).to(dtype)
+    return _linear(weight[:, cols.start : cols.stop].contiguous(), bias)
+
+
+def quantized_columns(weight: QuantizedWeight, cols: range) -> QuantizedWeight | None:
+    """Input features `cols` of a [N, K] quantized weight, a view of whole blocks of each row;
+    None where `cols` does not start and end on block boundaries."""
+    block, size = GGML_QUANT_SIZES[weight.qtype]
+    if cols.start % block or cols.stop % block:
+        return None
+    data = weight.data[..., cols.start // block * size : cols.stop // block * size]
+    return QuantizedWeight(weight.qtype, data, (*weight.shape[:-1], len(cols)))
+
+
+COLUMN_ROWS = (1, 3, 17, 65)  # one count below, inside and past each row rule's minimum
+
+
+def columns_alike(layer: Linear, rows: list[list[range]], padded: int = 0) -> bool:
+    """Do the kernels chosen for `layer`'s shape and for the shapes of its column parts `rows`
+    (as ColumnParts cuts them) give every output column the same bits, at every row count?
+    Probed on `probe_weight`'s weights (outputs that are summation-order residue alone), once
+    per shape on this machine."""
+    weight = layer.weight
+    key = (f"columns {weight.dtype} {weight.device.type} {layer.in_features}x{layer.out_features}"
+           f"{' bias' if layer.bias is not None else ''} {[[(r.start, r.stop) for r in p] for p in rows]}"
+           f" {padded} {','.join(candidates())}")
+    known = probed_once(key, lambda: None)  # read only: the probe chooses kernels, under the same lock
+    if known is None:
+        alike = _probe_columns(layer, rows, padded)
+        probed_once(key, lambda: alike)
+        return alike
+    return known
+
+
+@torch.inference_mode()
+def _probe_columns(layer: Linear, rows: list[list[range]], padded: int) -> bool:
+    weight = layer.weight
+    whole = _linear(probe_weight(layer.out_features, layer.in_features, weight.dtype).to(weight.device),
+                    None if layer.bias is None
+                    else torch.randn(layer.out_features, generator=torch.Generator().manual_seed(3))
+                    .to(dtype=layer.bias.dtype, device=weight.device))
+    parts = ColumnParts(whole, rows, padded)
+    for probe in [whole, *parts.parts]:
+        if (chosen := choose(probe)) is not None:
+            best, _, run = chosen
+            probe.run, probe.rule = run, best.rule or RowRule()
+    x = probe_rows(max(COLUMN_ROWS), layer.in_features, weight.dtype).to(weight.device)
+    return all(torch.equal(whole(x[:n]), parts(x[:n])) for n in COLUMN_ROWS)
+
+
+def _columns(layer: nn.Module, rows: list[list[range]], padded: int = 0) -> nn.Module:
+    """`layer` whole where its columns come out alike whatever the part, else in parts."""
+    if isinstance(layer, QuantizedLinear) or columns_alike(layer, rows, padded):
+        return layer
+    return ColumnParts(layer, rows, padded)
 
 
 def compute_in_parts(model: nn.Module, parts: int = EXACT_PARTS) -> None:
@@ -136,21 +211,22 @@ def compute_in_parts(model: nn.Module, parts: int = EXACT_PARTS) -> None:
     splits = [head_split(cfg.num_heads, cfg.num_kv_heads, p, parts) for p in range(parts)]
     q_rows = [scaled(q, d) for q, _ in splits]
     k_first, v_first = cfg.num_heads * d, (cfg.num_heads + cfg.num_kv_heads) * d
+    dtype = model.model.norm.weight.dtype  # a quantized layer's dequantized parts
     qkv_rows = [[q, scaled(kv, d, k_first), scaled(kv, d, v_first)]
                 for q, (_, kv) in zip(q_rows, splits)]
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = ColumnParts(attn.qkv_proj, qkv_rows)
-        attn.o_proj = RowParts(attn.o_proj, q_rows)
+        attn.qkv_proj = _columns(attn.qkv_proj, qkv_rows)
+        attn.o_proj = RowParts(attn.o_proj, q_rows, dtype)
         if isinstance(mlp, Experts):
             _experts_in_parts(mlp, parts)
             continue
         size = mlp.down_proj.in_features
         cols = [even_part(size, p, parts) for p in range(parts)]
-        mlp.gate_up_proj = ColumnParts(mlp.gate_up_proj, [[c, scaled(c, 1, size)] for c in cols])
-        mlp.down_proj = RowParts(mlp.down_proj, cols)
+        mlp.gate_up_proj = _columns(mlp.gate_up_proj, [[c, scaled(c, 1, size)] for c in cols])
+        mlp.down_proj = RowParts(mlp.down_proj, cols, dtype)
     vocab = [vocab_part(cfg.vocab_size, p, parts) for p in range(parts)]
-    model.lm_head = ColumnParts(model.lm_head, [[rows] for rows, _ in vocab], padded=vocab[0][1])
+    model.lm_head = _columns(model.lm_head, [[rows] for rows, _ in vocab], padded=vocab[0][1])
 
 
 def _experts_in_parts(experts: Experts, parts: int) -> None:
