@@ -19,11 +19,14 @@ import torch.distributed as dist
 from freetoken.config import EngineConfig, ParallelConfig
 from freetoken.core import SamplingParams
 from freetoken.engine.parallel import GroupLost, follow, load_rank
+from freetoken.models.layers.quantized import QuantizedEmbedding, QuantizedLinear
 from freetoken.models.registry import load_model
 from freetoken.models.layers.tensor_parallel import head_split
 from freetoken.scheduler.factory import build_engine, build_scheduler
 from tests.model_fixtures import (default_folder, default_model, drain,
                                   reference_logprobs, tiny_random_folder)
+from tests.fixtures import build_models as bm
+from tests.models.test_gguf_file import MODELS as GGUF_MODELS
 from tests.support.servers import free_port
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,",
@@ -137,6 +140,28 @@ def test_tiny_tp2_matches_tp1_and_transformers(rank1, fixture, request, monkeypa
         ref = reference_logprobs(folder, ids, tokens[:-1])
         for row, entry in zip(ref, entries):
             assert abs(row[entry.token_id].item() - entry.logprob) <= 1e-4
+
+
+@pytest.mark.parametrize("arch", list(GGUF_MODELS))
+def test_quantized_gguf_tp2_keeps_its_blocks_and_matches_tp1(rank1, arch, monkeypatch):
+    # Every block format; llama: a tied Q8_0 head, K-quant o_proj whose half K (128) is not
+    # whole blocks of 256 (dequantized on each rank, and in TP=1's parts); qwen2: q/k/v biases.
+    path = bm.cached(f"tiny-quantized-{arch}", bm.build_quantized_gguf, GGUF_MODELS[arch], arch) / "model.gguf"
+    monkeypatch.setenv("FREETOKEN_EXACT_TP", "1")
+    loaded = load_model(path, dtype="float32", device="cpu", gguf_weights="quantized")
+    tok, whole = loaded.tokenizer, loaded.model.weight_bytes
+    expected = _entries(drain(build_scheduler(loaded, kv_slots=1024), _greedy_and_seeded(tok)))
+    with rank0(path, rank1[1]) as tp2:
+        model = tp2.engine.model
+        layer = model.model.layers[0]
+        assert isinstance(model.model.embed_tokens, QuantizedEmbedding) and isinstance(model.lm_head, QuantizedLinear)
+        assert all(isinstance(m, QuantizedLinear) for m in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj,
+                                                            layer.mlp.down_proj))
+        # Each block format held quantized, about half of each on this rank.
+        held = model.weight_bytes
+        assert all(0 < held[f] < whole[f] for f in whole if f != "float32")
+        together = _entries(drain(tp2, _greedy_and_seeded(tok)))
+    assert together == expected
 
 
 @pytest.mark.slow

@@ -135,12 +135,11 @@ def test_a_gguf_caches_its_config_and_tokenizer_only(built):
     assert registry.model_folder(folder) == (folder, name)
 
 
-def test_tensor_parallel_and_moe_read_the_float32_conversion(caplog):
+def test_moe_reads_the_float32_conversion(caplog):
     caplog.set_level(logging.INFO)
-    assert not registry._reads_gguf("Qwen3ForCausalLM", group=object())
-    assert not registry._reads_gguf("Qwen3MoeForCausalLM", group=None)
-    assert registry._reads_gguf("Qwen3ForCausalLM", group=None)
-    assert "tensor parallelism" in caplog.text and "transformers' conversion" in caplog.text
+    assert not registry._reads_gguf("Qwen3MoeForCausalLM")
+    assert registry._reads_gguf("Qwen3ForCausalLM")  # tensor parallelism too: tests/engine/
+    assert "transformers' conversion" in caplog.text
 
 
 def test_float32_weights_are_the_dequantized_blocks(built, loaded):

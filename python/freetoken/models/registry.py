@@ -113,7 +113,7 @@ def load_model(model: str | os.PathLike | None = None, dtype: str = "auto", devi
     dev = resolve_device(device)
     hf_config = _config(folder)
     gguf = gguf_source(folder)
-    if gguf is not None and not _reads_gguf(architecture(hf_config), group):
+    if gguf is not None and not _reads_gguf(architecture(hf_config)):
         folder = gguf_to_folder(gguf, served=tuple(ARCHITECTURES))
         hf_config, gguf = _config(folder), None
     arch = architecture(hf_config)
@@ -130,9 +130,8 @@ def load_model(model: str | os.PathLike | None = None, dtype: str = "auto", devi
         module = build(cls, folder, hf_config, tokenizer, weights_dtype, dev, group, in_parts)
     else:
         quantized = _gguf_weights(gguf_weights) == "quantized" and dev.type == "cpu"
-        # Quantized layers are not cut into parts (their blocks are not cut between ranks yet).
         module = build_gguf(cls, gguf, hf_config, tokenizer, weights_dtype, dev, quantized, kv_slots,
-                            in_parts and not quantized)
+                            in_parts, group)
     return LoadedModel(
         model=module.eval(),
         tokenizer=tokenizer,
@@ -153,14 +152,13 @@ def _config(folder: Path) -> dict:
     return json.loads(config_file.read_text())
 
 
-def _reads_gguf(arch: str, group) -> bool:
+def _reads_gguf(arch: str) -> bool:
     """Are a GGUF's weights of `arch` read from the file? If not (transformers converts them to
     a float32 folder), why, in the log."""
-    why = ("its architecture is read through transformers' conversion" if arch not in GGUF_READ
-           else "tensor parallelism slices the float32 conversion" if group is not None else None)
-    if why is not None:
-        log.info("GGUF of %s: dequantized to float32 by transformers (%s)", arch, why)
-    return why is None
+    if arch not in GGUF_READ:
+        log.info("GGUF of %s: dequantized to float32 by transformers (its architecture is read "
+                 "through transformers' conversion)", arch)
+    return arch in GGUF_READ
 
 
 def _gguf_weights(asked: str | None) -> str:

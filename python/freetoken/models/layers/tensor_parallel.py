@@ -35,46 +35,66 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetoken.models.kernels.mxfp4 import BLOCK as MXFP4_BLOCK
+from freetoken.models.kernels.quant import QuantizedWeight
 from freetoken.models.layers.linear import Linear
 from freetoken.models.layers.moe import Experts
 from freetoken.models.layers.parts import block_part, even_part, head_split, scaled, vocab_part
 
 
-class RowParallelLinear(Linear):
+class Summed:
+    """A layer (mixed in before it) whose partial outputs are summed over the ranks."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.sum(super().forward(x))
+
+
+class Gathered:
+    """An LM head (mixed in before it) of one vocabulary part (padded to the same count on every
+    rank), the logits of all parts gathered and cut back to the vocabulary."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.gather(super().forward(x))[:, : self.vocab_size]
+
+
+class VocabRows:
+    """An embedding (mixed in before its lookup) of one vocabulary part: an id outside it looks
+    up exact zeros, so that the sum gives every id the bits of its own row."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.rows.start
+        outside = (local < 0) | (local >= len(self.rows))
+        x = super().forward(local.masked_fill(outside, 0))
+        return self.group.sum(x.masked_fill_(outside[..., None], 0))
+
+
+class RowParallelLinear(Summed, Linear):
     """A slice of a linear layer's input features; the partial outputs are summed over ranks."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group):
         super().__init__(in_features, out_features, bias=bias, device="meta")
         self.group = group
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.sum(super().forward(x))
 
-
-class VocabParallelHead(Linear):
-    """The LM head's rows of one vocabulary part (padded to the same count on every rank), with
-    the logits of all parts gathered and cut back to the vocabulary."""
-
+class VocabParallelHead(Gathered, Linear):
     def __init__(self, weight: nn.Parameter, vocab_size: int, group):
         super().__init__(weight.shape[1], weight.shape[0], bias=False, device="meta")
         self.weight = weight  # a tied embedding's Parameter stays shared
         self.vocab_size, self.group = vocab_size, group
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.gather(super().forward(x))[:, : self.vocab_size]
 
-
-class VocabParallelEmbedding(nn.Module):
-    def __init__(self, weight: nn.Parameter, rows: range, group):
+class Embedding(nn.Module):
+    def __init__(self, weight: nn.Parameter):
         super().__init__()
-        self.weight, self.rows, self.group = weight, rows, group
+        self.weight = weight
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        local = ids - self.rows.start
-        outside = (local < 0) | (local >= len(self.rows))
-        x = F.embedding(local.masked_fill(outside, 0), self.weight)
-        # Exact zeros: the sum gives every id the bits of its own row.
-        return self.group.sum(x.masked_fill_(outside[:, None], 0))
+        return F.embedding(ids, self.weight)
+
+
+class VocabParallelEmbedding(VocabRows, Embedding):
+    def __init__(self, weight: nn.Parameter, rows: range, group):
+        super().__init__(weight)
+        self.rows, self.group = rows, group
 
 
 def _meta_linear(in_features: int, out_features: int, bias: bool) -> Linear:
@@ -158,8 +178,7 @@ class RankPart:
         module = name.rpartition(".")[0].rpartition(".")[2]
         d = self.head_dim
         if name.endswith(("embed_tokens.weight", "lm_head.weight")):
-            rows = stored.read(0, [self.vocab_rows])
-            return F.pad(rows, (0, 0, 0, self.vocab_part - len(self.vocab_rows)))
+            return _padded(stored.read(0, [self.vocab_rows]), self.vocab_part)
         if ".self_attn." in name:
             if module == "q_proj":
                 return stored.read(0, [scaled(self.q, d)])
@@ -209,3 +228,14 @@ class RankPart:
 
     def _rank0(self, stored) -> torch.Tensor | None:
         return stored.read() if self.rank == 0 else None
+
+
+def _padded(rows: torch.Tensor | QuantizedWeight, count: int) -> torch.Tensor | QuantizedWeight:
+    """`rows` with zero rows added up to `count` (zero bytes are zeros in every block format)."""
+    missing = count - rows.shape[0]
+    if not isinstance(rows, QuantizedWeight):
+        return F.pad(rows, (0, 0, 0, missing))
+    if not missing:
+        return rows
+    data = torch.cat([rows.data, rows.data.new_zeros(missing, rows.data.shape[1])])
+    return QuantizedWeight(rows.qtype, data, (count, *rows.shape[1:]))
