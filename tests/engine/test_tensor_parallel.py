@@ -1,7 +1,8 @@
 """Tensor parallelism over 2 CPU ranks (gloo, loopback): this process is rank 0 and runs the
 scheduler; one spawned process is rank 1 of each group in turn, over a tiny Qwen3 (4 heads over
-2 kv heads, untied LM head), the tiny Qwen3-MoE and gpt-oss (sharded experts), and last the
-default model (9 heads over 3 kv heads, tied), whose rank 1 is then killed.
+2 kv heads, untied LM head), the tiny Qwen3-MoE and gpt-oss (sharded experts), tiny GGUFs in
+every block format (kept quantized on each rank), and last the default model (9 heads over 3 kv
+heads, tied, Q4_1 and Q8_0 blocks), whose rank 1 is then killed.
 TP=2 is checked bit for bit against TP=1 (which computes its layers in the ranks' parts:
 models/layers/parts.py), against transformers, and a lost rank against a hang."""
 
@@ -167,9 +168,9 @@ def test_quantized_gguf_tp2_keeps_its_blocks_and_matches_tp1(rank1, arch, monkey
 @pytest.mark.slow
 def test_default_model_tp2_splits_uneven_heads_and_matches_tp1_then_a_lost_rank_raises(rank1, monkeypatch):
     proc, link = rank1
-    # TP=1 as 2 ranks compute, on the float32 weights tensor parallelism reads from a GGUF.
+    # TP=1 as 2 ranks compute, on the file's Q4_1/Q8_0 blocks as the ranks keep them.
     monkeypatch.setenv("FREETOKEN_EXACT_TP", "1")
-    tp1 = load_model(None, dtype="float32", device="cpu", gguf_weights="float32")
+    tp1 = load_model(None, dtype="float32", device="cpu", gguf_weights="quantized")
     # Two prompts, four steps: 30 layers are slow, and a batch of two already mixes rows.
     tok, requests = tp1.tokenizer, lambda: _greedy_and_seeded(tok, PROMPTS[1:], max_tokens=4)
     expected = _entries(drain(build_scheduler(tp1, kv_slots=1024), requests()))

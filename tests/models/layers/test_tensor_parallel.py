@@ -103,3 +103,29 @@ def test_mxfp4_experts_split_in_whole_blocks_sum_to_the_whole_layer(tiny_gpt_oss
             part.sum_over_ranks = None  # summed here instead
         summed = sum(Experts.forward(part, x, ids, weights) for part in parts)
     assert (summed - expected).abs().max().item() < 1e-5
+
+
+def test_a_gguf_rank_keeps_whole_blocks_as_views_and_dequantizes_a_cut_block(caplog):
+    from gguf import GGML_QUANT_SIZES
+
+    from freetoken.models.layers.quantized import QuantizedLinear
+    from freetoken.models.layers.quantized_parallel import RowParallelQuantized
+    from freetoken.models.layers.tensor_parallel import RowParallelLinear
+    from tests.fixtures import build_models as bm
+    from tests.models.test_gguf_file import MODELS
+
+    caplog.set_level("INFO")
+    path = bm.cached("tiny-quantized-llama", bm.build_quantized_gguf, MODELS["llama"], "llama") / "model.gguf"
+    model = load_model(path, dtype="float32", device="cpu", group=OneRank(1, 2), gguf_weights="quantized").model
+    down = model.model.layers[0].mlp.down_proj
+    assert isinstance(down, RowParallelQuantized)
+    (weight,) = down.parts
+    block, size = GGML_QUANT_SIZES[weight.qtype]
+    # Rank 1's half of K (256 of 512): whole blocks of each row, read in place.
+    assert weight.shape == (256, 256) and weight.data.shape[1] == 256 // block * size
+    assert weight.data.stride(0) == 512 // block * size
+    # Layer 0's o_proj is Q4_K: half of its K, 2 heads of 64, is half a block of 256.
+    assert isinstance(model.model.layers[0].self_attn.o_proj, RowParallelLinear)
+    assert "dequantized at load on rank 1, its part of K not whole blocks" in caplog.text
+    assert "model.layers.0.self_attn.o_proj.weight" in caplog.text
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, QuantizedLinear)
