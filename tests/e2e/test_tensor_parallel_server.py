@@ -49,7 +49,8 @@ def test_two_nodes_serve_and_a_killed_rank_gives_503_then_both_exit():
             t0 = time.time()
             r = in_flight.result(timeout=30)
             assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead", r.text
-            assert time.time() - t0 < 5
+            # Well under the 30 s wait: the death is noticed, not timed out; loose for loaded CI.
+            assert time.time() - t0 < 15
         assert server.proc.wait(timeout=15) == 1, server.output()
         assert node1.wait(timeout=15) == 1
         assert wait_gone(ranks, 5) == []
