@@ -6,8 +6,10 @@ stay as the file stores them (a QuantizedWeight whose data is a view on the map:
 are read as the matmuls touch them); else they are dequantized at load. F32/F16/BF16 tensors come out as tensors; other block formats are dequantized at load,
 with one log line. llama.cpp's converter permutes a llama's q/k rows (rotary pairs
 interleaved); the permutation is over whole output rows, so it is undone by gathering rows,
-quantized or not (a copy of those two tensors only). Only the dense Llama-family decoders
-(models/llama.py) are read here; the others go through transformers' conversion (loader.py).
+quantized or not (a copy of those two tensors only). The Llama-family decoders (models/llama.py)
+and the Qwen MoE ones (models/qwen3_moe.py: a sparse layer's experts stacked [E, out, in], kept
+quantized by layers/moe.py's take_stacked_experts) are read here; the others go through
+transformers' conversion (loader.py).
 """
 
 from __future__ import annotations
@@ -38,7 +40,13 @@ LAYER = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k":
          "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
          "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
          "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
-         "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+         "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+         # A sparse layer (models/qwen3_moe.py): the router, the experts stacked [E, out, in] (as
+         # named here, before layers/moe.py's take_stacked_experts), a Qwen2-MoE's shared expert.
+         "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
+         "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj",
+         "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+         "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
 
 
 def config_folder(gguf: Path, cache: Path, link: str) -> Path:
@@ -81,7 +89,8 @@ def hf_name(gguf_name: str) -> str | None:
 
 
 def expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
-    """Each HF tensor of a models/llama.py ModelConfig `cfg`, by name: its shape."""
+    """Each HF tensor of a models/llama.py ModelConfig `cfg` (or models/qwen3_moe.py's), by name:
+    its shape; a sparse layer's experts stacked as a GGUF stores them."""
     h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
@@ -98,8 +107,19 @@ def expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
         layer["self_attn.o_proj.bias"] = (h,)
     if cfg.qk_norm:
         layer |= {"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
+    sparse = dict(layer)
+    sparse_layers = getattr(cfg, "sparse_layers", frozenset())
+    if sparse_layers:
+        e, moe, shared = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+        sparse = {k: v for k, v in layer.items() if not k.startswith("mlp.")}
+        sparse |= {"mlp.gate.weight": (e, h), "mlp.experts.gate_proj.weight": (e, moe, h),
+                   "mlp.experts.up_proj.weight": (e, moe, h), "mlp.experts.down_proj.weight": (e, h, moe)}
+        if shared:
+            sparse |= {"mlp.shared_expert.gate_proj.weight": (shared, h), "mlp.shared_expert.up_proj.weight": (shared, h),
+                       "mlp.shared_expert.down_proj.weight": (h, shared), "mlp.shared_expert_gate.weight": (1, h)}
     for i in range(cfg.num_layers):
-        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
+        names = sparse if i in sparse_layers else layer
+        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in names.items()}
     return shapes
 
 
@@ -179,15 +199,17 @@ def read_tensors(path: Path, reader: GGUFReader, cfg, permuted: bool,
         shape = tuple(reversed([int(n) for n in t.shape]))
         if name is None or name not in expected:
             raise ModelNotFound(f"{path.name}: tensor {t.name} has no place in this model")
+        if (1, *shape) == expected[name]:  # llama.cpp stores a [1, H] gate as [H]
+            shape = expected[name]
         if shape != expected[name]:
             raise ModelNotFound(f"{path.name}: tensor {t.name} is {list(shape)}, the config says "
                                 f"{list(expected[name])}")
         rows = _unpermute(name, cfg, shape[0]) if permuted else None
         if t.tensor_type in FLOATS:
-            state[name] = _float(t, rows)
+            state[name] = _float(t, rows).reshape(shape)
         elif kept_as_stored(t.tensor_type, quantized):
             data = _view(t.data) if rows is None else torch.from_numpy(t.data[rows])
-            state[name] = QuantizedWeight(t.tensor_type, data, shape)
+            state[name] = QuantizedWeight(t.tensor_type, data.reshape(*shape[:-1], -1), shape)
         else:
             why = ("quantized weights not asked for" if not quantized
                    else "no kernel for it on this CPU" if t.tensor_type in FORMATS

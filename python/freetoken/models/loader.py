@@ -1,10 +1,11 @@
 """Find a model's files, and build a family's module from them (models/registry.py says which
 family).
 
-A GGUF file of a dense Llama-family decoder is read as it is stored (models/gguf_file.py): its
-config and tokenizer, which transformers parses, are cached as a folder without weights, and
-its tensors are read from the memory-mapped file, the block formats kept quantized where asked
-(models/layers/quantized.py). Other GGUFs (MoE families, tensor parallelism) are converted
+A GGUF file of a Llama-family decoder or a Qwen MoE is read as it is stored (models/gguf_file.py):
+its config and tokenizer, which transformers parses, are cached as a folder without weights,
+and its tensors are read from the memory-mapped file, the block formats kept quantized where
+asked (models/layers/quantized.py, the experts models/layers/moe.py). Other GGUFs (gpt-oss,
+the hybrids, tensor parallelism) are converted
 once by transformers into a float32 HF folder (safetensors + config + tokenizer) in a
 cache keyed by the file's identity: parsing and dequantising takes transformers about 13 s.
 A folder's weights are read tensor by tensor (models/checkpoint.py) into the module built on
@@ -25,7 +26,7 @@ import torch
 
 from freetoken.models.checkpoint import read_weights
 from freetoken.models.layers.linear import pack_linears
-from freetoken.models.layers.moe import stack_experts
+from freetoken.models.layers.moe import stack_experts, take_stacked_experts
 from freetoken.models.layers.parts import compute_in_parts
 from freetoken.models.layers.quantized import (QuantizedEmbedding, QuantizedLinear, install, plan_quantized,
                                                take_quantized, weight_bytes)
@@ -180,7 +181,7 @@ def build(model_class: type, folder: Path, hf_config: dict, tokenizer, dtype: to
 def build_gguf(model_class: type, gguf: Path, hf_config: dict, tokenizer, dtype: torch.dtype,
                device: torch.device, quantized: bool, kv_slots: int = 0,
                in_parts: bool = False) -> torch.nn.Module:
-    """`model_class` (models/llama.py's) with `gguf`'s weights, read from the memory-mapped file:
+    """`model_class` (models/llama.py's or models/qwen3_moe.py's) with `gguf`'s weights, read from the memory-mapped file:
     with `quantized` (on the CPU) the block formats kept as stored, else dequantized at load;
     refused before any weight is read where the weights and a KV pool of `kv_slots` would not
     fit in the memory available."""
@@ -194,6 +195,7 @@ def build_gguf(model_class: type, gguf: Path, hf_config: dict, tokenizer, dtype:
     kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_slots * dtype.itemsize
     check_memory(gguf.name, sum(planned_bytes(reader, dtype, quantized).values()), kv)
     state = read_tensors(gguf, reader, cfg, hf_config.get("model_type") == "llama", quantized)
+    take_stacked_experts(module, state)
     layers = take_quantized(state, FUSED)
     state = module.convert_hf_weights(state)
     return _assign(module, state, layers, tokenizer, dtype, device, in_parts)

@@ -52,7 +52,8 @@ ARCHITECTURES = {
 }
 # The architectures whose GGUF weights are read from the file (models/gguf_file.py) by one
 # process, kept quantized on the CPU where asked; the others are converted by transformers first.
-GGUF_READ = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+GGUF_READ = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+             "Qwen2MoeForCausalLM")
 # FREETOKEN_GGUF_WEIGHTS: "quantized" (the default) keeps the block formats as stored, "float32"
 # dequantizes them at load (the weights HF transformers computes with, at 5x the memory).
 GGUF_WEIGHTS = ("quantized", "float32")

@@ -291,6 +291,32 @@ def widen_unsupported_experts(model: nn.Module, dtype: torch.dtype, device: torc
                  "/".join(sorted(t.name for t in widened)), str(dtype).removeprefix("torch."), where)
 
 
+def take_stacked_experts(model: nn.Module, state: dict[str, torch.Tensor | QuantizedWeight]) -> None:
+    """Out of `state`, each Experts layer's projections stacked as a GGUF file stores them
+    (`<layer>.experts.{gate,up,down}_proj.weight`, [E, out, in]): kept quantized on the layer
+    (`use_quantized`, gate and up as parts) where all three are, else put back as the stacked
+    float entries `<layer>.experts.gate_up_proj` / `down_proj` that split_stacked_experts splits
+    per expert (a part in a format without a kernel here was dequantized at load: so are its
+    partners, with one log line)."""
+    widened = []
+    for name, layer in model.named_modules():
+        keys = [f"{name}.experts.{p}_proj.weight" for p in ("gate", "up", "down")]
+        if not isinstance(layer, Experts) or keys[0] not in state:
+            continue
+        gate, up, down = (state.pop(key) for key in keys)
+        if all(isinstance(w, QuantizedWeight) for w in (gate, up, down)):
+            layer.use_quantized((gate, up), down)
+            continue
+        if any(isinstance(w, QuantizedWeight) for w in (gate, up, down)):
+            widened.append(name)
+        gate, up, down = (dequantize(w) if isinstance(w, QuantizedWeight) else w for w in (gate, up, down))
+        state[f"{name}.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
+        state[f"{name}.experts.down_proj"] = down
+    if widened:
+        log.info("experts of %d layers (%s%s) dequantized at load with the part of them that has no "
+                 "kernel here", len(widened), ", ".join(widened[:3]), ", ..." if len(widened) > 3 else "")
+
+
 def split_stacked_experts(state: dict[str, torch.Tensor], name: str, transpose: bool = False,
                           target: str | None = None) -> dict[str, torch.Tensor]:
     """Turn a stacked expert tensor `...experts.<name>` ([E, out, in], or [E, in, out] with
