@@ -1,4 +1,4 @@
-"""Qwen3-MoE GGUF files read as stored: the experts kept in their block formats (grouped
+"""Qwen3-MoE and Qwen2-MoE GGUF files read as stored: the experts kept in their block formats (grouped
 quantized kernel) against transformers' float32 run on the same file dequantized, batch
 invariance, weight bytes, and a file whose experts do not fit the config."""
 
@@ -16,18 +16,21 @@ from tests.fixtures import build_models as bm
 from tests.model_fixtures import assert_matches_reference, assert_same_run, greedy_run
 
 MIXES = ("Q8_0", "Q4_K", "Q4_K_M")
+# name -> (mix, arch): Qwen3-MoE in each mix, Qwen2-MoE (a shared expert, q/k/v biases) in Q4_K_M.
+MODELS = {**{mix: (mix, "qwen3moe") for mix in MIXES}, "qwen2moe": ("Q4_K_M", "qwen2moe")}
 PROMPTS = {0: [5, 6, 7, 8, 9, 10, 11], 1: [100, 200, 300]}
 
 
 @pytest.fixture(scope="module")
 def built():
-    return {mix: bm.cached(f"tiny-quantized-moe-{mix}", bm.build_quantized_moe_gguf, mix) for mix in MIXES}
+    return {name: bm.cached(f"tiny-quantized-moe-{name}", bm.build_quantized_moe_gguf, *args)
+            for name, args in MODELS.items()}
 
 
 @pytest.fixture(scope="module")
 def loaded(built):
-    return {mix: registry.load_model(path / "model.gguf", dtype="float32", device="cpu", gguf_weights="quantized")
-            for mix, path in built.items()}
+    return {name: registry.load_model(path / "model.gguf", dtype="float32", device="cpu", gguf_weights="quantized")
+            for name, path in built.items()}
 
 
 def _stored_bytes(path) -> dict[str, int]:
@@ -42,18 +45,22 @@ def _stored_bytes(path) -> dict[str, int]:
     return stored
 
 
-@pytest.mark.parametrize("mix", MIXES)
-def test_experts_stay_quantized_and_match_transformers(mix, built, loaded):
+@pytest.mark.parametrize("name", list(MODELS))
+def test_experts_stay_quantized_and_match_transformers(name, built, loaded):
+    from freetoken.models.layers.quantized import QuantizedLinear
     from freetoken.scheduler.factory import build_scheduler
 
-    model = loaded[mix]
+    model, mix = loaded[name], MODELS[name][0]
     layers = [m for m in model.model.modules() if isinstance(m, Experts)]
     assert len(layers) == 2 and all(m.experts is None and m.stacked is None for m in layers)
     held = layers[0].quantized
     assert [w.qtype.name for w in held.weights] == ["Q4_K" if mix == "Q4_K_M" else mix] * 2 + \
         ["Q6_K" if mix == "Q4_K_M" else mix]
     assert [tuple(w.shape) for w in held.weights] == [(8, 256, 256)] * 3
-    stored = _stored_bytes(built[mix] / "model.gguf")
+    if name == "qwen2moe":
+        shared = model.model.model.layers[0].mlp.shared_expert
+        assert isinstance(shared.gate_up_proj, QuantizedLinear) and isinstance(shared.down_proj, QuantizedLinear)
+    stored = _stored_bytes(built[name] / "model.gguf")
     assert model.model.weight_bytes == stored
     scheduler = build_scheduler(model, kv_slots=256, prefix_cache=False)
     assert scheduler.stats()["weight_bytes"] == stored
