@@ -8,6 +8,7 @@ import logging
 import shutil
 
 import pytest
+import torch
 
 from freetoken.models import registry
 from freetoken.models.layers.moe import Experts
@@ -100,3 +101,25 @@ def test_experts_that_do_not_fit_the_config_are_named(built, tmp_path):
     with pytest.raises(ModelNotFound, match=r"tensor blk\.0\.ffn_gate_exps\.weight is \[8, 256, 256\], "
                                             r"the config says \[8, 512, 256\]"):
         registry.load_model(changed, device="cpu")
+
+
+def test_float32_experts_are_the_dequantized_blocks_refused_where_their_load_does_not_fit(built, monkeypatch):
+    """FREETOKEN_GGUF_WEIGHTS=float32: the experts dequantized at load (transformers' run on the
+    same file is the reference); the memory check counts, beyond the weights, the layer of
+    experts the load concatenates and repacks at a time."""
+    from freetoken.models import gguf_file, loader
+    from freetoken.scheduler.factory import build_scheduler
+
+    path = built["Q4_K_M"] / "model.gguf"
+    weights = sum(gguf_file.planned_bytes(gguf_file.open_gguf(path), torch.float32, False).values())
+    kv = 2 * 2 * 2 * 64 * 256 * 4  # layers x KV heads x head_dim x slots x (K and V) x 4 bytes
+    monkeypatch.setattr(loader, "available_memory", lambda: weights + kv + 1)
+    with pytest.raises(ModelNotFound, match=r"of KV pool \+ 0\.01 GiB while loading, but"):
+        registry.load_model(path, dtype="float32", device="cpu", kv_slots=256, gguf_weights="float32")
+    monkeypatch.setattr(loader, "available_memory", lambda: None)
+    model = registry.load_model(path, dtype="float32", device="cpu", kv_slots=256, gguf_weights="float32")
+    assert model.model.weight_bytes == {"float32": weights}
+    assert all(m.quantized is None for m in model.model.modules() if isinstance(m, Experts))
+    together, _ = greedy_run(build_scheduler(model, kv_slots=256, prefix_cache=False), PROMPTS, steps=6)
+    for uid, ids in PROMPTS.items():
+        assert_matches_reference(model.folder, ids, together[uid])

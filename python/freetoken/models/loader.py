@@ -185,7 +185,7 @@ def build_gguf(model_class: type, gguf: Path, hf_config: dict, tokenizer, dtype:
     with `quantized` (on the CPU) the block formats kept as stored, else dequantized at load;
     refused before any weight is read where the weights and a KV pool of `kv_slots` would not
     fit in the memory available."""
-    from freetoken.models.gguf_file import open_gguf, planned_bytes, read_tensors
+    from freetoken.models.gguf_file import open_gguf, planned_bytes, read_tensors, working_bytes
     from freetoken.models.llama import FUSED
 
     with torch.device("meta"):
@@ -193,7 +193,8 @@ def build_gguf(model_class: type, gguf: Path, hf_config: dict, tokenizer, dtype:
     reader = open_gguf(gguf)
     cfg = module.cfg
     kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_slots * dtype.itemsize
-    check_memory(gguf.name, sum(planned_bytes(reader, dtype, quantized).values()), kv)
+    check_memory(gguf.name, sum(planned_bytes(reader, dtype, quantized).values()), kv,
+                 working_bytes(reader, dtype, quantized))
     state = read_tensors(gguf, reader, cfg, hf_config.get("model_type") == "llama", quantized)
     take_stacked_experts(module, state)
     layers = take_quantized(state, FUSED)
@@ -214,7 +215,8 @@ def _assign(module: torch.nn.Module, state: dict[str, torch.Tensor], quantized: 
     for name, value in state.items():
         state[name] = value.to(device=device, dtype=dtype).contiguous()
     missing, unexpected = module.load_state_dict(state, strict=False, assign=True)
-    del state
+    # The caller's dict too: each weight is then held by its parameter alone (freed once packed).
+    state.clear()
     held = {f"{name}.weight" for name in quantized}
     missing = [m for m in missing if not (tied and m == "lm_head.weight") and m not in held]
     if missing or unexpected:
@@ -239,12 +241,14 @@ def _assign(module: torch.nn.Module, state: dict[str, torch.Tensor], quantized: 
     return module
 
 
-def check_memory(name: str, weights: int, kv: int) -> None:
-    """Refuse a model whose weights and KV pool exceed the memory available, both named."""
+def check_memory(name: str, weights: int, kv: int, working: int = 0) -> None:
+    """Refuse a model whose weights and KV pool (and `working`, what its load holds beyond its
+    weights for a moment) exceed the memory available, each named."""
     available = available_memory()
-    if available is not None and weights + kv > available:
+    if available is not None and weights + kv + working > available:
+        loading = f" + {working / 2**30:.2f} GiB while loading" if working else ""
         raise ModelNotFound(f"{name}: needs {weights / 2**30:.2f} GiB of weights + {kv / 2**30:.2f} "
-                            f"GiB of KV pool, but {available / 2**30:.2f} GiB of memory is "
+                            f"GiB of KV pool{loading}, but {available / 2**30:.2f} GiB of memory is "
                             "available (fewer --kv-cache-tokens, or a smaller quantization)")
 
 
