@@ -189,8 +189,8 @@ class Experts(nn.Module):
         groups = _groups(counts)
         expert_of_row = torch.repeat_interleave(groups[:, 0], groups[:, 2])
         q = self.quantized
-        biases = [None] * len(q.gate_up) if q.gate_up_bias is None else \
-            q.gate_up_bias.split([part.shape[1] for part in q.gate_up], dim=1)
+        sizes = [part.shape[1] for part in q.gate_up]
+        biases = [None] * len(sizes) if q.gate_up_bias is None else q.gate_up_bias.split(sizes, dim=1)
         # Each part's columns are their own sums: the same bits as one weight of all the rows.
         gate_up = torch.cat([_quantized_projection(rows, part, bias, groups, expert_of_row)
                              for part, bias in zip(q.gate_up, biases)], dim=1)
