@@ -97,7 +97,8 @@ def write_model(path: Path, layers: int, shape: dict) -> None:
                         (f"blk.{i}.ffn_up_exps.weight", (experts, moe, h), q4k),
                         (f"blk.{i}.ffn_down_exps.weight", (experts, h, moe), v_down)]
         else:
-            tensors += [(f"blk.{i}.ffn_gate.weight", (inter, h), q4k), (f"blk.{i}.ffn_up.weight", (inter, h), q4k),
+            tensors += [(f"blk.{i}.ffn_gate.weight", (inter, h), q4k),
+                        (f"blk.{i}.ffn_up.weight", (inter, h), q4k),
                         (f"blk.{i}.ffn_down.weight", (h, inter), v_down)]
     tensors += [("output_norm.weight", (h,), f32), ("output.weight", (vocab, h), q6k)]
 

@@ -115,7 +115,8 @@ def expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
         sparse |= {"mlp.gate.weight": (e, h), "mlp.experts.gate_proj.weight": (e, moe, h),
                    "mlp.experts.up_proj.weight": (e, moe, h), "mlp.experts.down_proj.weight": (e, h, moe)}
         if shared:
-            sparse |= {"mlp.shared_expert.gate_proj.weight": (shared, h), "mlp.shared_expert.up_proj.weight": (shared, h),
+            sparse |= {"mlp.shared_expert.gate_proj.weight": (shared, h),
+                       "mlp.shared_expert.up_proj.weight": (shared, h),
                        "mlp.shared_expert.down_proj.weight": (h, shared), "mlp.shared_expert_gate.weight": (1, h)}
     for i in range(cfg.num_layers):
         names = sparse if i in sparse_layers else layer
@@ -250,7 +251,8 @@ def _dequantized(t, shape: tuple[int, ...]) -> torch.Tensor:
     out = torch.empty(data.shape[0], shape[-1])
     for start in range(0, data.shape[0], DEQUANTIZE_ROWS):
         chunk = data[start:start + DEQUANTIZE_ROWS]
-        out[start:start + chunk.shape[0]] = dequantize(QuantizedWeight(t.tensor_type, chunk, (chunk.shape[0], shape[-1])))
+        weight = QuantizedWeight(t.tensor_type, chunk, (chunk.shape[0], shape[-1]))
+        out[start:start + chunk.shape[0]] = dequantize(weight)
     return out.view(shape)
 
 

@@ -181,10 +181,10 @@ def build(model_class: type, folder: Path, hf_config: dict, tokenizer, dtype: to
 def build_gguf(model_class: type, gguf: Path, hf_config: dict, tokenizer, dtype: torch.dtype,
                device: torch.device, quantized: bool, kv_slots: int = 0,
                in_parts: bool = False) -> torch.nn.Module:
-    """`model_class` (models/llama.py's or models/qwen3_moe.py's) with `gguf`'s weights, read from the memory-mapped file:
-    with `quantized` (on the CPU) the block formats kept as stored, else dequantized at load;
-    refused before any weight is read where the weights and a KV pool of `kv_slots` would not
-    fit in the memory available."""
+    """`model_class` (models/llama.py's or models/qwen3_moe.py's) with `gguf`'s weights, read
+    from the memory-mapped file: with `quantized` (on the CPU) the block formats kept as stored,
+    else dequantized at load; refused before any weight is read where the weights and a KV pool
+    of `kv_slots` (and what the load copies for a moment) would not fit in the memory available."""
     from freetoken.models.gguf_file import open_gguf, planned_bytes, read_tensors, working_bytes
     from freetoken.models.llama import FUSED
 
