@@ -74,7 +74,8 @@ def test_experts_stay_quantized_and_match_transformers(name, built, loaded):
 
 
 def test_experts_without_a_kernel_are_dequantized_at_load_with_a_log_line(built, monkeypatch, caplog):
-    """Q6_K without a kernel: layer 0's experts (down in Q6_K) come out float, layer 1's stay."""
+    """Q6_K without a kernel: layer 0's experts (down in Q6_K) come out float, layer 1's stay,
+    as the memory check planned them."""
     from freetoken.models import gguf_file
 
     monkeypatch.setattr(gguf_file, "supported", lambda qtype: qtype.name != "Q6_K")
@@ -83,6 +84,9 @@ def test_experts_without_a_kernel_are_dequantized_at_load_with_a_log_line(built,
                                     gguf_weights="quantized")
     first, second = (model.model.model.layers[i].mlp for i in (0, 1))
     assert first.quantized is None and second.quantized is not None
+    # Layer 0's Q4_K gate and up are widened with its Q6_K down, and planned so.
+    planned = gguf_file.planned_bytes(gguf_file.open_gguf(built["Q4_K_M"] / "model.gguf"), torch.float32, True)
+    assert model.model.weight_bytes == planned and set(planned) == {"Q4_K", "float32"}
     assert "experts of 1 layers (model.layers.0.mlp) dequantized at load" in caplog.text
 
 

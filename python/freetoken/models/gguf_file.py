@@ -179,8 +179,7 @@ def planned_bytes(reader: GGUFReader, dtype: torch.dtype, quantized: bool) -> di
     """The bytes each tensor format will hold once loaded (by format name): kept blocks as
     stored, the others widened to `dtype`."""
     sizes: dict[str, int] = {}
-    for t in reader.tensors:
-        kept = kept_as_stored(t.tensor_type, quantized)
+    for t, kept in _kept(reader, quantized):
         key = t.tensor_type.name if kept else str(dtype).removeprefix("torch.")
         sizes[key] = sizes.get(key, 0) + (int(t.n_bytes) if kept else int(t.n_elements) * dtype.itemsize)
     return sizes
@@ -191,11 +190,23 @@ def working_bytes(reader: GGUFReader, dtype: torch.dtype, quantized: bool) -> in
     kept as stored) are concatenated (gate with up) and repacked for the grouped kernel a layer
     at a time, each a second copy of that layer's experts while it is made."""
     layers: dict[str, int] = {}
-    for t in reader.tensors:
-        if "_exps." in t.name and not kept_as_stored(t.tensor_type, quantized):
+    for t, kept in _kept(reader, quantized):
+        if _EXPERTS in t.name and not kept:
             layer = t.name.split(".")[1]
             layers[layer] = layers.get(layer, 0) + int(t.n_elements) * dtype.itemsize
     return 2 * max(layers.values(), default=0)
+
+
+_EXPERTS = "_exps."  # a sparse layer's stacked experts: ffn_{gate,up,down}_exps
+
+
+def _kept(reader: GGUFReader, quantized: bool) -> list[tuple[object, bool]]:
+    """Each tensor, and whether it is kept as stored: a layer's experts only where all of them
+    are (layers/moe.py's take_stacked_experts widens the others with the one that is not)."""
+    widened = {t.name.split(".")[1] for t in reader.tensors
+               if _EXPERTS in t.name and not kept_as_stored(t.tensor_type, quantized)}
+    return [(t, kept_as_stored(t.tensor_type, quantized)
+             and not (_EXPERTS in t.name and t.name.split(".")[1] in widened)) for t in reader.tensors]
 
 
 def read_tensors(path: Path, reader: GGUFReader, cfg, permuted: bool,
