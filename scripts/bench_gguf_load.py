@@ -2,22 +2,28 @@
 against the file's size.
 
 The model is synthetic: Qwen3-8B's shapes (36 layers, hidden 4096, 32 heads / 8 KV heads of 128,
-intermediate 12288) on the default model's tokenizer and 49152-token vocabulary, in the formats
-llama.cpp's Q4_K_M gives a model (Q4_K; attn_v and ffn_down in Q6_K on the layers its
-`use_more_bits` picks; the head in Q6_K), random blocks with small finite scales. It is written
-once under the cache (streamed, tensor by tensor), then each measurement runs in a fresh
-process: FREETOKEN_GGUF_WEIGHTS=quantized (load seconds, VmRSS / VmHWM after the load and after
-one 8-token forward, which reads every weight) and float32 (refused by the memory check where
-the dequantised weights do not fit, both sizes named).
+intermediate 12288), or with --shape qwen3-30b-a3b Qwen3-30B-A3B's (48 layers, hidden 2048, 32
+heads / 4 KV heads of 128, 128 experts of 768, 8 active), on the default model's tokenizer and
+49152-token vocabulary, in the formats llama.cpp's Q4_K_M gives a model (Q4_K; attn_v and
+ffn_down / ffn_down_exps in Q6_K on the layers its `use_more_bits` picks; the head in Q6_K),
+random blocks with small finite scales (one random draw per tensor shape and format, reused by
+every layer: the file is written at the disk's speed). It is written once under the cache (or
+--path; streamed, tensor by tensor), then each measurement runs in a fresh process:
+FREETOKEN_GGUF_WEIGHTS=quantized (load seconds, VmRSS / VmHWM after the load and after one
+8-token forward, which reads every weight) and float32 (refused by the memory check where the
+dequantised weights do not fit, both sizes named). --serve: `freetoken serve` on the file
+instead, one chat and one scoring request, the server's start seconds and resident memory.
 
     python scripts/bench_gguf_load.py               # ~4.6 GB file
     python scripts/bench_gguf_load.py --layers 8 --weights quantized   # a smaller one
     python scripts/bench_gguf_load.py --no-forward  # the load alone
+    python scripts/bench_gguf_load.py --shape qwen3-30b-a3b --path /tmp/a3b.gguf --serve  # ~17 GB
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -26,7 +32,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench_common as bc  # noqa: E402
 
-SHAPE = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288)
+SHAPES = {"qwen3-8b": dict(layers=36, hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288),
+          "qwen3-30b-a3b": dict(layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128, intermediate=6144,
+                                experts=128, experts_used=8, expert_intermediate=768)}
 
 MEASURE = r"""
 import json, sys, time
@@ -64,88 +72,163 @@ def use_more_bits(layer: int, layers: int) -> bool:
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 
 
-def write_model(path: Path, layers: int) -> None:
+def write_model(path: Path, layers: int, shape: dict) -> None:
     import gguf
     import numpy as np
 
     source = gguf.GGUFReader(bc.default_gguf())
     vocab = len(source.fields["tokenizer.ggml.tokens"].data)
-    h, inter, d = SHAPE["hidden"], SHAPE["intermediate"], SHAPE["head_dim"]
+    h, inter, d = shape["hidden"], shape["intermediate"], shape["head_dim"]
+    experts, moe = shape.get("experts", 0), shape.get("expert_intermediate", 0)
     q4k, q6k, f32 = (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K,
                      gguf.GGMLQuantizationType.F32)
-    tensors: list[tuple[str, tuple[int, int] | int, object]] = [("token_embd.weight", (vocab, h), q4k)]
+    tensors: list[tuple[str, tuple[int, ...], object]] = [("token_embd.weight", (vocab, h), q4k)]
     for i in range(layers):
         v_down = q6k if use_more_bits(i, layers) else q4k
-        tensors += [(f"blk.{i}.attn_norm.weight", h, f32), (f"blk.{i}.ffn_norm.weight", h, f32),
-                    (f"blk.{i}.attn_q_norm.weight", d, f32), (f"blk.{i}.attn_k_norm.weight", d, f32),
-                    (f"blk.{i}.attn_q.weight", (SHAPE["heads"] * d, h), q4k),
-                    (f"blk.{i}.attn_k.weight", (SHAPE["kv_heads"] * d, h), q4k),
-                    (f"blk.{i}.attn_v.weight", (SHAPE["kv_heads"] * d, h), v_down),
-                    (f"blk.{i}.attn_output.weight", (h, SHAPE["heads"] * d), q4k),
-                    (f"blk.{i}.ffn_gate.weight", (inter, h), q4k), (f"blk.{i}.ffn_up.weight", (inter, h), q4k),
-                    (f"blk.{i}.ffn_down.weight", (h, inter), v_down)]
-    tensors += [("output_norm.weight", h, f32), ("output.weight", (vocab, h), q6k)]
+        tensors += [(f"blk.{i}.attn_norm.weight", (h,), f32), (f"blk.{i}.ffn_norm.weight", (h,), f32),
+                    (f"blk.{i}.attn_q_norm.weight", (d,), f32), (f"blk.{i}.attn_k_norm.weight", (d,), f32),
+                    (f"blk.{i}.attn_q.weight", (shape["heads"] * d, h), q4k),
+                    (f"blk.{i}.attn_k.weight", (shape["kv_heads"] * d, h), q4k),
+                    (f"blk.{i}.attn_v.weight", (shape["kv_heads"] * d, h), v_down),
+                    (f"blk.{i}.attn_output.weight", (h, shape["heads"] * d), q4k)]
+        if experts:
+            tensors += [(f"blk.{i}.ffn_gate_inp.weight", (experts, h), f32),
+                        (f"blk.{i}.ffn_gate_exps.weight", (experts, moe, h), q4k),
+                        (f"blk.{i}.ffn_up_exps.weight", (experts, moe, h), q4k),
+                        (f"blk.{i}.ffn_down_exps.weight", (experts, h, moe), v_down)]
+        else:
+            tensors += [(f"blk.{i}.ffn_gate.weight", (inter, h), q4k),
+                        (f"blk.{i}.ffn_up.weight", (inter, h), q4k),
+                        (f"blk.{i}.ffn_down.weight", (h, inter), v_down)]
+    tensors += [("output_norm.weight", (h,), f32), ("output.weight", (vocab, h), q6k)]
 
-    writer = gguf.GGUFWriter(str(path), "qwen3")
+    writer = gguf.GGUFWriter(str(path), "qwen3moe" if experts else "qwen3")
     writer.add_block_count(layers)
     writer.add_context_length(4096)
     writer.add_embedding_length(h)
     writer.add_feed_forward_length(inter)
-    writer.add_head_count(SHAPE["heads"])
-    writer.add_head_count_kv(SHAPE["kv_heads"])
+    writer.add_head_count(shape["heads"])
+    writer.add_head_count_kv(shape["kv_heads"])
     writer.add_key_length(d)
     writer.add_value_length(d)
     writer.add_rope_freq_base(1e6)
     writer.add_layer_norm_rms_eps(1e-6)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(shape["experts_used"])
+        writer.add_expert_feed_forward_length(moe)
     for name, field in source.fields.items():
         if name.startswith("tokenizer."):
             sub = field.types[1] if len(field.types) > 1 else None
             writer.add_key_value(name, field.contents(), field.types[0], sub)
-    for name, shape, kind in tensors:
+    for name, dims, kind in tensors:
         if kind == f32:
-            writer.add_tensor_info(name, (shape,), np.dtype(np.float32), shape * 4)
+            writer.add_tensor_info(name, dims, np.dtype(np.float32), int(np.prod(dims)) * 4)
         else:
-            rows, cols = shape
             block, size = gguf.GGML_QUANT_SIZES[kind]
-            writer.add_tensor_info(name, (rows, cols // block * size), np.dtype(np.uint8),
-                                   rows * cols // block * size, raw_dtype=kind)
+            stored = (*dims[:-1], dims[-1] // block * size)
+            writer.add_tensor_info(name, stored, np.dtype(np.uint8), int(np.prod(stored)), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     rng = np.random.default_rng(0)
-    for name, shape, kind in tensors:
-        if kind == f32:
-            writer.write_tensor_data(np.ones(shape, dtype=np.float32))
-            continue
-        rows, cols = shape
-        block, size = gguf.GGML_QUANT_SIZES[kind]
-        data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-        # Small finite fp16 scales: d (and Q4_K's dmin) at the block's start, Q6_K's d at its end.
-        fields = [0, 2] if kind == q4k else [size - 2]
-        for offset in fields:
-            data[:, :, offset:offset + 2] = np.array([1e-4], dtype=np.float16).view(np.uint8)
-        writer.write_tensor_data(data.reshape(rows, -1))
+    drawn: dict[tuple, np.ndarray] = {}
+    for name, dims, kind in tensors:
+        if (dims, kind) not in drawn:
+            drawn[dims, kind] = _random_tensor(rng, dims, kind)
+        writer.write_tensor_data(drawn[dims, kind])
     writer.close()
+
+
+def _random_tensor(rng, dims: tuple[int, ...], kind) -> object:
+    """F32: ones (norms) or small random values (a router, so that routes differ); a block
+    format: random quants, small finite fp16 scales."""
+    import gguf
+    import numpy as np
+
+    if kind == gguf.GGMLQuantizationType.F32:
+        return np.ones(dims, np.float32) if len(dims) == 1 else rng.standard_normal(dims).astype(np.float32)
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    data = rng.integers(0, 256, (*dims[:-1], dims[-1] // block, size), dtype=np.uint8)
+    # Small finite fp16 scales: d (and Q4_K's dmin) at the block's start, Q6_K's d at its end.
+    for offset in [0, 2] if kind == gguf.GGMLQuantizationType.Q4_K else [size - 2]:
+        data[..., offset:offset + 2] = np.array([1e-4], dtype=np.float16).view(np.uint8)
+    return data.reshape(*dims[:-1], -1)
+
+
+SERVE_PROMPT = [{"role": "user", "content": "Name three colours."}]
+
+
+def serve(path: Path, threads: int) -> None:
+    """`freetoken serve` on `path`: seconds to healthy, one chat and one scoring request,
+    the server's resident memory (its process group) against the file's size."""
+    import httpx
+
+    t0 = time.perf_counter()
+    with bc.freetoken_server("--model", str(path), "--kv-cache-tokens", "4096", threads=threads) as server:
+        ready = time.perf_counter() - t0
+        rss_ready = _group_rss(server.proc.pid)
+        t1 = time.perf_counter()
+        chat = httpx.post(f"{server.url}/v1/chat/completions", timeout=600, json={
+            "messages": SERVE_PROMPT, "max_tokens": 8, "temperature": 0}).json()
+        chat_s = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        scored = httpx.post(f"{server.url}/v1/completions", timeout=600, json={
+            "prompt": "The capital of France is", "max_tokens": 1, "temperature": 0, "logprobs": 2,
+            "allowed_token_ids": [100, 200], "return_tokens_as_token_ids": True}).json()
+        score_s = time.perf_counter() - t1
+        stats = httpx.get(f"{server.url}/v1/stats", timeout=60).json()
+        rss_after = _group_rss(server.proc.pid)
+    weights = (stats.get("engine") or {}).get("weight_bytes", {})
+    print(json.dumps({"chat": chat.get("choices", chat), "scoring": scored.get("choices", scored)})[:1500])
+    bc.print_table(f"Serving {path.name} (GB; seconds)",
+                   ["file", "weights held", "start s", "RSS ready", "chat s (8 tokens)", "scoring s",
+                    "RSS after"],
+                   [[path.stat().st_size / 2**30, sum(weights.values()) / 2**30, ready, rss_ready,
+                     chat_s, score_s, rss_after]])
+
+
+def _group_rss(pid: int) -> float:
+    """GB resident in the processes of `pid`'s process group (the server and its engine)."""
+    total = 0
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(proc.name)) != pid:
+                continue
+            fields = dict(line.split(":", 1) for line in (proc / "status").read_text().splitlines())
+            total += int(fields["VmRSS"].split()[0]) * 1024
+        except (OSError, KeyError, ValueError):
+            continue
+    return total / 2**30
 
 
 def main() -> None:
     p = bc.base_parser(__doc__.split("\n")[0], repeats=False)
-    p.add_argument("--layers", type=int, default=36, help="decoder layers (Qwen3-8B: 36)")
+    p.add_argument("--shape", choices=list(SHAPES), default="qwen3-8b", help="the model whose shapes to take")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
+    p.add_argument("--path", type=Path, default=None, help="where to write the file (default: the cache)")
+    p.add_argument("--serve", action="store_true", help="serve the file: one chat, one scoring request")
     p.add_argument("--weights", default="quantized,float32", help="FREETOKEN_GGUF_WEIGHTS values to load")
     p.add_argument("--no-forward", action="store_true", help="measure the load only")
     args = p.parse_args()
     bc.setup(args)
     from freetoken.paths import cache_root
 
-    layers = 4 if args.quick else args.layers
-    path = cache_root() / "bench-models" / f"qwen3-8b-shape-q4_k_m-{layers}l.gguf"
+    shape = SHAPES[args.shape]
+    layers = 4 if args.quick else args.layers or shape["layers"]
+    path = args.path or cache_root() / "bench-models" / f"{args.shape}-shape-q4_k_m-{layers}l.gguf"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         tmp = path.with_suffix(".tmp")
-        write_model(tmp, layers)
+        write_model(tmp, layers, shape)
         tmp.replace(path)
         print(f"# wrote {path} in {time.perf_counter() - t0:.0f} s")
+    if args.serve:
+        serve(path, args.threads)
+        return
     size_gb = path.stat().st_size / 2**30
     rows = []
     for weights in args.weights.split(","):

@@ -62,7 +62,7 @@ def test_mxfp4_experts_stay_mxfp4_and_are_the_values_transformers_dequantises(lo
     for i, layer in enumerate(loaded_mxfp4.model.model.layers):
         held, prefix = layer.mlp.quantized, f"model.layers.{i}.mlp.experts."
         assert layer.mlp.experts is None and layer.mlp.stacked is None
-        for name, weight in (("gate_up_proj", held.gate_up), ("down_proj", held.down)):
+        for name, weight in (("gate_up_proj", *held.gate_up), ("down_proj", held.down)):
             blocks, scales = state[prefix + name + "_blocks"], state[prefix + name + "_scales"]
             assert weight.qtype == GGMLQuantizationType.MXFP4
             assert weight.nbytes == blocks.numel() + scales.numel()

@@ -84,13 +84,18 @@ def test_a_gpt_oss_gguf_as_llama_cpp_writes_it_is_refused_by_name(tmp_path):
 
 def test_a_gguf_transformers_maps_only_in_part_is_refused_not_served_half_random(tmp_path):
     """transformers initialises the weights it finds no tensor for at random and says so in a
-    log line only; the loader refuses such a file (here a qwen3moe GGUF without one layer's
-    stacked down projections)."""
+    log line only; the conversion (which tensor parallelism reads) refuses such a file (here a
+    qwen3moe GGUF without one layer's stacked down projections), and so does our reader."""
     from tests.fixtures import build_models as bm
+
+    from freetoken.models.loader import gguf_to_folder
 
     built = bm.build_qwen3_moe_gguf(tmp_path, leave_out=("blk.1.ffn_down_exps.weight",))
     with pytest.raises(ModelNotFound, match=r"no tensor for \d+ weights of "
                        r"Qwen3MoeForCausalLM \(model\.layers\.1\.mlp\.experts"):
+        gguf_to_folder(built / "model.gguf", ())
+    with pytest.raises(ModelNotFound, match=r"model\.gguf: no tensor for 1 weights "
+                                            r"\(model\.layers\.1\.mlp\.experts\.down_proj\.weight\)"):
         registry.load_model(built / "model.gguf")
 
 

@@ -6,8 +6,10 @@ stay as the file stores them (a QuantizedWeight whose data is a view on the map:
 are read as the matmuls touch them); else they are dequantized at load. F32/F16/BF16 tensors come out as tensors; other block formats are dequantized at load,
 with one log line. llama.cpp's converter permutes a llama's q/k rows (rotary pairs
 interleaved); the permutation is over whole output rows, so it is undone by gathering rows,
-quantized or not (a copy of those two tensors only). Only the dense Llama-family decoders
-(models/llama.py) are read here; the others go through transformers' conversion (loader.py).
+quantized or not (a copy of those two tensors only). The Llama-family decoders (models/llama.py)
+and the Qwen MoE ones (models/qwen3_moe.py: a sparse layer's experts stacked [E, out, in], kept
+quantized by layers/moe.py's take_stacked_experts) are read here; the others go through
+transformers' conversion (loader.py).
 """
 
 from __future__ import annotations
@@ -24,13 +26,13 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
-from gguf import quants as gguf_quants
 
-from freetoken.models.kernels.quant import FORMATS, QuantizedWeight, supported
+from freetoken.models.kernels.quant import FORMATS, QuantizedWeight, dequantize, supported
 from freetoken.paths import ModelNotFound
 
 log = logging.getLogger(__name__)
 
+DEQUANTIZE_ROWS = 4096  # rows of a tensor dequantized at load at a time
 FLOATS = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16,
           GGMLQuantizationType.BF16: torch.bfloat16}
 TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -38,7 +40,13 @@ LAYER = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k":
          "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
          "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
          "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
-         "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+         "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+         # A sparse layer (models/qwen3_moe.py): the router, the experts stacked [E, out, in] (as
+         # named here, before layers/moe.py's take_stacked_experts), a Qwen2-MoE's shared expert.
+         "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
+         "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj",
+         "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+         "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
 
 
 def config_folder(gguf: Path, cache: Path, link: str) -> Path:
@@ -81,7 +89,8 @@ def hf_name(gguf_name: str) -> str | None:
 
 
 def expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
-    """Each HF tensor of a models/llama.py ModelConfig `cfg`, by name: its shape."""
+    """Each HF tensor of a models/llama.py ModelConfig `cfg` (or models/qwen3_moe.py's), by name:
+    its shape; a sparse layer's experts stacked as a GGUF stores them."""
     h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
@@ -98,8 +107,20 @@ def expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
         layer["self_attn.o_proj.bias"] = (h,)
     if cfg.qk_norm:
         layer |= {"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
+    sparse = dict(layer)
+    sparse_layers = getattr(cfg, "sparse_layers", frozenset())
+    if sparse_layers:
+        e, moe, shared = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+        sparse = {k: v for k, v in layer.items() if not k.startswith("mlp.")}
+        sparse |= {"mlp.gate.weight": (e, h), "mlp.experts.gate_proj.weight": (e, moe, h),
+                   "mlp.experts.up_proj.weight": (e, moe, h), "mlp.experts.down_proj.weight": (e, h, moe)}
+        if shared:
+            sparse |= {"mlp.shared_expert.gate_proj.weight": (shared, h),
+                       "mlp.shared_expert.up_proj.weight": (shared, h),
+                       "mlp.shared_expert.down_proj.weight": (h, shared), "mlp.shared_expert_gate.weight": (1, h)}
     for i in range(cfg.num_layers):
-        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
+        names = sparse if i in sparse_layers else layer
+        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in names.items()}
     return shapes
 
 
@@ -158,11 +179,34 @@ def planned_bytes(reader: GGUFReader, dtype: torch.dtype, quantized: bool) -> di
     """The bytes each tensor format will hold once loaded (by format name): kept blocks as
     stored, the others widened to `dtype`."""
     sizes: dict[str, int] = {}
-    for t in reader.tensors:
-        kept = kept_as_stored(t.tensor_type, quantized)
+    for t, kept in _kept(reader, quantized):
         key = t.tensor_type.name if kept else str(dtype).removeprefix("torch.")
         sizes[key] = sizes.get(key, 0) + (int(t.n_bytes) if kept else int(t.n_elements) * dtype.itemsize)
     return sizes
+
+
+def working_bytes(reader: GGUFReader, dtype: torch.dtype, quantized: bool) -> int:
+    """The memory a load needs for a moment beyond its weights: experts held as `dtype` (not
+    kept as stored) are concatenated (gate with up) and repacked for the grouped kernel a layer
+    at a time, each a second copy of that layer's experts while it is made."""
+    layers: dict[str, int] = {}
+    for t, kept in _kept(reader, quantized):
+        if _EXPERTS in t.name and not kept:
+            layer = t.name.split(".")[1]
+            layers[layer] = layers.get(layer, 0) + int(t.n_elements) * dtype.itemsize
+    return 2 * max(layers.values(), default=0)
+
+
+_EXPERTS = "_exps."  # a sparse layer's stacked experts: ffn_{gate,up,down}_exps
+
+
+def _kept(reader: GGUFReader, quantized: bool) -> list[tuple[object, bool]]:
+    """Each tensor, and whether it is kept as stored: a layer's experts only where all of them
+    are (layers/moe.py's take_stacked_experts widens the others with the one that is not)."""
+    widened = {t.name.split(".")[1] for t in reader.tensors
+               if _EXPERTS in t.name and not kept_as_stored(t.tensor_type, quantized)}
+    return [(t, kept_as_stored(t.tensor_type, quantized)
+             and not (_EXPERTS in t.name and t.name.split(".")[1] in widened)) for t in reader.tensors]
 
 
 def read_tensors(path: Path, reader: GGUFReader, cfg, permuted: bool,
@@ -179,26 +223,28 @@ def read_tensors(path: Path, reader: GGUFReader, cfg, permuted: bool,
         shape = tuple(reversed([int(n) for n in t.shape]))
         if name is None or name not in expected:
             raise ModelNotFound(f"{path.name}: tensor {t.name} has no place in this model")
+        if (1, *shape) == expected[name]:  # llama.cpp stores a [1, H] gate as [H]
+            shape = expected[name]
         if shape != expected[name]:
             raise ModelNotFound(f"{path.name}: tensor {t.name} is {list(shape)}, the config says "
                                 f"{list(expected[name])}")
         rows = _unpermute(name, cfg, shape[0]) if permuted else None
         if t.tensor_type in FLOATS:
-            state[name] = _float(t, rows)
+            state[name] = _float(t, rows).reshape(shape)
         elif kept_as_stored(t.tensor_type, quantized):
             data = _view(t.data) if rows is None else torch.from_numpy(t.data[rows])
-            state[name] = QuantizedWeight(t.tensor_type, data, shape)
+            state[name] = QuantizedWeight(t.tensor_type, data.reshape(*shape[:-1], -1), shape)
         else:
             why = ("quantized weights not asked for" if not quantized
                    else "no kernel for it on this CPU" if t.tensor_type in FORMATS
                    else "a format kept quantized only as " + ", ".join(f.name for f in FORMATS))
             widened.setdefault(f"{t.tensor_type.name} ({why})", []).append(t.name)
             try:
-                values = gguf_quants.dequantize(t.data, t.tensor_type)
+                values = _dequantized(t, shape)
             except NotImplementedError:
                 raise ModelNotFound(f"{path.name}: tensor {t.name}: the gguf package cannot read "
                                     f"type {t.tensor_type.name}") from None
-            state[name] = torch.from_numpy(values if rows is None else values[rows]).reshape(shape)
+            state[name] = values if rows is None else values[torch.from_numpy(rows)]
     if missing := sorted(set(expected) - set(state)):
         raise ModelNotFound(f"{path.name}: no tensor for {len(missing)} weights ({', '.join(missing[:3])}"
                             f"{', ...' if len(missing) > 3 else ''})")
@@ -206,6 +252,19 @@ def read_tensors(path: Path, reader: GGUFReader, cfg, permuted: bool,
         log.info("%s: dequantized at load, %s: %d tensors (%s%s)", path.name, kind, len(names),
                  ", ".join(names[:3]), ", ..." if len(names) > 3 else "")
     return state
+
+
+def _dequantized(t, shape: tuple[int, ...]) -> torch.Tensor:
+    """A block-format tensor's float32 values, DEQUANTIZE_ROWS rows at a time: gguf's numpy
+    dequantizer holds several temporaries of its input's full size (an expert tensor's: GBs),
+    and quant.py's kernel, where it runs, is the same values ~100x faster."""
+    data = _view(t.data).reshape(-1, t.data.shape[-1])
+    out = torch.empty(data.shape[0], shape[-1])
+    for start in range(0, data.shape[0], DEQUANTIZE_ROWS):
+        chunk = data[start:start + DEQUANTIZE_ROWS]
+        weight = QuantizedWeight(t.tensor_type, chunk, (chunk.shape[0], shape[-1]))
+        out[start:start + chunk.shape[0]] = dequantize(weight)
+    return out.view(shape)
 
 
 def _float(t, rows: np.ndarray | None) -> torch.Tensor:

@@ -1,11 +1,13 @@
 """Find a model's files, and build a family's module from them (models/registry.py says which
 family).
 
-A GGUF file of a dense Llama-family decoder is read as it is stored (models/gguf_file.py): its
-config and tokenizer, which transformers parses, are cached as a folder without weights, and
-its tensors are read from the memory-mapped file, the block formats kept quantized where asked
-(models/layers/quantized.py); a tensor-parallel rank keeps its slices of them, cut along
-whole blocks. Other GGUFs (MoE families) are converted once by transformers into a float32 HF folder (safetensors + config + tokenizer) in a
+A GGUF file of a Llama-family decoder or a Qwen MoE is read as it is stored (models/gguf_file.py):
+its config and tokenizer, which transformers parses, are cached as a folder without weights,
+and its tensors are read from the memory-mapped file, the block formats kept quantized where
+asked (models/layers/quantized.py, the experts models/layers/moe.py); a tensor-parallel rank of a
+dense model keeps its slices of them, cut along whole blocks. Other GGUFs (gpt-oss, the hybrids,
+a MoE under tensor parallelism) are converted
+once by transformers into a float32 HF folder (safetensors + config + tokenizer) in a
 cache keyed by the file's identity: parsing and dequantising takes transformers about 13 s.
 A folder's weights are read tensor by tensor (models/checkpoint.py) into the module built on
 the meta device; a tensor-parallel rank reads only the slices it keeps. transformers and gguf
@@ -26,7 +28,7 @@ import torch
 
 from freetoken.models.checkpoint import read_weights
 from freetoken.models.layers.linear import pack_linears
-from freetoken.models.layers.moe import stack_experts
+from freetoken.models.layers.moe import stack_experts, take_stacked_experts
 from freetoken.models.layers.parts import compute_in_parts
 from freetoken.models.layers.quantized import QuantizedEmbedding, plan_quantized, take_quantized, weight_bytes
 from freetoken.models.layers.quantized_parallel import install_quantized, quantized_head, shard_state
@@ -183,12 +185,13 @@ def build(model_class: type, folder: Path, hf_config: dict, tokenizer, dtype: to
 def build_gguf(model_class: type, gguf: Path, hf_config: dict, tokenizer, dtype: torch.dtype,
                device: torch.device, quantized: bool, kv_slots: int = 0,
                in_parts: bool = False, group=None) -> torch.nn.Module:
-    """`model_class` (models/llama.py's) with `gguf`'s weights, read from the memory-mapped file:
-    with `quantized` (on the CPU) the block formats kept as stored, else dequantized at load;
-    refused before any weight is read where the weights and a KV pool of `kv_slots` would not
-    fit in the memory available. With `group`, that tensor-parallel rank's slices, quantized
-    ones cut along whole blocks (models/layers/tensor_parallel.py)."""
-    from freetoken.models.gguf_file import open_gguf, planned_bytes, read_tensors
+    """`model_class` (models/llama.py's or models/qwen3_moe.py's) with `gguf`'s weights, read
+    from the memory-mapped file: with `quantized` (on the CPU) the block formats kept as stored,
+    else dequantized at load; refused before any weight is read where the weights and a KV pool
+    of `kv_slots` (and what the load copies for a moment) would not fit in the memory available.
+    With `group`, that tensor-parallel rank's slices, quantized ones cut along whole blocks
+    (models/layers/tensor_parallel.py)."""
+    from freetoken.models.gguf_file import open_gguf, planned_bytes, read_tensors, working_bytes
     from freetoken.models.llama import FUSED
 
     with torch.device("meta"):
@@ -197,10 +200,12 @@ def build_gguf(model_class: type, gguf: Path, hf_config: dict, tokenizer, dtype:
     cfg = module.cfg
     part = shard_model(module, group) if group is not None else None
     kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_slots * dtype.itemsize
-    check_memory(gguf.name, sum(planned_bytes(reader, dtype, quantized).values()), kv)
+    check_memory(gguf.name, sum(planned_bytes(reader, dtype, quantized).values()), kv,
+                 working_bytes(reader, dtype, quantized))
     state = read_tensors(gguf, reader, cfg, hf_config.get("model_type") == "llama", quantized)
     if part is not None:
         state = _rank_state(gguf.name, state, part)
+    take_stacked_experts(module, state)
     layers = take_quantized(state, FUSED)
     state = module.convert_hf_weights(state)
     return _assign(module, state, layers, tokenizer, dtype, device, in_parts)
@@ -219,7 +224,8 @@ def _assign(module: torch.nn.Module, state: dict[str, torch.Tensor], quantized: 
     for name, value in state.items():
         state[name] = value.to(device=device, dtype=dtype).contiguous()
     missing, unexpected = module.load_state_dict(state, strict=False, assign=True)
-    del state
+    # The caller's dict too: each weight is then held by its parameter alone (freed once packed).
+    state.clear()
     held = {f"{name}.weight" for name in quantized}
     missing = [m for m in missing if not (tied and m == "lm_head.weight") and m not in held]
     if missing or unexpected:
@@ -254,12 +260,14 @@ def _rank_state(name: str, state: dict, part) -> dict:
     return state
 
 
-def check_memory(name: str, weights: int, kv: int) -> None:
-    """Refuse a model whose weights and KV pool exceed the memory available, both named."""
+def check_memory(name: str, weights: int, kv: int, working: int = 0) -> None:
+    """Refuse a model whose weights and KV pool (and `working`, what its load holds beyond its
+    weights for a moment) exceed the memory available, each named."""
     available = available_memory()
-    if available is not None and weights + kv > available:
+    if available is not None and weights + kv + working > available:
+        loading = f" + {working / 2**30:.2f} GiB while loading" if working else ""
         raise ModelNotFound(f"{name}: needs {weights / 2**30:.2f} GiB of weights + {kv / 2**30:.2f} "
-                            f"GiB of KV pool, but {available / 2**30:.2f} GiB of memory is "
+                            f"GiB of KV pool{loading}, but {available / 2**30:.2f} GiB of memory is "
                             "available (fewer --kv-cache-tokens, or a smaller quantization)")
 
 

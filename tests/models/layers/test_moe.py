@@ -219,6 +219,32 @@ def test_quantized_experts_batched_is_alone_bit_for_bit(qtype, dtype):
     assert torch.equal(mixed[0], batched[5]) and torch.equal(mixed[3], batched[5])
 
 
+def test_gate_and_up_as_parts_are_one_weight_of_their_rows():
+    """A GGUF file's ffn_gate_exps and ffn_up_exps held apart, each in its own format: the bits
+    of float Linears on the dequantized rows' sums, and of one weight when the formats agree."""
+    gate = _random_quantized(GGMLQuantizationType.Q4_K, QE, QI, QH, 5)
+    up = _random_quantized(GGMLQuantizationType.Q8_0, QE, QI, QH, 6)
+    down = _random_quantized(GGMLQuantizationType.Q6_K, QE, QH, QI, 7)
+    parts = Experts(QE, QH, QI, bias=False, activation=silu_and_mul).requires_grad_(False)
+    parts.use_quantized((gate, up), down)
+    assert parts.quantized.nbytes == gate.nbytes + up.nbytes + down.nbytes
+    plain = Experts(QE, QH, QI, bias=False, activation=silu_and_mul).requires_grad_(False)
+    gate_up = torch.cat([_float_weights(gate), _float_weights(up)], dim=1)
+    for e, expert in enumerate(plain.experts):
+        expert.gate_up_proj.weight.copy_(gate_up[e])
+        expert.down_proj.weight.copy_(_float_weights(down)[e])
+    same = _random_quantized(GGMLQuantizationType.Q4_K, QE, QI, QH, 8)
+    split, whole = (Experts(QE, QH, QI, bias=False, activation=silu_and_mul) for _ in range(2))
+    split.use_quantized((gate, same), down)
+    whole.use_quantized(QuantizedWeight(gate.qtype, torch.cat([gate.data, same.data], dim=1), (QE, 2 * QI, QH)),
+                        down)
+    x, weights, ids = _routed_rows()
+    with torch.inference_mode():
+        got, expected = parts(x, ids, weights), plain(x, ids, weights)
+        assert torch.equal(split(x, ids, weights), whole(x, ids, weights))
+    assert expected.abs().max() > 0.1 and (got - expected).abs().max().item() < 1e-5
+
+
 def test_use_quantized_refuses_weights_of_another_shape():
     experts = Experts(QE, QH, QI, bias=False, activation=silu_and_mul)
     down = _random_quantized(GGMLQuantizationType.Q8_0, QE, QH, QI, 2)

@@ -62,18 +62,23 @@ class Expert(nn.Module):
 
 @dataclass(frozen=True)
 class QuantizedExperts:
-    """A layer's experts kept quantized: gate_up [E, 2I, H] (each expert's I gate rows, then its
-    I up rows), down [E, H, I], biases float32 [E, 2I] and [E, H] or None."""
+    """A layer's experts kept quantized: gate_up's parts along the rows ([E, n, H] each; together
+    each expert's I gate rows, then its I up rows), down [E, H, I], biases float32 [E, 2I] and
+    [E, H] or None."""
 
-    gate_up: QuantizedWeight
+    gate_up: tuple[QuantizedWeight, ...]
     down: QuantizedWeight
     gate_up_bias: torch.Tensor | None
     down_bias: torch.Tensor | None
 
     @property
+    def weights(self) -> tuple[QuantizedWeight, ...]:
+        return (*self.gate_up, self.down)
+
+    @property
     def nbytes(self) -> int:
         biases = [b.numel() * b.element_size() for b in (self.gate_up_bias, self.down_bias) if b is not None]
-        return self.gate_up.nbytes + self.down.nbytes + sum(biases)
+        return sum(w.nbytes for w in self.weights) + sum(biases)
 
 
 class Experts(nn.Module):
@@ -107,34 +112,39 @@ class Experts(nn.Module):
         self.stacked, self.kernel = (packed["gate_up_proj"], (packed["down_proj"],)), kernel
         self.experts = None
 
-    def use_quantized(self, gate_up: QuantizedWeight, down: QuantizedWeight,
+    def use_quantized(self, gate_up: QuantizedWeight | tuple[QuantizedWeight, ...], down: QuantizedWeight,
                       gate_up_bias: torch.Tensor | None = None,
                       down_bias: torch.Tensor | None = None) -> None:
         """Run on `grouped_quant_gemm` from now on, over the experts' weights as stored: the
-        per-expert Linears are freed. `gate_up` [E, 2I, H] holds each expert's I gate rows first,
-        then its I up rows, the order `activation` reads ([gate | up]): a GGUF file's
-        ffn_gate_exps and ffn_up_exps concatenated along their rows (dim 1), or gpt-oss's
-        interleaved rows gathered into halves; `down` [E, H, I]. Biases ([E, 2I] in the same row
-        order, [E, H]) are kept as float32 and added to the float32 sums, rounded once to the rows'
-        dtype, as the grouped kernel adds its biases. Shapes must be those of the Linears they
-        replace (a tensor-parallel rank's slice, where sharded)."""
-        for name, weight in (("gate_up", gate_up), ("down", down)):
+        per-expert Linears are freed. `gate_up` [E, 2I, H], or its parts along the rows, holds
+        each expert's I gate rows first, then its I up rows, the order `activation` reads
+        ([gate | up]): a GGUF file's ffn_gate_exps and ffn_up_exps as two parts (each read in
+        place, each in its own format), or gpt-oss's interleaved rows gathered into halves;
+        `down` [E, H, I]. Biases ([E, 2I] in the same row order, [E, H]) are kept as float32
+        and added to the float32 sums, rounded once to the rows' dtype, as the grouped kernel
+        adds its biases. Shapes must be those of the Linears they replace (a tensor-parallel
+        rank's slice, where sharded)."""
+        parts = (gate_up,) if isinstance(gate_up, QuantizedWeight) else tuple(gate_up)
+        for name, weights in (("gate_up", parts), ("down", (down,))):
             layer = getattr(self.experts[0], f"{name}_proj")
             expected = (self.num_experts, layer.out_features, layer.in_features)
-            if tuple(weight.shape) != expected:
-                raise ValueError(f"quantized experts' {name} weight is {tuple(weight.shape)}, "
+            got = [tuple(w.shape) for w in weights]
+            if (any(len(s) != 3 or (s[0], s[2]) != expected[::2] for s in got)
+                    or sum(s[1] for s in got) != expected[1]):
+                raise ValueError(f"quantized experts' {name} weight is {got[0] if len(got) == 1 else got}, "
                                  f"the layer's experts are {expected}")
         biases = [None if b is None else b.float().contiguous() for b in (gate_up_bias, down_bias)]
-        self.quantized = QuantizedExperts(gate_up, down, *biases)
+        self.quantized = QuantizedExperts(parts, down, *biases)
         self.experts = None
 
     def widen(self, dtype: torch.dtype, device: torch.device) -> None:
         """Back on per-expert Linears of `dtype` on `device`: the quantized experts dequantized."""
         q = self.quantized
-        e, two_i, hidden = q.gate_up.shape
+        gate_up = torch.cat([dequantize(part) for part in q.gate_up], dim=1)
+        e, two_i, hidden = gate_up.shape
         with torch.device("meta"):
             experts = nn.ModuleList(Expert(hidden, two_i // 2, bias=False) for _ in range(e))
-        for name, weight, bias in (("gate_up_proj", dequantize(q.gate_up), q.gate_up_bias),
+        for name, weight, bias in (("gate_up_proj", gate_up, q.gate_up_bias),
                                    ("down_proj", dequantize(q.down), q.down_bias)):
             for i, expert in enumerate(experts):
                 layer = getattr(expert, name)
@@ -179,7 +189,11 @@ class Experts(nn.Module):
         groups = _groups(counts)
         expert_of_row = torch.repeat_interleave(groups[:, 0], groups[:, 2])
         q = self.quantized
-        gate_up = _quantized_projection(rows, q.gate_up, q.gate_up_bias, groups, expert_of_row)
+        sizes = [part.shape[1] for part in q.gate_up]
+        biases = [None] * len(sizes) if q.gate_up_bias is None else q.gate_up_bias.split(sizes, dim=1)
+        # Each part's columns are their own sums: the same bits as one weight of all the rows.
+        gate_up = torch.cat([_quantized_projection(rows, part, bias, groups, expert_of_row)
+                             for part, bias in zip(q.gate_up, biases)], dim=1)
         return _quantized_projection(self.activation(gate_up), q.down, q.down_bias, groups, expert_of_row)
 
     def _on_linears(self, counts: list[int], rows: torch.Tensor, name: str, part: int = 0) -> torch.Tensor:
@@ -267,7 +281,7 @@ def widen_unsupported_experts(model: nn.Module, dtype: torch.dtype, device: torc
     widened = set()
     for layer in model.modules():
         if isinstance(layer, Experts) and layer.quantized is not None:
-            qtypes = {layer.quantized.gate_up.qtype, layer.quantized.down.qtype}
+            qtypes = {weight.qtype for weight in layer.quantized.weights}
             if device.type != "cpu" or not all(supported(t) for t in qtypes):
                 widened |= qtypes
                 layer.widen(dtype, device)
@@ -275,6 +289,32 @@ def widen_unsupported_experts(model: nn.Module, dtype: torch.dtype, device: torc
         where = f"on {device.type}" if device.type != "cpu" else "for this CPU"
         log.info("%s experts dequantized to %s at load: no quantized kernel %s",
                  "/".join(sorted(t.name for t in widened)), str(dtype).removeprefix("torch."), where)
+
+
+def take_stacked_experts(model: nn.Module, state: dict[str, torch.Tensor | QuantizedWeight]) -> None:
+    """Out of `state`, each Experts layer's projections stacked as a GGUF file stores them
+    (`<layer>.experts.{gate,up,down}_proj.weight`, [E, out, in]): kept quantized on the layer
+    (`use_quantized`, gate and up as parts) where all three are, else put back as the stacked
+    float entries `<layer>.experts.gate_up_proj` / `down_proj` that split_stacked_experts splits
+    per expert (a part in a format without a kernel here was dequantized at load: so are its
+    partners, with one log line)."""
+    widened = []
+    for name, layer in model.named_modules():
+        keys = [f"{name}.experts.{p}_proj.weight" for p in ("gate", "up", "down")]
+        if not isinstance(layer, Experts) or keys[0] not in state:
+            continue
+        gate, up, down = (state.pop(key) for key in keys)
+        if all(isinstance(w, QuantizedWeight) for w in (gate, up, down)):
+            layer.use_quantized((gate, up), down)
+            continue
+        if any(isinstance(w, QuantizedWeight) for w in (gate, up, down)):
+            widened.append(name)
+        gate, up, down = (dequantize(w) if isinstance(w, QuantizedWeight) else w for w in (gate, up, down))
+        state[f"{name}.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
+        state[f"{name}.experts.down_proj"] = down
+    if widened:
+        log.info("experts of %d layers (%s%s) dequantized at load with the part of them that has no "
+                 "kernel here", len(widened), ", ".join(widened[:3]), ", ..." if len(widened) > 3 else "")
 
 
 def split_stacked_experts(state: dict[str, torch.Tensor], name: str, transpose: bool = False,

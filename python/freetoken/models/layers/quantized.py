@@ -17,6 +17,7 @@ from torch import nn
 
 from freetoken.models.kernels.quant import QuantizedWeight, dequantize_rows, quant_linear
 from freetoken.models.layers.linear import LAYER_INDEX, KernelPlan
+from freetoken.models.layers.moe import Experts
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,12 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
             sizes[key] = sizes.get(key, 0) + nbytes
 
     for module in model.modules():
+        if isinstance(module, Experts) and module.quantized is not None:
+            for weight in module.quantized.weights:
+                add(weight.qtype.name, weight.data, weight.nbytes)
+            for bias in (module.quantized.gate_up_bias, module.quantized.down_bias):
+                if bias is not None:
+                    add(str(bias.dtype).removeprefix("torch."), bias, bias.nbytes)
         if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
             for part in module.parts if isinstance(module, QuantizedLinear) else [module.weight]:
                 if isinstance(part, QuantizedWeight):
