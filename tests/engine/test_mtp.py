@@ -64,28 +64,44 @@ class ReferenceMtp:
         return self.norms["norm"](x[0] if isinstance(x, torch.Tensor) else x[0][0])
 
 
+def _greedy(scheduler, prompts: list[list[int]]) -> dict[int, list[int]]:
+    for uid, ids in enumerate(prompts):
+        scheduler.add(UserMsg(uid, ids, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)))
+    out: dict[int, list[int]] = {}
+    while scheduler.has_work:
+        for msg in scheduler.step():
+            out.setdefault(msg.uid, []).extend(msg.token_ids)
+    return out
+
+
 @pytest.mark.slow
 def test_mtp_drafts_are_the_reference_modules_drafts(tiny_hybrid_path, monkeypatch):
     folder = tiny_hybrid_path("qwen3_5_mtp")
     loaded = loaded_fp32(folder)
+    # Two requests, one over several prefill chunks, so that the pass runs batched and chunked.
+    prompts = [loaded.tokenizer.encode("def add(a, b):\n    return a + b\n" * 3), [5, 6, 7]]
+    plain = _greedy(build_scheduler(loaded, kv_slots=512), prompts)
     scheduler = build_scheduler(loaded, kv_slots=512, speculative=MTP, max_prefill_tokens=16)
-    drafter = scheduler.engine.drafter
-    seen = []
+    drafter, seen = scheduler.engine.drafter, []
     real = drafter.draft
 
     def recorded(reqs, lengths):
-        out = real(reqs, lengths)
-        seen.extend((list(r.all_ids), d) for r, d in zip(reqs, out))
+        # The head's drafts are recorded, then replaced by the plain continuation, wrong at its
+        # end every other time: accepted pairs are then rewritten from the main model's states,
+        # which the later drafts read.
+        out = []
+        for req, drafts in zip(reqs, real(reqs, lengths)):
+            seen.append((list(req.all_ids), drafts))
+            done = len(req.output_ids)
+            oracle = plain[prompts.index(req.prompt_ids)][done : done + len(drafts)]
+            if len(seen) % 2:
+                oracle[-1] += 1
+            out.append(oracle)
         return out
 
     monkeypatch.setattr(drafter, "draft", recorded)
-    # Two requests (one in a chunked prefill) so that the pass runs batched and across chunks.
-    prompts = [loaded.tokenizer.encode("def add(a, b):\n    return a + b\n" * 3), [5, 6, 7]]
-    for uid, ids in enumerate(prompts):
-        scheduler.add(UserMsg(uid, ids, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)))
-    while scheduler.has_work:
-        scheduler.step()
-    assert len(seen) >= 6
+    assert _greedy(scheduler, prompts) == plain
+    assert 0 < scheduler.stats()["spec_decode_num_accepted_tokens"] and len(seen) >= 4
     reference = ReferenceMtp(folder)
     for ids, drafts in seen:
         assert drafts == reference.drafts(ids, len(drafts)), ids

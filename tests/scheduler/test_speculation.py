@@ -211,17 +211,20 @@ def test_hybrid_fixtures_equal_plain_decoding(tiny_hybrid_path, variant, monkeyp
 
 
 @pytest.mark.slow
-def test_hybrid_drafts_survive_preemption_and_the_prefix_cache(tiny_hybrid_path, monkeypatch):
+@pytest.mark.parametrize(("variant", "speculative"), [("qwen3_5_text", SPEC), ("qwen3_5_mtp", MTP)],
+                         ids=["ngram", "mtp"])
+def test_hybrid_drafts_survive_preemption_and_the_prefix_cache(tiny_hybrid_path, variant, speculative,
+                                                               monkeypatch):
     # 200 KV slots for four 67-token prompts and their outputs: requests are preempted and
     # recomputed, and a prompt's snapshot serves the next request's cache hit.
-    loaded = loaded_fp32(tiny_hybrid_path())
+    loaded = loaded_fp32(tiny_hybrid_path(variant))
     tok = loaded.tokenizer
     shared = tok.encode(CODE * 2)[:66]
     requests = lambda: [(shared + [100 + i], SamplingParams(temperature=0.8, seed=i, max_tokens=24))
                         for i in range(4)]
     expected = [_run(loaded, [request], None)[0][0][0] for request in requests()]
     _oracle(monkeypatch, [ids for ids, _ in requests()], expected)
-    scheduler = build_scheduler(loaded, kv_slots=200, speculative=SPEC, state_snapshots=2,
+    scheduler = build_scheduler(loaded, kv_slots=200, speculative=speculative, state_snapshots=2,
                                 max_running_requests=4)
     out = {}
     for uid, request in enumerate(requests()):
