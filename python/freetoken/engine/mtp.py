@@ -72,7 +72,7 @@ class MtpDrafter:
         kept = {id(r): len(t) for r, t in zip(batch.logit_reqs, tokens)}
         row = 0
         for req, new in zip(batch.reqs, batch.new_ids):
-            last = kept.get(id(req), len(new)) - 1 if req.drafts else len(new) - 1
+            last = kept[id(req)] - 1 if req.drafts else len(new) - 1
             position = req.num_computed - len(new) + last
             req.mtp_hidden = (position, step.hidden[row + last].clone())
             row += len(new)
