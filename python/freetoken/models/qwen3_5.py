@@ -114,7 +114,8 @@ class HybridConfig:
             norm_topk_prob=cfg.get("norm_topk_prob", True),
             moe_layers=tuple(i for i in range(layers)
                              if experts > 0 and (i + 1) % step == 0 and i not in dense),
-            mtp_layers=cfg.get("mtp_num_hidden_layers", cfg.get("num_nextn_predict_layers", 0)),
+            # vLLM's default where the config does not say: a checkpoint without mtp.* has none.
+            mtp_layers=cfg.get("mtp_num_hidden_layers", cfg.get("num_nextn_predict_layers", 1)),
         )
 
 
