@@ -1,6 +1,7 @@
 """The speculative table of bench_engine.py (`--tables speculative`): decode tokens/s of the same
-requests with and without prompt-lookup speculation, in the same process on the same weights,
-with the drafts' acceptance rate.
+requests with and without speculation (prompt lookup, or `--speculative-method mtp` on a
+`--speculative-model` with an MTP head), in the same process on the same weights, with the
+drafts' acceptance rate.
 
 Workloads, each at 1 and 8 clients:
   copy: the chat template around "copy this text" and a passage (code, prose), greedy, until the
@@ -59,7 +60,7 @@ def _run(loaded, prompts, params, speculative) -> tuple[float, int, dict, list]:
 
 def speculative_table(loaded, args) -> None:
     tok = loaded.tokenizer
-    spec = SpeculativeConfig(num_speculative_tokens=args.speculative_tokens)
+    spec = SpeculativeConfig(num_speculative_tokens=args.speculative_tokens, method=args.speculative_method)
     new_tokens = 48 if args.quick else 96
     workloads = {
         "copy": (_copy_prompts, lambda: SamplingParams(temperature=0, max_tokens=new_tokens)),
@@ -86,6 +87,6 @@ def speculative_table(loaded, args) -> None:
                          f"{(stats['spec_decode_num_emitted_tokens'] / stats['spec_decode_num_drafts']):.2f}"
                          if stats["spec_decode_num_drafts"] else "-"])
     bc.print_table(
-        f"Speculative decoding (ngram, k={spec.num_speculative_tokens}) vs plain, "
+        f"Speculative decoding ({spec.method}, k={spec.num_speculative_tokens}) vs plain, "
         f"{str(loaded.dtype).removeprefix('torch.')} (decode tokens/s; outputs equal)",
         ["workload", "clients", "plain", "speculative", "ratio", "accepted", "tokens/verify"], rows)

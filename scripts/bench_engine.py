@@ -27,7 +27,8 @@ random weights (HYBRID_SHAPE: Qwen3.5-0.8B's widths, 8 layers, 3 of 4 Gated Delt
 rule, then the prefix cache's gain on the scoring B scenario (a shared 400-token prefix, 8
 items of 24 tokens, max_tokens 1, the cache warmed with one item) against no cache.
 `--tables speculative` (not in the default run): decode with prompt-lookup speculation against
-plain decoding, on a copy-heavy workload and on free generation (scripts/_bench_speculative.py).
+plain decoding, on a copy-heavy workload and on free generation (scripts/_bench_speculative.py);
+`--speculative-method mtp --speculative-model FOLDER` drafts with a checkpoint's MTP head.
 `--tables quantized` (not in the default run): the default GGUF's blocks kept quantized against
 our float32 run on them dequantized, and llama.cpp where installed, with memory
 (scripts/_bench_quantized.py); scripts/bench_gguf_load.py measures loading a real-size GGUF.
@@ -202,6 +203,11 @@ def main() -> None:
                    help="tables to print, comma-separated (also: moe, hybrid, speculative, quantized)")
     p.add_argument("--speculative-tokens", type=int, default=4,
                    help="draft length of the speculative table")
+    p.add_argument("--speculative-method", default="ngram", choices=["ngram", "mtp"],
+                   help="drafts of the speculative table: prompt lookup, or the model's MTP head")
+    p.add_argument("--speculative-model", default=None,
+                   help="model folder of the speculative table (default: the default model; mtp "
+                   "needs a checkpoint with an MTP head, e.g. Qwen3.5)")
     p.add_argument("--moe-dtypes", default="float32,bfloat16", help="dtypes of the MoE table")
     p.add_argument("--kv-slots", type=int, default=16384, help="our KV pool, in tokens")
     p.add_argument("--profile", action="store_true",
@@ -229,7 +235,7 @@ def main() -> None:
     if "hybrid" in tables:
         hybrid_tables(args, batches)
     if "speculative" in tables:
-        speculative_table(load_model(None, dtype=args.dtype, device="cpu"), args)
+        speculative_table(load_model(args.speculative_model, dtype=args.dtype, device="cpu"), args)
     if "quantized" in tables:
         quantized_table(Ours, batches, prefill_len, new_tokens, args)
     tables -= {"moe", "hybrid", "speculative", "quantized"}

@@ -40,7 +40,8 @@ def tiny_qwen3_embedding_path() -> Path:
 @pytest.fixture(scope="session")
 def tiny_hybrid_path() -> Callable[[str], Path]:
     """`tiny_hybrid_path(variant)` -> folder of bm.build_tiny_hybrid: qwen3_5_text (default),
-    qwen3_5 (image-text layout), qwen3_5_moe_text or qwen3_next, random, on the Qwen3.5 vocab."""
+    qwen3_5_mtp (with an MTP head), qwen3_5 (image-text layout), qwen3_5_moe_text or qwen3_next,
+    random, on the Qwen3.5 vocab."""
 
     def get(variant: str = "qwen3_5_text") -> Path:
         return bm.cached(f"tiny-{variant}", bm.build_tiny_hybrid, variant)

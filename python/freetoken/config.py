@@ -55,7 +55,8 @@ def json_object_flag(flag: str, text: str) -> dict:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """`--speculative-config` as vLLM spells it (its `ngram` method)."""
+    """`--speculative-config` as vLLM spells it: its `ngram` method (prompt lookup) and its `mtp`
+    method (the checkpoint's multi-token-prediction head drafts)."""
 
     num_speculative_tokens: int
     prompt_lookup_min: int = 1
@@ -66,13 +67,16 @@ class SpeculativeConfig:
     def parse(cls, text: str) -> SpeculativeConfig:
         raw = json_object_flag("--speculative-config", text)
         method = raw.pop("method", "ngram")
-        if method != "ngram":
+        fields = {"ngram": {"num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"},
+                  "mtp": {"num_speculative_tokens"}}
+        if method not in fields:
             raise ValueError(f"--speculative-config: method {method!r} is not supported "
-                             "(supported: 'ngram')")
-        known = {"num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+                             "(supported: 'ngram', 'mtp')")
+        known = fields[method]
         unknown = sorted(set(raw) - known)
         if unknown:
-            raise ValueError(f"--speculative-config: unknown field(s) {', '.join(unknown)}")
+            raise ValueError(f"--speculative-config: unknown field(s) {', '.join(unknown)} "
+                             f"for method {method!r}")
         if "num_speculative_tokens" not in raw:
             raise ValueError("--speculative-config: 'num_speculative_tokens' is required")
         values = {k: raw[k] for k in known if k in raw}

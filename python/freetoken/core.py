@@ -128,6 +128,9 @@ class Req:
     draft_backoff: int = 0
     draft_hits: float = 0.0
     draft_misses: float = 0.0
+    # MTP drafting (engine/mtp.py): the main model's final-norm hidden state at its last computed
+    # position, as (position, state).
+    mtp_hidden: tuple[int, torch.Tensor] | None = None
     # With params.pooling: the final-norm hidden state of each prompt position it reads, so far.
     hidden: dict[int, torch.Tensor] | None = None
 

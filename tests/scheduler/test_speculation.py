@@ -10,6 +10,7 @@ import pytest
 
 from freetoken.config import SpeculativeConfig
 from freetoken.core import Req, SamplingParams, StructuredSpec
+from freetoken.engine.mtp import MtpDrafter
 from freetoken.message import UserMsg
 from freetoken.scheduler.factory import build_scheduler
 from freetoken.scheduler import speculation
@@ -17,6 +18,7 @@ from freetoken.scheduler.speculation import lookup
 from tests.model_fixtures import default_model, loaded_fp32
 
 SPEC = SpeculativeConfig(num_speculative_tokens=4)
+MTP = SpeculativeConfig(num_speculative_tokens=3, method="mtp")
 
 CODE = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
         "def mul(a, b):\n    return a * b\n\n")
@@ -25,7 +27,11 @@ CODE = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\
 def test_config_parses_vllms_spelling_and_refuses_the_rest():
     assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, '
                                    '"prompt_lookup_max": 5}') == SpeculativeConfig(3, 1, 5)
+    assert SpeculativeConfig.parse('{"method": "mtp", "num_speculative_tokens": 2}') == MTP.__class__(
+        2, method="mtp")
     for bad, says in (('{"num_speculative_tokens": 3, "draft_model": "x"}', "draft_model"),
+                      ('{"method": "mtp", "num_speculative_tokens": 3, "prompt_lookup_max": 2}',
+                       "prompt_lookup_max"),
                       ('{"method": "eagle", "num_speculative_tokens": 3}', "eagle"),
                       ('{"method": "ngram"}', "num_speculative_tokens"),
                       ('{"num_speculative_tokens": 0}', "[1, 64]"),
@@ -163,7 +169,8 @@ def test_moe_fixture_equals_plain_decoding(tiny_qwen3_moe_path):
 
 def _oracle(monkeypatch, prompts, outputs):
     """Drafts taken from the plain outputs (a random model rarely repeats itself in a few
-    tokens), every third one with its last token wrong: drafts accepted whole and in part."""
+    tokens), every third one with its last token wrong: drafts accepted whole and in part.
+    MTP drafts are drafted by the head all the same (its K/V written), then replaced."""
 
     def lookup(ids, config, most):
         for prompt, out in zip(prompts, outputs):
@@ -175,7 +182,12 @@ def _oracle(monkeypatch, prompts, outputs):
                 return draft
         return []
 
+    def draft(self, reqs, lengths):
+        return [lookup(r.all_ids, None, len(d)) or d for r, d in zip(reqs, real(self, reqs, lengths))]
+
     monkeypatch.setattr(speculation, "lookup", lookup)
+    real = MtpDrafter.draft
+    monkeypatch.setattr(MtpDrafter, "draft", draft)
 
 
 @pytest.mark.slow
@@ -199,17 +211,20 @@ def test_hybrid_fixtures_equal_plain_decoding(tiny_hybrid_path, variant, monkeyp
 
 
 @pytest.mark.slow
-def test_hybrid_drafts_survive_preemption_and_the_prefix_cache(tiny_hybrid_path, monkeypatch):
+@pytest.mark.parametrize(("variant", "speculative"), [("qwen3_5_text", SPEC), ("qwen3_5_mtp", MTP)],
+                         ids=["ngram", "mtp"])
+def test_hybrid_drafts_survive_preemption_and_the_prefix_cache(tiny_hybrid_path, variant, speculative,
+                                                               monkeypatch):
     # 200 KV slots for four 67-token prompts and their outputs: requests are preempted and
     # recomputed, and a prompt's snapshot serves the next request's cache hit.
-    loaded = loaded_fp32(tiny_hybrid_path())
+    loaded = loaded_fp32(tiny_hybrid_path(variant))
     tok = loaded.tokenizer
     shared = tok.encode(CODE * 2)[:66]
     requests = lambda: [(shared + [100 + i], SamplingParams(temperature=0.8, seed=i, max_tokens=24))
                         for i in range(4)]
     expected = [_run(loaded, [request], None)[0][0][0] for request in requests()]
     _oracle(monkeypatch, [ids for ids, _ in requests()], expected)
-    scheduler = build_scheduler(loaded, kv_slots=200, speculative=SPEC, state_snapshots=2,
+    scheduler = build_scheduler(loaded, kv_slots=200, speculative=speculative, state_snapshots=2,
                                 max_running_requests=4)
     out = {}
     for uid, request in enumerate(requests()):
@@ -221,3 +236,22 @@ def test_hybrid_drafts_survive_preemption_and_the_prefix_cache(tiny_hybrid_path,
     assert stats["preemptions"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0, stats
     assert stats["prefix_cache_hits"] > 0, stats
     assert [out[uid] for uid in range(4)] == expected
+
+
+@pytest.mark.slow
+def test_mtp_fixture_equals_plain_decoding_batched_and_alone(tiny_hybrid_path, monkeypatch):
+    # Every feature of _params (logprobs, allowed_token_ids, a JSON-schema grammar, stop ids,
+    # penalties, greedy and seeded), eight requests together, then each alone.
+    loaded = loaded_fp32(tiny_hybrid_path("qwen3_5_mtp"))
+    tok = loaded.tokenizer
+    requests = lambda: [(tok.encode(f"{i} {CODE[:30]}"), replace(p, max_tokens=min(p.max_tokens, 12)))
+                        for i, p in enumerate(_params())]
+    plain, _ = _run(loaded, requests(), None)
+    _oracle(monkeypatch, [ids for ids, _ in requests()], [plain[uid][0] for uid in range(8)])
+    drafted, stats = _run(loaded, requests(), MTP)
+    assert drafted == plain
+    assert stats["spec_decode_method"] == "mtp"
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"], stats
+    for uid, request in enumerate(requests()):
+        alone, _ = _run(loaded, [request], MTP)
+        assert alone[0] == plain[uid], uid

@@ -78,6 +78,8 @@ def test_speculative_config_is_checked_at_start_up(capsys):
     args = parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
     assert engine_config(args, "/m").speculative == SpeculativeConfig(num_speculative_tokens=3)
     assert engine_config(parse_args([]), "/m").speculative is None
+    mtp = parse_args(["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'])
+    assert engine_config(mtp, "/m").speculative == SpeculativeConfig(1, method="mtp")
     with pytest.raises(SystemExit):
-        parse_args(["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'])
-    assert "method 'mtp' is not supported" in capsys.readouterr().err
+        parse_args(["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 1}'])
+    assert "method 'eagle' is not supported" in capsys.readouterr().err

@@ -10,6 +10,7 @@ import torch
 from freetoken.core import Batch, Req, SamplingParams, TokenLogprob
 from freetoken.engine import pooling
 from freetoken.engine.kv_pool import KVPool
+from freetoken.engine.mtp import MtpDrafter
 from freetoken.engine.sample import Sampler, logprob_entries
 from freetoken.engine.state_pool import LinearContext, PrefillPiece, StatePool
 from freetoken.engine.forward_context import DecodeGroup, ForwardContext, PromptGroup
@@ -59,14 +60,17 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int], ks: list[int]) -> 
 
 class Engine:
     def __init__(self, model: torch.nn.Module, num_kv_slots: int, device: torch.device,
-                 dtype: torch.dtype, eos_token_ids: tuple[int, ...] = (), num_state_slots: int = 0):
+                 dtype: torch.dtype, eos_token_ids: tuple[int, ...] = (), num_state_slots: int = 0,
+                 mtp: bool = False):
+        """`mtp`: the model's MTP head drafts (engine/mtp.py), its K/V in layers of its own."""
         self.model = model
         self.device = device
         cfg = getattr(model, "cfg", model)
         # Hybrid models keep K/V for their full-attention layers only, and a recurrent state per
         # request for the others (engine/state_pool.py).
-        self.kv = KVPool(num_kv_slots, getattr(cfg, "num_kv_layers", cfg.num_layers), cfg.num_kv_heads,
-                         cfg.head_dim, dtype, device)
+        layers = getattr(cfg, "num_kv_layers", cfg.num_layers) + (cfg.mtp_layers if mtp else 0)
+        self.kv = KVPool(num_kv_slots, layers, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+        self.drafter = MtpDrafter(self) if mtp else None
         shape = getattr(model, "state_shape", None)
         self.states = StatePool(num_state_slots, shape, dtype, device) if shape else None
         self.sampler = Sampler(model.vocab_size, device, eos_token_ids)
@@ -87,6 +91,8 @@ class Engine:
         """Run `batch`; the caller has already given every new token a KV slot."""
         logits, ctx = self.run_model(batch)
         tokens, logprobs = self._sample(logits, batch.logit_reqs)
+        if ctx.mtp is not None:
+            self.drafter.keep(batch, tokens, ctx.mtp)
         # Row i of a chunk starting at position s scores prompt token s + i + 1.
         start = {id(r): r.num_computed - len(new) for r, new in zip(batch.reqs, batch.new_ids)}
         targets, ks = [], []
@@ -216,6 +222,8 @@ class Engine:
         ctx = self.context(self.plan(batch))
         if self.states:
             ctx.linear = self._linear_context(batch)
+        if self.drafter is not None:
+            ctx.mtp = self.drafter.pass_for(batch, ctx)
         return ctx
 
     def plan(self, batch: Batch) -> StepPlan:

@@ -62,3 +62,4 @@ class ForwardContext:
     # leaves in `hidden`, for models with `supports_pooling`.
     hidden_rows: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
+    mtp: Any = None  # with MTP drafting: engine.mtp.MtpPass

@@ -5,13 +5,16 @@ state pool; every few layers one is gated full attention over the KV pool
 (models/layers/attention.py). Module names mirror transformers' after `convert_hf_weights`, which fuses
 the projections (q/k/v, gate/up, the DeltaNet's q/k/v/z/b/a), folds the zero-centred RMSNorms'
 `1 + weight` into their weights, and takes the language model out of the image-text layout.
+
+The checkpoints' multi-token-prediction head (`mtp.*`) is loaded where it is present, as
+`MultiTokenPredictor`: the drafts of `--speculative-config '{"method": "mtp"}'` (engine/mtp.py).
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -32,7 +35,8 @@ from freetoken.models.llama import Backbone, fuse_hf_weights
 log = logging.getLogger("freetoken")
 
 # The RMSNorms transformers scales by (1 + weight): folded into the weight at load.
-_ZERO_CENTRED = re.compile(r"(input_layernorm|post_attention_layernorm|q_norm|k_norm|model\.norm)\.weight$")
+_ZERO_CENTRED = re.compile(r"(input_layernorm|post_attention_layernorm|q_norm|k_norm|model\.norm|mtp\.norm"
+                           r"|pre_fc_norm_embedding|pre_fc_norm_hidden)\.weight$")
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,7 @@ class HybridConfig:
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
     moe_layers: tuple[int, ...] = ()
+    mtp_layers: int = 0  # the MTP head's decoder layers (Qwen3.5's mtp_num_hidden_layers)
 
     @property
     def num_layers(self) -> int:
@@ -109,6 +114,8 @@ class HybridConfig:
             norm_topk_prob=cfg.get("norm_topk_prob", True),
             moe_layers=tuple(i for i in range(layers)
                              if experts > 0 and (i + 1) % step == 0 and i not in dense),
+            # vLLM's default where the config does not say: a checkpoint without mtp.* has none.
+            mtp_layers=cfg.get("mtp_num_hidden_layers", cfg.get("num_nextn_predict_layers", 1)),
         )
 
 
@@ -126,6 +133,12 @@ class GatedAttention(Attention):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, ctx: ForwardContext) -> torch.Tensor:
+        q, k, v, gate = self._project(x, cos, sin)
+        out = self._attend(q, k, v, ctx)
+        return self.o_proj(out.reshape(x.shape[0], -1) * torch.sigmoid(gate))
+
+    def _project(self, x, cos, sin) -> tuple[torch.Tensor, ...]:
+        """Rotated queries and keys, values, and the output gate's logits."""
         cfg, t = self.cfg, x.shape[0]
         heads, kvh, d, r = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rotary_dim
         qkv = self.qkv_proj(x)
@@ -133,9 +146,7 @@ class GatedAttention(Attention):
         kv = qkv[:, 2 * heads * d :].view(t, 2 * kvh, d)
         qk = torch.cat([self.q_norm(query_gate[..., :d]), self.k_norm(kv[:, :kvh])], dim=1)
         qk = torch.cat([rotate(qk[..., :r], cos, sin), qk[..., r:]], dim=-1)
-        out = self._attend(qk[:, :heads], qk[:, heads:], kv[:, kvh:], ctx)
-        gate = torch.sigmoid(query_gate[..., d:].reshape(t, -1))
-        return self.o_proj(out.reshape(t, -1) * gate)
+        return qk[:, :heads], qk[:, heads:], kv[:, kvh:], query_gate[..., d:].reshape(t, -1)
 
 
 class HybridLayer(nn.Module):
@@ -163,6 +174,46 @@ class HybridLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class MultiTokenPredictor(nn.Module):
+    """The MTP head (vLLM's Qwen3_5MultiTokenPredictor): the main model's final-norm hidden
+    state at position i and the embedding of token i + 1, each RMS-normed, concatenated and
+    projected (`fc`), then a full-attention decoder layer over its own K/V (the pool's layers
+    after the main model's), then a final norm; the main model's LM head reads it as the
+    logits of token i + 2. Its output stands in for the main model's hidden state at i + 1 in
+    the next draft step."""
+
+    def __init__(self, cfg: HybridConfig):
+        super().__init__()
+        h, first = cfg.hidden_size, cfg.num_layers
+        # Laid out as layers after the main model's: their K/V layer indices follow its own.
+        extended = replace(cfg, layer_types=cfg.layer_types + ("full_attention",) * cfg.mtp_layers,
+                           moe_layers=cfg.moe_layers + tuple(range(first, first + cfg.mtp_layers))
+                           if cfg.num_experts else ())
+        self.fc = Linear(2 * h, h, bias=False)
+        self.pre_fc_norm_embedding = RMSNorm(h, cfg.rms_norm_eps)
+        self.pre_fc_norm_hidden = RMSNorm(h, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(HybridLayer(extended, first + i) for i in range(cfg.mtp_layers))
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.cfg = cfg
+
+    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Final-normed outputs of rows pairing `hidden` (the state before each row's token) with
+        `embedded` (the token's embedding); their K/V written at ctx.out_slots."""
+        x, cos, sin = self._input(hidden, embedded, ctx)
+        return self.norm(self.layers[0](x, cos, sin, ctx))
+
+    def store(self, hidden: torch.Tensor, embedded: torch.Tensor, ctx: ForwardContext) -> None:
+        """Only the rows' K/V, as `forward` writes them: one layer's K/V depend on its rows alone."""
+        x, cos, sin = self._input(hidden, embedded, ctx)
+        layer = self.layers[0]
+        _, k, v, _ = layer.self_attn._project(layer.input_layernorm(x), cos, sin)
+        layer.self_attn.store(k, v, ctx)
+
+    def _input(self, hidden, embedded, ctx: ForwardContext) -> tuple[torch.Tensor, ...]:
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        return x, *cos_sin(ctx.positions, self.cfg.rotary_dim, self.cfg.rope_theta, None, x.dtype)
+
+
 class Qwen3_5ForCausalLM(CausalLM):
     """Every hybrid architecture of models/registry.py."""
 
@@ -176,6 +227,8 @@ class Qwen3_5ForCausalLM(CausalLM):
         self.cfg = cfg
         self.model = Backbone(cfg, HybridLayer)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # None where the checkpoint has no MTP weights (convert_hf_weights finds out).
+        self.mtp = MultiTokenPredictor(cfg) if cfg.mtp_layers else None
 
     @property
     def state_shape(self) -> StateShape:
@@ -189,6 +242,10 @@ class Qwen3_5ForCausalLM(CausalLM):
         cos, sin = cos_sin(ctx.positions, self.cfg.rotary_dim, self.cfg.rope_theta, None, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, ctx)
+        if ctx.mtp is not None:  # the MTP head's K/V of this step's rows (engine/mtp.py)
+            ctx.mtp.hidden = self.model.norm(x)
+            previous = torch.cat([ctx.mtp.hidden, ctx.mtp.carried]).index_select(0, ctx.mtp.previous_rows)
+            self.mtp.store(previous, self.model.embed_tokens(ctx.input_ids), ctx.mtp.ctx)
         x = self.model.norm(x.index_select(0, ctx.logit_rows))
         return self.lm_head(x).float()
 
@@ -200,8 +257,10 @@ class Qwen3_5ForCausalLM(CausalLM):
         """transformers' names and layouts (text-only, image-text or Qwen3-Next) to ours."""
         cfg = self.cfg
         out = {}
+        if not any(name.startswith("mtp.") for name in state):
+            self.mtp = None
         for name, value in state.items():
-            if name.startswith(("mtp.", "model.visual.")):
+            if name.startswith("model.visual.") or (name.startswith("mtp.") and self.mtp is None):
                 continue
             name = name.replace("model.language_model.", "model.")
             if _ZERO_CENTRED.search(name):

@@ -37,8 +37,25 @@ def build_engine(loaded: LoadedModel, config: EngineConfig, group: Group | None 
     """The engine over a loaded model; `group`: rank 0 of a tensor-parallel group, which sends
     its steps to the other ranks."""
     args = (loaded.model, config.kv_slots, loaded.device, loaded.dtype, tuple(loaded.eos_token_ids))
+    mtp = config.speculative is not None and config.speculative.method == "mtp"
+    if mtp:
+        check_mtp(loaded, group)
     if group is None:
-        return Engine(*args, num_state_slots=config.max_running_requests + config.state_snapshots)
+        return Engine(*args, num_state_slots=config.max_running_requests + config.state_snapshots,
+                      mtp=mtp)
     from freetoken.engine.parallel import ParallelEngine
 
     return ParallelEngine(*args, group=group)
+
+
+def check_mtp(loaded: LoadedModel, group) -> None:
+    """Refuse `method: mtp` for a model without an MTP head, or one this engine cannot draft with."""
+    head = getattr(loaded.model, "mtp", None)
+    arch = (loaded.hf_config.get("architectures") or ["?"])[0]
+    if head is None:
+        raise ValueError(f"--speculative-config: method 'mtp' needs a checkpoint with MTP weights "
+                         f"(mtp.*, as Qwen3.5 and Qwen3-Next ship them); {loaded.name} ({arch}) has "
+                         "none: use method 'ngram'")
+    if len(head.layers) != 1 or group is not None:
+        raise ValueError(f"--speculative-config: method 'mtp' drafts with a one-layer MTP head "
+                         f"on one rank; {loaded.name} has {len(head.layers)} MTP layers")

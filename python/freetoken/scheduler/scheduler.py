@@ -348,12 +348,33 @@ class Scheduler:
         for req in reqs:
             self._take(req, 1)
         if self.speculator is not None:
-            for req in reqs:  # drafts take free slots only: they never preempt anyone
-                drafts = self.speculator.propose(req, len(reqs))
+            self._draft(reqs)
+        return Batch(reqs, [[r.output_ids[-1], *r.drafts] for r in reqs], reqs) if reqs else None
+
+    def _draft(self, reqs: list[Req]) -> None:
+        """Give the decoding `reqs` their drafts, in free slots only: drafts never preempt anyone."""
+        speculator = self.speculator
+        if speculator.config.method == "ngram":
+            for req in reqs:
+                drafts = speculator.propose(req, len(reqs))
                 if drafts and self._fits(len(drafts)):
                     req.drafts = drafts
                     self._take(req, len(drafts))
-        return Batch(reqs, [[r.output_ids[-1], *r.drafts] for r in reqs], reqs) if reqs else None
+            return
+        # The MTP head drafts into the slots its drafts take (engine/mtp.py): taken first.
+        drafting = []
+        for req in reqs:
+            n = speculator.length(req, len(reqs))
+            if n and self._fits(n):
+                self._take(req, n)
+                drafting.append((req, n))
+        if drafting:
+            found = self.engine.drafter.draft([r for r, _ in drafting], [n for _, n in drafting])
+            for (req, n), drafts in zip(drafting, found):
+                req.drafts, unused = drafts, n - len(drafts)  # none where no state was kept
+                if unused:
+                    self.engine.kv.release(req.slots[-unused:])
+                    del req.slots[-unused:]
 
     def _preempt(self, req: Req) -> None:
         self.running.remove(req)

@@ -1,6 +1,7 @@
-"""Speculative decoding by prompt lookup (n-gram): drafts proposed here, verified by the engine.
+"""Speculative decoding: drafts proposed here (prompt lookup) or by the model's MTP head
+(engine/mtp.py), sized here, verified by the engine.
 
-A request's draft is the k tokens that followed the latest earlier occurrence of its last n
+A prompt-lookup draft is the k tokens that followed the latest earlier occurrence of its last n
 tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`). The engine runs the request's
 last token and its draft as k + 1 decode rows, each attending to exactly the keys a plain
 decode step at its position would, and samples the rows in order: the first row whose token
@@ -93,13 +94,18 @@ class Speculator:
         self.cost = StepCost()
 
     def propose(self, req: Req, batch_rows: int) -> list[int]:
-        """The draft for `req`'s next step in a decode step of `batch_rows` plain rows, empty
-        when it should decode plainly."""
+        """The prompt-lookup draft for `req`'s next step in a decode step of `batch_rows` plain
+        rows, empty when it should decode plainly."""
+        return lookup(req.all_ids, self.config, self.length(req, batch_rows))
+
+    def length(self, req: Req, batch_rows: int) -> int:
+        """How many tokens `req`'s next draft should have in a decode step of `batch_rows` plain
+        rows: 0 where it should decode plainly."""
         if not speculates(req):
-            return []
+            return 0
         if req.draft_pause > 0:
             req.draft_pause -= 1
-            return []
+            return 0
         # The bonus token counts against max_tokens too: k drafts emit up to k + 1 tokens.
         room = req.params.max_tokens - len(req.output_ids) - 1
         most = min(req.draft_length or self.config.num_speculative_tokens, room)
@@ -108,12 +114,12 @@ class Speculator:
         while paying < most and rate ** (paying + 1) >= share:
             paying += 1
         if paying or most <= 0:
-            return lookup(req.all_ids, self.config, paying)
+            return paying
         # No token pays its row: decode plainly for a while; after a pause, one token is tried
         # all the same, so that text that starts to repeat is noticed.
         probe = req.draft_backoff > 0
         self._pause(req)
-        return lookup(req.all_ids, self.config, 1) if probe else []
+        return int(probe)
 
     def verified(self, req: Req, drafts: list[int], accepted: int, emitted: int) -> None:
         self.stats.spec_decode_num_drafts += 1

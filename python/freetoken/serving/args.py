@@ -95,8 +95,10 @@ def build_parser(prog: str = "freetoken serve") -> argparse.ArgumentParser:
                    "cache may keep, each the size of one request's state (see /v1/stats)")
     p.add_argument("--speculative-config", metavar="JSON",
                    help='speculative decoding, as vLLM spells it: {"method": "ngram", '
-                   '"num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 4}; '
-                   "outputs stay bit-identical to plain decoding (default: off)")
+                   '"num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 4}, or '
+                   '{"method": "mtp", "num_speculative_tokens": K} for a checkpoint with an MTP '
+                   "head (Qwen3.5, Qwen3-Next); outputs stay bit-identical to plain decoding "
+                   "(default: off)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="do not reuse the KV of shared prompt prefixes across requests "
                    "(default: reuse them)")

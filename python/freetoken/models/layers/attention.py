@@ -52,14 +52,19 @@ class Attention(nn.Module):
     def _attend(self, q, k, v, ctx: ForwardContext) -> torch.Tensor:
         """Store the step's keys and values [T, kv heads, d] in the pool, then attend the
         queries [T, heads, d] in the step's groups."""
-        kv_cache = ctx.kv_cache[self.layer]
-        kv_cache.index_copy_(0, ctx.out_slots, torch.cat([k, v], dim=1).to(kv_cache.dtype))
+        kv_cache = self.store(k, v, ctx)
         out = torch.zeros_like(q)
         for group in ctx.prompt_groups:
             out.index_copy_(0, group.out_rows, self._prompt(q, kv_cache, group))
         for group in ctx.decode_groups:
             out.index_copy_(0, group.rows, self._decode(q.index_select(0, group.rows), kv_cache, group))
         return out
+
+    def store(self, k, v, ctx: ForwardContext) -> torch.Tensor:
+        """Write the step's keys and values at ctx.out_slots; returns the layer's cache."""
+        kv_cache = ctx.kv_cache[self.layer]
+        kv_cache.index_copy_(0, ctx.out_slots, torch.cat([k, v], dim=1).to(kv_cache.dtype))
+        return kv_cache
 
     def _prompt(self, q, kv_cache, group: PromptGroup) -> torch.Tensor:
         cfg, kvh = self.cfg, self.cfg.num_kv_heads
