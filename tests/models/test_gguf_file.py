@@ -159,3 +159,15 @@ def test_float32_weights_are_the_dequantized_blocks(built, loaded):
         torch.testing.assert_close(plain(x), kept(x), rtol=0, atol=1e-5)
     with pytest.raises(ModelNotFound, match="FREETOKEN_GGUF_WEIGHTS=int3: not one of quantized, float32"):
         registry.load_model(built["qwen3"] / "model.gguf", device="cpu", gguf_weights="int3")
+
+
+def test_bfloat16_dequantizes_unless_asked_to_keep_the_blocks(built, monkeypatch):
+    """The quantized kernels compute in float32: a bfloat16 load dequantizes the blocks (to run
+    on the CPU's bfloat16 units), unless FREETOKEN_GGUF_WEIGHTS=quantized says otherwise."""
+    monkeypatch.delenv("FREETOKEN_GGUF_WEIGHTS", raising=False)
+    path = built["qwen3"] / "model.gguf"
+    plain = registry.load_model(path, dtype="bfloat16", device="cpu")
+    assert set(plain.model.weight_bytes) == {"bfloat16"}
+    monkeypatch.setenv("FREETOKEN_GGUF_WEIGHTS", "quantized")
+    kept = registry.load_model(path, dtype="bfloat16", device="cpu")
+    assert isinstance(kept.model.get_submodule("model.layers.0.mlp.down_proj"), QuantizedLinear)

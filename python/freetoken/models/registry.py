@@ -55,8 +55,11 @@ ARCHITECTURES = {
 GGUF_READ_SHARDED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # A MoE GGUF's stacked experts are not cut into tensor-parallel slices: TP converts it.
 GGUF_READ = (*GGUF_READ_SHARDED, "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
-# FREETOKEN_GGUF_WEIGHTS: "quantized" (the default) keeps the block formats as stored, "float32"
-# dequantizes them at load (the weights HF transformers computes with, at 5x the memory).
+# FREETOKEN_GGUF_WEIGHTS: "quantized" keeps the block formats as stored, "float32" dequantizes
+# them at load (the weights HF transformers computes with, at 5x the memory; cast to the dtype
+# asked for). Unset: quantized for float32; dequantized for bfloat16 and float16, which the
+# quantized kernels would compute in float32 (a bfloat16 model then runs on the CPU's bfloat16
+# units, AMX where it has them, at 2.5-3x the memory of a 4-bit file).
 GGUF_WEIGHTS = ("quantized", "float32")
 
 
@@ -108,7 +111,7 @@ def load_model(model: str | os.PathLike | None = None, dtype: str = "auto", devi
     """The model ready to run; with `group` (engine.parallel.Group) only that tensor-parallel
     rank's slices of it, read from the checkpoint as such (models/layers/tensor_parallel.py).
     `kv_slots`: the KV pool to be allocated, counted in a GGUF's memory check; `gguf_weights`:
-    one of GGUF_WEIGHTS (None: $FREETOKEN_GGUF_WEIGHTS, else the first)."""
+    one of GGUF_WEIGHTS (None: $FREETOKEN_GGUF_WEIGHTS, else by the dtype, see GGUF_WEIGHTS)."""
     from transformers import AutoTokenizer  # heavy: imported by the processes that load a model
 
     folder, name = model_folder(model)
@@ -131,7 +134,7 @@ def load_model(model: str | os.PathLike | None = None, dtype: str = "auto", devi
     if gguf is None:
         module = build(cls, folder, hf_config, tokenizer, weights_dtype, dev, group, in_parts)
     else:
-        quantized = _gguf_weights(gguf_weights) == "quantized" and dev.type == "cpu"
+        quantized = _gguf_weights(gguf_weights, weights_dtype) == "quantized" and dev.type == "cpu"
         module = build_gguf(cls, gguf, hf_config, tokenizer, weights_dtype, dev, quantized, kv_slots,
                             in_parts, group)
     return LoadedModel(
@@ -168,8 +171,9 @@ def _reads_gguf(arch: str, group) -> bool:
     return True
 
 
-def _gguf_weights(asked: str | None) -> str:
-    value = asked or os.environ.get("FREETOKEN_GGUF_WEIGHTS") or GGUF_WEIGHTS[0]
+def _gguf_weights(asked: str | None, dtype: torch.dtype) -> str:
+    value = (asked or os.environ.get("FREETOKEN_GGUF_WEIGHTS")
+             or ("quantized" if dtype == torch.float32 else "float32"))
     if value not in GGUF_WEIGHTS:
         raise ModelNotFound(f"FREETOKEN_GGUF_WEIGHTS={value}: not one of {', '.join(GGUF_WEIGHTS)}")
     return value

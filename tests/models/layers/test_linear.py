@@ -11,7 +11,7 @@ from torch import nn
 
 from freetoken.models.layers import kernel_choice, linear
 from freetoken.models.kernels.grouped_gemm import grouped_gemm
-from freetoken.models.layers.kernel_choice import Measured, RowRule
+from freetoken.models.layers.kernel_choice import RULES, Measured, RowRule, plans, rule_seconds
 from freetoken.models.layers.linear import Linear, choose, pack_linears, prepare
 from tests.model_fixtures import FLOAT32_KERNELS, KERNEL_DTYPES
 
@@ -107,10 +107,19 @@ def test_calls_are_each_allowed_and_cover_the_rows(rule, rows):
     assert sum(sizes) == rows and all(rule.minimum <= s <= rule.most for s in sizes)
 
 
+def test_rules_are_costed_by_the_calls_they_make():
+    # A kernel whose call costs a fixed overhead plus a time per row, as a GEMM on packed
+    # weights does: splitting 256 rows into calls of 32 pays the overhead 8 times.
+    timings = {plan: sum(50e-6 + n * 1e-6 for n in plan) for rule in RULES for plan in plans(rule)}
+    costs = {rule: rule_seconds(timings, rule) for rule in RULES}
+    assert min(costs, key=costs.get) == RowRule(1, 256)
+    assert costs[RowRule(1, 32)] > costs[RowRule(1, 256)] * 1.2
+    assert costs[RowRule(64, 256)] > costs[RowRule(1, 256)]  # a 1-row call padded to 64
+
+
 def _fake_measure(results: dict[str, tuple[RowRule | None, float]]):
-    def measure(kernel, run, in_features, dtype, device):
-        rule, seconds = results[kernel]
-        return Measured(kernel, rule, seconds)
+    def measure(runs, in_features, dtype, device):
+        return [Measured(kernel, *results[kernel]) for kernel in runs]
     return measure
 
 
@@ -139,9 +148,9 @@ def test_choice_takes_the_fastest_invariant_kernel(results, kernel, invariant, m
 def test_probes_are_kept_per_machine_and_reused(monkeypatch):
     calls = []
 
-    def measure(kernel, run, in_features, dtype, device):
-        calls.append(kernel)
-        return Measured(kernel, RowRule(), 1.0)
+    def measure(runs, in_features, dtype, device):
+        calls.append(list(runs))
+        return [Measured(kernel, RowRule(), 1.0) for kernel in runs]
 
     monkeypatch.setattr(linear, "measure", measure)
     built = []
@@ -212,5 +221,7 @@ def test_a_shape_no_candidate_runs_is_reported_not_invariant(monkeypatch):
 ])
 def test_rules_timed_within_noise_go_to_the_widest(timings, widest, monkeypatch):
     monkeypatch.setattr(kernel_choice, "rule_holds", lambda run, k, dtype, rule, device: rule in timings)
-    monkeypatch.setattr(kernel_choice, "seconds", lambda run, k, dtype, rule, device: timings[rule])
-    assert kernel_choice.measure("fake", None, 16, torch.float32, "cpu").rule == widest
+    monkeypatch.setattr(kernel_choice, "plan_seconds", lambda runs, timed, k, dtype, device: {})
+    monkeypatch.setattr(kernel_choice, "rule_seconds", lambda own, rule: timings[rule])
+    [chosen] = kernel_choice.measure({"fake": None}, 16, torch.float32, "cpu")
+    assert chosen.rule == widest

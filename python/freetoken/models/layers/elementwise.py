@@ -41,4 +41,14 @@ def lanewise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> tor
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU over a fused projection whose first half is the gate (Llama, Qwen)."""
     half = gate_up.shape[-1] // 2
-    return lanewise(F.silu, gate_up[:, :half]).mul_(gate_up[:, half:])
+    gate, up = gate_up[:, :half], gate_up[:, half:]
+    if gate_up.device.type != "cpu" or half % LANES:
+        return lanewise(F.silu, gate).mul_(up)
+    # No padding needed: lanewise's blocks, each product written in place into the output
+    # (no concatenation of a step's [rows, intermediate] halves).
+    out = torch.empty_like(up, memory_format=torch.contiguous_format)
+    block = max(1, GRAIN // half)
+    for start in range(0, len(gate_up), block):
+        rows = slice(start, start + block)
+        torch.mul(F.silu(gate[rows].contiguous()), up[rows], out=out[rows])
+    return out

@@ -8,10 +8,11 @@ on the AMD machine of an earlier round). So nothing is assumed: for each shape a
 candidate kernel is run (on weights and rows built to expose its summation order:
 `probe_weight`) at the row counts of PROBE_ROWS, each row compared bit for bit with
 the same row computed among `rule.most` rows, start- and end-aligned (a row's position in its
-call moves too). Each `RowRule` of RULES under which the candidate passes is timed: calls
+call moves too). Each `RowRule` of RULES under which the candidate passes is costed: calls
 padded to at least `minimum` rows and split into calls of at most `most` rows (the layer does
-both; beyond the probed counts nothing is claimed), padding and splitting included. The
-fastest (kernel, rule) wins. Where none passes, the fastest runs and the load says the model is not
+both; beyond the probed counts nothing is claimed), from timings of every candidate's calls
+taken in turn (`plan_seconds`: timed one after the other, they win or lose on a shared
+machine's noise). The fastest (kernel, rule) wins. Where none passes, the fastest runs and the load says the model is not
 batch-invariant (the log, `/v1/stats`, `/metrics`).
 
 Probes take seconds on a large shape, so their results are kept in the cache folder, keyed by
@@ -47,6 +48,7 @@ PROBE_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 13, 15, 16, 17, 31, 32, 33, 48, 57, 64, 65
               200, 255)
 # Decode steps run 1-32 rows, scoring and prefill steps hundreds: each weighs the same.
 TIMED_ROWS = (1, 8, 64, 256)
+TIMING_REPEATS = 7
 RULE_TIE = 0.05
 ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR",
             "ATEN_CPU_CAPABILITY", "FREETOKEN_NO_KERNELS")
@@ -130,22 +132,40 @@ def rule_holds(run: Run, in_features: int, dtype: torch.dtype, rule: RowRule,
     return True
 
 
+Plan = tuple[int, ...]  # the sizes of the calls one rule makes of a number of rows
+
+
+def plans(rule: RowRule) -> list[Plan]:
+    """The calls `rule` makes of each number of rows of TIMED_ROWS, padding included."""
+    return [tuple(rule.calls(n + rule.pad(n))) for n in TIMED_ROWS]
+
+
 @torch.inference_mode()
-def seconds(run: Run, in_features: int, dtype: torch.dtype, rule: RowRule,
-            device: torch.device | str = "cpu") -> float:
-    """Geometric mean over TIMED_ROWS of the best of three calls, padded and split by `rule`."""
-    logs = []
-    for n in TIMED_ROWS:
-        x = torch.randn(n + rule.pad(n), in_features).to(dtype=dtype, device=device)
-        run_by_rule(run, rule, x)
-        best = math.inf
-        for _ in range(3):
+def plan_seconds(runs: dict[str, Run], timed: dict[str, set[Plan]], in_features: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> dict[tuple[str, Plan], float]:
+    """The best of TIMING_REPEATS runs of each kernel's plans (its calls in a row), every
+    (kernel, plan) taken in turn in each round: what is compared then meets a shared machine's
+    busy spells alike (timed one after the other, the one timed in a quiet spell won, and a
+    rule capped at 32 rows or padded to 64 rows often did)."""
+    x = torch.randn(max(max(p) for ps in timed.values() for p in ps), in_features)
+    x = x.to(dtype=dtype, device=device)
+    order = [(kernel, plan) for kernel, ps in timed.items() for plan in sorted(ps)]
+    best = dict.fromkeys(order, math.inf)
+    for repeat in range(TIMING_REPEATS + 1):  # round 0 warms the kernels up, untimed
+        for kernel, plan in order:
             start = time.perf_counter()
-            run_by_rule(run, rule, x)
+            for size in plan:
+                runs[kernel](x[:size])
             if x.device.type == "cuda":
                 torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - start)
-        logs.append(math.log(max(best, 1e-9)))
+            if repeat:
+                best[kernel, plan] = min(best[kernel, plan], time.perf_counter() - start)
+    return best
+
+
+def rule_seconds(timings: dict[Plan, float], rule: RowRule) -> float:
+    """Geometric mean over TIMED_ROWS of a call's time under `rule`, from its plans' timings."""
+    logs = [math.log(max(timings[plan], 1e-9)) for plan in plans(rule)]
     return math.exp(sum(logs) / len(logs))
 
 
@@ -158,18 +178,33 @@ class Measured:
     seconds: float
 
 
-def measure(kernel: str, run: Run, in_features: int, dtype: torch.dtype,
-            device: torch.device) -> Measured:
-    """`kernel` under the fastest rule of RULES that holds for it (rule None: none holds); rules
-    within RULE_TIE of the fastest count as ties, and the widest of those wins (timings move by
-    a few % from run to run on a loaded machine: noise would pick otherwise)."""
-    timed = [Measured(kernel, rule, seconds(run, in_features, dtype, rule, device))
-             for rule in RULES if rule_holds(run, in_features, dtype, rule, device)]
+def measure(runs: dict[str, Run], in_features: int, dtype: torch.dtype,
+            device: torch.device) -> list[Measured]:
+    """Each kernel of `runs` under its fastest rule of RULES that holds (rule None: none holds;
+    a kernel that cannot run the dtype after all is left out). A rule's time is the geometric
+    mean over TIMED_ROWS of its plans' timings, all kernels' plans timed in turn (plan_seconds);
+    a kernel's rules within RULE_TIE of its fastest count as ties, and the widest of those wins
+    (timings move by a few % from run to run on a loaded machine: noise would pick otherwise)."""
+    holding: dict[str, list[RowRule]] = {}
+    for kernel, run in runs.items():
+        try:
+            holding[kernel] = [rule for rule in RULES if rule_holds(run, in_features, dtype, rule, device)]
+        except RuntimeError:  # a kernel that packed a dtype it then cannot run
+            continue
+    timed = {kernel: rules or [RowRule()] for kernel, rules in holding.items()}
     if not timed:
-        return Measured(kernel, None, seconds(run, in_features, dtype, RowRule(), device))
-    best = min(m.seconds for m in timed)
-    ties = [m for m in timed if m.seconds <= best * (1 + RULE_TIE)]
-    return max(ties, key=lambda m: (m.rule.most - m.rule.minimum, -m.rule.minimum))
+        return []
+    timings = plan_seconds(runs, {kernel: {p for rule in rules for p in plans(rule)}
+                                  for kernel, rules in timed.items()}, in_features, dtype, device)
+    measured = []
+    for kernel, rules in timed.items():
+        own = {plan: t for (k, plan), t in timings.items() if k == kernel}
+        costs = [(rule, rule_seconds(own, rule)) for rule in rules]
+        best = min(cost for _, cost in costs)
+        ties = [(rule, cost) for rule, cost in costs if cost <= best * (1 + RULE_TIE)]
+        rule, cost = max(ties, key=lambda t: (t[0].most - t[0].minimum, -t[0].minimum))
+        measured.append(Measured(kernel, rule if holding[kernel] else None, cost))
+    return measured
 
 
 def ranked(measured: list[Measured]) -> list[Measured]:
@@ -177,20 +212,16 @@ def ranked(measured: list[Measured]) -> list[Measured]:
     return sorted(measured, key=lambda m: (m.rule is None, m.seconds))
 
 
-def measured_with_cache(key: str, kernel: str,
-                        probe: Callable[[], Measured | None]) -> Measured | None:
-    """`probe()`'s result for this candidate and shape on this machine, probed once (None: the
-    kernel cannot run it here, asked again next time)."""
+def measured_with_cache(key: str, probe: Callable[[], list[Measured]]) -> list[Measured]:
+    """`probe()`'s result for this shape and these candidates on this machine, probed once (an
+    empty result, no candidate running here, is asked again next time)."""
     def stored() -> dict | None:
-        result = probe()
-        return None if result is None else {
-            "rule": [result.rule.minimum, result.rule.most] if result.rule else None,
-            "seconds": result.seconds}
+        return {m.kernel: {"rule": [m.rule.minimum, m.rule.most] if m.rule else None,
+                           "seconds": m.seconds} for m in probe()} or None
 
-    entry = probed_once(f"{key} {kernel}", stored)
-    if entry is None:
-        return None
-    return Measured(kernel, RowRule(*entry["rule"]) if entry["rule"] else None, entry["seconds"])
+    entries = probed_once(key, stored) or {}
+    return [Measured(kernel, RowRule(*e["rule"]) if e["rule"] else None, e["seconds"])
+            for kernel, e in entries.items()]
 
 
 def probed_once(key: str, probe: Callable[[], object]):
@@ -236,5 +267,5 @@ def _machine() -> str:
     # The probe's settings and our own kernels' source too: a change to them probes anew.
     text = "|".join([cpu_name(), _cpuinfo_line("flags"), torch.__version__,
                      str(torch.get_num_threads()), *caps,
-                     repr((RULES, PROBE_ROWS, TIMED_ROWS, RULE_TIE)), _our_kernels()])
+                     repr((RULES, PROBE_ROWS, TIMED_ROWS, TIMING_REPEATS, RULE_TIE)), _our_kernels()])
     return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -116,19 +116,13 @@ def choose(layer: Linear) -> tuple[Measured, bool, Run] | None:
     key = (f"{weight.dtype} {weight.device.type} {layer.in_features}x{layer.out_features}"
            f"{' bias' if layer.bias is not None else ''}")
     probe_layer = cache(partial(_probe_layer, layer))  # a layer's size: built on a cache miss only
+    names = [name for name in candidates() if may_run(name, layer)]
 
-    def probe(name: str) -> Measured | None:
-        run = prepare(name, probe_layer()) if may_run(name, layer) else None
-        return None if run is None else measure(name, run, layer.in_features, weight.dtype, weight.device)
+    def probe() -> list[Measured]:
+        runs = {name: run for name in names if (run := prepare(name, probe_layer())) is not None}
+        return measure(runs, layer.in_features, weight.dtype, weight.device) if runs else []
 
-    measured = []
-    for name in candidates():
-        try:
-            result = measured_with_cache(key, name, partial(probe, name))
-        except RuntimeError:  # a kernel that packed a dtype it then cannot run
-            continue
-        if result is not None:
-            measured.append(result)
+    measured = measured_with_cache(f"{key} {','.join(names)}", probe) if names else []
     for best in ranked(measured):
         if (run := prepare(best.kernel, layer)) is not None:
             return best, best.rule is not None, run
