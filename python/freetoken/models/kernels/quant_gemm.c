@@ -529,6 +529,42 @@ static void item(int isa, int type, const float *x, int64_t ldx, const uint8_t *
         }
 }
 
+/* Of the G spans of work items starting at start[0] = 0 < start[1] ..., the last starting at or
+ * before item it. */
+static int64_t owner(const int64_t *start, int64_t G, int64_t it) {
+    int64_t g = 0, hi = G - 1;
+    while (g < hi) {
+        const int64_t mid = (g + hi + 1) / 2;
+        if (start[mid] <= it) g = mid;
+        else hi = mid - 1;
+    }
+    return g;
+}
+
+/* A projection of P parts, each y[:, its columns] = x @ W_p^T (+ bias_p), in one parallel loop over
+ * every part's items (q/k/v or gate/up: one fork and join, not one per part). Part p: types[p],
+ * w[p] uint8 [n[p]][K's blocks] (row stride ldw[p] bytes), bias[p] float32 [n[p]] or NULL, its
+ * columns following part p - 1's; x [R, K] float32 (row stride ldx), y [R, sum n] (row stride ldy). */
+void quant_gemm_parts(int isa, int64_t P, const int *types, const uint8_t *const *w, const int64_t *ldw,
+                      const int64_t *n, const float *const *bias, const float *x, int64_t ldx, float *y,
+                      int64_t ldy, int64_t R, int64_t K) {
+    int64_t start[P + 1], col[P + 1]; /* each part's first item and first column */
+    const int64_t blocks = (R + RB - 1) / RB;
+    start[0] = col[0] = 0;
+    for (int64_t p = 0; p < P; p++) {
+        start[p + 1] = start[p] + blocks * ((n[p] + NT - 1) / NT);
+        col[p + 1] = col[p] + n[p];
+    }
+    _Pragma("omp parallel for schedule(dynamic, 1) if (start[P] > 1)")
+    for (int64_t it = 0; it < start[P]; it++) {
+        const int64_t p = owner(start, P, it), local = it - start[p], tiles = (n[p] + NT - 1) / NT;
+        const int64_t tile = local % tiles, first = local / tiles * RB;
+        const int cols = n[p] - tile * NT < NT ? (int)(n[p] - tile * NT) : NT;
+        item(isa, types[p], x + first * ldx, ldx, w[p], ldw[p], bias[p], y + first * ldy + col[p], ldy,
+             R - first < RB ? R - first : RB, tile * NT, cols, K);
+    }
+}
+
 /* x [*, K] float32 (row stride ldx); w uint8 [E][N][K's blocks], strides lde and ldw bytes; bias [N] float32 or NULL (dense
  * calls only); y [*, N] (row stride ldy); groups [G][3]: expert, first row, rows, or NULL: the R
  * rows through expert 0. */
@@ -543,12 +579,7 @@ void quant_gemm(int isa, int type, const float *x, int64_t ldx, const uint8_t *w
     for (int64_t g = 0; g < G; g++) start[g + 1] = start[g] + (groups[3 * g + 2] + RB - 1) / RB * tiles;
     _Pragma("omp parallel for schedule(dynamic, 1) if (start[G] > 1)")
     for (int64_t it = 0; it < start[G]; it++) {
-        int64_t g = 0, hi = G - 1; /* the last group starting at or before it */
-        while (g < hi) {
-            const int64_t mid = (g + hi + 1) / 2;
-            if (start[mid] <= it) g = mid;
-            else hi = mid - 1;
-        }
+        const int64_t g = owner(start, G, it);
         const int64_t local = it - start[g], block = local / tiles, tile = local % tiles;
         const int64_t e = groups[3 * g], first = groups[3 * g + 1] + block * RB;
         const int64_t left = groups[3 * g + 1] + groups[3 * g + 2] - first;
@@ -564,5 +595,6 @@ void quant_gemm(int isa, int type, const float *x, int64_t ldx, const uint8_t *w
 int quant_isa(void) { return 0; }
 void quant_dequantize_rows(void) {}
 void quant_gemm(void) {}
+void quant_gemm_parts(void) {}
 
 #endif
