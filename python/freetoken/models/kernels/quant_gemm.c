@@ -20,8 +20,9 @@
  * over the panel, the lanes kept in an L1 buffer between ranges. A decode step's few rows read
  * each weight byte once from memory (the step is bound by that read); a prefill's rows reuse each
  * panel RB times, so the FMA microkernel, not the dequantization, sets the pace. An item of at
- * most FEW rows (AVX-512) skips the panel: it multiplies each block as it dequantizes it, in
- * registers, the same chains in the same order (few_avx512), the scales read through a table.
+ * most FEW rows (AVX-512; a decode step of up to 8 requests) skips the panel: it multiplies each
+ * block as it dequantizes it, in registers, the same chains in the same order (few_avx512), the
+ * scales read through a table.
  *
  * Built at first use by models/kernels/quant.py; x86-64 with AVX2, FMA and F16C, else unsupported.
  */
@@ -414,13 +415,13 @@ AVX512 static void rows_avx512(const float *x, int64_t ldx, int64_t rows, const 
         }
 }
 
-/* AVX-512, few rows (a decode step's): up to FEW rows by four columns over the whole of K, each
+/* AVX-512, few rows (a decode step's): up to 4 rows by four columns over the whole of K, each
  * block dequantized in registers (32-value formats) or into a block-sized L1 buffer (the
  * super-block formats) and multiplied at once: no panel, no lanes kept in memory. The lanes run
  * the very chains of tile_avx512 (one FMA per chunk, in chunk order) and end in the same
  * finish_avx512, so a row gets the same bits here as through the panel. Columns past `cols`
  * repeat the last one (their sums are not written). */
-#define FEW 4
+#define FEW 8
 
 #define FEW_FMA(C, W)                                                                            \
     for (int r = 0; r < few_rows; r++) a[r][n] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * ldx + (C)), W, a[r][n]);
@@ -472,18 +473,23 @@ FEW_TILE(2)
 FEW_TILE(3)
 FEW_TILE(4)
 
-/* Rows [0, rows), rows <= FEW, against output columns [0, cols) of w: four columns at a time. */
+/* Rows [0, rows), rows <= FEW, against output columns [0, cols) of w: four columns by up to four
+ * rows at a time (8 rows dequantize each block twice, still cheaper than the panel's stores). */
 static void few_avx512(int type, const float *x, int64_t ldx, int64_t rows, const uint8_t *w, int64_t ldw,
                        int cols, int64_t K, float *y, int64_t ldy, const float *bias) {
     for (int n = 0; n < cols; n += 4) {
         const int c4 = cols - n < 4 ? cols - n : 4;
         const uint8_t *wn = w + n * ldw;
         const float *bn = bias ? bias + n : 0;
-        switch (rows) {
-        case 1: few_avx512_1(type, x, ldx, wn, ldw, c4, K, y + n, ldy, bn); break;
-        case 2: few_avx512_2(type, x, ldx, wn, ldw, c4, K, y + n, ldy, bn); break;
-        case 3: few_avx512_3(type, x, ldx, wn, ldw, c4, K, y + n, ldy, bn); break;
-        default: few_avx512_4(type, x, ldx, wn, ldw, c4, K, y + n, ldy, bn); break;
+        for (int64_t r = 0; r < rows; r += 4) { /* over 4 rows: the columns dequantized again */
+            const float *xr = x + r * ldx;
+            float *yr = y + r * ldy + n;
+            switch (rows - r < 4 ? rows - r : 4) {
+            case 1: few_avx512_1(type, xr, ldx, wn, ldw, c4, K, yr, ldy, bn); break;
+            case 2: few_avx512_2(type, xr, ldx, wn, ldw, c4, K, yr, ldy, bn); break;
+            case 3: few_avx512_3(type, xr, ldx, wn, ldw, c4, K, yr, ldy, bn); break;
+            default: few_avx512_4(type, xr, ldx, wn, ldw, c4, K, yr, ldy, bn); break;
+            }
         }
     }
 }
