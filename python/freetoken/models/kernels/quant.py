@@ -77,7 +77,7 @@ def _kernel() -> ctypes.CDLL | None:
                  "layers are dequantized at load")
         return None
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.quant_gemm.argtypes = [i32, i32, ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64]
+    lib.quant_gemm.argtypes = [i32, i32, ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64, i64]
     lib.quant_gemm.restype = None
     lib.quant_gemm_parts.argtypes = [i32, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64]
     lib.quant_gemm_parts.restype = None
@@ -203,8 +203,8 @@ def grouped_quant_gemm(x: torch.Tensor, experts: QuantizedWeight, groups: torch.
         data = _blocks(experts.data, experts.qtype, k)
         y = torch.empty(rows.shape[0], n, dtype=torch.float32)
         _kernel().quant_gemm(isa(), int(experts.qtype), rows.data_ptr(), rows.stride(0), data.data_ptr(),
-                             data.stride(0), data.stride(1), None, y.data_ptr(), y.stride(0),
-                             groups.data_ptr(), groups.shape[0], rows.shape[0], k, n)
+                             data.stride(0), data.stride(1), y.data_ptr(), y.stride(0),
+                             groups.data_ptr(), groups.shape[0], k, n)
         return y.to(x.dtype)
     y = torch.empty(x.shape[0], experts.shape[1], dtype=torch.float32)
     full = dequantize(experts)

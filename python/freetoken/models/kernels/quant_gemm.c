@@ -571,14 +571,11 @@ void quant_gemm_parts(int isa, int64_t P, const int *types, const uint8_t *const
     }
 }
 
-/* x [*, K] float32 (row stride ldx); w uint8 [E][N][K's blocks], strides lde and ldw bytes; bias [N] float32 or NULL (dense
- * calls only); y [*, N] (row stride ldy); groups [G][3]: expert, first row, rows, or NULL: the R
- * rows through expert 0. */
+/* Experts' rows (dense layers run quant_gemm_parts): x [*, K] float32 (row stride ldx); w uint8
+ * [E][N][K's blocks], strides lde and ldw bytes; y [*, N] (row stride ldy); groups [G][3]:
+ * expert, first row, rows. */
 void quant_gemm(int isa, int type, const float *x, int64_t ldx, const uint8_t *w, int64_t lde, int64_t ldw,
-                const float *bias, float *y, int64_t ldy, const int64_t *groups, int64_t G, int64_t R,
-                int64_t K, int64_t N) {
-    const int64_t all[3] = {0, 0, R};
-    if (!groups) groups = all;
+                float *y, int64_t ldy, const int64_t *groups, int64_t G, int64_t K, int64_t N) {
     const int64_t tiles = (N + NT - 1) / NT;
     int64_t *start = malloc((G + 1) * sizeof(int64_t)); /* first item of each group */
     start[0] = 0;
@@ -590,7 +587,7 @@ void quant_gemm(int isa, int type, const float *x, int64_t ldx, const uint8_t *w
         const int64_t e = groups[3 * g], first = groups[3 * g + 1] + block * RB;
         const int64_t left = groups[3 * g + 1] + groups[3 * g + 2] - first;
         const int cols = N - tile * NT < NT ? (int)(N - tile * NT) : NT;
-        item(isa, type, x + first * ldx, ldx, w + e * lde, ldw, bias, y + first * ldy, ldy,
+        item(isa, type, x + first * ldx, ldx, w + e * lde, ldw, 0, y + first * ldy, ldy,
              left < RB ? left : RB, tile * NT, cols, K);
     }
     free(start);
