@@ -1,8 +1,8 @@
 """The quantized table of bench_engine.py (`--tables quantized`): prefill and decode tokens/s on
 the default GGUF with its blocks kept quantized (FREETOKEN_GGUF_WEIGHTS=quantized) against our
 float32 run on the same blocks dequantized at load, and llama.cpp (llama-cpp-python, in a child
-process so that a crash of its native code cannot take the table with it; batch 1: it runs one
-sequence at a time) where it is installed; with each side's
+process under --llama-python, so that a crash of its native code cannot take the table with it;
+batch 1: it runs one sequence at a time) where it is installed; with each side's
 weight bytes and the process's resident memory once it has run (VmRSS: a mapped GGUF's pages
 count as they are read).
 """
@@ -11,21 +11,16 @@ from __future__ import annotations
 
 import gc
 import importlib.util
-import multiprocessing
-import time
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import _bench_common as bc
+from _llama_cpp_child import rss_mb
 
 from freetoken.models.registry import load_model
-
-
-def rss_mb() -> float:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def quantized_table(ours_class, batches: list[int], prefill_len: int, new_tokens: int, args) -> None:
@@ -55,41 +50,22 @@ def quantized_table(ours_class, batches: list[int], prefill_len: int, new_tokens
 
 
 def llama_cpp_rows(prefill_len: int, new_tokens: int, args) -> list[list]:
-    if importlib.util.find_spec("llama_cpp") is None:
-        bc.note("llama.cpp: llama-cpp-python is not installed (pip install llama-cpp-python builds it "
-                "from source, ~5 min)")
+    """llama.cpp at batch 1 in a child process (_llama_cpp_child.py) under --llama-python (or
+    FREETOKEN_LLAMA_PYTHON; default this interpreter)."""
+    python = args.llama_python or os.environ.get("FREETOKEN_LLAMA_PYTHON") or sys.executable
+    if python == sys.executable and importlib.util.find_spec("llama_cpp") is None:
+        bc.note("llama.cpp: llama-cpp-python is not installed (docs/performance.md: building it in a "
+                "venv of its own, --llama-python)")
         return []
-    spawn = multiprocessing.get_context("spawn")
-    try:
-        with ProcessPoolExecutor(1, mp_context=spawn) as child:
-            return child.submit(_llama_cpp_rows, prefill_len, new_tokens, args.threads or 2,
-                                args.repeats).result()
-    except BrokenProcessPool:
-        bc.note("llama.cpp: its process died while running the model (a crash in llama-cpp-python)")
+    job = {"gguf": str(bc.default_gguf()), "ids": bc.token_prompts(bc.load_tokenizer(), 1, prefill_len, seed=1)[0],
+           "new_tokens": new_tokens, "threads": args.threads or 2, "repeats": args.repeats}
+    child = subprocess.run([python, str(Path(__file__).with_name("_llama_cpp_child.py")), json.dumps(job)],
+                           capture_output=True, text=True)
+    if child.returncode:
+        bc.note(f"llama.cpp ({python}): its process ended with code {child.returncode} "
+                f"({child.stderr.strip().splitlines()[-1:] or 'no message'})")
         return []
-
-
-def _llama_cpp_rows(prefill_len: int, new_tokens: int, threads: int, repeats: int) -> list[list]:
-    import llama_cpp
-
-    before = rss_mb()
-    llm = llama_cpp.Llama(str(bc.default_gguf()), n_ctx=prefill_len + new_tokens + 64,
-                          n_threads=threads, n_batch=512, verbose=False)
-    ids = bc.token_prompts(bc.load_tokenizer(), 1, prefill_len, seed=1)[0]
-
-    def prefill() -> None:
-        llm.reset()
-        llm.eval(ids)
-
-    t_pre = bc.best_time(prefill, repeats)
-    best = float("inf")
-    for _ in range(repeats):
-        prefill()
-        token = llm.sample(temp=0.0)
-        t0 = time.perf_counter()
-        for _ in range(new_tokens - 1):
-            llm.eval([token])
-            token = llm.sample(temp=0.0)
-        best = min(best, time.perf_counter() - t0)
-    return [["llama.cpp", 1, prefill_len / t_pre, (new_tokens - 1) / best,
-             bc.ms(best / (new_tokens - 1)), None, rss_mb() - before]]
+    out = json.loads(child.stdout.strip().splitlines()[-1])
+    bc.note(f"llama.cpp: llama-cpp-python {out['version']} under {python}")
+    return [["llama.cpp", 1, prefill_len / out["prefill_s"], (new_tokens - 1) / out["decode_s"],
+             bc.ms(out["decode_s"] / (new_tokens - 1)), None, out["rss_mb"]]]

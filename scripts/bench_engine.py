@@ -43,6 +43,7 @@ our float32 run on them dequantized, and llama.cpp where installed, with memory
     python scripts/bench_engine.py --profile       # also: where a decode step's time goes
     python scripts/bench_engine.py --tables speculative   # about 2 minutes on 2 cores
     python scripts/bench_engine.py --tables quantized --quick
+    python scripts/bench_engine.py --tables quantized --quick --skip-hf --llama-python /tmp/llamavenv/bin/python
 """
 
 from __future__ import annotations
@@ -213,6 +214,9 @@ def main() -> None:
     p.add_argument("--profile", action="store_true",
                    help="profile our decode steps at batch 1 and 32 (torch.profiler + cProfile)")
     p.add_argument("--skip-hf", action="store_true", help="our engine only (no ratios)")
+    p.add_argument("--llama-python", default=None,
+                   help="the interpreter that has llama-cpp-python, for the quantized table's llama.cpp "
+                        "row (default $FREETOKEN_LLAMA_PYTHON, else this one)")
     p.add_argument("--tensor-parallel-size", "--tp-size", type=int, default=1,
                    help="our engine over N CPU ranks on this machine (gloo): the tables run on "
                    "them (no HF), and the tp table compares ms per step with TP=1 (default "

@@ -120,6 +120,16 @@ def test_grouped_matches_each_expert_alone_bit_for_bit(qtype, threads):
         assert torch.equal(y[first:first + count], quant.quant_linear(x[first:first + count], one, None))
 
 
+def test_parts_in_one_call_match_each_part_alone_bit_for_bit(isa_cap, threads):
+    parts = [weight(T.Q4_1), weight(T.Q8_0, rows=20, seed=1), weight(T.MXFP4, rows=13, seed=2)]
+    biases = [torch.randn(N, generator=torch.Generator().manual_seed(3)), None,
+              torch.randn(13, generator=torch.Generator().manual_seed(4))]
+    x = torch.randn(70, K_SMALL, generator=torch.Generator().manual_seed(5))  # > one 48-row work item
+    for rows in (1, 3, 70):
+        alone = torch.cat([quant.quant_linear(x[:rows], p, b) for p, b in zip(parts, biases)], dim=1)
+        assert torch.equal(quant.quant_linear_parts(x[:rows], parts, biases), alone)
+
+
 def test_bfloat16_rows_come_back_in_bfloat16():
     w = weight(T.Q4_1)
     x = torch.randn(3, w.shape[1]).bfloat16()

@@ -77,8 +77,10 @@ def _kernel() -> ctypes.CDLL | None:
                  "layers are dequantized at load")
         return None
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.quant_gemm.argtypes = [i32, i32, ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64]
+    lib.quant_gemm.argtypes = [i32, i32, ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64, i64]
     lib.quant_gemm.restype = None
+    lib.quant_gemm_parts.argtypes = [i32, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64]
+    lib.quant_gemm_parts.restype = None
     lib.quant_dequantize_rows.argtypes = [i32, i32, ptr, i64, ptr, i64, i64, ptr]
     lib.quant_dequantize_rows.restype = None
     return lib
@@ -136,31 +138,57 @@ def dequantize_rows(weight: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
     return _rows(weight.data, ids.cpu().reshape(-1), weight.qtype, weight.shape[-1])
 
 
-def _gemm(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
-          groups: torch.Tensor | None) -> torch.Tensor:
-    """groups None: every row through the one weight."""
-    rows = x.float().contiguous()
-    n, k = weight.shape[-2:]
-    if rows.shape[1] != k:
-        raise ValueError(f"x has {rows.shape[1]} features, the weight {k}")
-    data = _blocks(weight.data, weight.qtype, k)
-    y = torch.empty(rows.shape[0], n, dtype=torch.float32)
-    if bias is not None:
-        bias = bias.float().contiguous()
-    _kernel().quant_gemm(isa(), int(weight.qtype), rows.data_ptr(), rows.stride(0), data.data_ptr(),
-                         data.stride(0) if data.dim() == 3 else 0, data.stride(-2),
-                         None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0),
-                         None if groups is None else groups.data_ptr(),
-                         1 if groups is None else groups.shape[0], rows.shape[0], k, n)
-    return y.to(x.dtype)
+class QuantParts:
+    """Quantized weights [N_p, K] (each in its own format) run as one projection, x @ [W_0; W_1;
+    ...]^T + [b_0; b_1; ...], in one kernel call: the arrays the kernel reads are made once here
+    (the weights and biases are fixed from then on)."""
+
+    def __init__(self, parts: list[QuantizedWeight], biases: list[torch.Tensor | None]):
+        self.k = parts[0].shape[-1]
+        self.n = sum(p.shape[0] for p in parts)
+        # Kept: the kernel reads their memory.
+        self.blocks = [_blocks(p.data, p.qtype, self.k) for p in parts]
+        self.biases = [None if b is None else b.float().contiguous() for b in biases]
+        count = len(parts)
+        self.args = (count, (ctypes.c_int * count)(*(int(p.qtype) for p in parts)),
+                     (ctypes.c_void_p * count)(*(b.data_ptr() for b in self.blocks)),
+                     (ctypes.c_int64 * count)(*(b.stride(0) for b in self.blocks)),
+                     (ctypes.c_int64 * count)(*(p.shape[0] for p in parts)),
+                     (ctypes.c_void_p * count)(*(None if b is None else b.data_ptr() for b in self.biases)))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [R, K] (float32 or bfloat16): [R, sum N_p] in x's dtype, float32 sums."""
+        rows = x.float().contiguous()
+        if rows.shape[1] != self.k:
+            raise ValueError(f"x has {rows.shape[1]} features, the weight {self.k}")
+        y = torch.empty(rows.shape[0], self.n, dtype=torch.float32)
+        _kernel().quant_gemm_parts(isa(), *self.args, rows.data_ptr(), rows.stride(0), y.data_ptr(),
+                                   self.n, rows.shape[0], self.k)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
 def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [R, K] (float32 or bfloat16) @ weight[N, K]^T + bias: [R, N] in x's dtype, float32 sums."""
-    if not supported(weight.qtype):
-        y = x.float() @ dequantize(weight).T
-        return (y if bias is None else y + bias.float()).to(x.dtype)
-    return _gemm(x, weight, bias, None)
+    return quant_linear_parts(x, [weight], [bias])
+
+
+def quant_linear_parts(x: torch.Tensor, parts: list[QuantizedWeight | torch.Tensor],
+                       biases: list[torch.Tensor | None]) -> torch.Tensor:
+    """x [R, K] @ [part0; part1; ...]^T + [bias0; bias1; ...], [R, sum N_p] in x's dtype, each part
+    a QuantizedWeight or a float weight [N_p, K] (one that had no kernel, dequantized at load:
+    it runs F.linear in its own dtype)."""
+    if all(isinstance(p, QuantizedWeight) and supported(p.qtype) for p in parts):
+        return QuantParts(parts, biases)(x)
+    outs = []
+    for part, bias in zip(parts, biases):
+        if not isinstance(part, QuantizedWeight):
+            outs.append(torch.nn.functional.linear(x, part, bias))
+        elif supported(part.qtype):
+            outs.append(QuantParts([part], [bias])(x))
+        else:
+            product = x.float() @ dequantize(part).T
+            outs.append((product if bias is None else product + bias.float()).to(x.dtype))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
 def grouped_quant_gemm(x: torch.Tensor, experts: QuantizedWeight, groups: torch.Tensor) -> torch.Tensor:
@@ -168,7 +196,16 @@ def grouped_quant_gemm(x: torch.Tensor, experts: QuantizedWeight, groups: torch.
     int64 (expert, first row, row count) covering every row of x; [R, N] in x's dtype."""
     groups = groups.to(torch.int64).contiguous()
     if supported(experts.qtype):
-        return _gemm(x, experts, None, groups)
+        rows = x.float().contiguous()
+        n, k = experts.shape[-2:]
+        if rows.shape[1] != k:
+            raise ValueError(f"x has {rows.shape[1]} features, the weight {k}")
+        data = _blocks(experts.data, experts.qtype, k)
+        y = torch.empty(rows.shape[0], n, dtype=torch.float32)
+        _kernel().quant_gemm(isa(), int(experts.qtype), rows.data_ptr(), rows.stride(0), data.data_ptr(),
+                             data.stride(0), data.stride(1), y.data_ptr(), y.stride(0),
+                             groups.data_ptr(), groups.shape[0], k, n)
+        return y.to(x.dtype)
     y = torch.empty(x.shape[0], experts.shape[1], dtype=torch.float32)
     full = dequantize(experts)
     for expert, first, count in groups.tolist():

@@ -19,7 +19,10 @@
  * its columns' weights for the range into a panel in L1, then runs every row tile of its rows
  * over the panel, the lanes kept in an L1 buffer between ranges. A decode step's few rows read
  * each weight byte once from memory (the step is bound by that read); a prefill's rows reuse each
- * panel RB times, so the FMA microkernel, not the dequantization, sets the pace.
+ * panel RB times, so the FMA microkernel, not the dequantization, sets the pace. An item of at
+ * most FEW rows (AVX-512; a decode step of up to 8 requests) skips the panel: it multiplies each
+ * block as it dequantizes it, in registers, the same chains in the same order (few_avx512), the
+ * scales read through a table.
  *
  * Built at first use by models/kernels/quant.py; x86-64 with AVX2, FMA and F16C, else unsupported.
  */
@@ -41,6 +44,25 @@ enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, MXFP4 = 39
 #define AVX512 __attribute__((target("avx512f,avx512dq,avx2,fma,f16c")))
 #define INLINE static inline __attribute__((always_inline))
 
+/* Every float16 as float32 (F16C's conversion, so exactly): a scale is read as a table load,
+ * which a broadcast takes straight from memory, rather than a conversion and a shuffle on the
+ * vector ports that the dequantization itself keeps busy. Filled by quant_isa, which the caller
+ * runs before anything else. */
+static float halves[65536];
+
+AVX2 static void fill_halves(void) {
+    for (int h = 0; h < 65536; h += 8) {
+        const __m128i bits = _mm_add_epi16(_mm_set1_epi16((short)h), _mm_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7));
+        _mm256_storeu_ps(halves + h, _mm256_cvtph_ps(bits));
+    }
+}
+
+INLINE float half(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return halves[h];
+}
+
 /* 0: no kernel, 1: AVX2, 2: AVX-512 (the best this CPU runs). */
 int quant_isa(void) {
     __builtin_cpu_init();
@@ -48,14 +70,10 @@ int quant_isa(void) {
     unsigned a, b, c, d;
     __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(1), "c"(0));
     if (!((c >> 29) & 1)) return 0; /* F16C */
+    fill_halves();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") ? 2 : 1;
 }
 
-AVX2 INLINE float half(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
 
 /* ---------------------------------------------------------------- dequantizing one block
  * Each writes the block's values in k order to dst. AVX2 and AVX-512 variants compute the same
@@ -78,13 +96,6 @@ AVX512 INLINE void put_i8_512(__m128i q, __m512 scale, float *dst) {
 
 AVX512 INLINE void put_u8_fma_512(__m128i q, __m512 d, __m512 m, float *dst) {
     _mm512_storeu_ps(dst, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)), d, m));
-}
-
-/* 32 values from 16 bytes of 4-bit codes (low nibbles first) through a 16-entry table. */
-AVX512 INLINE void put_nibbles_512(const uint8_t *q, __m512 table, float *dst) {
-    const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
-    _mm512_storeu_ps(dst, _mm512_permutexvar_ps(codes, table));
-    _mm512_storeu_ps(dst + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table));
 }
 
 AVX512 INLINE __m512 iota_512(void) {
@@ -126,11 +137,6 @@ AVX2 INLINE __m128i q6_codes(const uint8_t *b, int h, int t, int p) {
     return _mm_sub_epi8(_mm_or_si128(t >> 1 ? high_nibbles(ql) : low_nibbles(ql), high), _mm_set1_epi8(32));
 }
 
-#define Q8_0_BODY(PUT, SET)                                                                      \
-    const float d = half(b);                                                                     \
-    PUT(_mm_loadu_si128((const __m128i *)(b + 2)), SET(d), dst);                                 \
-    PUT(_mm_loadu_si128((const __m128i *)(b + 18)), SET(d), dst + 16);
-
 #define Q5_K_BODY(PUT, SET)                                                                      \
     float sc[8], mn[8];                                                                          \
     k_scales(b, sc, mn);                                                                         \
@@ -150,10 +156,13 @@ AVX2 INLINE __m128i q6_codes(const uint8_t *b, int h, int t, int p) {
                 PUT(q6_codes(b, h, t, p), SET(d * (float)scales[8 * h + 2 * t + p]),             \
                     dst + 128 * h + 32 * t + 16 * p);
 
-AVX2 INLINE void dq_q8_0(const uint8_t *b, float *dst) { Q8_0_BODY(put_i8, _mm256_set1_ps) }
+AVX2 INLINE void dq_q8_0(const uint8_t *b, float *dst) {
+    const __m256 d = _mm256_set1_ps(half(b));
+    put_i8(_mm_loadu_si128((const __m128i *)(b + 2)), d, dst);
+    put_i8(_mm_loadu_si128((const __m128i *)(b + 18)), d, dst + 16);
+}
 AVX2 INLINE void dq_q5_k(const uint8_t *b, float *dst) { Q5_K_BODY(put_u8_fma, _mm256_set1_ps) }
 AVX2 INLINE void dq_q6_k(const uint8_t *b, float *dst) { Q6_K_BODY(put_i8, _mm256_set1_ps) }
-AVX512 INLINE void dq_q8_0_512(const uint8_t *b, float *dst) { Q8_0_BODY(put_i8_512, _mm512_set1_ps) }
 AVX512 INLINE void dq_q5_k_512(const uint8_t *b, float *dst) { Q5_K_BODY(put_u8_fma_512, _mm512_set1_ps) }
 AVX512 INLINE void dq_q6_k_512(const uint8_t *b, float *dst) { Q6_K_BODY(put_i8_512, _mm512_set1_ps) }
 
@@ -193,20 +202,44 @@ AVX2 INLINE void dq_q4_k(const uint8_t *b, float *dst) {
     }
 }
 
-AVX512 INLINE void dq_q4_0_512(const uint8_t *b, float *dst) {
-    const __m512 table = _mm512_mul_ps(_mm512_sub_ps(iota_512(), _mm512_set1_ps(8)), _mm512_set1_ps(half(b)));
-    put_nibbles_512(b + 2, table, dst);
+/* The 32-value formats' blocks as two registers (values 0-15, 16-31): what their dq_*_512 store,
+ * and what the few-row path (few_avx512) multiplies without storing. */
+AVX512 INLINE void nibble_pair_512(const uint8_t *q, __m512 table, __m512 *lo, __m512 *hi) {
+    const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+    *lo = _mm512_permutexvar_ps(codes, table);
+    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
 }
 
-AVX512 INLINE void dq_q4_1_512(const uint8_t *b, float *dst) {
-    const __m512 table = _mm512_fmadd_ps(iota_512(), _mm512_set1_ps(half(b)), _mm512_set1_ps(half(b + 2)));
-    put_nibbles_512(b + 4, table, dst);
+AVX512 INLINE void pair_q8_0_512(const uint8_t *b, __m512 *lo, __m512 *hi) {
+    const __m512 d = _mm512_set1_ps(half(b));
+    *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2)))), d);
+    *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 18)))), d);
 }
 
-AVX512 INLINE void dq_mxfp4_512(const uint8_t *b, float *dst) {
+AVX512 INLINE void pair_q4_0_512(const uint8_t *b, __m512 *lo, __m512 *hi) {
+    nibble_pair_512(b + 2, _mm512_mul_ps(_mm512_sub_ps(iota_512(), _mm512_set1_ps(8)), _mm512_set1_ps(half(b))), lo, hi);
+}
+
+AVX512 INLINE void pair_q4_1_512(const uint8_t *b, __m512 *lo, __m512 *hi) {
+    nibble_pair_512(b + 4, _mm512_fmadd_ps(iota_512(), _mm512_set1_ps(half(b)), _mm512_set1_ps(half(b + 2))), lo, hi);
+}
+
+AVX512 INLINE void pair_mxfp4_512(const uint8_t *b, __m512 *lo, __m512 *hi) {
     const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-    put_nibbles_512(b + 1, _mm512_mul_ps(codes, _mm512_set1_ps(e8m0_half(b[0]))), dst);
+    nibble_pair_512(b + 1, _mm512_mul_ps(codes, _mm512_set1_ps(e8m0_half(b[0]))), lo, hi);
 }
+
+#define STORE_PAIR_512(NAME, PAIR)                                                               \
+    AVX512 INLINE void NAME(const uint8_t *b, float *dst) {                                      \
+        __m512 lo, hi;                                                                           \
+        PAIR(b, &lo, &hi);                                                                       \
+        _mm512_storeu_ps(dst, lo);                                                               \
+        _mm512_storeu_ps(dst + 16, hi);                                                          \
+    }
+STORE_PAIR_512(dq_q8_0_512, pair_q8_0_512)
+STORE_PAIR_512(dq_q4_0_512, pair_q4_0_512)
+STORE_PAIR_512(dq_q4_1_512, pair_q4_1_512)
+STORE_PAIR_512(dq_mxfp4_512, pair_mxfp4_512)
 
 AVX512 INLINE void dq_q4_k_512(const uint8_t *b, float *dst) {
     float sc[8], mn[8];
@@ -382,12 +415,95 @@ AVX512 static void rows_avx512(const float *x, int64_t ldx, int64_t rows, const 
         }
 }
 
+/* AVX-512, few rows (a decode step's): up to 4 rows by four columns over the whole of K, each
+ * block dequantized in registers (32-value formats) or into a block-sized L1 buffer (the
+ * super-block formats) and multiplied at once: no panel, no lanes kept in memory. The lanes run
+ * the very chains of tile_avx512 (one FMA per chunk, in chunk order) and end in the same
+ * finish_avx512, so a row gets the same bits here as through the panel. Columns past `cols`
+ * repeat the last one (their sums are not written). */
+#define FEW 8
+
+#define FEW_FMA(C, W)                                                                            \
+    for (int r = 0; r < few_rows; r++) a[r][n] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * ldx + (C)), W, a[r][n]);
+
+#define FEW_PAIRS(PAIR)                                                                          \
+    for (int64_t blk = 0; blk < K / 32; blk++)                                                   \
+        for (int n = 0; n < 4; n++) {                                                            \
+            __m512 lo, hi;                                                                       \
+            PAIR(col[n] + blk * size, &lo, &hi);                                                 \
+            FEW_FMA(32 * blk, lo)                                                                \
+            FEW_FMA(32 * blk + 16, hi)                                                           \
+        }
+
+#define FEW_TILE(ROWS)                                                                           \
+    AVX512 static void few_avx512_##ROWS(int type, const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, \
+                                         int cols, int64_t K, float *y, int64_t ldy, const float *bias) { \
+        const int64_t size = block_bytes(type), few_rows = ROWS;                                 \
+        const uint8_t *col[4];                                                                   \
+        for (int n = 0; n < 4; n++) col[n] = w + (n < cols ? n : cols - 1) * ldw;                \
+        /* The columns NT on, which the memory system would otherwise fetch only when asked. */   \
+        for (int n = 0; n < 4; n++)                                                              \
+            for (int64_t b = 0; b < K / block_values(type) * size; b += 64)                      \
+                _mm_prefetch((const char *)w + (n + NT) * ldw + b, _MM_HINT_T0);                 \
+        __m512 a[ROWS][4];                                                                       \
+        for (int r = 0; r < ROWS; r++)                                                           \
+            for (int n = 0; n < 4; n++) a[r][n] = _mm512_setzero_ps();                           \
+        switch (type) {                                                                          \
+        case Q8_0: FEW_PAIRS(pair_q8_0_512) break;                                               \
+        case Q4_0: FEW_PAIRS(pair_q4_0_512) break;                                               \
+        case Q4_1: FEW_PAIRS(pair_q4_1_512) break;                                               \
+        case MXFP4: FEW_PAIRS(pair_mxfp4_512) break;                                             \
+        default: {                                                                               \
+            float block[4][256] __attribute__((aligned(64)));                                    \
+            for (int64_t blk = 0; blk < K / 256; blk++) {                                        \
+                for (int n = 0; n < 4; n++) dequant_avx512(type, col[n], blk, 1, block[n]);      \
+                for (int c = 0; c < 16; c++)                                                     \
+                    for (int n = 0; n < 4; n++) FEW_FMA(256 * blk + 16 * c, _mm512_load_ps(block[n] + 16 * c)) \
+            }                                                                                    \
+        }                                                                                        \
+        }                                                                                        \
+        for (int r = 0; r < ROWS; r++) {                                                         \
+            float out[4];                                                                        \
+            finish_avx512(a[r][0], a[r][1], a[r][2], a[r][3], out);                              \
+            for (int n = 0; n < cols; n++) y[r * ldy + n] = bias ? out[n] + bias[n] : out[n];    \
+        }                                                                                        \
+    }
+FEW_TILE(1)
+FEW_TILE(2)
+FEW_TILE(3)
+FEW_TILE(4)
+
+/* Rows [0, rows), rows <= FEW, against output columns [0, cols) of w: four columns by up to four
+ * rows at a time (8 rows dequantize each block twice, still cheaper than the panel's stores). */
+static void few_avx512(int type, const float *x, int64_t ldx, int64_t rows, const uint8_t *w, int64_t ldw,
+                       int cols, int64_t K, float *y, int64_t ldy, const float *bias) {
+    for (int n = 0; n < cols; n += 4) {
+        const int c4 = cols - n < 4 ? cols - n : 4;
+        const uint8_t *wn = w + n * ldw;
+        const float *bn = bias ? bias + n : 0;
+        for (int64_t r = 0; r < rows; r += 4) { /* over 4 rows: the columns dequantized again */
+            const float *xr = x + r * ldx;
+            float *yr = y + r * ldy + n;
+            switch (rows - r < 4 ? rows - r : 4) {
+            case 1: few_avx512_1(type, xr, ldx, wn, ldw, c4, K, yr, ldy, bn); break;
+            case 2: few_avx512_2(type, xr, ldx, wn, ldw, c4, K, yr, ldy, bn); break;
+            case 3: few_avx512_3(type, xr, ldx, wn, ldw, c4, K, yr, ldy, bn); break;
+            default: few_avx512_4(type, xr, ldx, wn, ldw, c4, K, yr, ldy, bn); break;
+            }
+        }
+    }
+}
+
 /* ---------------------------------------------------------------- the GEMM */
 
 /* One work item: rows [0, rows) of x against output columns [n0, n0 + cols) of a weight whose
  * row n starts at w + n * ldw. */
 static void item(int isa, int type, const float *x, int64_t ldx, const uint8_t *w, int64_t ldw,
                  const float *bias, float *y, int64_t ldy, int64_t rows, int64_t n0, int cols, int64_t K) {
+    if (isa == 2 && rows <= FEW) {
+        few_avx512(type, x, ldx, rows, w + n0 * ldw, ldw, cols, K, y + n0, ldy, bias ? bias + n0 : 0);
+        return;
+    }
     float panel[NT * LDP] __attribute__((aligned(64)));
     float acc[RB * NT * 16] __attribute__((aligned(64)));
     const int64_t per_block = block_values(type), ranges = (K + KB - 1) / KB;
@@ -419,31 +535,59 @@ static void item(int isa, int type, const float *x, int64_t ldx, const uint8_t *
         }
 }
 
-/* x [*, K] float32 (row stride ldx); w uint8 [E][N][K's blocks], strides lde and ldw bytes; bias [N] float32 or NULL (dense
- * calls only); y [*, N] (row stride ldy); groups [G][3]: expert, first row, rows, or NULL: the R
- * rows through expert 0. */
+/* Of the G spans of work items starting at start[0] = 0 < start[1] ..., the last starting at or
+ * before item it. */
+static int64_t owner(const int64_t *start, int64_t G, int64_t it) {
+    int64_t g = 0, hi = G - 1;
+    while (g < hi) {
+        const int64_t mid = (g + hi + 1) / 2;
+        if (start[mid] <= it) g = mid;
+        else hi = mid - 1;
+    }
+    return g;
+}
+
+/* A projection of P parts, each y[:, its columns] = x @ W_p^T (+ bias_p), in one parallel loop over
+ * every part's items (q/k/v or gate/up: one fork and join, not one per part). Part p: types[p],
+ * w[p] uint8 [n[p]][K's blocks] (row stride ldw[p] bytes), bias[p] float32 [n[p]] or NULL, its
+ * columns following part p - 1's; x [R, K] float32 (row stride ldx), y [R, sum n] (row stride ldy). */
+void quant_gemm_parts(int isa, int64_t P, const int *types, const uint8_t *const *w, const int64_t *ldw,
+                      const int64_t *n, const float *const *bias, const float *x, int64_t ldx, float *y,
+                      int64_t ldy, int64_t R, int64_t K) {
+    int64_t start[P + 1], col[P + 1]; /* each part's first item and first column */
+    const int64_t blocks = (R + RB - 1) / RB;
+    start[0] = col[0] = 0;
+    for (int64_t p = 0; p < P; p++) {
+        start[p + 1] = start[p] + blocks * ((n[p] + NT - 1) / NT);
+        col[p + 1] = col[p] + n[p];
+    }
+    _Pragma("omp parallel for schedule(dynamic, 1) if (start[P] > 1)")
+    for (int64_t it = 0; it < start[P]; it++) {
+        const int64_t p = owner(start, P, it), local = it - start[p], tiles = (n[p] + NT - 1) / NT;
+        const int64_t tile = local % tiles, first = local / tiles * RB;
+        const int cols = n[p] - tile * NT < NT ? (int)(n[p] - tile * NT) : NT;
+        item(isa, types[p], x + first * ldx, ldx, w[p], ldw[p], bias[p], y + first * ldy + col[p], ldy,
+             R - first < RB ? R - first : RB, tile * NT, cols, K);
+    }
+}
+
+/* Experts' rows (dense layers run quant_gemm_parts): x [*, K] float32 (row stride ldx); w uint8
+ * [E][N][K's blocks], strides lde and ldw bytes; y [*, N] (row stride ldy); groups [G][3]:
+ * expert, first row, rows. */
 void quant_gemm(int isa, int type, const float *x, int64_t ldx, const uint8_t *w, int64_t lde, int64_t ldw,
-                const float *bias, float *y, int64_t ldy, const int64_t *groups, int64_t G, int64_t R,
-                int64_t K, int64_t N) {
-    const int64_t all[3] = {0, 0, R};
-    if (!groups) groups = all;
+                float *y, int64_t ldy, const int64_t *groups, int64_t G, int64_t K, int64_t N) {
     const int64_t tiles = (N + NT - 1) / NT;
     int64_t *start = malloc((G + 1) * sizeof(int64_t)); /* first item of each group */
     start[0] = 0;
     for (int64_t g = 0; g < G; g++) start[g + 1] = start[g] + (groups[3 * g + 2] + RB - 1) / RB * tiles;
     _Pragma("omp parallel for schedule(dynamic, 1) if (start[G] > 1)")
     for (int64_t it = 0; it < start[G]; it++) {
-        int64_t g = 0, hi = G - 1; /* the last group starting at or before it */
-        while (g < hi) {
-            const int64_t mid = (g + hi + 1) / 2;
-            if (start[mid] <= it) g = mid;
-            else hi = mid - 1;
-        }
+        const int64_t g = owner(start, G, it);
         const int64_t local = it - start[g], block = local / tiles, tile = local % tiles;
         const int64_t e = groups[3 * g], first = groups[3 * g + 1] + block * RB;
         const int64_t left = groups[3 * g + 1] + groups[3 * g + 2] - first;
         const int cols = N - tile * NT < NT ? (int)(N - tile * NT) : NT;
-        item(isa, type, x + first * ldx, ldx, w + e * lde, ldw, bias, y + first * ldy, ldy,
+        item(isa, type, x + first * ldx, ldx, w + e * lde, ldw, 0, y + first * ldy, ldy,
              left < RB ? left : RB, tile * NT, cols, K);
     }
     free(start);
@@ -454,5 +598,6 @@ void quant_gemm(int isa, int type, const float *x, int64_t ldx, const uint8_t *w
 int quant_isa(void) { return 0; }
 void quant_dequantize_rows(void) {}
 void quant_gemm(void) {}
+void quant_gemm_parts(void) {}
 
 #endif

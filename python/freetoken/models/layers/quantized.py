@@ -3,8 +3,8 @@ and an embedding, and putting them in place of a loaded module's plain ones.
 
 A fused projection (q/k/v, gate/up) is its parts' rows one after the other, and a GGUF stores
 each part apart, possibly in different formats (Q4_K_M keeps v in Q6_K, q and k in Q4_K): the
-layer keeps the parts as stored, each run by its own matmul into its columns of the output,
-rather than copying them into one weight.
+layer keeps the parts as stored, each run by its own matmul straight into its columns of the
+output, rather than copying them into one weight.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from freetoken.models.kernels.quant import QuantizedWeight, dequantize_rows, quant_linear
+from freetoken.models.kernels.quant import (QuantizedWeight, QuantParts, dequantize_rows, quant_linear,
+                                            quant_linear_parts, supported)
 from freetoken.models.layers.linear import LAYER_INDEX, KernelPlan
 from freetoken.models.layers.moe import Experts
 
@@ -36,12 +36,13 @@ class QuantizedLinear(nn.Module):
         self.out_features = sum(sizes)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.part_bias = [None] * len(parts) if bias is None else list(bias.split(sizes))
+        # Every part on the kernel: one call for them all, its arguments made here once.
+        self.fused = QuantParts(parts, self.part_bias) if all(
+            isinstance(p, QuantizedWeight) and supported(p.qtype) for p in parts) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        outs = [quant_linear(flat, p, b) if isinstance(p, QuantizedWeight) else F.linear(flat, p, b)
-                for p, b in zip(self.parts, self.part_bias)]
-        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        y = self.fused(flat) if self.fused else quant_linear_parts(flat, self.parts, self.part_bias)
         return y.view(*x.shape[:-1], self.out_features)
 
 
