@@ -14,7 +14,7 @@ import torch
 from freetoken.models.layers.linear import CANDIDATES
 from freetoken.models.loader import weights_folder
 from freetoken.models.registry import load_model, model_folder
-from freetoken.paths import cache_root
+from freetoken.paths import ModelNotFound, cache_root
 
 # The linear kernels that run float32 (amx runs bfloat16 only), and (kernel, dtype) pairs.
 FLOAT32_KERNELS = tuple(k for k in CANDIDATES if k != "amx")
@@ -192,3 +192,32 @@ def random_prompt(n: int, seed: int) -> list[int]:
     """n token ids drawn from the middle of the default vocabulary, the same for a seed."""
     r = random.Random(seed)
     return [r.randrange(1000, 40000) for _ in range(n)]
+
+
+def assert_config_edit_is_named(gguf: Path, tmp_path: Path, edits: list[tuple[dict[str, str], str]]) -> None:
+    """The GGUF's cached config with each edit (text replacements) made in turn on the last,
+    each load refused with a message matching the edit's pattern."""
+    changed = tmp_path / "config"
+    shutil.copytree(model_folder(gguf)[0], changed, symlinks=True)
+    config = (changed / "config.json").read_text()
+    for replacements, message in edits:
+        for old, new in replacements.items():
+            config = config.replace(old, new)
+        (changed / "config.json").write_text(config)
+        with pytest.raises(ModelNotFound, match=message):
+            load_model(changed, device="cpu")
+
+
+def assert_holds_stored_bytes_and_matches_reference(model, stored: dict[str, int],
+                                                    prompts: dict[int, list[int]]) -> dict:
+    """`model` reports the weight bytes by format `stored` (the file's), itself and through
+    /v1/stats' scheduler, and its greedy batch of `prompts` matches HF on its folder; that run."""
+    from freetoken.scheduler.factory import build_scheduler
+
+    assert model.model.weight_bytes == stored
+    scheduler = build_scheduler(model, kv_slots=256, prefix_cache=False)
+    assert scheduler.stats()["weight_bytes"] == stored
+    together, _ = greedy_run(scheduler, prompts, steps=6)
+    for uid, ids in prompts.items():
+        assert_matches_reference(model.folder, ids, together[uid])
+    return together

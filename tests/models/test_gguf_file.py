@@ -4,7 +4,6 @@ the same file dequantized, batch-invariance, weight bytes, memory refusal and ba
 from __future__ import annotations
 
 import logging
-import shutil
 import struct
 
 import pytest
@@ -14,7 +13,9 @@ from freetoken.models import loader, registry
 from freetoken.models.layers.quantized import QuantizedEmbedding, QuantizedLinear
 from freetoken.paths import ModelNotFound
 from tests.fixtures import build_models as bm
-from tests.model_fixtures import assert_matches_reference, assert_same_run, greedy_run
+from tests.model_fixtures import (assert_config_edit_is_named,
+                                  assert_holds_stored_bytes_and_matches_reference, assert_same_run,
+                                  greedy_run)
 
 FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 # Every format in each: llama with q/k permuted and a tied Q8_0 embedding (as the default model),
@@ -40,8 +41,6 @@ def loaded(built):
 def test_block_formats_stay_quantized_and_match_transformers(arch, built, loaded):
     from gguf import GGUFReader
 
-    from freetoken.scheduler.factory import build_scheduler
-
     model = loaded[arch]
     assert isinstance(model.model.model.embed_tokens, QuantizedEmbedding)
     assert isinstance(model.model.lm_head, QuantizedLinear)
@@ -53,12 +52,7 @@ def test_block_formats_stay_quantized_and_match_transformers(arch, built, loaded
         kept = t.tensor_type.name in FORMATS
         key = t.tensor_type.name if kept else "float32"
         stored[key] = stored.get(key, 0) + (int(t.n_bytes) if kept else int(t.n_elements) * 4)
-    assert model.model.weight_bytes == stored
-    scheduler = build_scheduler(model, kv_slots=256, prefix_cache=False)
-    assert scheduler.stats()["weight_bytes"] == stored
-    together, _ = greedy_run(scheduler, PROMPTS, steps=6)
-    for uid, ids in PROMPTS.items():
-        assert_matches_reference(model.folder, ids, together[uid])
+    assert_holds_stored_bytes_and_matches_reference(model, stored, PROMPTS)
 
 
 @pytest.mark.parametrize("arch", list(MODELS))
@@ -117,14 +111,9 @@ def test_a_bad_file_is_one_error_naming_the_tensor_with_nothing_cached(built, tm
 
 
 def test_a_tensor_that_does_not_fit_the_config_is_named(built, tmp_path):
-    folder = registry.model_folder(built["llama"] / "model.gguf")[0]
-    changed = tmp_path / "config"
-    shutil.copytree(folder, changed, symlinks=True)
-    config = (changed / "config.json").read_text().replace('"intermediate_size": 512', '"intermediate_size": 384')
-    (changed / "config.json").write_text(config)
-    with pytest.raises(ModelNotFound, match=r"tensor blk\.0\.ffn_gate\.weight is \[512, 256\], "
-                                            r"the config says \[384, 256\]"):
-        registry.load_model(changed, device="cpu")
+    assert_config_edit_is_named(built["llama"] / "model.gguf", tmp_path, [(
+        {'"intermediate_size": 512': '"intermediate_size": 384'},
+        r"tensor blk\.0\.ffn_gate\.weight is \[512, 256\], the config says \[384, 256\]")])
 
 
 def test_a_gguf_caches_its_config_and_tokenizer_only(built):

@@ -5,7 +5,6 @@ invariance, weight bytes, and a file whose experts do not fit the config."""
 from __future__ import annotations
 
 import logging
-import shutil
 
 import pytest
 import torch
@@ -14,7 +13,9 @@ from freetoken.models import registry
 from freetoken.models.layers.moe import Experts
 from freetoken.paths import ModelNotFound
 from tests.fixtures import build_models as bm
-from tests.model_fixtures import assert_matches_reference, assert_same_run, greedy_run
+from tests.model_fixtures import (assert_config_edit_is_named,
+                                  assert_holds_stored_bytes_and_matches_reference,
+                                  assert_matches_reference, assert_same_run, greedy_run)
 
 MIXES = ("Q8_0", "Q4_K", "Q4_K_M")
 # name -> (mix, arch): Qwen3-MoE in each mix, Qwen2-MoE (a shared expert, q/k/v biases) in Q4_K_M.
@@ -62,12 +63,7 @@ def test_experts_stay_quantized_and_match_transformers(name, built, loaded):
         shared = model.model.model.layers[0].mlp.shared_expert
         assert isinstance(shared.gate_up_proj, QuantizedLinear) and isinstance(shared.down_proj, QuantizedLinear)
     stored = _stored_bytes(built[name] / "model.gguf")
-    assert model.model.weight_bytes == stored
-    scheduler = build_scheduler(model, kv_slots=256, prefix_cache=False)
-    assert scheduler.stats()["weight_bytes"] == stored
-    together, _ = greedy_run(scheduler, PROMPTS, steps=6)
-    for uid, ids in PROMPTS.items():
-        assert_matches_reference(model.folder, ids, together[uid])
+    together = assert_holds_stored_bytes_and_matches_reference(model, stored, PROMPTS)
     for uid, ids in PROMPTS.items():
         alone, _ = greedy_run(build_scheduler(model, kv_slots=256, prefix_cache=False), {uid: ids}, steps=6)
         assert_same_run(together[uid], alone[uid], tol=0.0)
@@ -91,20 +87,13 @@ def test_experts_without_a_kernel_are_dequantized_at_load_with_a_log_line(built,
 
 
 def test_experts_that_do_not_fit_the_config_are_named(built, tmp_path):
-    folder = registry.model_folder(built["Q8_0"] / "model.gguf")[0]
-    changed = tmp_path / "config"
-    shutil.copytree(folder, changed, symlinks=True)
-    config = (changed / "config.json").read_text().replace('"num_local_experts": 8', '"num_local_experts": 6')
-    (changed / "config.json").write_text(config)
-    with pytest.raises(ModelNotFound, match=r"tensor blk\.0\.ffn_gate_inp\.weight is \[8, 256\], "
-                                            r"the config says \[6, 256\]"):
-        registry.load_model(changed, device="cpu")
-    config = config.replace('"num_local_experts": 6', '"num_local_experts": 8').replace(
-        '"moe_intermediate_size": 256', '"moe_intermediate_size": 512')
-    (changed / "config.json").write_text(config)
-    with pytest.raises(ModelNotFound, match=r"tensor blk\.0\.ffn_gate_exps\.weight is \[8, 256, 256\], "
-                                            r"the config says \[8, 512, 256\]"):
-        registry.load_model(changed, device="cpu")
+    assert_config_edit_is_named(built["Q8_0"] / "model.gguf", tmp_path, [
+        ({'"num_local_experts": 8': '"num_local_experts": 6'},
+         r"tensor blk\.0\.ffn_gate_inp\.weight is \[8, 256\], the config says \[6, 256\]"),
+        ({'"num_local_experts": 6': '"num_local_experts": 8',
+          '"moe_intermediate_size": 256': '"moe_intermediate_size": 512'},
+         r"tensor blk\.0\.ffn_gate_exps\.weight is \[8, 256, 256\], the config says \[8, 512, 256\]"),
+    ])
 
 
 def test_float32_experts_are_the_dequantized_blocks_refused_where_their_load_does_not_fit(built, monkeypatch):
