@@ -1,10 +1,11 @@
 """The quantized table of bench_engine.py (`--tables quantized`): prefill and decode tokens/s on
 the default GGUF with its blocks kept quantized (FREETOKEN_GGUF_WEIGHTS=quantized) against our
-float32 run on the same blocks dequantized at load, and llama.cpp (llama-cpp-python, in a child
-process under --llama-python, so that a crash of its native code cannot take the table with it;
-batch 1: it runs one sequence at a time) where it is installed; with each side's
+float32 run on the same blocks dequantized at load, and llama.cpp where it is installed: its own
+`llama-batched-bench` (--llama-cpp-bin: every batch of the table) or llama-cpp-python (a child
+process under --llama-python; batch 1: it runs one sequence at a time), each in a process of its
+own so that a crash of its native code cannot take the table with it; with each side's
 weight bytes and the process's resident memory once it has run (VmRSS: a mapped GGUF's pages
-count as they are read).
+count as they are read; llama.cpp's: the child's peak).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import gc
 import importlib.util
 import json
 import os
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -42,11 +44,49 @@ def quantized_table(ours_class, batches: list[int], prefill_len: int, new_tokens
             rows.append([f"ours {weights}", b, b * prefill_len / t_pre, b * (new_tokens - 1) / t_dec,
                          bc.ms(t_dec / steps), weight_mb, rss_mb() - before])
         del ours, loaded
-    rows += llama_cpp_rows(prefill_len, new_tokens, args)
+    bin_dir = args.llama_cpp_bin or os.environ.get("FREETOKEN_LLAMA_CPP_BIN")
+    if bin_dir:
+        rows += llama_batched_bench_rows(Path(bin_dir), batches, prefill_len, new_tokens, args)
+    else:
+        rows += llama_cpp_rows(prefill_len, new_tokens, args)
     bc.print_table("Quantized weights: the default GGUF (tokens/s; MB: weights as held, and the "
                    "process's resident growth once run)",
                    ["weights", "batch", "prefill", "decode", "ms/step", "weights MB", "RSS MB"], rows)
     bc.note("the file is " f"{bc.default_gguf().stat().st_size / 2**20:,.0f} MB")
+
+
+def llama_batched_bench_rows(bin_dir: Path, batches: list[int], prefill_len: int, new_tokens: int,
+                             args) -> list[list]:
+    """llama.cpp's `llama-batched-bench` on the same file and thread count: `b` sequences each
+    prefilled with prompts of prefill_len (and of decode_prompt_len) tokens, then decoded
+    together for new_tokens steps; the best of args.repeats runs."""
+    tool = bin_dir / "llama-batched-bench"
+    prompt_lens = sorted({prefill_len, args.decode_prompt_len})
+    cmd = [str(tool), "-m", str(bc.default_gguf()), "-t", str(args.threads or 2),
+           "-c", str(max(batches) * (max(prompt_lens) + new_tokens) + 64),
+           "-npp", ",".join(map(str, prompt_lens)), "-ntg", str(new_tokens),
+           "-npl", ",".join(map(str, batches)), "--output-format", "jsonl", *args.llama_cpp_args.split()]
+    best: dict[tuple[int, int], dict] = {}
+    peak_mb = 0.0
+    for _ in range(args.repeats):
+        child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout, stderr = child.communicate()
+        if child.returncode:
+            bc.note(f"llama.cpp ({tool}): ended with code {child.returncode} "
+                    f"({stderr.strip().splitlines()[-1:] or 'no message'})")
+            return []
+        peak_mb = max(peak_mb, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)
+        for line in stdout.splitlines():
+            if line.startswith("{"):
+                run = json.loads(line)
+                key = (run["pl"], run["pp"])
+                if key not in best or run["t"] < best[key]["t"]:
+                    best[key] = run
+    bc.note(f"llama.cpp: {tool} {' '.join(cmd[1:])}; decode after {args.decode_prompt_len}-token "
+            f"prompts; RSS MB: the largest child's peak")
+    return [["llama.cpp", b, best[b, prefill_len]["speed_pp"], best[b, args.decode_prompt_len]["speed_tg"],
+             bc.ms(b / best[b, args.decode_prompt_len]["speed_tg"]), None, peak_mb]
+            for b in batches]
 
 
 def llama_cpp_rows(prefill_len: int, new_tokens: int, args) -> list[list]:

@@ -217,6 +217,11 @@ def main() -> None:
     p.add_argument("--llama-python", default=None,
                    help="the interpreter that has llama-cpp-python, for the quantized table's llama.cpp "
                         "row (default $FREETOKEN_LLAMA_PYTHON, else this one)")
+    p.add_argument("--llama-cpp-bin", default=None,
+                   help="a llama.cpp build's bin folder: the quantized table runs its llama-batched-bench "
+                        "at every batch (default $FREETOKEN_LLAMA_CPP_BIN; else llama-cpp-python)")
+    p.add_argument("--llama-cpp-args", default="",
+                   help="extra arguments to llama-batched-bench (e.g. '--no-repack')")
     p.add_argument("--tensor-parallel-size", "--tp-size", type=int, default=1,
                    help="our engine over N CPU ranks on this machine (gloo): the tables run on "
                    "them (no HF), and the tp table compares ms per step with TP=1 (default "
