@@ -200,6 +200,14 @@ def working_bytes(reader: GGUFReader, dtype: torch.dtype, quantized: bool) -> in
 _EXPERTS = "_exps."  # a sparse layer's stacked experts: ffn_{gate,up,down}_exps
 
 
+def experts_block(reader: GGUFReader, quantized: bool) -> int:
+    """The block along K of the experts' down projections kept as stored (the largest, if the
+    layers differ; 1 if none): tensor parallelism splits the experts' intermediate size in
+    whole blocks of it."""
+    return max((GGML_QUANT_SIZES[t.tensor_type][0] for t, kept in _kept(reader, quantized)
+                if kept and "ffn_down_exps." in t.name), default=1)
+
+
 def _kept(reader: GGUFReader, quantized: bool) -> list[tuple[object, bool]]:
     """Each tensor, and whether it is kept as stored: a layer's experts only where all of them
     are (layers/moe.py's take_stacked_experts widens the others with the one that is not)."""

@@ -31,7 +31,8 @@ from freetoken.models.layers.linear import pack_linears
 from freetoken.models.layers.moe import stack_experts, take_stacked_experts
 from freetoken.models.layers.parts import compute_in_parts
 from freetoken.models.layers.quantized import QuantizedEmbedding, plan_quantized, take_quantized, weight_bytes
-from freetoken.models.layers.quantized_parallel import install_quantized, quantized_head, shard_state
+from freetoken.models.layers.quantized_parallel import (install_quantized, quantized_head, shard_state,
+                                                        widen_cut_experts)
 from freetoken.models.layers.tensor_parallel import shard_model
 from freetoken.paths import ModelNotFound, cache_root
 
@@ -191,13 +192,14 @@ def build_gguf(model_class: type, gguf: Path, hf_config: dict, tokenizer, dtype:
     of `kv_slots` (and what the load copies for a moment) would not fit in the memory available.
     With `group`, that tensor-parallel rank's slices, quantized ones cut along whole blocks
     (models/layers/tensor_parallel.py)."""
-    from freetoken.models.gguf_file import open_gguf, planned_bytes, read_tensors, working_bytes
+    from freetoken.models.gguf_file import experts_block, open_gguf, planned_bytes, read_tensors, working_bytes
     from freetoken.models.llama import FUSED
 
     with torch.device("meta"):
         module = model_class.from_hf(hf_config)
     reader = open_gguf(gguf)
     cfg = module.cfg
+    module.experts_block = experts_block(reader, quantized)
     part = shard_model(module, group) if group is not None else None
     kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_slots * dtype.itemsize
     check_memory(gguf.name, sum(planned_bytes(reader, dtype, quantized).values()), kv,
@@ -205,6 +207,9 @@ def build_gguf(model_class: type, gguf: Path, hf_config: dict, tokenizer, dtype:
     state = read_tensors(gguf, reader, cfg, hf_config.get("model_type") == "llama", quantized)
     if part is not None:
         state = _rank_state(gguf.name, state, part)
+    elif in_parts:
+        _log_widened(gguf.name, "in the parts of K tensor-parallel ranks hold",
+                     widen_cut_experts(state, module.experts_block))
     take_stacked_experts(module, state)
     layers = take_quantized(state, FUSED)
     state = module.convert_hf_weights(state)
@@ -253,11 +258,14 @@ def _assign(module: torch.nn.Module, state: dict[str, torch.Tensor], quantized: 
 def _rank_state(name: str, state: dict, part) -> dict:
     widened: list[str] = []
     state = shard_state(state, part, widened)
-    if widened:
-        log.info("%s: dequantized at load on rank %d, its part of K not whole blocks: %d tensors "
-                 "(%s%s)", name, part.rank, len(widened), ", ".join(widened[:3]),
-                 ", ..." if len(widened) > 3 else "")
+    _log_widened(name, f"on rank {part.rank}", widened)
     return state
+
+
+def _log_widened(name: str, where: str, widened: list[str]) -> None:
+    if widened:
+        log.info("%s: dequantized at load %s, its part of K not whole blocks: %d tensors (%s%s)",
+                 name, where, len(widened), ", ".join(widened[:3]), ", ..." if len(widened) > 3 else "")
 
 
 def check_memory(name: str, weights: int, kv: int, working: int = 0) -> None:

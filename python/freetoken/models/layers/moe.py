@@ -70,6 +70,13 @@ class QuantizedExperts:
     down: QuantizedWeight
     gate_up_bias: torch.Tensor | None
     down_bias: torch.Tensor | None
+    # Set by models/layers/parts.py: down's parts of K (views of whole blocks), one per
+    # Experts.down_parts, each run as a tensor-parallel rank runs its own.
+    down_parts: tuple[QuantizedWeight, ...] = ()
+
+    @property
+    def downs(self) -> tuple[QuantizedWeight, ...]:
+        return self.down_parts or (self.down,)
 
     @property
     def weights(self) -> tuple[QuantizedWeight, ...]:
@@ -163,7 +170,7 @@ class Experts(nn.Module):
         rows = x.index_select(0, tokens)
         scale = weights.reshape(-1, 1).index_select(0, by_expert).to(x.dtype)
         if self.quantized is not None:
-            downs = [self._on_quantized(counts, rows)]
+            downs = self._on_quantized(counts, rows)
         else:
             project = self._on_kernel if self.stacked else self._on_linears
             hidden = self.activation(project(counts, rows, "gate_up_proj"))
@@ -184,8 +191,9 @@ class Experts(nn.Module):
         packed = gate_up if name == "gate_up_proj" else downs[part]
         return grouped_gemm(self.kernel, rows, packed, _groups(counts))
 
-    def _on_quantized(self, counts: list[int], rows: torch.Tensor) -> torch.Tensor:
-        """Both projections on the quantized weights, grouped as `_on_kernel` groups them."""
+    def _on_quantized(self, counts: list[int], rows: torch.Tensor) -> list[torch.Tensor]:
+        """Both projections on the quantized weights, grouped as `_on_kernel` groups them: the
+        down projection's outputs, one per part of `down_parts` (its bias in the first)."""
         groups = _groups(counts)
         expert_of_row = torch.repeat_interleave(groups[:, 0], groups[:, 2])
         q = self.quantized
@@ -194,7 +202,10 @@ class Experts(nn.Module):
         # Each part's columns are their own sums: the same bits as one weight of all the rows.
         gate_up = torch.cat([_quantized_projection(rows, part, bias, groups, expert_of_row)
                              for part, bias in zip(q.gate_up, biases)], dim=1)
-        return _quantized_projection(self.activation(gate_up), q.down, q.down_bias, groups, expert_of_row)
+        hidden = self.activation(gate_up)
+        return [_quantized_projection(hidden[:, cols].contiguous(), down, q.down_bias if part == 0 else None,
+                                      groups, expert_of_row)
+                for part, (down, cols) in enumerate(zip(q.downs, self.down_parts))]
 
     def _on_linears(self, counts: list[int], rows: torch.Tensor, name: str, part: int = 0) -> torch.Tensor:
         """Each active expert's layer `name` (of a down projection in parts, its part `part`)
@@ -314,7 +325,8 @@ def take_stacked_experts(model: nn.Module, state: dict[str, torch.Tensor | Quant
         state[f"{name}.experts.down_proj"] = down
     if widened:
         log.info("experts of %d layers (%s%s) dequantized at load with the part of them that has no "
-                 "kernel here", len(widened), ", ".join(widened[:3]), ", ..." if len(widened) > 3 else "")
+                 "kernel here or whose blocks a tensor-parallel part cuts", len(widened), ", ".join(widened[:3]),
+                 ", ..." if len(widened) > 3 else "")
 
 
 def split_stacked_experts(state: dict[str, torch.Tensor], name: str, transpose: bool = False,
