@@ -165,11 +165,13 @@ def test_quantized_gguf_tp2_keeps_its_blocks_and_matches_tp1(rank1, arch, monkey
     assert together == expected
 
 
-@pytest.mark.parametrize("mix", ["Q8_0", "Q4_K_M"])
+@pytest.mark.parametrize("mix", ["Q8_0", "Q4_K_M", "gpt-oss"])
 def test_quantized_moe_gguf_tp2_keeps_its_experts_blocks_and_matches_tp1(rank1, mix, monkeypatch, caplog):
-    # Experts of 256: Q8_0's blocks of 32 split 4 and 4 per rank, kept; Q4_K_M's one block of 256
-    # is cut between the ranks, so its experts are dequantized on each rank (and in TP=1's parts).
-    path = bm.cached(f"tiny-quantized-moe-{mix}", bm.build_quantized_moe_gguf, mix) / "model.gguf"
+    # Qwen3-MoE experts of 256: Q8_0's blocks of 32 split 4 and 4 per rank, kept; Q4_K_M's one
+    # block of 256 is cut between the ranks, so its experts are dequantized on each rank (and in
+    # TP=1's parts). gpt-oss: MXFP4 experts of 64, one block of 32 a rank, and their biases.
+    path = (bm.cached("tiny-gpt-oss-gguf", bm.build_gpt_oss_gguf) if mix == "gpt-oss" else
+            bm.cached(f"tiny-quantized-moe-{mix}", bm.build_quantized_moe_gguf, mix)) / "model.gguf"
     monkeypatch.setenv("FREETOKEN_EXACT_TP", "1")
     loaded = load_model(path, dtype="float32", device="cpu", gguf_weights="quantized")
     tok, whole = loaded.tokenizer, loaded.model.weight_bytes
@@ -178,12 +180,14 @@ def test_quantized_moe_gguf_tp2_keeps_its_experts_blocks_and_matches_tp1(rank1, 
         model = tp2.engine.model
         experts = [layer.mlp.quantized for layer in model.model.layers]
         held = model.weight_bytes
-        if mix == "Q8_0":  # each rank's experts: half of every expert's rows of gate/up and K of down
-            assert [tuple(w.shape) for w in experts[0].weights] == [(8, 128, 256)] * 2 + [(8, 256, 128)]
-            assert 0 < held["Q8_0"] < whole["Q8_0"]
-        else:
+        if mix == "Q4_K_M":
             assert experts == [None, None] and "its part of K not whole blocks" in caplog.text
             assert 0 < held["Q4_K"] < whole["Q4_K"]
+        else:  # each rank's experts: half of every expert's rows of gate/up and K of down
+            i, h = (32, 64) if mix == "gpt-oss" else (128, 256)
+            assert [tuple(w.shape) for w in experts[0].weights] == [(8, i, h)] * 2 + [(8, h, i)]
+            kind = "MXFP4" if mix == "gpt-oss" else mix
+            assert 0 < held[kind] < whole[kind]
         together = _entries(drain(tp2, _greedy_and_seeded(tok)))
     assert together == expected
 

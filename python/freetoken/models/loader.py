@@ -1,14 +1,13 @@
 """Find a model's files, and build a family's module from them (models/registry.py says which
 family).
 
-A GGUF file of a Llama-family decoder or a Qwen MoE is read as it is stored (models/gguf_file.py):
-its config and tokenizer, which transformers parses, are cached as a folder without weights,
-and its tensors are read from the memory-mapped file, the block formats kept quantized where
-asked (models/layers/quantized.py, the experts models/layers/moe.py); a tensor-parallel rank of a
-dense model keeps its slices of them, cut along whole blocks. Other GGUFs (gpt-oss, the hybrids,
-a MoE under tensor parallelism) are converted
-once by transformers into a float32 HF folder (safetensors + config + tokenizer) in a
-cache keyed by the file's identity: parsing and dequantising takes transformers about 13 s.
+A GGUF file of a Llama-family decoder, a Qwen MoE or gpt-oss is read as it is stored
+(models/gguf_file.py): its config and tokenizer, which transformers parses, are cached as a
+folder without weights, and its tensors are read from the memory-mapped file, the block formats
+kept quantized where asked (models/layers/quantized.py, the experts models/layers/moe.py); a
+tensor-parallel rank keeps its slices of them, cut along whole blocks. Other GGUFs (the hybrids)
+are converted once by transformers into a float32 HF folder (safetensors + config + tokenizer)
+in a cache keyed by the file's identity: parsing and dequantising takes transformers about 13 s.
 A folder's weights are read tensor by tensor (models/checkpoint.py) into the module built on
 the meta device; a tensor-parallel rank reads only the slices it keeps. transformers and gguf
 are imported by the GGUF functions alone: seconds of import that a folder's load does not need.
@@ -60,10 +59,13 @@ def default_model_path() -> Path:
 # type: without them a Qwen MoE's experts get transformers' default width, which fails to load
 # unless it happens to match (Qwen3-30B-A3B's 768 does, Qwen3-Coder-480B-A35B's 2560 does not).
 # Added to transformers' own table, which its loader reads while parsing the file once.
+# gpt-oss: transformers' table names its sliding window `sliding_window` (llama.cpp writes
+# `attention.sliding_window`) and leaves out the head width (64 released, not hidden / heads).
 GGUF_CONFIG_EXTRAS = {
     "qwen3_moe": {"expert_feed_forward_length": "moe_intermediate_size"},
     "qwen2_moe": {"expert_feed_forward_length": "moe_intermediate_size",
                   "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
+    "gpt_oss": {"attention.sliding_window": "sliding_window", "attention.key_length": "head_dim"},
 }
 
 
@@ -167,8 +169,9 @@ def _unconvertible(gguf: Path, served: tuple[str, ...], exc: Exception) -> Model
 def _gguf_architecture(gguf: Path) -> str:
     from gguf import GGUFReader
 
-    field = GGUFReader(gguf).fields.get("general.architecture")
-    return bytes(field.parts[field.data[0]]).decode() if field else "?"
+    from freetoken.models.gguf_file import architecture
+
+    return architecture(GGUFReader(gguf))
 
 
 def build(model_class: type, folder: Path, hf_config: dict, tokenizer, dtype: torch.dtype,

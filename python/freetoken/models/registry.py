@@ -54,7 +54,7 @@ ARCHITECTURES = {
 # process or by each tensor-parallel rank (its slices), kept quantized on the CPU where asked;
 # the others are converted by transformers first.
 GGUF_READ = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-             "Qwen2MoeForCausalLM")
+             "Qwen2MoeForCausalLM", "GptOssForCausalLM")
 # FREETOKEN_GGUF_WEIGHTS: "quantized" keeps the block formats as stored, "float32" dequantizes
 # them at load (the weights HF transformers computes with, at 5x the memory; cast to the dtype
 # asked for). Unset: quantized for float32; dequantized for bfloat16 and float16, which the

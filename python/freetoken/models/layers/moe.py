@@ -304,25 +304,33 @@ def widen_unsupported_experts(model: nn.Module, dtype: torch.dtype, device: torc
 
 def take_stacked_experts(model: nn.Module, state: dict[str, torch.Tensor | QuantizedWeight]) -> None:
     """Out of `state`, each Experts layer's projections stacked as a GGUF file stores them
-    (`<layer>.experts.{gate,up,down}_proj.weight`, [E, out, in]): kept quantized on the layer
-    (`use_quantized`, gate and up as parts) where all three are, else put back as the stacked
-    float entries `<layer>.experts.gate_up_proj` / `down_proj` that split_stacked_experts splits
-    per expert (a part in a format without a kernel here was dequantized at load: so are its
-    partners, with one log line)."""
+    (`<layer>.experts.{gate,up,down}_proj.weight`, [E, out, in]; gpt-oss's biases `....bias`, [E,
+    out]): kept quantized on the layer (`use_quantized`, gate and up as parts) where all three
+    are, else put back as per-expert float entries (`<layer>.experts.{e}.gate_up_proj.weight`,
+    [gate | up] rows, `down_proj`, their biases) (a part in a format without a kernel here, or
+    whose blocks a tensor-parallel part cut, was dequantized at load: so are its partners, with
+    one log line)."""
     widened = []
     for name, layer in model.named_modules():
-        keys = [f"{name}.experts.{p}_proj.weight" for p in ("gate", "up", "down")]
-        if not isinstance(layer, Experts) or keys[0] not in state:
+        prefix = f"{name}.experts."
+        if not isinstance(layer, Experts) or f"{prefix}gate_proj.weight" not in state:
             continue
-        gate, up, down = (state.pop(key) for key in keys)
+        gate, up, down = (state.pop(f"{prefix}{p}_proj.weight") for p in ("gate", "up", "down"))
+        gate_b, up_b, down_b = (state.pop(f"{prefix}{p}_proj.bias", None) for p in ("gate", "up", "down"))
+        gate_up_bias = None if gate_b is None else torch.cat([gate_b, up_b], dim=1)
         if all(isinstance(w, QuantizedWeight) for w in (gate, up, down)):
-            layer.use_quantized((gate, up), down)
+            layer.use_quantized((gate, up), down, gate_up_bias, down_b)
             continue
         if any(isinstance(w, QuantizedWeight) for w in (gate, up, down)):
             widened.append(name)
         gate, up, down = (dequantize(w) if isinstance(w, QuantizedWeight) else w for w in (gate, up, down))
-        state[f"{name}.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
-        state[f"{name}.experts.down_proj"] = down
+        stacked = {f"{prefix}gate_up_proj": torch.cat([gate, up], dim=1), f"{prefix}down_proj": down}
+        if gate_up_bias is not None:
+            stacked |= {f"{prefix}gate_up_proj_bias": gate_up_bias, f"{prefix}down_proj_bias": down_b}
+        del gate, up, down
+        for projection in ("gate_up_proj", "down_proj"):
+            stacked = split_stacked_experts(stacked, projection)
+        state.update(stacked)
     if widened:
         log.info("experts of %d layers (%s%s) dequantized at load with the part of them that has no "
                  "kernel here or whose blocks a tensor-parallel part cuts", len(widened), ", ".join(widened[:3]),

@@ -193,9 +193,10 @@ class RankPart:
             return stored.read()
         if ".shared_expert." in name or ".mlp." not in name:
             return stored.read()  # norms, routers, a shared expert: whole on every rank
-        stacked = len(shape) == 3  # a GGUF's experts, [E, out, in]: their part of each expert's rows or K
+        # A GGUF's experts, [E, out, in] (biases [E, out]): their part of each expert's rows or K.
+        stacked = name.rpartition(".")[0].rpartition(".")[0].endswith(".experts")
         if module in ("gate_proj", "up_proj"):
-            return stored.read(1, [self._expert_part(shape[1])]) if stacked else stored.read(0, [self._part(shape[0])])
+            return stored.read(1 if stacked else 0, [(self._expert_part if stacked else self._part)(shape[int(stacked)])])
         if module == "down_proj":
             if leaf != "weight":
                 return self._rank0(stored)
