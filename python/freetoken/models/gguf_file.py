@@ -73,8 +73,8 @@ def config_folder(gguf: Path, cache: Path, link: str) -> Path:
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
     config.pop("quantization_config", None)
     config["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config["model_type"], "?")]
-    yarn = {name: _value(reader, YARN_PREFIX + key) for key, name in YARN_KEYS.items()}
     if config["model_type"] == "gpt_oss":
+        yarn = {name: _value(reader, YARN_PREFIX + key) for key, name in YARN_KEYS.items()}
         config["rope_parameters"] |= {name: value for name, value in yarn.items() if value is not None}
     vocab = tokenizer.get_vocab()
     stops = [vocab[t] for t in STOP_TOKENS.get(config["model_type"], ()) if t in vocab]
