@@ -53,8 +53,9 @@ LAYER = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k":
 # attention, [heads]); its experts' biases are ffn_{gate,up,down}_exps.bias ([E, I], [E, H]).
 GPT_OSS_LAYER = {**LAYER, "ffn_gate_inp": "mlp.router", "post_attention_norm": "post_attention_layernorm",
                  "attn_sinks": "self_attn"}
-# A tokenizer's end-of-generation tokens beyond the one a GGUF names, by model type (llama.cpp
-# stops on these too): a gpt-oss reply ends in <|return|>, or <|call|> before a tool runs.
+# A tokenizer's end-of-generation tokens beyond the one a GGUF names, by model type (the HF
+# release's generation config names them): a gpt-oss reply ends in <|return|>, or <|call|>
+# before a tool runs.
 STOP_TOKENS = {"gpt_oss": ("<|return|>", "<|call|>")}
 
 
