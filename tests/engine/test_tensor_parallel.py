@@ -107,8 +107,7 @@ def test_head_split_covers_every_head_once():
         head_split(2, 1, 2, 3)
 
 
-# gpt-oss's MXFP4 experts are not cut into parts at TP=1 (models/layers/parts.py): their TP=2
-# split is checked in tests/models/layers/test_tensor_parallel.py.
+# MXFP4 experts (kept quantized, split in parts at TP=1 too) are the gpt-oss GGUF's case below.
 @pytest.mark.parametrize("fixture", ["qwen3", "tiny_qwen3_moe_path", "tiny_gpt_oss_path"])
 def test_tiny_tp2_matches_tp1_and_transformers(rank1, fixture, request, monkeypatch):
     # Qwen3-MoE: experts sharded, a dense layer between; gpt-oss: sinks and biases everywhere.
@@ -161,6 +160,33 @@ def test_quantized_gguf_tp2_keeps_its_blocks_and_matches_tp1(rank1, arch, monkey
         # Each block format held quantized, about half of each on this rank.
         held = model.weight_bytes
         assert all(0 < held[f] < whole[f] for f in whole if f != "float32")
+        together = _entries(drain(tp2, _greedy_and_seeded(tok)))
+    assert together == expected
+
+
+@pytest.mark.parametrize("mix", ["Q8_0", "Q4_K_M", "gpt-oss"])
+def test_quantized_moe_gguf_tp2_keeps_its_experts_blocks_and_matches_tp1(rank1, mix, monkeypatch, caplog):
+    # Qwen3-MoE experts of 256: Q8_0's blocks of 32 split 4 and 4 per rank, kept; Q4_K_M's one
+    # block of 256 is cut between the ranks, so its experts are dequantized on each rank (and in
+    # TP=1's parts). gpt-oss: MXFP4 experts of 64, one block of 32 a rank, and their biases.
+    path = (bm.cached("tiny-gpt-oss-gguf", bm.build_gpt_oss_gguf) if mix == "gpt-oss" else
+            bm.cached(f"tiny-quantized-moe-{mix}", bm.build_quantized_moe_gguf, mix)) / "model.gguf"
+    monkeypatch.setenv("FREETOKEN_EXACT_TP", "1")
+    loaded = load_model(path, dtype="float32", device="cpu", gguf_weights="quantized")
+    tok, whole = loaded.tokenizer, loaded.model.weight_bytes
+    expected = _entries(drain(build_scheduler(loaded, kv_slots=1024), _greedy_and_seeded(tok)))
+    with caplog.at_level("INFO"), rank0(path, rank1[1]) as tp2:
+        model = tp2.engine.model
+        experts = [layer.mlp.quantized for layer in model.model.layers]
+        held = model.weight_bytes
+        if mix == "Q4_K_M":
+            assert experts == [None, None] and "its part of K not whole blocks" in caplog.text
+            assert 0 < held["Q4_K"] < whole["Q4_K"]
+        else:  # each rank's experts: half of every expert's rows of gate/up and K of down
+            i, h = (32, 64) if mix == "gpt-oss" else (128, 256)
+            assert [tuple(w.shape) for w in experts[0].weights] == [(8, i, h)] * 2 + [(8, h, i)]
+            kind = "MXFP4" if mix == "gpt-oss" else mix
+            assert 0 < held[kind] < whole[kind]
         together = _entries(drain(tp2, _greedy_and_seeded(tok)))
     assert together == expected
 

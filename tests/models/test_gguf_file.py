@@ -124,15 +124,11 @@ def test_a_gguf_caches_its_config_and_tokenizer_only(built):
     assert registry.model_folder(folder) == (folder, name)
 
 
-def test_moe_tensor_parallel_gpt_oss_and_hybrids_read_the_float32_conversion(caplog):
+def test_hybrids_read_the_float32_conversion(caplog):
     caplog.set_level(logging.INFO)
-    assert registry._reads_gguf("Qwen3ForCausalLM", group=object())  # sliced: tests/engine/
-    assert not registry._reads_gguf("Qwen3MoeForCausalLM", group=object())
-    assert not registry._reads_gguf("GptOssForCausalLM", group=None)
-    assert not registry._reads_gguf("Qwen3NextForCausalLM", group=None)
-    assert registry._reads_gguf("Qwen3ForCausalLM", group=None)
-    assert registry._reads_gguf("Qwen3MoeForCausalLM", group=None)
-    assert "tensor parallelism" in caplog.text and "transformers' conversion" in caplog.text
+    assert not registry._reads_gguf("Qwen3NextForCausalLM")
+    assert all(registry._reads_gguf(arch) for arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM"))
+    assert "transformers' conversion" in caplog.text
 
 
 def test_float32_weights_are_the_dequantized_blocks(built, loaded):

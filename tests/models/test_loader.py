@@ -71,17 +71,6 @@ def test_a_gguf_transformers_cannot_convert_is_named_with_both_lists(tmp_path, a
         registry.load_model(path)
 
 
-def test_a_gpt_oss_gguf_as_llama_cpp_writes_it_is_refused_by_name(tmp_path):
-    """transformers (5.24) lists gpt_oss among its GGUF architectures but reads neither the head
-    width nor llama.cpp's split expert tensors and sinks (docs/engine.md): such a file is a
-    one-line refusal, not a traceback, nor a model with random experts."""
-    from tests.fixtures import build_models as bm
-
-    built = bm.build_gpt_oss_gguf(tmp_path)
-    with pytest.raises(ModelNotFound, match="could not convert this GGUF architecture 'gpt-oss'"):
-        registry.load_model(built / "model.gguf")
-
-
 def test_a_gguf_transformers_maps_only_in_part_is_refused_not_served_half_random(tmp_path):
     """transformers initialises the weights it finds no tensor for at random and says so in a
     log line only; the conversion (which tensor parallelism reads) refuses such a file (here a

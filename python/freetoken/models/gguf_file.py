@@ -6,10 +6,11 @@ stay as the file stores them (a QuantizedWeight whose data is a view on the map:
 are read as the matmuls touch them); else they are dequantized at load. F32/F16/BF16 tensors come out as tensors; other block formats are dequantized at load,
 with one log line. llama.cpp's converter permutes a llama's q/k rows (rotary pairs
 interleaved); the permutation is over whole output rows, so it is undone by gathering rows,
-quantized or not (a copy of those two tensors only). The Llama-family decoders (models/llama.py)
-and the Qwen MoE ones (models/qwen3_moe.py: a sparse layer's experts stacked [E, out, in], kept
-quantized by layers/moe.py's take_stacked_experts) are read here; the others go through
-transformers' conversion (loader.py).
+quantized or not (a copy of those two tensors only). The Llama-family decoders (models/llama.py),
+the Qwen MoE ones (models/qwen3_moe.py: a sparse layer's experts stacked [E, out, in], kept
+quantized by layers/moe.py's take_stacked_experts) and gpt-oss (models/gpt_oss.py: its experts
+so too, MXFP4, with biases) are read here; the others go through transformers' conversion
+(loader.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 import shutil
 import struct
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +49,14 @@ LAYER = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k":
          "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj",
          "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
          "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
+# gpt-oss (models/gpt_oss.py): its router, its second norm, its sinks (a parameter of the
+# attention, [heads]); its experts' biases are ffn_{gate,up,down}_exps.bias ([E, I], [E, H]).
+GPT_OSS_LAYER = {**LAYER, "ffn_gate_inp": "mlp.router", "post_attention_norm": "post_attention_layernorm",
+                 "attn_sinks": "self_attn"}
+# A tokenizer's end-of-generation tokens beyond the one a GGUF names, by model type (the HF
+# release's generation config names them): a gpt-oss reply ends in <|return|>, or <|call|>
+# before a tool runs.
+STOP_TOKENS = {"gpt_oss": ("<|return|>", "<|call|>")}
 
 
 def config_folder(gguf: Path, cache: Path, link: str) -> Path:
@@ -55,14 +65,23 @@ def config_folder(gguf: Path, cache: Path, link: str) -> Path:
     our reader has found every tensor's type and extent sound (a bad file names its tensor)."""
     if (cache / "config.json").is_file() and (cache / link).exists():
         return cache
-    open_gguf(gguf)
+    reader = open_gguf(gguf)
     from transformers import AutoConfig, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
+    with _hidden(YARN_PREFIX):
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
     config.pop("quantization_config", None)
     config["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config["model_type"], "?")]
+    if config["model_type"] == "gpt_oss":
+        yarn = {name: _value(reader, YARN_PREFIX + key) for key, name in YARN_KEYS.items()}
+        config["rope_parameters"] |= {name: value for name, value in yarn.items() if value is not None}
+    vocab = tokenizer.get_vocab()
+    stops = [vocab[t] for t in STOP_TOKENS.get(config["model_type"], ()) if t in vocab]
+    if stops:
+        named = config.get("eos_token_id")
+        config["eos_token_id"] = sorted({*stops, *(named if isinstance(named, list) else [named])} - {None})
     tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(tmp)
@@ -77,20 +96,56 @@ def config_folder(gguf: Path, cache: Path, link: str) -> Path:
     return cache
 
 
-def hf_name(gguf_name: str) -> str | None:
+# transformers (5.24) reads a gpt-oss file's `rope.scaling.*` fields as their key's length (a
+# TypeError): they are hidden from its parse, and read here into the config's YaRN parameters.
+YARN_PREFIX = "gpt-oss.rope.scaling."
+YARN_KEYS = {"factor": "factor", "original_context_length": "original_max_position_embeddings"}
+
+
+@contextmanager
+def _hidden(prefix: str):
+    """transformers' GGUF parse (which opens the gguf package's GGUFReader) without the fields
+    whose key starts with `prefix`."""
+    import gguf
+
+    original = gguf.GGUFReader
+
+    class Reader(original):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            for key in [k for k in self.fields if k.startswith(prefix)]:
+                del self.fields[key]
+
+    gguf.GGUFReader = Reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
+def _value(reader: GGUFReader, key: str) -> int | float | None:
+    """A scalar metadata field's value (None where the file has no such field)."""
+    field = reader.fields.get(key)
+    return None if field is None else field.parts[field.data[0]].tolist()[0]
+
+
+def hf_name(gguf_name: str, arch: str = "") -> str | None:
     """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; None for a name that has
-    no place in a Llama-family decoder."""
+    no place in a decoder of the GGUF architecture `arch`."""
     parts = gguf_name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in LAYER:
-        return f"model.layers.{parts[1]}.{LAYER[parts[2]]}.{parts[3]}"
+    layer = GPT_OSS_LAYER if arch == "gpt-oss" else LAYER
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in layer:
+        leaf = "sinks" if parts[2] == "attn_sinks" else parts[3]
+        return f"model.layers.{parts[1]}.{layer[parts[2]]}.{leaf}"
     if len(parts) == 2 and parts[0] in TOP:
         return f"{TOP[parts[0]]}.{parts[1]}"
     return None
 
 
-def expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
-    """Each HF tensor of a models/llama.py ModelConfig `cfg` (or models/qwen3_moe.py's), by name:
-    its shape; a sparse layer's experts stacked as a GGUF stores them."""
+def expected_shapes(cfg, arch: str = "") -> dict[str, tuple[int, ...]]:
+    """Each HF tensor of a models/llama.py ModelConfig `cfg` (models/qwen3_moe.py's, or for GGUF
+    architecture `arch` "gpt-oss" models/gpt_oss.py's), by name: its shape; a sparse layer's
+    experts stacked as a GGUF stores them."""
     h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
@@ -118,6 +173,13 @@ def expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
             sparse |= {"mlp.shared_expert.gate_proj.weight": (shared, h),
                        "mlp.shared_expert.up_proj.weight": (shared, h),
                        "mlp.shared_expert.down_proj.weight": (h, shared), "mlp.shared_expert_gate.weight": (1, h)}
+    if arch == "gpt-oss":  # every layer sparse, experts of intermediate_size with biases
+        e = cfg.num_experts
+        sparse = {k: v for k, v in layer.items() if not k.startswith("mlp.")}
+        sparse |= {"self_attn.sinks": (cfg.num_heads,), "mlp.router.weight": (e, h), "mlp.router.bias": (e,)}
+        for proj, shape in (("gate", (e, inter, h)), ("up", (e, inter, h)), ("down", (e, h, inter))):
+            sparse |= {f"mlp.experts.{proj}_proj.weight": shape, f"mlp.experts.{proj}_proj.bias": shape[:2]}
+        sparse_layers = range(cfg.num_layers)
     for i in range(cfg.num_layers):
         names = sparse if i in sparse_layers else layer
         shapes |= {f"model.layers.{i}.{name}": shape for name, shape in names.items()}
@@ -169,6 +231,12 @@ def open_gguf(path: Path) -> GGUFReader:
         raise ModelNotFound(f"{path.name}: not a readable GGUF file ({exc})") from None
 
 
+def architecture(reader: GGUFReader) -> str:
+    """The file's `general.architecture` ("llama", "qwen3moe", "gpt-oss", ...)."""
+    field = reader.fields.get("general.architecture")
+    return bytes(field.parts[field.data[0]]).decode() if field else "?"
+
+
 def kept_as_stored(qtype: GGMLQuantizationType, quantized: bool) -> bool:
     """Is a tensor of `qtype` kept as stored (`quantized`: block formats are kept where a kernel
     runs them)?"""
@@ -200,6 +268,14 @@ def working_bytes(reader: GGUFReader, dtype: torch.dtype, quantized: bool) -> in
 _EXPERTS = "_exps."  # a sparse layer's stacked experts: ffn_{gate,up,down}_exps
 
 
+def experts_block(reader: GGUFReader, quantized: bool) -> int:
+    """The block along K of the experts' down projections kept as stored (the largest, if the
+    layers differ; 1 if none): tensor parallelism splits the experts' intermediate size in
+    whole blocks of it."""
+    return max((GGML_QUANT_SIZES[t.tensor_type][0] for t, kept in _kept(reader, quantized)
+                if kept and "ffn_down_exps." in t.name), default=1)
+
+
 def _kept(reader: GGUFReader, quantized: bool) -> list[tuple[object, bool]]:
     """Each tensor, and whether it is kept as stored: a layer's experts only where all of them
     are (layers/moe.py's take_stacked_experts widens the others with the one that is not)."""
@@ -215,11 +291,12 @@ def read_tensors(path: Path, reader: GGUFReader, cfg, permuted: bool,
     naming the first that does not fit, or is missing); `permuted`: a llama's q/k rows are in
     llama.cpp's order; `quantized`: block formats kept as stored where a kernel runs them,
     else all dequantized (float32, as transformers' conversion gives them)."""
-    expected = expected_shapes(cfg)
+    arch = architecture(reader)
+    expected = expected_shapes(cfg, arch)
     state: dict[str, torch.Tensor | QuantizedWeight] = {}
     widened: dict[str, list[str]] = {}
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         shape = tuple(reversed([int(n) for n in t.shape]))
         if name is None or name not in expected:
             raise ModelNotFound(f"{path.name}: tensor {t.name} has no place in this model")

@@ -135,11 +135,14 @@ class GptOssForCausalLM(LlamaForCausalLM):
             prefix = f"model.layers.{i}.mlp.experts."
             if prefix + "gate_up_proj_blocks" in state:
                 _keep_mxfp4(layer.mlp, state, prefix)
+            # Released stacked ([E, H, 2I], gate in even columns; biases [E, 2I]) to [gate | up]
+            # (a GGUF's experts come split already: layers/moe.py's take_stacked_experts).
+            for name in (prefix + "gate_up_proj", prefix + "gate_up_proj_bias"):
+                if name in state:
+                    value = state[name]
+                    state[name] = torch.cat([value[..., 0::2], value[..., 1::2]], dim=-1)
         for stacked in ("gate_up_proj", "down_proj"):
             state = split_stacked_experts(state, stacked, transpose=True)
-        for name, value in state.items():
-            if ".experts." in name and ".gate_up_proj." in name:
-                state[name] = torch.cat([value[0::2], value[1::2]])  # [gate | up]
         return fuse_hf_weights(state)
 
     def post_load(self, tokenizer, device: torch.device) -> None:

@@ -1,14 +1,13 @@
 """Find a model's files, and build a family's module from them (models/registry.py says which
 family).
 
-A GGUF file of a Llama-family decoder or a Qwen MoE is read as it is stored (models/gguf_file.py):
-its config and tokenizer, which transformers parses, are cached as a folder without weights,
-and its tensors are read from the memory-mapped file, the block formats kept quantized where
-asked (models/layers/quantized.py, the experts models/layers/moe.py); a tensor-parallel rank of a
-dense model keeps its slices of them, cut along whole blocks. Other GGUFs (gpt-oss, the hybrids,
-a MoE under tensor parallelism) are converted
-once by transformers into a float32 HF folder (safetensors + config + tokenizer) in a
-cache keyed by the file's identity: parsing and dequantising takes transformers about 13 s.
+A GGUF file of a Llama-family decoder, a Qwen MoE or gpt-oss is read as it is stored
+(models/gguf_file.py): its config and tokenizer, which transformers parses, are cached as a
+folder without weights, and its tensors are read from the memory-mapped file, the block formats
+kept quantized where asked (models/layers/quantized.py, the experts models/layers/moe.py); a
+tensor-parallel rank keeps its slices of them, cut along whole blocks. Other GGUFs (the hybrids)
+are converted once by transformers into a float32 HF folder (safetensors + config + tokenizer)
+in a cache keyed by the file's identity: parsing and dequantising takes transformers about 13 s.
 A folder's weights are read tensor by tensor (models/checkpoint.py) into the module built on
 the meta device; a tensor-parallel rank reads only the slices it keeps. transformers and gguf
 are imported by the GGUF functions alone: seconds of import that a folder's load does not need.
@@ -31,7 +30,8 @@ from freetoken.models.layers.linear import pack_linears
 from freetoken.models.layers.moe import stack_experts, take_stacked_experts
 from freetoken.models.layers.parts import compute_in_parts
 from freetoken.models.layers.quantized import QuantizedEmbedding, plan_quantized, take_quantized, weight_bytes
-from freetoken.models.layers.quantized_parallel import install_quantized, quantized_head, shard_state
+from freetoken.models.layers.quantized_parallel import (install_quantized, quantized_head, shard_state,
+                                                        widen_cut_experts)
 from freetoken.models.layers.tensor_parallel import shard_model
 from freetoken.paths import ModelNotFound, cache_root
 
@@ -59,10 +59,13 @@ def default_model_path() -> Path:
 # type: without them a Qwen MoE's experts get transformers' default width, which fails to load
 # unless it happens to match (Qwen3-30B-A3B's 768 does, Qwen3-Coder-480B-A35B's 2560 does not).
 # Added to transformers' own table, which its loader reads while parsing the file once.
+# gpt-oss: transformers' table names its sliding window `sliding_window` (llama.cpp writes
+# `attention.sliding_window`) and leaves out the head width (64 released, not hidden / heads).
 GGUF_CONFIG_EXTRAS = {
     "qwen3_moe": {"expert_feed_forward_length": "moe_intermediate_size"},
     "qwen2_moe": {"expert_feed_forward_length": "moe_intermediate_size",
                   "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
+    "gpt_oss": {"attention.sliding_window": "sliding_window", "attention.key_length": "head_dim"},
 }
 
 
@@ -166,8 +169,9 @@ def _unconvertible(gguf: Path, served: tuple[str, ...], exc: Exception) -> Model
 def _gguf_architecture(gguf: Path) -> str:
     from gguf import GGUFReader
 
-    field = GGUFReader(gguf).fields.get("general.architecture")
-    return bytes(field.parts[field.data[0]]).decode() if field else "?"
+    from freetoken.models.gguf_file import architecture
+
+    return architecture(GGUFReader(gguf))
 
 
 def build(model_class: type, folder: Path, hf_config: dict, tokenizer, dtype: torch.dtype,
@@ -191,13 +195,14 @@ def build_gguf(model_class: type, gguf: Path, hf_config: dict, tokenizer, dtype:
     of `kv_slots` (and what the load copies for a moment) would not fit in the memory available.
     With `group`, that tensor-parallel rank's slices, quantized ones cut along whole blocks
     (models/layers/tensor_parallel.py)."""
-    from freetoken.models.gguf_file import open_gguf, planned_bytes, read_tensors, working_bytes
+    from freetoken.models.gguf_file import experts_block, open_gguf, planned_bytes, read_tensors, working_bytes
     from freetoken.models.llama import FUSED
 
     with torch.device("meta"):
         module = model_class.from_hf(hf_config)
     reader = open_gguf(gguf)
     cfg = module.cfg
+    module.experts_block = experts_block(reader, quantized)
     part = shard_model(module, group) if group is not None else None
     kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_slots * dtype.itemsize
     check_memory(gguf.name, sum(planned_bytes(reader, dtype, quantized).values()), kv,
@@ -205,6 +210,9 @@ def build_gguf(model_class: type, gguf: Path, hf_config: dict, tokenizer, dtype:
     state = read_tensors(gguf, reader, cfg, hf_config.get("model_type") == "llama", quantized)
     if part is not None:
         state = _rank_state(gguf.name, state, part)
+    elif in_parts:
+        _log_widened(gguf.name, "in the parts of K tensor-parallel ranks hold",
+                     widen_cut_experts(state, module.experts_block))
     take_stacked_experts(module, state)
     layers = take_quantized(state, FUSED)
     state = module.convert_hf_weights(state)
@@ -253,11 +261,14 @@ def _assign(module: torch.nn.Module, state: dict[str, torch.Tensor], quantized: 
 def _rank_state(name: str, state: dict, part) -> dict:
     widened: list[str] = []
     state = shard_state(state, part, widened)
-    if widened:
-        log.info("%s: dequantized at load on rank %d, its part of K not whole blocks: %d tensors "
-                 "(%s%s)", name, part.rank, len(widened), ", ".join(widened[:3]),
-                 ", ..." if len(widened) > 3 else "")
+    _log_widened(name, f"on rank {part.rank}", widened)
     return state
+
+
+def _log_widened(name: str, where: str, widened: list[str]) -> None:
+    if widened:
+        log.info("%s: dequantized at load %s, its part of K not whole blocks: %d tensors (%s%s)",
+                 name, where, len(widened), ", ".join(widened[:3]), ", ..." if len(widened) > 3 else "")
 
 
 def check_memory(name: str, weights: int, kv: int, working: int = 0) -> None:

@@ -50,11 +50,11 @@ ARCHITECTURES = {
     "Qwen3_5MoeForConditionalGeneration": _HYBRID,
     "Qwen3NextForCausalLM": _HYBRID,
 }
-# The architectures whose GGUF weights are read from the file (models/gguf_file.py) by one
-# process, kept quantized on the CPU where asked; the others are converted by transformers first.
-GGUF_READ_SHARDED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-# A MoE GGUF's stacked experts are not cut into tensor-parallel slices: TP converts it.
-GGUF_READ = (*GGUF_READ_SHARDED, "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
+# The architectures whose GGUF weights are read from the file (models/gguf_file.py), by one
+# process or by each tensor-parallel rank (its slices), kept quantized on the CPU where asked;
+# the others are converted by transformers first.
+GGUF_READ = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+             "Qwen2MoeForCausalLM", "GptOssForCausalLM")
 # FREETOKEN_GGUF_WEIGHTS: "quantized" keeps the block formats as stored, "float32" dequantizes
 # them at load (the weights HF transformers computes with, at 5x the memory; cast to the dtype
 # asked for). Unset: quantized for float32; dequantized for bfloat16 and float16, which the
@@ -118,7 +118,7 @@ def load_model(model: str | os.PathLike | None = None, dtype: str = "auto", devi
     dev = resolve_device(device)
     hf_config = _config(folder)
     gguf = gguf_source(folder)
-    if gguf is not None and not _reads_gguf(architecture(hf_config), group):
+    if gguf is not None and not _reads_gguf(architecture(hf_config)):
         folder = gguf_to_folder(gguf, served=tuple(ARCHITECTURES))
         hf_config, gguf = _config(folder), None
     arch = architecture(hf_config)
@@ -157,16 +157,12 @@ def _config(folder: Path) -> dict:
     return json.loads(config_file.read_text())
 
 
-def _reads_gguf(arch: str, group) -> bool:
-    """Are a GGUF's weights of `arch` read from the file (by tensor-parallel rank `group`, if
-    any)? If not (transformers converts them to a float32 folder), why, in the log."""
+def _reads_gguf(arch: str) -> bool:
+    """Are a GGUF's weights of `arch` read from the file? If not (transformers converts them to
+    a float32 folder), why, in the log."""
     if arch not in GGUF_READ:
         log.info("GGUF of %s: dequantized to float32 by transformers (its architecture is read "
                  "through transformers' conversion)", arch)
-        return False
-    if group is not None and arch not in GGUF_READ_SHARDED:
-        log.info("GGUF of %s under tensor parallelism: dequantized to float32 by transformers' "
-                 "conversion (stacked experts are not sliced from the file)", arch)
         return False
     return True
 

@@ -70,6 +70,13 @@ class QuantizedExperts:
     down: QuantizedWeight
     gate_up_bias: torch.Tensor | None
     down_bias: torch.Tensor | None
+    # Set by models/layers/parts.py: down's parts of K (views of whole blocks), one per
+    # Experts.down_parts, each run as a tensor-parallel rank runs its own.
+    down_parts: tuple[QuantizedWeight, ...] = ()
+
+    @property
+    def downs(self) -> tuple[QuantizedWeight, ...]:
+        return self.down_parts or (self.down,)
 
     @property
     def weights(self) -> tuple[QuantizedWeight, ...]:
@@ -163,7 +170,7 @@ class Experts(nn.Module):
         rows = x.index_select(0, tokens)
         scale = weights.reshape(-1, 1).index_select(0, by_expert).to(x.dtype)
         if self.quantized is not None:
-            downs = [self._on_quantized(counts, rows)]
+            downs = self._on_quantized(counts, rows)
         else:
             project = self._on_kernel if self.stacked else self._on_linears
             hidden = self.activation(project(counts, rows, "gate_up_proj"))
@@ -184,8 +191,9 @@ class Experts(nn.Module):
         packed = gate_up if name == "gate_up_proj" else downs[part]
         return grouped_gemm(self.kernel, rows, packed, _groups(counts))
 
-    def _on_quantized(self, counts: list[int], rows: torch.Tensor) -> torch.Tensor:
-        """Both projections on the quantized weights, grouped as `_on_kernel` groups them."""
+    def _on_quantized(self, counts: list[int], rows: torch.Tensor) -> list[torch.Tensor]:
+        """Both projections on the quantized weights, grouped as `_on_kernel` groups them: the
+        down projection's outputs, one per part of `down_parts` (its bias in the first)."""
         groups = _groups(counts)
         expert_of_row = torch.repeat_interleave(groups[:, 0], groups[:, 2])
         q = self.quantized
@@ -194,7 +202,10 @@ class Experts(nn.Module):
         # Each part's columns are their own sums: the same bits as one weight of all the rows.
         gate_up = torch.cat([_quantized_projection(rows, part, bias, groups, expert_of_row)
                              for part, bias in zip(q.gate_up, biases)], dim=1)
-        return _quantized_projection(self.activation(gate_up), q.down, q.down_bias, groups, expert_of_row)
+        hidden = self.activation(gate_up)
+        return [_quantized_projection(hidden[:, cols].contiguous(), down, q.down_bias if part == 0 else None,
+                                      groups, expert_of_row)
+                for part, (down, cols) in enumerate(zip(q.downs, self.down_parts))]
 
     def _on_linears(self, counts: list[int], rows: torch.Tensor, name: str, part: int = 0) -> torch.Tensor:
         """Each active expert's layer `name` (of a down projection in parts, its part `part`)
@@ -293,28 +304,37 @@ def widen_unsupported_experts(model: nn.Module, dtype: torch.dtype, device: torc
 
 def take_stacked_experts(model: nn.Module, state: dict[str, torch.Tensor | QuantizedWeight]) -> None:
     """Out of `state`, each Experts layer's projections stacked as a GGUF file stores them
-    (`<layer>.experts.{gate,up,down}_proj.weight`, [E, out, in]): kept quantized on the layer
-    (`use_quantized`, gate and up as parts) where all three are, else put back as the stacked
-    float entries `<layer>.experts.gate_up_proj` / `down_proj` that split_stacked_experts splits
-    per expert (a part in a format without a kernel here was dequantized at load: so are its
-    partners, with one log line)."""
+    (`<layer>.experts.{gate,up,down}_proj.weight`, [E, out, in]; gpt-oss's biases `....bias`, [E,
+    out]): kept quantized on the layer (`use_quantized`, gate and up as parts) where all three
+    are, else put back as per-expert float entries (`<layer>.experts.{e}.gate_up_proj.weight`,
+    [gate | up] rows, `down_proj`, their biases) (a part in a format without a kernel here, or
+    whose blocks a tensor-parallel part cut, was dequantized at load: so are its partners, with
+    one log line)."""
     widened = []
     for name, layer in model.named_modules():
-        keys = [f"{name}.experts.{p}_proj.weight" for p in ("gate", "up", "down")]
-        if not isinstance(layer, Experts) or keys[0] not in state:
+        prefix = f"{name}.experts."
+        if not isinstance(layer, Experts) or f"{prefix}gate_proj.weight" not in state:
             continue
-        gate, up, down = (state.pop(key) for key in keys)
+        gate, up, down = (state.pop(f"{prefix}{p}_proj.weight") for p in ("gate", "up", "down"))
+        gate_b, up_b, down_b = (state.pop(f"{prefix}{p}_proj.bias", None) for p in ("gate", "up", "down"))
+        gate_up_bias = None if gate_b is None else torch.cat([gate_b, up_b], dim=1)
         if all(isinstance(w, QuantizedWeight) for w in (gate, up, down)):
-            layer.use_quantized((gate, up), down)
+            layer.use_quantized((gate, up), down, gate_up_bias, down_b)
             continue
         if any(isinstance(w, QuantizedWeight) for w in (gate, up, down)):
             widened.append(name)
         gate, up, down = (dequantize(w) if isinstance(w, QuantizedWeight) else w for w in (gate, up, down))
-        state[f"{name}.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
-        state[f"{name}.experts.down_proj"] = down
+        stacked = {f"{prefix}gate_up_proj": torch.cat([gate, up], dim=1), f"{prefix}down_proj": down}
+        if gate_up_bias is not None:
+            stacked |= {f"{prefix}gate_up_proj_bias": gate_up_bias, f"{prefix}down_proj_bias": down_b}
+        del gate, up, down
+        for projection in ("gate_up_proj", "down_proj"):
+            stacked = split_stacked_experts(stacked, projection)
+        state.update(stacked)
     if widened:
         log.info("experts of %d layers (%s%s) dequantized at load with the part of them that has no "
-                 "kernel here", len(widened), ", ".join(widened[:3]), ", ..." if len(widened) > 3 else "")
+                 "kernel here or whose blocks a tensor-parallel part cuts", len(widened), ", ".join(widened[:3]),
+                 ", ..." if len(widened) > 3 else "")
 
 
 def split_stacked_experts(state: dict[str, torch.Tensor], name: str, transpose: bool = False,

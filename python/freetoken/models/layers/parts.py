@@ -219,7 +219,7 @@ def compute_in_parts(model: nn.Module, parts: int = EXACT_PARTS) -> None:
         attn.qkv_proj = _columns(attn.qkv_proj, qkv_rows)
         attn.o_proj = RowParts(attn.o_proj, q_rows, dtype)
         if isinstance(mlp, Experts):
-            _experts_in_parts(mlp, parts)
+            _experts_in_parts(mlp, parts, model.experts_block)
             continue
         size = mlp.down_proj.in_features
         cols = [even_part(size, p, parts) for p in range(parts)]
@@ -229,22 +229,30 @@ def compute_in_parts(model: nn.Module, parts: int = EXACT_PARTS) -> None:
     model.lm_head = _columns(model.lm_head, [[rows] for rows, _ in vocab], padded=vocab[0][1])
 
 
-def _experts_in_parts(experts: Experts, parts: int) -> None:
-    """The experts' down projections in parts of the intermediate size, each part's weighted sum
-    added in part order (moe.Experts.down_parts); gate/up stays whole. Quantized experts stay
-    whole (their blocks are not cut between parts yet)."""
+def _experts_in_parts(experts: Experts, parts: int, block: int) -> None:
+    """The experts' down projections in parts of the intermediate size (whole blocks of `block`
+    where they can be, as tensor_parallel.RankPart cuts them), each part's weighted sum added in
+    part order (moe.Experts.down_parts); gate/up stays whole. Quantized experts' parts are views
+    of whole blocks; where a part would cut a block they stay whole (the loader dequantizes a
+    GGUF's such experts first: loader.build_gguf)."""
     if experts.quantized is not None:
+        down = experts.quantized.down
+        cols = [block_part(down.shape[-1], p, parts, block) for p in range(parts)]
+        pieces = [quantized_columns(down, c) for c in cols]
+        if all(piece is not None for piece in pieces):
+            experts.quantized = replace(experts.quantized, down_parts=tuple(pieces))
+            experts.down_parts = tuple(slice(c.start, c.stop) for c in cols)
         return
     if experts.stacked:
         gate_up, (down,) = experts.stacked
-        cols = [even_part(down.in_features, p, parts) for p in range(parts)]
+        cols = [block_part(down.in_features, p, parts, block) for p in range(parts)]
         # The packed layout is [E, strips, K, 16]: a part of K is a slice of dimension 2.
         experts.stacked = (gate_up, tuple(
             replace(down, weight=down.weight[:, :, c.start : c.stop].contiguous(),
                     bias=down.bias if p == 0 else None, in_features=len(c))
             for p, c in enumerate(cols)))
     else:
-        cols = [even_part(experts.experts[0].down_proj.in_features, p, parts) for p in range(parts)]
+        cols = [block_part(experts.experts[0].down_proj.in_features, p, parts, block) for p in range(parts)]
         for expert in experts.experts:
             expert.down_proj = RowParts(expert.down_proj, cols)
     experts.down_parts = tuple(slice(c.start, c.stop) for c in cols)

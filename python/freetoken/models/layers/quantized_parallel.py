@@ -2,11 +2,12 @@
 rank's pieces of a GGUF's tensors, read whole from the memory-mapped file, cut as RankPart
 (tensor_parallel.py) cuts a checkpoint's, and its layers put in place with their collectives.
 
-Blocks are never cut: a column-parallel layer (q/k/v, gate/up) and a vocabulary part (the
-embedding, the LM head) keep whole rows of blocks, a row-parallel one (`o_proj`, `down_proj`)
-the blocks of its part of K in each row, a view of the file's bytes (the kernels read strided
-rows). Where a rank's part of K would start or end inside a block (a K-quant's 256 values over
-heads of 64, say), that weight is dequantized on the rank, with one log line.
+Blocks are never cut: a column-parallel layer (q/k/v, gate/up, the experts' gate/up) and a
+vocabulary part (the embedding, the LM head) keep whole rows of blocks, a row-parallel one
+(`o_proj`, `down_proj`, the experts' down) the blocks of its part of K in each row, a view of
+the file's bytes (the kernels read strided rows). Where a rank's part of K would start or end
+inside a block (a K-quant's 256 values over heads of 64, say), that weight is dequantized on the
+rank, with one log line (experts: with their gate/up, layers/moe.py's take_stacked_experts).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from freetoken.models.kernels.quant import QuantizedWeight, dequantize
-from freetoken.models.layers.parts import quantized_columns
+from freetoken.models.layers.parts import EXACT_PARTS, block_part, quantized_columns
 from freetoken.models.layers.quantized import QuantizedEmbedding, QuantizedLinear, install
 from freetoken.models.layers.tensor_parallel import (Gathered, RankPart, RowParallelLinear, Summed,
                                                      VocabParallelEmbedding, VocabParallelHead, VocabRows)
@@ -95,12 +96,28 @@ class Held:
         if ranges is None:
             return value
         if isinstance(value, QuantizedWeight):
-            if dim == 0:
-                data = value.data[ranges[0].start : ranges[0].stop] if len(ranges) == 1 \
-                    else torch.cat([value.data[r.start : r.stop] for r in ranges])
-                return QuantizedWeight(value.qtype, data, (data.shape[0], *value.shape[1:]))
+            if dim < len(value.shape) - 1:  # rows (of each expert): whole rows of blocks
+                data = value.data.narrow(dim, ranges[0].start, len(ranges[0])) if len(ranges) == 1 \
+                    else torch.cat([value.data.narrow(dim, r.start, len(r)) for r in ranges], dim)
+                shape = (*value.shape[:dim], data.shape[dim], *value.shape[dim + 1:])
+                return QuantizedWeight(value.qtype, data, shape)
             if len(ranges) == 1 and (sliced := quantized_columns(value, ranges[0])) is not None:
                 return sliced
             self.widened.append(self.name)
             value = dequantize(value)
         return torch.cat([value.narrow(dim, r.start, len(r)) for r in ranges], dim)
+
+
+def widen_cut_experts(state: dict[str, torch.Tensor | QuantizedWeight], block: int,
+                      parts: int = EXACT_PARTS) -> list[str]:
+    """Where one process computes as `parts` ranks would (layers/parts.py): each stacked
+    experts' down weight whose parts of K (whole blocks of `block` where they can be) would cut
+    a block, dequantized as those ranks' are (their names returned)."""
+    widened = []
+    for name, value in state.items():
+        if name.endswith(".experts.down_proj.weight") and isinstance(value, QuantizedWeight):
+            k = value.shape[-1]
+            if any(quantized_columns(value, block_part(k, p, parts, block)) is None for p in range(parts)):
+                state[name] = dequantize(value)
+                widened.append(name)
+    return widened

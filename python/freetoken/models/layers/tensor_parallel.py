@@ -15,7 +15,8 @@ Megatron's split, each rank keeping:
   parallelism), the router whole on every rank, so all ranks route alike; the ranks' partial
   outputs are summed once, after the experts' weighted sum, expert down biases on rank 0 only.
   Experts stored in blocks along the intermediate size (gpt-oss's MXFP4: the family's
-  `experts_block`) are split along whole blocks, as evenly as the block count allows.
+  `experts_block`; a GGUF's experts: their down projection's block) are split along whole
+  blocks, as evenly as the block count allows.
   gpt-oss's attention sinks follow their query heads.
 - the embedding vocabulary-parallel (an id outside a rank's rows looks up zeros, then the sum);
   the LM head vocabulary-parallel, its logit rows gathered on every rank, so that the sampler,
@@ -166,7 +167,8 @@ class RankPart:
     vocab_rows: range
     vocab_part: int  # rows per rank, the last part padded with zeros
     # Stacked experts ([E, ...]) come [E, out, in] with gate then up (Qwen), or [E, in, out] with
-    # gate and up interleaved (gpt-oss, whose MXFP4 blocks are [E, out, in / 32, 16]).
+    # gate and up interleaved (gpt-oss, whose MXFP4 blocks are [E, out, in / 32, 16]); a GGUF's
+    # as three tensors [E, out, in] (`experts.{gate,up,down}_proj.weight`).
     experts_in_out: bool = False
     experts_block: int = 1  # stacked experts' intermediate size is split in whole blocks of this
 
@@ -191,10 +193,14 @@ class RankPart:
             return stored.read()
         if ".shared_expert." in name or ".mlp." not in name:
             return stored.read()  # norms, routers, a shared expert: whole on every rank
+        # A GGUF's experts, [E, out, in] (biases [E, out]): their part of each expert's rows or K.
+        stacked = name.rpartition(".")[0].rpartition(".")[0].endswith(".experts")
         if module in ("gate_proj", "up_proj"):
-            return stored.read(0, [self._part(shape[0])])
+            return stored.read(1 if stacked else 0, [(self._expert_part if stacked else self._part)(shape[int(stacked)])])
         if module == "down_proj":
-            return stored.read(1, [self._part(shape[1])]) if leaf == "weight" else self._rank0(stored)
+            if leaf != "weight":
+                return self._rank0(stored)
+            return stored.read(2, [self._expert_part(shape[2])]) if stacked else stored.read(1, [self._part(shape[1])])
         return self._stacked(leaf, shape, stored)
 
     def _stacked(self, leaf: str, shape: tuple[int, ...], stored) -> torch.Tensor | None:
