@@ -275,10 +275,27 @@ __attribute__((target("avx512f"), always_inline)) static inline void store_bf16(
 
 #define AMX_MC 128
 
+/* A block's float32 sums (rows of 32) still to be rounded into y. */
+typedef struct {
+    const float *sums, *bias;
+    uint16_t *y;
+    int64_t ldy, rows, cols;
+} amx_pending;
+
+__attribute__((target("avx512f"), always_inline)) static inline void amx_flush(const amx_pending *p) {
+    for (int64_t r = 0; r < p->rows; r++)
+        for (int64_t c = 0; c < p->cols; c += 16)
+            store_bf16(p->sums + r * 32 + c, p->bias ? p->bias + c : 0, p->y + r * p->ldy + c,
+                       p->cols - c < 16 ? (int)(p->cols - c) : 16);
+}
+
 /* 16 or 32 rows of A (rows lda apart) times one 32-column strip of B over all K steps, into `out`
- * [32][32] float32: the 2x2 tile block, each A and B tile loaded once per step. */
+ * [32][32] float32: the 2x2 tile block, each A and B tile loaded once per step. The previous
+ * block is rounded and stored after this one's tile products are issued, so that the vector
+ * units do it while the tile unit works through them. */
 __attribute__((target("amx-tile,amx-bf16,avx512f"), always_inline)) static inline void amx_block(
-    const uint16_t *a, int64_t lda, const int two, const uint16_t *b, int64_t steps, float *out) {
+    const uint16_t *a, int64_t lda, const int two, const uint16_t *b, int64_t steps,
+    const amx_pending *previous, float *out) {
     _tile_zero(0);
     _tile_zero(1);
     if (two) {
@@ -297,6 +314,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"), always_inline)) static inlin
             _tile_dpbf16ps(3, 5, 7);
         }
     }
+    amx_flush(previous);
     _tile_stored(0, out, 128);
     _tile_stored(1, out + 16, 128);
     if (two) {
@@ -326,7 +344,8 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void amx_linear_bf16(
             cfg.colsb[t] = 64;
         }
         _tile_loadconfig(&cfg);
-        float out[32 * 32] __attribute__((aligned(64)));
+        float out[2][32 * 32] __attribute__((aligned(64)));
+        amx_pending pending = {0};
         const int threads = omp_get_num_threads(), thread = omp_get_thread_num();
         const int64_t first = strips * thread / threads, end = strips * (thread + 1) / threads;
         for (int64_t m0 = 0; m0 < M; m0 += AMX_MC) {
@@ -339,17 +358,17 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void amx_linear_bf16(
                     const int last = m + 32 >= M && padded;
                     const uint16_t *a = last ? padded : x + m * ldx;
                     const int64_t lda = last ? K : ldx;
+                    float *sums = out[pending.sums == out[0]];
                     if (rows > 16)
-                        amx_block(a, lda, 1, b, steps, out);
+                        amx_block(a, lda, 1, b, steps, &pending, sums);
                     else
-                        amx_block(a, lda, 0, b, steps, out);
-                    for (int64_t r = 0; r < rows; r++)
-                        for (int c = 0; c < cols; c += 16)
-                            store_bf16(out + r * 32 + c, bias ? bias + strip * 32 + c : 0,
-                                       y + (m + r) * ldy + strip * 32 + c, cols - c < 16 ? (int)(cols - c) : 16);
+                        amx_block(a, lda, 0, b, steps, &pending, sums);
+                    pending = (amx_pending){sums, bias ? bias + strip * 32 : 0, y + m * ldy + strip * 32,
+                                            ldy, rows, cols};
                 }
             }
         }
+        amx_flush(&pending);
         _tile_release();
     }
     free(padded);
