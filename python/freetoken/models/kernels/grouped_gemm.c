@@ -227,14 +227,13 @@ DEFINE_ROTATE(rotate_bf16, uint16_t, load8_bf16, rot8_bf16)
  * front to back (what a decode step's few rows are bound by). It passes them over the rows in
  * chunks of AMX_MC, whose x stays in the core's L2 meanwhile; per strip, each 32-row block of
  * the chunk runs on a 2x2 block of tiles (four float32 accumulators over all of K, each A and B
- * tile loaded once per k step and used twice). The last block, if of other than 16 or 32 rows,
- * is copied once into a zero-padded one.
+ * tile loaded once per k step and used twice); a last block of fewer rows runs on tiles
+ * configured to its row count.
  *
  * W packed [N/32][K/32][2][16][16][2]: for each 32-column strip and 32-wide k step, two B tiles
  * (columns 0-15, 16-31) of 16 rows of k pairs (the VNNI layout tdpbf16ps reads). K % 32 == 0.
  */
 #include <string.h>
-#include <stdlib.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <cpuid.h>
@@ -289,7 +288,23 @@ __attribute__((target("avx512f"), always_inline)) static inline void amx_flush(c
                        p->cols - c < 16 ? (int)(p->cols - c) : 16);
 }
 
-/* 16 or 32 rows of A (rows lda apart) times one 32-column strip of B over all K steps, into `out`
+/* Tiles for a block of `rows` (1-32) rows: accumulators 0, 1 and A tile 4 take its first 16, 2, 3
+ * and 5 the rest (unused at 16 or fewer); B tiles 6 and 7 hold 16 k pairs by 16 columns. A row's
+ * sums do not depend on how many rows its tiles hold. */
+__attribute__((target("amx-tile"), always_inline)) static inline void amx_configure(int64_t rows) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    const int top = rows < 16 ? (int)rows : 16, bottom = rows > 16 ? (int)rows - 16 : 0;
+    const int tile_rows[8] = {top, top, bottom, bottom, top, bottom, 16, 16};
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = (uint8_t)tile_rows[t];
+        cfg.colsb[t] = tile_rows[t] ? 64 : 0;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* 1-16 or 17-32 rows of A (rows lda apart) times one 32-column strip of B over all K steps, into `out`
  * [32][32] float32: the 2x2 tile block, each A and B tile loaded once per step. The previous
  * block is rounded and stored after this one's tile products are issued, so that the vector
  * units do it while the tile unit works through them. */
@@ -326,24 +341,10 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"), always_inline)) static inlin
 __attribute__((target("amx-tile,amx-bf16,avx512f"))) void amx_linear_bf16(
     const uint16_t *x, int64_t ldx, const uint16_t *w, const float *bias, uint16_t *y, int64_t ldy,
     int64_t M, int64_t K, int64_t N) {
-    const int64_t steps = K / 32, strips = (N + 31) / 32, blocks = (M + 31) / 32;
-    /* The last block, if not of 16 or 32 rows, copied once into a zero-padded one. */
-    const int64_t tail = M - (blocks - 1) * 32;
-    uint16_t *padded = 0;
-    if (tail != 16 && tail != 32) {
-        padded = calloc(tail > 16 ? 32 * K : 16 * K, 2);
-        for (int64_t r = 0; r < tail; r++) memcpy(padded + r * K, x + ((blocks - 1) * 32 + r) * ldx, K * 2);
-    }
+    const int64_t steps = K / 32, strips = (N + 31) / 32, tail = M % 32;
     _Pragma("omp parallel")
     {
-        tile_config cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette = 1;
-        for (int t = 0; t < 8; t++) {
-            cfg.rows[t] = 16;
-            cfg.colsb[t] = 64;
-        }
-        _tile_loadconfig(&cfg);
+        amx_configure(M < 32 ? M : 32);
         float out[2][32 * 32] __attribute__((aligned(64)));
         amx_pending pending = {0};
         const int threads = omp_get_num_threads(), thread = omp_get_thread_num();
@@ -355,14 +356,15 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void amx_linear_bf16(
                 const int64_t cols = N - strip * 32 < 32 ? N - strip * 32 : 32;
                 for (int64_t m = m0; m < m_end; m += 32) {
                     const int64_t rows = M - m < 32 ? M - m : 32;
-                    const int last = m + 32 >= M && padded;
-                    const uint16_t *a = last ? padded : x + m * ldx;
-                    const int64_t lda = last ? K : ldx;
+                    /* The tail block after 32-row ones: its tiles shrunk for it, then restored. */
+                    const int switched = rows < 32 && M > 32;
+                    if (switched) amx_configure(tail);
                     float *sums = out[pending.sums == out[0]];
                     if (rows > 16)
-                        amx_block(a, lda, 1, b, steps, &pending, sums);
+                        amx_block(x + m * ldx, ldx, 1, b, steps, &pending, sums);
                     else
-                        amx_block(a, lda, 0, b, steps, &pending, sums);
+                        amx_block(x + m * ldx, ldx, 0, b, steps, &pending, sums);
+                    if (switched) amx_configure(32);
                     pending = (amx_pending){sums, bias ? bias + strip * 32 : 0, y + m * ldy + strip * 32,
                                             ldy, rows, cols};
                 }
@@ -371,7 +373,6 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void amx_linear_bf16(
         amx_flush(&pending);
         _tile_release();
     }
-    free(padded);
 }
 
 
