@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 CANDIDATES = ("onednn", "torch", "grouped", "amx")
 # Our kernels give a row the same operations in the same order at any row count (grouped_gemm.c):
-# where the probe confirms it up to PROBE_MOST rows, their calls take a step's rows whole.
+# where the probe confirms it, their calls take a step's rows whole, and a decode step's few rows
+# unpadded (they run short tiles: padding them never pays, whatever a busy machine's timing said).
 INVARIANT_BY_CONSTRUCTION = ("grouped", "amx")
 LAYER_INDEX = re.compile(r"\.\d+\.")  # model.layers.3.mlp -> model.layers.*.mlp in the plan
 
@@ -129,7 +130,7 @@ def choose(layer: Linear) -> tuple[Measured, bool, Run] | None:
     for best in ranked(measured):
         if (run := prepare(best.kernel, layer)) is not None:
             if best.rule is not None and best.kernel in INVARIANT_BY_CONSTRUCTION:
-                best = replace(best, rule=RowRule(best.rule.minimum, UNCAPPED))
+                best = replace(best, rule=RowRule(1, UNCAPPED))
             return best, best.rule is not None, run
     return None
 
@@ -170,7 +171,7 @@ def pack_linears(model: nn.Module) -> KernelPlan:
         if best.kernel != "torch":
             _free_plain_weights(model, [layer for _, layer in members])
         invariant = invariant and shape_invariant
-        rows = f"{rule.minimum}+" if rule.most == UNCAPPED else f"{rule.minimum}-{rule.most}"
+        rows = "any" if rule.most == UNCAPPED else f"{rule.minimum}-{rule.most}"
         kernels[kind] = f"{best.kernel} (rows {rows})" if best.rule else f"{best.kernel} (not invariant)"
     model.kernel_plan = plan = KernelPlan(invariant, kernels)
     if kernels:
