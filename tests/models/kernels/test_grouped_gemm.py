@@ -90,6 +90,34 @@ def test_a_rows_bits_do_not_depend_on_its_group_or_the_thread_count(dtype):
         assert torch.equal(again[2:], one[first : first + rows])
 
 
+needs_amx = pytest.mark.skipif(KERNEL is None or not gg.amx_available(KERNEL),
+                               reason="no AMX-BF16 tiles on this CPU")
+
+
+@needs_amx
+def test_amx_rows_match_float64_and_keep_their_bits_at_every_row_count():
+    """1-300 rows (one or two row tiles, a padded last block, several row chunks), each row at
+    either end of its call, one thread or two: every row's bits as among 300 rows, and those
+    within the float32 sum's one rounding to bfloat16 of a float64 matmul."""
+    k, n = 96, 80  # three k steps; the last 32-column strip partial
+    gen = torch.Generator().manual_seed(4)
+    weight, bias = torch.randn(n, k, generator=gen).bfloat16(), torch.randn(n, generator=gen)
+    x = torch.randn(300, k, generator=gen).bfloat16()
+    packed = gg.pack_amx(weight)
+    full = gg.amx_linear(KERNEL, packed, bias, n, x)
+    expected = x.double() @ weight.double().T + bias.double()
+    assert ((full.double() - expected).abs() <= expected.abs() * 2**-8 + 1e-3).all()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(gg.amx_linear(KERNEL, packed, bias, n, x), full)
+    finally:
+        torch.set_num_threads(threads)
+    for rows in range(1, 300):
+        assert torch.equal(gg.amx_linear(KERNEL, packed, bias, n, x[:rows]), full[:rows]), rows
+        assert torch.equal(gg.amx_linear(KERNEL, packed, bias, n, x[-rows:]), full[-rows:]), rows
+
+
 def test_without_a_compiler_the_build_fails_cleanly(monkeypatch):
     monkeypatch.setenv("PATH", "")
     monkeypatch.setenv("CC", "no-such-compiler")

@@ -221,17 +221,23 @@ DEFINE_ROTATE(rotate_bf16, uint16_t, load8_bf16, rot8_bf16)
  * Each output element is the hardware's tile dot products over k = 0, 32, 64, ... in that order:
  * what a row gets depends on its own inputs only, not on the rows beside it in a tile, the
  * number of rows, or the thread (oneDNN's AMX kernel, by contrast, blocks K by the row count, so
- * rows 33-512 get other bits than 1-32 here). Work items are 32-row by 32-column blocks; the
- * last block, if of other than 16 or 32 rows, is copied once into a zero-padded one.
+ * rows 33-512 get other bits than 1-32 here), so a call takes any number of rows.
+ *
+ * Each thread takes a contiguous run of the 32-column strips: its share of the weights, read
+ * front to back (what a decode step's few rows are bound by). It passes them over the rows in
+ * chunks of AMX_MC, whose x stays in the core's L2 meanwhile; per strip, each 32-row block of
+ * the chunk runs on a 2x2 block of tiles (four float32 accumulators over all of K, each A and B
+ * tile loaded once per k step and used twice); a last block of fewer rows runs on tiles
+ * configured to its row count.
  *
  * W packed [N/32][K/32][2][16][16][2]: for each 32-column strip and 32-wide k step, two B tiles
  * (columns 0-15, 16-31) of 16 rows of k pairs (the VNNI layout tdpbf16ps reads). K % 32 == 0.
  */
 #include <string.h>
-#include <stdlib.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <cpuid.h>
+#include <omp.h>
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -266,69 +272,107 @@ __attribute__((target("avx512f"), always_inline)) static inline void store_bf16(
     _mm512_mask_cvtepi32_storeu_epi16(y, keep, rounded);
 }
 
+#define AMX_MC 128
+
+/* A block's float32 sums (rows of 32) still to be rounded into y. */
+typedef struct {
+    const float *sums, *bias;
+    uint16_t *y;
+    int64_t ldy, rows, cols;
+} amx_pending;
+
+__attribute__((target("avx512f"), always_inline)) static inline void amx_flush(const amx_pending *p) {
+    for (int64_t r = 0; r < p->rows; r++)
+        for (int64_t c = 0; c < p->cols; c += 16)
+            store_bf16(p->sums + r * 32 + c, p->bias ? p->bias + c : 0, p->y + r * p->ldy + c,
+                       p->cols - c < 16 ? (int)(p->cols - c) : 16);
+}
+
+/* Tiles for a block of `rows` (1-32) rows: accumulators 0, 1 and A tile 4 take its first 16, 2, 3
+ * and 5 the rest (unused at 16 or fewer); B tiles 6 and 7 hold 16 k pairs by 16 columns. A row's
+ * sums do not depend on how many rows its tiles hold. */
+__attribute__((target("amx-tile"), always_inline)) static inline void amx_configure(int64_t rows) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    const int top = rows < 16 ? (int)rows : 16, bottom = rows > 16 ? (int)rows - 16 : 0;
+    const int tile_rows[8] = {top, top, bottom, bottom, top, bottom, 16, 16};
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = (uint8_t)tile_rows[t];
+        cfg.colsb[t] = tile_rows[t] ? 64 : 0;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* 1-16 or 17-32 rows of A (rows lda apart) times one 32-column strip of B over all K steps, into `out`
+ * [32][32] float32: the 2x2 tile block, each A and B tile loaded once per step. The previous
+ * block is rounded and stored after this one's tile products are issued, so that the vector
+ * units do it while the tile unit works through them. */
+__attribute__((target("amx-tile,amx-bf16,avx512f"), always_inline)) static inline void amx_block(
+    const uint16_t *a, int64_t lda, const int two, const uint16_t *b, int64_t steps,
+    const amx_pending *previous, float *out) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (two) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t s = 0; s < steps; s++) {
+        _tile_loadd(6, b + s * 1024, 64);
+        _tile_loadd(4, a + s * 32, lda * 2);
+        _tile_loadd(7, b + s * 1024 + 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, a + 16 * lda + s * 32, lda * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    amx_flush(previous);
+    _tile_stored(0, out, 128);
+    _tile_stored(1, out + 16, 128);
+    if (two) {
+        _tile_stored(2, out + 16 * 32, 128);
+        _tile_stored(3, out + 16 * 32 + 16, 128);
+    }
+}
+
 __attribute__((target("amx-tile,amx-bf16,avx512f"))) void amx_linear_bf16(
     const uint16_t *x, int64_t ldx, const uint16_t *w, const float *bias, uint16_t *y, int64_t ldy,
     int64_t M, int64_t K, int64_t N) {
-    const int64_t steps = K / 32, strips = (N + 31) / 32, blocks = (M + 31) / 32;
-    /* The last block, if not of 16 or 32 rows, copied once into a zero-padded one. */
-    const int64_t tail = M - (blocks - 1) * 32;
-    uint16_t *padded = 0;
-    if (tail != 16 && tail != 32) {
-        padded = calloc(32 * K, 2);
-        for (int64_t r = 0; r < tail; r++) memcpy(padded + r * K, x + ((blocks - 1) * 32 + r) * ldx, K * 2);
-    }
+    const int64_t steps = K / 32, strips = (N + 31) / 32, tail = M % 32;
     _Pragma("omp parallel")
     {
-        tile_config cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette = 1;
-        for (int t = 0; t < 8; t++) {
-            cfg.rows[t] = 16;
-            cfg.colsb[t] = 64;
-        }
-        _tile_loadconfig(&cfg);
-        float out[32 * 32];
-        _Pragma("omp for schedule(dynamic, 1)")
-        for (int64_t item = 0; item < blocks * strips; item++) {
-            /* Strip-major: a thread's next item reuses the weight strip it just read. */
-            const int64_t strip = item / blocks, blk = item % blocks;
-            const int64_t m0 = blk * 32, rows = M - m0 < 32 ? M - m0 : 32;
-            const int64_t cols = N - strip * 32 < 32 ? N - strip * 32 : 32;
-            const int last = blk == blocks - 1 && padded;
-            const uint16_t *a = last ? padded : x + m0 * ldx;
-            const int64_t lda = last ? K : ldx;
-            const int two = rows > 16;
-            const uint16_t *b = w + strip * steps * 1024;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int64_t s = 0; s < steps; s++) {
-                _tile_loadd(4, a + s * 32, lda * 2);
-                _tile_loadd(6, b + s * 1024, 64);
-                _tile_loadd(7, b + s * 1024 + 512, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                if (two) {
-                    _tile_loadd(5, a + 16 * lda + s * 32, lda * 2);
-                    _tile_dpbf16ps(2, 5, 6);
-                    _tile_dpbf16ps(3, 5, 7);
+        amx_configure(M < 32 ? M : 32);
+        float out[2][32 * 32] __attribute__((aligned(64)));
+        amx_pending pending = {0};
+        const int threads = omp_get_num_threads(), thread = omp_get_thread_num();
+        const int64_t first = strips * thread / threads, end = strips * (thread + 1) / threads;
+        for (int64_t m0 = 0; m0 < M; m0 += AMX_MC) {
+            const int64_t m_end = M - m0 < AMX_MC ? M : m0 + AMX_MC;
+            for (int64_t strip = first; strip < end; strip++) {
+                const uint16_t *b = w + strip * steps * 1024;
+                const int64_t cols = N - strip * 32 < 32 ? N - strip * 32 : 32;
+                for (int64_t m = m0; m < m_end; m += 32) {
+                    const int64_t rows = M - m < 32 ? M - m : 32;
+                    /* The tail block after 32-row ones: its tiles shrunk for it, then restored. */
+                    const int switched = rows < 32 && M > 32;
+                    if (switched) amx_configure(tail);
+                    float *sums = out[pending.sums == out[0]];
+                    if (rows > 16)
+                        amx_block(x + m * ldx, ldx, 1, b, steps, &pending, sums);
+                    else
+                        amx_block(x + m * ldx, ldx, 0, b, steps, &pending, sums);
+                    if (switched) amx_configure(32);
+                    pending = (amx_pending){sums, bias ? bias + strip * 32 : 0, y + m * ldy + strip * 32,
+                                            ldy, rows, cols};
                 }
             }
-            _tile_stored(0, out, 128);
-            _tile_stored(1, out + 16, 128);
-            if (two) {
-                _tile_stored(2, out + 16 * 32, 128);
-                _tile_stored(3, out + 16 * 32 + 16, 128);
-            }
-            for (int64_t r = 0; r < rows; r++)
-                for (int c = 0; c < cols; c += 16)
-                    store_bf16(out + r * 32 + c, bias ? bias + strip * 32 + c : 0,
-                               y + (m0 + r) * ldy + strip * 32 + c, cols - c < 16 ? (int)(cols - c) : 16);
         }
+        amx_flush(&pending);
         _tile_release();
     }
-    free(padded);
 }
 
 

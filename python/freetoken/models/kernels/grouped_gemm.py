@@ -142,7 +142,8 @@ def pack_amx(weight: torch.Tensor) -> torch.Tensor:
 
 def amx_linear(lib: ctypes.CDLL, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
                x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] bfloat16 through a layer packed by `pack_amx` (bias float32 or None)."""
+    """x [M, K] bfloat16 (any M: a row's bits do not depend on it) through a layer packed by
+    `pack_amx` (bias float32 or None)."""
     rows = x.contiguous()
     y = torch.empty(rows.shape[0], out_features, dtype=torch.bfloat16)
     lib.amx_linear_bf16(rows.data_ptr(), rows.stride(0), packed.data_ptr(),

@@ -30,6 +30,7 @@ import json
 import math
 import os
 import platform
+import sys
 import time
 from dataclasses import dataclass
 from functools import cache
@@ -44,6 +45,7 @@ from freetoken.models.kernels.grouped_gemm import SOURCE as OUR_KERNELS
 Run = Callable[[torch.Tensor], torch.Tensor]
 
 PROBE_MOST = 256
+UNCAPPED = sys.maxsize  # a rule's `most` for a kernel whose calls need no cap (models/layers/linear.py)
 PROBE_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 13, 15, 16, 17, 31, 32, 33, 48, 57, 64, 65, 100, 128, 129,
               200, 255)
 # Decode steps run 1-32 rows, scoring and prefill steps hundreds: each weighs the same.

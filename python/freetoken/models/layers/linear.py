@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache, partial
 
 import torch
@@ -24,12 +24,16 @@ from torch import nn
 from freetoken.models.kernels.grouped_gemm import KERNELS, amx_available, amx_linear, grouped_gemm, pack_amx
 from freetoken.models.kernels.grouped_gemm import load as load_kernel
 from freetoken.models.kernels.grouped_gemm import pack as pack_strips
-from freetoken.models.layers.kernel_choice import (Measured, Run, RowRule, cpu_name, measure,
+from freetoken.models.layers.kernel_choice import (UNCAPPED, Measured, Run, RowRule, cpu_name, measure,
                                             measured_with_cache, probe_weight, ranked, run_by_rule)
 
 log = logging.getLogger(__name__)
 
 CANDIDATES = ("onednn", "torch", "grouped", "amx")
+# Our kernels give a row the same operations in the same order at any row count (grouped_gemm.c):
+# where the probe confirms it, their calls take a step's rows whole, and a decode step's few rows
+# unpadded (they run short tiles: padding them never pays, whatever a busy machine's timing said).
+INVARIANT_BY_CONSTRUCTION = ("grouped", "amx")
 LAYER_INDEX = re.compile(r"\.\d+\.")  # model.layers.3.mlp -> model.layers.*.mlp in the plan
 
 
@@ -125,6 +129,8 @@ def choose(layer: Linear) -> tuple[Measured, bool, Run] | None:
     measured = measured_with_cache(f"{key} {','.join(names)}", probe) if names else []
     for best in ranked(measured):
         if (run := prepare(best.kernel, layer)) is not None:
+            if best.rule is not None and best.kernel in INVARIANT_BY_CONSTRUCTION:
+                best = replace(best, rule=RowRule(1, UNCAPPED))
             return best, best.rule is not None, run
     return None
 
@@ -165,8 +171,8 @@ def pack_linears(model: nn.Module) -> KernelPlan:
         if best.kernel != "torch":
             _free_plain_weights(model, [layer for _, layer in members])
         invariant = invariant and shape_invariant
-        kernels[kind] = (f"{best.kernel} (rows {rule.minimum}-{rule.most})" if best.rule
-                         else f"{best.kernel} (not invariant)")
+        rows = "any" if rule.most == UNCAPPED else f"{rule.minimum}-{rule.most}"
+        kernels[kind] = f"{best.kernel} (rows {rows})" if best.rule else f"{best.kernel} (not invariant)"
     model.kernel_plan = plan = KernelPlan(invariant, kernels)
     if kernels:
         log.log(logging.INFO if invariant else logging.WARNING,
