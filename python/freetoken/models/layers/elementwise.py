@@ -44,10 +44,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up[:, :half], gate_up[:, half:]
     if gate_up.device.type != "cpu" or half % LANES:
         return lanewise(F.silu, gate).mul_(up)
+    block = max(1, GRAIN // half)
+    if len(gate_up) <= block:  # one block (a decode step): no output to assemble
+        return F.silu(gate.contiguous()).mul_(up)
     # No padding needed: lanewise's blocks, each product written in place into the output
     # (no concatenation of a step's [rows, intermediate] halves).
     out = torch.empty_like(up, memory_format=torch.contiguous_format)
-    block = max(1, GRAIN // half)
     for start in range(0, len(gate_up), block):
         rows = slice(start, start + block)
         torch.mul(F.silu(gate[rows].contiguous()), up[rows], out=out[rows])
