@@ -184,7 +184,7 @@ def add_rms_norm(lib: ctypes.CDLL, x: torch.Tensor, delta: torch.Tensor, weight:
                  eps: float) -> torch.Tensor:
     """x += delta in place, then RMSNorm of x by weight (x, delta [M, D], D % 8 == 0, the last dim
     contiguous, one dtype of KERNELS as weight's), each row in one pass (add_rms_norm_*)."""
-    y = torch.empty(x.shape, dtype=x.dtype)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
     getattr(lib, f"add_rms_norm_{KERNELS[x.dtype]}")(
         x.data_ptr(), x.stride(0), delta.data_ptr(), delta.stride(0), weight.data_ptr(), y.data_ptr(),
         x.shape[0], x.shape[1], eps)
