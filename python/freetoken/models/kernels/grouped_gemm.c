@@ -14,8 +14,8 @@
  *
  * Built at first use by models/kernels/grouped_gemm.py; x86-64 with AVX2 and FMA, else unsupported.
  * The file also holds rms_norm_* (RMSNorm in one pass per row), rotate_* (the rotary embedding in
- * one pass), add_rms_norm_* and norm_rotate_* (a layer's residual add and norm, its q/k norms and
- * rotation, each in one call) and amx_linear_bf16
+ * one pass), add_rms_norm_*, norm_rotate_* and silu_mul_* (a layer's residual add and norm, its
+ * q/k norms and rotation, its SwiGLU, each in one call) and amx_linear_bf16
  * (below), a bfloat16 linear layer on AMX tiles.
  */
 #include <stdint.h>
@@ -284,6 +284,64 @@ DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, add8_bf16, rms_row_bf16)
 DEFINE_NORM_ROTATE(norm_rotate_f32, float, rms_row_f32, rotate_row_f32)
 DEFINE_NORM_ROTATE(norm_rotate_bf16, uint16_t, rms_row_bf16, rotate_row_bf16)
 
+/* e^d as torch's vectorised exp computes it on x86 (SLEEF's expf_u10, FMA variant): the same
+ * bits for every float32 input (checked against torch's SiLU over all 2^32). */
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256 pow2i(__m256i q) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(q, _mm256_set1_epi32(0x7f)), 23));
+}
+
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256 exp8(__m256 d) {
+    const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(d, _mm256_set1_ps(1.442695040888963407359924681001892137426645954152985934135449406931f)));
+    const __m256 qf = _mm256_cvtepi32_ps(q);
+    __m256 s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-0.693145751953125f), d);
+    s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-1.428606765330187045e-06f), s);
+    __m256 u = _mm256_set1_ps(0.000198527617612853646278381f);
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00139304355252534151077271f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00833336077630519866943359f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.0416664853692054748535156f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.166666671633720397949219f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.5f));
+    u = _mm256_add_ps(_mm256_set1_ps(1.0f), _mm256_fmadd_ps(_mm256_mul_ps(s, s), u, s));
+    const __m256i h = _mm256_srai_epi32(q, 1);
+    u = _mm256_mul_ps(_mm256_mul_ps(u, pow2i(h)), pow2i(_mm256_sub_epi32(q, h)));
+    u = _mm256_andnot_ps(_mm256_cmp_ps(d, _mm256_set1_ps(-104.0f), _CMP_LT_OQ), u);
+    return _mm256_blendv_ps(u, _mm256_set1_ps(__builtin_inff()),
+                            _mm256_cmp_ps(_mm256_set1_ps(100.0f), d, _CMP_LT_OQ));
+}
+
+/* torch's vectorised SiLU, x / (1 + e^-x), in float32. */
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256 silu8(__m256 x) {
+    const __m256 e = exp8(_mm256_xor_ps(x, _mm256_set1_ps(-0.0f)));
+    return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+/* silu(gate) * up into y, eight at a time: float32 as is; bfloat16 as torch runs the two ops
+ * (SiLU in float32 rounded, the product in float32 rounded). */
+__attribute__((target("avx2,fma"), always_inline)) static inline void silu_mul8_f32(
+    float *y, const float *gate, const float *up) {
+    _mm256_storeu_ps(y, _mm256_mul_ps(silu8(_mm256_loadu_ps(gate)), _mm256_loadu_ps(up)));
+}
+
+__attribute__((target("avx2,fma"), always_inline)) static inline void silu_mul8_bf16(
+    uint16_t *y, const uint16_t *gate, const uint16_t *up) {
+    const __m256 s = widen_bf16(round_bf16(silu8(load8_bf16(gate))));
+    pack_bf16(y, round_bf16(_mm256_mul_ps(s, load8_bf16(up))));
+}
+
+/* SwiGLU of a fused gate/up projection x [M, 2 * half] (rows ldx apart, half % 8 == 0) into
+ * y [M, half] contiguous: every element on the vector formula, whatever its row's place. */
+#define DEFINE_SILU_MUL(NAME, T, SILU_MUL)                                                       \
+    __attribute__((target("avx2,fma"))) void NAME(const T *x, int64_t ldx, T *y, int64_t M,      \
+                                                  int64_t half) {                                \
+        _Pragma("omp parallel for if (M * half >= 32768)")                                       \
+        for (int64_t r = 0; r < M; r++)                                                          \
+            for (int64_t k = 0; k < half; k += 8)                                                \
+                SILU_MUL(y + r * half + k, x + r * ldx + k, x + r * ldx + half + k);             \
+    }
+
+DEFINE_SILU_MUL(silu_mul_f32, float, silu_mul8_f32)
+DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, silu_mul8_bf16)
+
 
 #if defined(__linux__) && (defined(__clang__) || __GNUC__ >= 11) /* AMX intrinsics, arch_prctl */
 /* A bfloat16 linear layer on AMX: y[M, N] = x[M, K] @ W^T + b, x and y bfloat16, W packed at load
@@ -424,6 +482,8 @@ void add_rms_norm_f32(void) {}
 void add_rms_norm_bf16(void) {}
 void norm_rotate_f32(void) {}
 void norm_rotate_bf16(void) {}
+void silu_mul_f32(void) {}
+void silu_mul_bf16(void) {}
 int amx_bf16_supported(void) { return 0; }
 void amx_linear_bf16(void) {}
 

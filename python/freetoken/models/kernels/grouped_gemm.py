@@ -2,8 +2,8 @@
 through ctypes. The grouped GEMM runs the MoE experts (models/layers/moe.py: one call per projection
 for all of a layer's experts) and, where the load-time probe picks it, the dense layers
 (models/layers/linear.py: one group each); `rms_norm` and `rotate` run models/layers/norm.py's RMSNorm
-and rotary.py's rotation, `add_rms_norm` and `norm_rotate` a layer's residual add and norm, and
-its q/k norms and rotation, in one call each. The AMX bfloat16 linear (`amx_linear`) is a candidate of
+and rotary.py's rotation, `add_rms_norm`, `norm_rotate` and `silu_mul` a layer's residual add
+and norm, its q/k norms and rotation, and its SwiGLU, in one call each. The AMX bfloat16 linear (`amx_linear`) is a candidate of
 models/layers/linear.py on CPUs with AMX: invariant to the row count by construction, where oneDNN's
 AMX kernel is not (see the C file).
 
@@ -128,6 +128,9 @@ def load() -> ctypes.CDLL | None:
         kernel = getattr(lib, f"norm_rotate_{suffix}")
         kernel.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ctypes.c_float, ptr, ptr, i64]
         kernel.restype = None
+        kernel = getattr(lib, f"silu_mul_{suffix}")
+        kernel.argtypes = [ptr, i64, ptr, i64, i64]
+        kernel.restype = None
     return lib
 
 
@@ -201,6 +204,16 @@ def norm_rotate(lib: ctypes.CDLL, x: torch.Tensor, split: int, weights: tuple[to
     getattr(lib, f"norm_rotate_{KERNELS[x.dtype]}")(
         x.data_ptr(), x.stride(0), x.stride(1), tokens, heads, split, wq, wk, eps, cos.data_ptr(),
         sin.data_ptr(), dim)
+
+
+def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up [M, 2 * half] ([gate | up], half % 8 == 0, the last dim
+    contiguous, a dtype of KERNELS), each element as torch's vectorised ops compute it (silu_mul_*)."""
+    rows, half = gate_up.shape[0], gate_up.shape[1] // 2
+    y = torch.empty(rows, half, dtype=gate_up.dtype)
+    getattr(lib, f"silu_mul_{KERNELS[gate_up.dtype]}")(gate_up.data_ptr(), gate_up.stride(0), y.data_ptr(),
+                                                       rows, half)
+    return y
 
 
 def build(source_path: Path = SOURCE) -> Path:
