@@ -92,10 +92,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        h = self.post_attention_layernorm(x)
-        return x + self.mlp(h)
+    def forward(self, x, delta, cos, sin, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream x, to which `delta` (the previous layer's MLP output; None for the
+        first layer) is added in place, then this layer's attention output; returns x and this
+        layer's MLP output, left for the next norm to add in the same pass as it normalises."""
+        h = self.input_layernorm(x, delta)
+        h = self.post_attention_layernorm(x, self.self_attn(h, cos, sin, ctx))
+        return x, self.mlp(h)
 
 
 class Backbone(nn.Module):
@@ -136,8 +139,10 @@ class LlamaForCausalLM(CausalLM):
         x = self.model.embed_tokens(ctx.input_ids)
         cfg = self.cfg
         cos, sin = cos_sin(ctx.positions, cfg.head_dim, cfg.rope_theta, cfg.rope_yarn, x.dtype)
+        delta = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, ctx)
+            x, delta = layer(x, delta, cos, sin, ctx)
+        x.add_(delta)
         if ctx.hidden_rows is not None:
             ctx.hidden = self.model.norm(x.index_select(0, ctx.hidden_rows))
         # Only rows with logits (sampling or prompt logprobs) need the norm and the LM head.

@@ -21,3 +21,22 @@ def test_a_row_gets_the_same_bits_in_any_batch(dtype, half):
     exact = F.silu(gate_up[:, :half].double()) * gate_up[:, half:].double()
     tolerance = 1e-6 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(together.double(), exact, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 45])  # 45 x 1536: over the kernel's threading threshold
+def test_the_one_pass_swiglu_gives_torchs_vector_path_bits(dtype, rows):
+    """silu_mul_* against torch's SiLU and product on a tensor whose every element takes torch's
+    vector path (one thread, whole vector pairs), exp's range ends included."""
+    half = 1536
+    gate_up = 8 * torch.randn(rows, 2 * half, generator=torch.Generator().manual_seed(rows))
+    ends = torch.tensor([-200.0, -104.5, -103.9, -87.5, -0.0, 0.0, 88.7, 100.5, float("inf")])
+    gate_up[0, : len(ends)] = ends
+    gate_up = gate_up.to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        expected = F.silu(gate_up[:, :half].contiguous()) * gate_up[:, half:]
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(silu_and_mul(gate_up), expected)

@@ -60,3 +60,16 @@ def test_a_rows_bits_do_not_depend_on_its_batch_or_the_thread_count(dtype):
         heads = _norm(64, dtype)
         qkv = torch.randn(5, 12, 64, generator=torch.Generator().manual_seed(3)).to(dtype)
         assert torch.equal(heads(qkv[:, :8]), heads(qkv[:, :8].contiguous()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 67])  # 67: over the kernel's threading threshold
+def test_residual_add_and_norm_in_one_pass_give_the_bits_of_the_add_then_the_norm(dtype, rows):
+    norm = _norm(576, dtype)
+    gen = torch.Generator().manual_seed(4)
+    x, delta = (torch.randn(2, rows, 576, generator=gen) * 3).to(dtype)
+    with torch.inference_mode():
+        expected_x = x + delta
+        expected = norm(expected_x)
+        got = norm(x, delta)
+    assert torch.equal(x, expected_x) and torch.equal(got, expected)

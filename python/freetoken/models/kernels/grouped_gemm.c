@@ -14,7 +14,8 @@
  *
  * Built at first use by models/kernels/grouped_gemm.py; x86-64 with AVX2 and FMA, else unsupported.
  * The file also holds rms_norm_* (RMSNorm in one pass per row), rotate_* (the rotary embedding in
- * one pass) and amx_linear_bf16
+ * one pass), add_rms_norm_*, norm_rotate_* and silu_mul_* (a layer's residual add and norm, its
+ * q/k norms and rotation, its SwiGLU, each in one call) and amx_linear_bf16
  * (below), a bfloat16 linear layer on AMX tiles.
  */
 #include <stdint.h>
@@ -151,29 +152,36 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void store8_bf1
     pack_bf16(y, round_bf16(_mm256_mul_ps(w, normed)));
 }
 
-#define DEFINE_RMS_NORM(NAME, T, LOAD, STORE)                                                    \
+/* One row x [D] normalised into y [D]. */
+#define DEFINE_RMS_ROW(NAME, T, LOAD, STORE)                                                     \
+    __attribute__((target("avx2,fma"), always_inline)) static inline void NAME(                  \
+        const T *xr, const T *w, T *y, int64_t D, float eps) {                                   \
+        __m256 acc = _mm256_setzero_ps();                                                        \
+        for (int64_t k = 0; k < D; k += 8) {                                                     \
+            const __m256 v = LOAD(xr + k);                                                       \
+            acc = _mm256_fmadd_ps(v, v, acc);                                                    \
+        }                                                                                        \
+        __m128 sum = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));     \
+        sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));                                          \
+        sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));                                             \
+        const float mean = _mm_cvtss_f32(sum) / (float)D;                                        \
+        const float root = _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(mean + eps)));                  \
+        const __m256 scale = _mm256_set1_ps(1.0f / root);                                       \
+        for (int64_t k = 0; k < D; k += 8) STORE(y + k, LOAD(xr + k), scale, LOAD(w + k));      \
+    }
+
+DEFINE_RMS_ROW(rms_row_f32, float, load8_f32, store8_f32)
+DEFINE_RMS_ROW(rms_row_bf16, uint16_t, load8_bf16, store8_bf16)
+
+#define DEFINE_RMS_NORM(NAME, T, ROW)                                                            \
     __attribute__((target("avx2,fma"))) void NAME(const T *x, int64_t ldx, const T *w, T *y,     \
                                                   int64_t M, int64_t D, float eps) {             \
         _Pragma("omp parallel for if (M >= 64)")                                                 \
-        for (int64_t r = 0; r < M; r++) {                                                        \
-            const T *xr = x + r * ldx;                                                           \
-            __m256 acc = _mm256_setzero_ps();                                                    \
-            for (int64_t k = 0; k < D; k += 8) {                                                 \
-                const __m256 v = LOAD(xr + k);                                                   \
-                acc = _mm256_fmadd_ps(v, v, acc);                                                \
-            }                                                                                    \
-            __m128 sum = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1)); \
-            sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));                                      \
-            sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));                                         \
-            const float mean = _mm_cvtss_f32(sum) / (float)D;                                    \
-            const float root = _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(mean + eps)));              \
-            const __m256 scale = _mm256_set1_ps(1.0f / root);                                   \
-            for (int64_t k = 0; k < D; k += 8) STORE(y + r * D + k, LOAD(xr + k), scale, LOAD(w + k)); \
-        }                                                                                        \
+        for (int64_t r = 0; r < M; r++) ROW(x + r * ldx, w, y + r * D, D, eps);                  \
     }
 
-DEFINE_RMS_NORM(rms_norm_f32, float, load8_f32, store8_f32)
-DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, load8_bf16, store8_bf16)
+DEFINE_RMS_NORM(rms_norm_f32, float, rms_row_f32)
+DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, rms_row_bf16)
 
 /* Rotary embedding of x [T, H, D] (rows ldt apart, heads ldh apart, D % 16 == 0) by cos and sin
  * [T, D] into y [T, H, D] contiguous: y = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1)
@@ -191,27 +199,148 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void rot8_bf16(
     pack_bf16(y, round_bf16(_mm256_add_ps(a, b)));
 }
 
-#define DEFINE_ROTATE(NAME, T, LOAD, ROT)                                                        \
+/* One head's row x [D] turned into y [D] (y may be x: each step reads both halves first). */
+#define DEFINE_ROTATE_ROW(NAME, T, LOAD, ROT)                                                    \
+    __attribute__((target("avx2,fma"), always_inline)) static inline void NAME(                  \
+        const T *xr, const T *c, const T *s, T *yr, int64_t D) {                                 \
+        const int64_t half = D / 2;                                                              \
+        const __m256 sign = _mm256_set1_ps(-0.0f);                                               \
+        for (int64_t k = 0; k < half; k += 8) {                                                  \
+            const __m256 x1 = LOAD(xr + k), x2 = LOAD(xr + half + k);                            \
+            ROT(yr + k, x1, LOAD(c + k), _mm256_xor_ps(x2, sign), LOAD(s + k));                  \
+            ROT(yr + half + k, x2, LOAD(c + half + k), x1, LOAD(s + half + k));                  \
+        }                                                                                        \
+    }
+
+DEFINE_ROTATE_ROW(rotate_row_f32, float, load8_f32, rot8_f32)
+DEFINE_ROTATE_ROW(rotate_row_bf16, uint16_t, load8_bf16, rot8_bf16)
+
+#define DEFINE_ROTATE(NAME, T, ROW)                                                              \
     __attribute__((target("avx2,fma"))) void NAME(const T *x, int64_t ldt, int64_t ldh,          \
                                                   const T *cos, const T *sin, T *y,              \
                                                   int64_t tokens, int64_t heads, int64_t D) {   \
-        const int64_t half = D / 2;                                                              \
-        const __m256 sign = _mm256_set1_ps(-0.0f);                                               \
         _Pragma("omp parallel for if (tokens * heads >= 512)")                                   \
         for (int64_t i = 0; i < tokens * heads; i++) {                                           \
             const int64_t t = i / heads, h = i % heads;                                          \
-            const T *xr = x + t * ldt + h * ldh, *c = cos + t * D, *s = sin + t * D;             \
-            T *yr = y + i * D;                                                                   \
-            for (int64_t k = 0; k < half; k += 8) {                                              \
-                const __m256 x1 = LOAD(xr + k), x2 = LOAD(xr + half + k);                        \
-                ROT(yr + k, x1, LOAD(c + k), _mm256_xor_ps(x2, sign), LOAD(s + k));              \
-                ROT(yr + half + k, x2, LOAD(c + half + k), x1, LOAD(s + half + k));              \
+            ROW(x + t * ldt + h * ldh, cos + t * D, sin + t * D, y + i * D, D);                  \
+        }                                                                                        \
+    }
+
+DEFINE_ROTATE(rotate_f32, float, rotate_row_f32)
+DEFINE_ROTATE(rotate_bf16, uint16_t, rotate_row_bf16)
+
+/* Fused per-layer passes (models/layers/norm.py, rotary.py): the rows above, several in one call,
+ * with the bits of the separate calls and torch ops they replace. */
+
+/* Eight sums x + d stored at x: float32 as is, bfloat16 rounded (torch adds two bfloat16 tensors
+ * in float32 and rounds the sum). */
+__attribute__((target("avx2,fma"), always_inline)) static inline void add8_f32(float *x, const float *d) {
+    _mm256_storeu_ps(x, _mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(d)));
+}
+
+__attribute__((target("avx2,fma"), always_inline)) static inline void add8_bf16(uint16_t *x, const uint16_t *d) {
+    pack_bf16(x, round_bf16(_mm256_add_ps(load8_bf16(x), load8_bf16(d))));
+}
+
+/* The residual stream x [M, D] (rows ldx apart) plus d [M, D] (rows ldd apart) in place, then
+ * y [M, D] contiguous = RMSNorm of the new x by w: a layer's `x = x + delta; h = norm(x)`. */
+#define DEFINE_ADD_RMS_NORM(NAME, T, ADD, ROW)                                                   \
+    __attribute__((target("avx2,fma"))) void NAME(T *x, int64_t ldx, const T *d, int64_t ldd,    \
+                                                  const T *w, T *y, int64_t M, int64_t D,        \
+                                                  float eps) {                                   \
+        _Pragma("omp parallel for if (M >= 64)")                                                 \
+        for (int64_t r = 0; r < M; r++) {                                                        \
+            T *xr = x + r * ldx;                                                                 \
+            for (int64_t k = 0; k < D; k += 8) ADD(xr + k, d + r * ldd + k);                     \
+            ROW(xr, w, y + r * D, D, eps);                                                       \
+        }                                                                                        \
+    }
+
+DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, add8_f32, rms_row_f32)
+DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, add8_bf16, rms_row_bf16)
+
+/* q and k heads x [T, H, D] (rows ldt apart, heads ldh apart, D % 16 == 0) in place: each head
+ * RMS-normed by wq (heads before `split`) or wk, rounded to the dtype, then rotated by cos and sin
+ * [T, D]; wq NULL: rotated only. Attention's `cat(q_norm(q), k_norm(k))` then `rotate`. */
+#define DEFINE_NORM_ROTATE(NAME, T, NORM_ROW, ROTATE_ROW)                                        \
+    __attribute__((target("avx2,fma"))) void NAME(T *x, int64_t ldt, int64_t ldh, int64_t tokens, \
+                                                  int64_t heads, int64_t split, const T *wq,     \
+                                                  const T *wk, float eps, const T *cos,          \
+                                                  const T *sin, int64_t D) {                     \
+        _Pragma("omp parallel for if (tokens * heads >= 512)")                                   \
+        for (int64_t i = 0; i < tokens * heads; i++) {                                           \
+            const int64_t t = i / heads, h = i % heads;                                          \
+            T *row = x + t * ldt + h * ldh;                                                      \
+            if (wq) {                                                                            \
+                T normed[D];                                                                     \
+                NORM_ROW(row, h < split ? wq : wk, normed, D, eps);                              \
+                ROTATE_ROW(normed, cos + t * D, sin + t * D, row, D);                            \
+            } else {                                                                             \
+                ROTATE_ROW(row, cos + t * D, sin + t * D, row, D);                               \
             }                                                                                    \
         }                                                                                        \
     }
 
-DEFINE_ROTATE(rotate_f32, float, load8_f32, rot8_f32)
-DEFINE_ROTATE(rotate_bf16, uint16_t, load8_bf16, rot8_bf16)
+DEFINE_NORM_ROTATE(norm_rotate_f32, float, rms_row_f32, rotate_row_f32)
+DEFINE_NORM_ROTATE(norm_rotate_bf16, uint16_t, rms_row_bf16, rotate_row_bf16)
+
+/* e^d as torch's vectorised exp computes it on x86 (SLEEF's expf_u10, FMA variant): the same
+ * bits for every float32 input (checked against torch's SiLU over all 2^32). */
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256 pow2i(__m256i q) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(q, _mm256_set1_epi32(0x7f)), 23));
+}
+
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256 exp8(__m256 d) {
+    const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(d, _mm256_set1_ps(1.442695040888963407359924681001892137426645954152985934135449406931f)));
+    const __m256 qf = _mm256_cvtepi32_ps(q);
+    __m256 s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-0.693145751953125f), d);
+    s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-1.428606765330187045e-06f), s);
+    __m256 u = _mm256_set1_ps(0.000198527617612853646278381f);
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00139304355252534151077271f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00833336077630519866943359f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.0416664853692054748535156f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.166666671633720397949219f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.5f));
+    u = _mm256_add_ps(_mm256_set1_ps(1.0f), _mm256_fmadd_ps(_mm256_mul_ps(s, s), u, s));
+    const __m256i h = _mm256_srai_epi32(q, 1);
+    u = _mm256_mul_ps(_mm256_mul_ps(u, pow2i(h)), pow2i(_mm256_sub_epi32(q, h)));
+    u = _mm256_andnot_ps(_mm256_cmp_ps(d, _mm256_set1_ps(-104.0f), _CMP_LT_OQ), u);
+    return _mm256_blendv_ps(u, _mm256_set1_ps(__builtin_inff()),
+                            _mm256_cmp_ps(_mm256_set1_ps(100.0f), d, _CMP_LT_OQ));
+}
+
+/* torch's vectorised SiLU, x / (1 + e^-x), in float32. */
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256 silu8(__m256 x) {
+    const __m256 e = exp8(_mm256_xor_ps(x, _mm256_set1_ps(-0.0f)));
+    return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+/* silu(gate) * up into y, eight at a time: float32 as is; bfloat16 as torch runs the two ops
+ * (SiLU in float32 rounded, the product in float32 rounded). */
+__attribute__((target("avx2,fma"), always_inline)) static inline void silu_mul8_f32(
+    float *y, const float *gate, const float *up) {
+    _mm256_storeu_ps(y, _mm256_mul_ps(silu8(_mm256_loadu_ps(gate)), _mm256_loadu_ps(up)));
+}
+
+__attribute__((target("avx2,fma"), always_inline)) static inline void silu_mul8_bf16(
+    uint16_t *y, const uint16_t *gate, const uint16_t *up) {
+    const __m256 s = widen_bf16(round_bf16(silu8(load8_bf16(gate))));
+    pack_bf16(y, round_bf16(_mm256_mul_ps(s, load8_bf16(up))));
+}
+
+/* SwiGLU of a fused gate/up projection x [M, 2 * half] (rows ldx apart, half % 8 == 0) into
+ * y [M, half] contiguous: every element on the vector formula, whatever its row's place. */
+#define DEFINE_SILU_MUL(NAME, T, SILU_MUL)                                                       \
+    __attribute__((target("avx2,fma"))) void NAME(const T *x, int64_t ldx, T *y, int64_t M,      \
+                                                  int64_t half) {                                \
+        _Pragma("omp parallel for if (M * half >= 32768)")                                       \
+        for (int64_t r = 0; r < M; r++)                                                          \
+            for (int64_t k = 0; k < half; k += 8)                                                \
+                SILU_MUL(y + r * half + k, x + r * ldx + k, x + r * ldx + half + k);             \
+    }
+
+DEFINE_SILU_MUL(silu_mul_f32, float, silu_mul8_f32)
+DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, silu_mul8_bf16)
 
 
 #if defined(__linux__) && (defined(__clang__) || __GNUC__ >= 11) /* AMX intrinsics, arch_prctl */
@@ -393,6 +522,12 @@ void rms_norm_f32(void) {}
 void rms_norm_bf16(void) {}
 void rotate_f32(void) {}
 void rotate_bf16(void) {}
+void add_rms_norm_f32(void) {}
+void add_rms_norm_bf16(void) {}
+void norm_rotate_f32(void) {}
+void norm_rotate_bf16(void) {}
+void silu_mul_f32(void) {}
+void silu_mul_bf16(void) {}
 int amx_bf16_supported(void) { return 0; }
 void amx_linear_bf16(void) {}
 

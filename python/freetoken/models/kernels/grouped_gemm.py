@@ -2,7 +2,8 @@
 through ctypes. The grouped GEMM runs the MoE experts (models/layers/moe.py: one call per projection
 for all of a layer's experts) and, where the load-time probe picks it, the dense layers
 (models/layers/linear.py: one group each); `rms_norm` and `rotate` run models/layers/norm.py's RMSNorm
-and rotary.py's rotation. The AMX bfloat16 linear (`amx_linear`) is a candidate of
+and rotary.py's rotation, `add_rms_norm`, `norm_rotate` and `silu_mul` a layer's residual add
+and norm, its q/k norms and rotation, and its SwiGLU, in one call each. The AMX bfloat16 linear (`amx_linear`) is a candidate of
 models/layers/linear.py on CPUs with AMX: invariant to the row count by construction, where oneDNN's
 AMX kernel is not (see the C file).
 
@@ -121,6 +122,15 @@ def load() -> ctypes.CDLL | None:
         kernel = getattr(lib, f"rotate_{suffix}")
         kernel.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64]
         kernel.restype = None
+        kernel = getattr(lib, f"add_rms_norm_{suffix}")
+        kernel.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, ctypes.c_float]
+        kernel.restype = None
+        kernel = getattr(lib, f"norm_rotate_{suffix}")
+        kernel.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ctypes.c_float, ptr, ptr, i64]
+        kernel.restype = None
+        kernel = getattr(lib, f"silu_mul_{suffix}")
+        kernel.argtypes = [ptr, i64, ptr, i64, i64]
+        kernel.restype = None
     return lib
 
 
@@ -171,6 +181,39 @@ def rotate(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     y = torch.empty(tokens, heads, dim, dtype=x.dtype)
     getattr(lib, f"rotate_{KERNELS[x.dtype]}")(x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(),
                                                sin.data_ptr(), y.data_ptr(), tokens, heads, dim)
+    return y
+
+
+def add_rms_norm(lib: ctypes.CDLL, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """x += delta in place, then RMSNorm of x by weight (x, delta [M, D], D % 8 == 0, the last dim
+    contiguous, one dtype of KERNELS as weight's), each row in one pass (add_rms_norm_*)."""
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    getattr(lib, f"add_rms_norm_{KERNELS[x.dtype]}")(
+        x.data_ptr(), x.stride(0), delta.data_ptr(), delta.stride(0), weight.data_ptr(), y.data_ptr(),
+        x.shape[0], x.shape[1], eps)
+    return y
+
+
+def norm_rotate(lib: ctypes.CDLL, x: torch.Tensor, split: int, weights: tuple[torch.Tensor, ...] | None,
+                eps: float, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """x [T, H, D] (D % 16 == 0, the last dim contiguous, a dtype of KERNELS) in place: each head
+    RMS-normed by weights[0] (heads before `split`) or weights[1] (None: no norm), then turned by
+    cos and sin [T, 1, D] of x's dtype, contiguous (norm_rotate_*)."""
+    tokens, heads, dim = x.shape
+    wq, wk = (weights[0].data_ptr(), weights[1].data_ptr()) if weights else (None, None)
+    getattr(lib, f"norm_rotate_{KERNELS[x.dtype]}")(
+        x.data_ptr(), x.stride(0), x.stride(1), tokens, heads, split, wq, wk, eps, cos.data_ptr(),
+        sin.data_ptr(), dim)
+
+
+def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up [M, 2 * half] ([gate | up], half % 8 == 0, the last dim
+    contiguous, a dtype of KERNELS), each element as torch's vectorised ops compute it (silu_mul_*)."""
+    rows, half = gate_up.shape[0], gate_up.shape[1] // 2
+    y = torch.empty(rows, half, dtype=gate_up.dtype)
+    getattr(lib, f"silu_mul_{KERNELS[gate_up.dtype]}")(gate_up.data_ptr(), gate_up.stride(0), y.data_ptr(),
+                                                       rows, half)
     return y
 
 

@@ -15,7 +15,7 @@ from torch import nn
 from freetoken.engine.forward_context import DecodeGroup, ForwardContext, PromptGroup
 from freetoken.models.layers.linear import Linear
 from freetoken.models.layers.norm import RMSNorm
-from freetoken.models.layers.rotary import rotate
+from freetoken.models.layers.rotary import norm_rotate
 
 # CPU attention kernels round a row differently when a call has fewer than 4 queries per head:
 # a decoding request's queries per kv head are padded to 4 by repeating the last one.
@@ -42,10 +42,8 @@ class Attention(nn.Module):
         cfg, t = self.cfg, x.shape[0]
         heads, kvh = cfg.num_heads, cfg.num_kv_heads
         qkv = self.qkv_proj(x).view(t, heads + 2 * kvh, cfg.head_dim)
-        qk = qkv[:, : heads + kvh]
-        if cfg.qk_norm:
-            qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
-        qk = rotate(qk, cos, sin)
+        norms = (self.q_norm, self.k_norm) if cfg.qk_norm else None
+        qk = norm_rotate(qkv[:, : heads + kvh], heads, norms, cos, sin)
         out = self._attend(qk[:, :heads], qk[:, heads:], qkv[:, heads + kvh :], ctx)
         return self.o_proj(out.reshape(t, -1))
 

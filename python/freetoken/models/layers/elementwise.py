@@ -22,6 +22,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from freetoken.models.kernels.grouped_gemm import KERNELS, silu_mul
+from freetoken.models.kernels.grouped_gemm import load as load_kernel
+
 LANES = 64
 GRAIN = 32768  # at::internal::GRAIN_SIZE: elements below which an op runs on one thread
 
@@ -39,8 +42,12 @@ def lanewise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> tor
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU over a fused projection whose first half is the gate (Llama, Qwen)."""
+    """SwiGLU over a fused projection whose first half is the gate (Llama, Qwen): in one pass on
+    CPUs where models/kernels/grouped_gemm.c runs (its silu_mul_*, torch's vector path's bits)."""
     half = gate_up.shape[-1] // 2
+    if (gate_up.device.type == "cpu" and gate_up.dim() == 2 and gate_up.dtype in KERNELS
+            and half % 8 == 0 and gate_up.stride(-1) == 1 and (lib := load_kernel()) is not None):
+        return silu_mul(lib, gate_up)
     gate, up = gate_up[:, :half], gate_up[:, half:]
     if gate_up.device.type != "cpu" or half % LANES:
         return lanewise(F.silu, gate).mul_(up)

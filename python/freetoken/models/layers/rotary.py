@@ -10,14 +10,18 @@ transformers' `rope_type="yarn"` do.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
 from freetoken.models.kernels.grouped_gemm import KERNELS
 from freetoken.models.kernels.grouped_gemm import load as load_kernel
+from freetoken.models.kernels.grouped_gemm import norm_rotate as norm_rotate_kernel
 from freetoken.models.kernels.grouped_gemm import rotate as rotate_kernel
+from freetoken.models.layers.norm import RMSNorm
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,7 @@ def _correction_dim(rotations: float, dim: int, base: float, context: int) -> fl
     return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
 
+@cache  # every step asks for the same few; the tensor is only read
 def rope_frequencies(dim: int, base: float, yarn: Yarn | None,
                      device: torch.device) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [dim / 2] in fp32, and the factor cos and sin are scaled by."""
@@ -85,11 +90,35 @@ def cos_sin(positions: torch.Tensor, dim: int, base: float, yarn: Yarn | None,
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [..., dim] turned by the angles of `cos_sin` (halves rotated, as transformers does): in
     one pass on CPUs where models/kernels/grouped_gemm.c runs, with torch's bits."""
-    if (x.device.type == "cpu" and x.dim() == 3 and x.dtype in KERNELS and x.dtype == cos.dtype
-            and x.shape[-1] % 16 == 0 and x.stride(-1) == 1 and cos.is_contiguous()
-            and sin.is_contiguous() and cos.shape == sin.shape == (x.shape[0], 1, x.shape[-1])
-            and (lib := load_kernel()) is not None):
+    if (lib := _kernel(x, cos, sin)) is not None:
         return rotate_kernel(lib, x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def norm_rotate(qk: torch.Tensor, split: int, norms: tuple[RMSNorm, RMSNorm] | None, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+    """Attention's query and key heads qk [T, heads, dim] (the first `split` q's), each RMS-normed
+    by its norm of `norms` (q's, k's; None: not normed), then turned by the angles of `cos_sin`:
+    where models/kernels/grouped_gemm.c runs, in place in one pass with the bits of the separate
+    steps; returns the result."""
+    lib = _kernel(qk, cos, sin)
+    if lib is not None and (norms is None or (
+            norms[0].kernel(qk) is not None and norms[0].eps == norms[1].eps
+            and norms[0].weight.dtype == norms[1].weight.dtype)):
+        weights = None if norms is None else (norms[0].weight, norms[1].weight)
+        norm_rotate_kernel(lib, qk, split, weights, norms[0].eps if norms else 0.0, cos, sin)
+        return qk
+    if norms is not None:
+        qk = torch.cat([norms[0](qk[:, :split]), norms[1](qk[:, split:])], dim=1)
+    return rotate(qk, cos, sin)
+
+
+def _kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> ctypes.CDLL | None:
+    """grouped_gemm.c's library where its rotate_* runs x [T, H, D] by cos and sin, else None."""
+    if (x.device.type == "cpu" and x.dim() == 3 and x.dtype in KERNELS and x.dtype == cos.dtype
+            and x.shape[-1] % 16 == 0 and x.stride(-1) == 1 and cos.is_contiguous()
+            and sin.is_contiguous() and cos.shape == sin.shape == (x.shape[0], 1, x.shape[-1])):
+        return load_kernel()
+    return None
