@@ -84,6 +84,30 @@ def test_drafts_are_proposed_only_where_they_pay_for_their_rows():
     assert speculator.propose(good, 8) == [7, 8, 5, 6]  # 0.91 ** 4 >= 0.5
 
 
+def test_mtp_drafts_retire_after_a_window_with_nothing_accepted():
+    speculator = speculation.Speculator(MTP)
+    req = lambda: Req(uid=0, prompt_ids=[5, 6, 7], params=SamplingParams(max_tokens=200))
+    wrong, steps = req(), 0
+    while wrong.drafting:
+        n = speculator.length(wrong, 1)
+        speculator.verified(wrong, [0] * n, 0, 1)
+        steps += 1
+    # 3 tokens, then 1 a step (its last draft accepted none), no pauses: 8 tried in 6 steps.
+    assert steps == 6 and speculator.length(wrong, 1) == 0
+    half = req()  # a head accepted 1 token in 2 is kept drafting
+    for step in range(100):
+        n = speculator.length(half, 1)
+        speculator.verified(half, [0] * n, min(n, step % 2), 1)
+    assert half.drafting
+    for rows in (8, 12, 9, 16, 8, 10):  # rows are most of a step: a rejected head's tokens do not
+        speculator.observe(rows, 0.001 + 0.001 * rows)  # pay, and those steps count as rejected
+    idle = req()
+    speculator.verified(idle, [0, 0, 0], 0, 1)
+    for _ in range(5):
+        assert speculator.length(idle, 8) == 0
+    assert not idle.drafting
+
+
 def _params():
     """One request per feature that reads the output so far, sampled or scored."""
     seeded = dict(temperature=0.8, top_p=0.95, seed=11)

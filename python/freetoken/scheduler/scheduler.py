@@ -39,7 +39,7 @@ from freetoken.engine import pooling
 from freetoken.engine.engine import Engine, StepOutput
 from freetoken.message import DetokenizeMsg, UserMsg
 from freetoken.scheduler.cache import PrefixCache
-from freetoken.scheduler.speculation import Speculator
+from freetoken.scheduler.speculation import Speculator, speculates
 from freetoken.scheduler.states import RecurrentStates, SnapshotCache
 from freetoken.structured.matcher import GrammarCompiler, wait_any
 
@@ -136,6 +136,7 @@ class Scheduler:
             return [_error(uid, invalid, "invalid_request")]
         req = Req(uid=uid, prompt_ids=list(msg.input_ids), params=params,
                   generator=self.engine.new_generator(params),
+                  drafting=self.speculator is not None and speculates(params),
                   prompt_logprobs=None if params.prompt_logprobs is None else [None])
         if params.structured is not None:
             req.grammar = self.grammars.start(params.structured)

@@ -18,6 +18,14 @@ recent decode steps (`StepCost`). Besides, a request's next draft is at most one
 than what its last draft had accepted (up to `num_speculative_tokens`), and a request whose
 draft had nothing accepted, or whose drafts do not pay, stops drafting for a while (twice as
 long each time, up to `MAX_PAUSE` steps) and then tries one token.
+
+MTP drafts cost more than their rows: every step writes the head's K/V of the drafting requests'
+rows (engine/mtp.py), paused or not, and a draft runs the head and the LM head. So an MTP request
+is not paused: it drafts what pays, and its tokens tried (a step where no token pays counts as
+one rejected) are judged in windows of `MTP_WINDOW`; a window with fewer than `MTP_FLOOR` of them
+accepted retires the request from drafting for good (`Req.drafting`), and the head's pass skips
+its rows from then on. It cannot come back: the head's K/V of the positions it skipped are not
+written, and a draft reads them all.
 """
 
 from __future__ import annotations
@@ -27,9 +35,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from freetoken.config import SpeculativeConfig
-from freetoken.core import Req
+from freetoken.core import Req, SamplingParams
 
 MAX_PAUSE = 32
+# MTP: tokens tried per verdict, and the accepted share below which a request stops drafting.
+MTP_WINDOW = 8
+MTP_FLOOR = 0.1
 # A request's acceptance counts decay by this per verified draft: its rate follows its text.
 ACCEPT_DECAY = 0.7
 # The step-cost fit forgets older steps by this per step (about the last 50 weigh).
@@ -101,7 +112,7 @@ class Speculator:
     def length(self, req: Req, batch_rows: int) -> int:
         """How many tokens `req`'s next draft should have in a decode step of `batch_rows` plain
         rows: 0 where it should decode plainly."""
-        if not speculates(req):
+        if not req.drafting:
             return 0
         if req.draft_pause > 0:
             req.draft_pause -= 1
@@ -115,6 +126,9 @@ class Speculator:
             paying += 1
         if paying or most <= 0:
             return paying
+        if self.config.method == "mtp":
+            self._judge(req, 1, 0)
+            return 0
         # No token pays its row: decode plainly for a while; after a pause, one token is tried
         # all the same, so that text that starts to repeat is noticed.
         probe = req.draft_backoff > 0
@@ -129,6 +143,9 @@ class Speculator:
         req.draft_length = min(accepted + 1, self.config.num_speculative_tokens)
         req.draft_hits = ACCEPT_DECAY * req.draft_hits + accepted
         req.draft_misses = ACCEPT_DECAY * req.draft_misses + (accepted < len(drafts))
+        if self.config.method == "mtp":
+            self._judge(req, len(drafts), accepted)
+            return
         if req.draft_pause:  # a token tried after a pause: the next pause has begun
             return
         if accepted:
@@ -139,6 +156,17 @@ class Speculator:
     def observe(self, rows: int, seconds: float) -> None:
         """A decode step of `rows` rows took `seconds`, its drafts' lookups and sampling too."""
         self.cost.observe(rows, seconds)
+
+    @staticmethod
+    def _judge(req: Req, tried: int, accepted: int) -> None:
+        """Count an MTP request's tokens tried and accepted; a full window with too few accepted
+        retires it."""
+        req.window_tried += tried
+        req.window_accepted += accepted
+        if req.window_tried >= MTP_WINDOW:
+            if req.window_accepted < MTP_FLOOR * req.window_tried:
+                req.drafting = False
+            req.window_tried = req.window_accepted = 0
 
     @staticmethod
     def _pause(req: Req) -> None:
@@ -152,7 +180,7 @@ def acceptance(req: Req) -> float:
     return (req.draft_hits + 1) / (req.draft_hits + req.draft_misses + 2)
 
 
-def speculates(req: Req) -> bool:
-    """Whether the request takes drafts: not where it opted out, nor under a grammar, whose
+def speculates(params: SamplingParams) -> bool:
+    """Whether a request takes drafts: not where it opted out, nor under a grammar, whose
     matcher would have to follow the draft and be rolled back, which it does not do."""
-    return req.params.speculative and req.params.structured is None
+    return params.speculative and params.structured is None
