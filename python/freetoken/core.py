@@ -130,6 +130,7 @@ class Req:
     draft_backoff: int = 0
     draft_hits: float = 0.0
     draft_misses: float = 0.0
+    draft_match: int = 0  # the n-gram length that found its last prompt-lookup draft
     window_tried: int = 0
     window_accepted: int = 0
     # MTP drafting (engine/mtp.py): the main model's final-norm hidden state at its last computed

@@ -353,14 +353,18 @@ class Scheduler:
         return Batch(reqs, [[r.output_ids[-1], *r.drafts] for r in reqs], reqs) if reqs else None
 
     def _draft(self, reqs: list[Req]) -> None:
-        """Give the decoding `reqs` their drafts, in free slots only: drafts never preempt anyone."""
+        """Give the decoding `reqs` their drafts, in free slots only: drafts never preempt anyone;
+        one request only while the step cost is not known (scheduler/speculation.py)."""
         speculator = self.speculator
+        one = not speculator.cost.known
         if speculator.config.method == "ngram":
             for req in reqs:
                 drafts = speculator.propose(req, len(reqs))
                 if drafts and self._fits(len(drafts)):
                     req.drafts = drafts
                     self._take(req, len(drafts))
+                    if one:
+                        break
             return
         # The MTP head drafts into the slots its drafts take (engine/mtp.py): taken first.
         drafting = []
@@ -369,6 +373,8 @@ class Scheduler:
             if n and self._fits(n):
                 self._take(req, n)
                 drafting.append((req, n))
+                if one:
+                    break
         if drafting:
             found = self.engine.drafter.draft([r for r, _ in drafting], [n for _, n in drafting])
             for (req, n), drafts in zip(drafting, found):
