@@ -251,8 +251,9 @@ def test_hybrid_fixtures_equal_plain_decoding(tiny_hybrid_path, variant, monkeyp
                          ids=["ngram", "mtp"])
 def test_hybrid_drafts_survive_preemption_and_the_prefix_cache(tiny_hybrid_path, variant, speculative,
                                                                monkeypatch):
-    # 200 KV slots for four 67-token prompts and their outputs: requests are preempted and
-    # recomputed, and a prompt's snapshot serves the next request's cache hit.
+    # 150 KV slots for four 67-token prompts (66 shared) and their 24-token outputs: requests are
+    # preempted and recomputed whatever the drafts, and a prompt's snapshot serves the next
+    # request's cache hit.
     loaded = loaded_fp32(tiny_hybrid_path(variant))
     tok = loaded.tokenizer
     shared = tok.encode(CODE * 2)[:66]
@@ -260,7 +261,7 @@ def test_hybrid_drafts_survive_preemption_and_the_prefix_cache(tiny_hybrid_path,
                         for i in range(4)]
     expected = [_run(loaded, [request], None)[0][0][0] for request in requests()]
     _oracle(monkeypatch, [ids for ids, _ in requests()], expected)
-    scheduler = build_scheduler(loaded, kv_slots=200, speculative=speculative, state_snapshots=2,
+    scheduler = build_scheduler(loaded, kv_slots=150, speculative=speculative, state_snapshots=2,
                                 max_running_requests=4)
     out = {}
     for uid, request in enumerate(requests()):

@@ -354,10 +354,11 @@ class Scheduler:
 
     def _draft(self, reqs: list[Req]) -> None:
         """Give the decoding `reqs` their drafts, in free slots only: drafts never preempt anyone;
-        one request only while the step cost is not known (scheduler/speculation.py)."""
+        prompt-lookup drafts to one request only while the step cost is not known
+        (scheduler/speculation.py)."""
         speculator = self.speculator
-        one = not speculator.cost.known
         if speculator.config.method == "ngram":
+            one = not speculator.cost.known
             for req in reqs:
                 drafts = speculator.propose(req, len(reqs))
                 if drafts and self._fits(len(drafts)):
@@ -373,8 +374,6 @@ class Scheduler:
             if n and self._fits(n):
                 self._take(req, n)
                 drafting.append((req, n))
-                if one:
-                    break
         if drafting:
             found = self.engine.drafter.draft([r for r, _ in drafting], [n for _, n in drafting])
             for (req, n), drafts in zip(drafting, found):
