@@ -16,7 +16,7 @@ per-token acceptance rate, to the j-th power: the request's recent drafts pooled
 server's recent drafts found by a match of the same n-gram length) is at least the share
 b * B / (a + b * B) of a plain step of B rows that one row's worth of work is, with a and b fitted on
 the server's recent decode steps (`StepCost`); until the fit knows them, one request a step
-drafts (so that a batch's first steps do not verify every request's whole draft at a cost nobody
+gets a prompt-lookup draft (so that a batch's first steps do not verify every request's whole draft at a cost nobody
 knows). Besides, a request's next draft is at most one token longer than what its last draft had
 accepted (up to `num_speculative_tokens`), and a request whose draft had nothing accepted, or
 whose drafts do not pay, stops drafting for a while (twice as long each time, up to `MAX_PAUSE`
