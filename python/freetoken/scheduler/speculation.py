@@ -15,13 +15,13 @@ token is proposed only where it pays for its row: where the chance that it is ac
 per-token acceptance rate, to the j-th power: the request's recent drafts pooled with the
 server's recent drafts found by a match of the same n-gram length) is at least the share
 b * B / (a + b * B) of a plain step of B rows that one row's worth of work is, with a and b
-fitted on the server's recent decode steps (`StepCost`); until the fit knows them, one request a step gets
-a prompt-lookup draft (so that a batch's first steps do not verify every request's whole draft
-at a cost nobody knows). Besides, a request's next draft is at most one token longer than what
-its last draft had accepted (up to `num_speculative_tokens`), and a request whose draft had
-nothing accepted, or whose drafts do not pay, stops drafting for a while (twice as long each
-time, up to `MAX_PAUSE` steps) and then, where its match is 2 tokens long or more, tries one
-token.
+fitted on the server's recent decode steps (`StepCost`); until the fit knows them, one
+request a step gets a prompt-lookup draft (so that a batch's first steps do not verify every
+request's whole draft at a cost nobody knows). Besides, a request's next draft is at most one
+token longer than what its last draft had accepted (up to `num_speculative_tokens`), and a
+request whose draft had nothing accepted, or whose drafts do not pay, stops drafting for a
+while (twice as long each time, up to `MAX_PAUSE` steps) and then, where its match is 2 tokens
+long or more, tries one token.
 
 MTP drafts cost more than their rows: every step writes the head's K/V of the drafting requests'
 rows (engine/mtp.py), paused or not, and a draft runs the head and the LM head per token. So an
