@@ -1,7 +1,7 @@
 """The speculative table of bench_engine.py (`--tables speculative`): decode tokens/s of the same
 requests with and without speculation (prompt lookup, or `--speculative-method mtp` on a
-`--speculative-model` with an MTP head), in the same process on the same weights, with the
-drafts' acceptance rate.
+`--speculative-model` with an MTP head), in the same process on the same weights, runs of the
+two interleaved, with the drafts' acceptance rate.
 
 Workloads, each at 1 and 8 clients:
   copy: the chat template around "copy this text" and a passage (code, prose), greedy, until the
@@ -12,6 +12,7 @@ Outputs are checked equal (they must be: docs/engine.md, "Speculative decoding")
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import _bench_common as bc
@@ -59,9 +60,13 @@ def _run(loaded, prompts, params, speculative) -> tuple[float, int, dict, list]:
 
 
 def speculative_table(loaded, args) -> None:
+    """Each row: plain and speculative runs interleaved in pairs (the pair's order alternating, so
+    that a drift of the machine's speed weighs on both), at least 3 pairs; the ratio is each
+    pair's, its median and spread printed, tokens/s the medians."""
     tok = loaded.tokenizer
     spec = SpeculativeConfig(num_speculative_tokens=args.speculative_tokens, method=args.speculative_method)
     new_tokens = 48 if args.quick else 96
+    pairs = max(args.repeats, 3)
     workloads = {
         "copy": (_copy_prompts, lambda: SamplingParams(temperature=0, max_tokens=new_tokens)),
         "free": (lambda t, n: bc.token_prompts(t, n, 24, seed=3),
@@ -73,20 +78,28 @@ def speculative_table(loaded, args) -> None:
         for clients in (1, 8):
             prompts = make_prompts(tok, clients)
             _run(loaded, prompts[:1], params, spec)  # warm-up: kernels, first-call allocations
-            plain = min((_run(loaded, prompts, params, None) for _ in range(args.repeats)),
-                        key=lambda r: r[0])
-            drafted = min((_run(loaded, prompts, params, spec) for _ in range(args.repeats)),
-                          key=lambda r: r[0])
-            assert drafted[3] == plain[3], f"{name}: speculation changed an output"
-            stats = drafted[2]
+            _run(loaded, prompts[:1], params, None)
+            plain, drafted = [], []
+            for pair in range(pairs):
+                order = [(plain, None), (drafted, spec)][:: 1 if pair % 2 == 0 else -1]
+                for runs, config in order:
+                    runs.append(_run(loaded, prompts, params, config))
+            assert all(d[3] == plain[0][3] for d in plain + drafted), f"{name}: speculation changed an output"
+            ratios = sorted((d[1] / d[0]) / (p[1] / p[0]) for p, d in zip(plain, drafted))
+            # Summed over the speculative runs: the cost model's decisions follow each run's timing.
+            stats = {k: sum(d[2][k] for d in drafted) for k in drafted[0][2] if k.startswith("spec_decode_num")}
             proposed = stats["spec_decode_num_draft_tokens"]
             accepted = stats["spec_decode_num_accepted_tokens"]
-            rows.append([name, clients, plain[1] / plain[0], drafted[1] / drafted[0],
-                         bc.ratio(drafted[1] / drafted[0], plain[1] / plain[0]),
+            rows.append([name, clients, statistics.median(p[1] / p[0] for p in plain),
+                         statistics.median(d[1] / d[0] for d in drafted),
+                         f"{statistics.median(ratios):.2f}x", f"{ratios[0]:.2f}-{ratios[-1]:.2f}",
                          f"{accepted / proposed:.2f}" if proposed else "-",
                          f"{(stats['spec_decode_num_emitted_tokens'] / stats['spec_decode_num_drafts']):.2f}"
                          if stats["spec_decode_num_drafts"] else "-"])
     bc.print_table(
         f"Speculative decoding ({spec.method}, k={spec.num_speculative_tokens}) vs plain, "
-        f"{str(loaded.dtype).removeprefix('torch.')} (decode tokens/s; outputs equal)",
-        ["workload", "clients", "plain", "speculative", "ratio", "accepted", "tokens/verify"], rows)
+        f"{str(loaded.dtype).removeprefix('torch.')}, {pairs} interleaved pairs "
+        f"(decode tokens/s, medians; outputs equal)",
+        ["workload", "clients", "plain", "speculative", "ratio", "ratio range", "accepted",
+         "tokens/verify"], rows)
+    bc.load_note()

@@ -118,16 +118,21 @@ class Req:
     # snapshot slots the next step fills at chunk boundaries of its prompt ({position: slot}).
     state_slot: int | None = None
     snapshots: dict[int, int] = field(default_factory=dict)
-    # Speculative decoding (scheduler/speculation.py): the tokens this step verifies after its
-    # last one; the longest its next draft may be (0: the server's), how many coming steps it
-    # decodes plainly after drafts were rejected, and its draft tokens' recent (decayed) accepts
-    # and rejects.
+    # Speculative decoding (scheduler/speculation.py): whether it is drafted at all (False where
+    # it opted out, under a grammar, or once its MTP drafts were retired); the tokens this step
+    # verifies after its last one; the longest its next draft may be (0: the server's), how many
+    # coming steps it decodes plainly after drafts were rejected, its draft tokens' recent
+    # (decayed) accepts and rejects, and the MTP drafts' window of tokens tried and accepted.
+    drafting: bool = True
     drafts: list[int] = field(default_factory=list)
     draft_length: int = 0
     draft_pause: int = 0
     draft_backoff: int = 0
     draft_hits: float = 0.0
     draft_misses: float = 0.0
+    draft_match: int = 0  # the n-gram length that found its last prompt-lookup draft
+    window_tried: int = 0
+    window_accepted: int = 0
     # MTP drafting (engine/mtp.py): the main model's final-norm hidden state at its last computed
     # position, as (position, state).
     mtp_hidden: tuple[int, torch.Tensor] | None = None

@@ -64,9 +64,9 @@ class ReferenceMtp:
         return self.norms["norm"](x[0] if isinstance(x, torch.Tensor) else x[0][0])
 
 
-def _greedy(scheduler, prompts: list[list[int]]) -> dict[int, list[int]]:
-    for uid, ids in enumerate(prompts):
-        scheduler.add(UserMsg(uid, ids, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)))
+def _greedy(scheduler, prompts: list[list[int]], lengths: list[int]) -> dict[int, list[int]]:
+    for uid, (ids, n) in enumerate(zip(prompts, lengths)):
+        scheduler.add(UserMsg(uid, ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)))
     out: dict[int, list[int]] = {}
     while scheduler.has_work:
         for msg in scheduler.step():
@@ -78,11 +78,14 @@ def _greedy(scheduler, prompts: list[list[int]]) -> dict[int, list[int]]:
 def test_mtp_drafts_are_the_reference_modules_drafts(tiny_hybrid_path, monkeypatch):
     folder = tiny_hybrid_path("qwen3_5_mtp")
     loaded = loaded_fp32(folder)
-    # Two requests, one over several prefill chunks, so that the pass runs batched and chunked.
-    prompts = [loaded.tokenizer.encode("def add(a, b):\n    return a + b\n" * 3), [5, 6, 7]]
-    plain = _greedy(build_scheduler(loaded, kv_slots=512), prompts)
+    # Two requests, one over several prefill chunks, so that the pass runs batched and chunked;
+    # a third, longer, whose drafts are all wrong: it stops drafting, and the others' drafts
+    # read the head's K/V of a pass that skips its rows, then no pass at all.
+    prompts = [loaded.tokenizer.encode("def add(a, b):\n    return a + b\n" * 3), [5, 6, 7], [8, 9, 10, 11]]
+    lengths = [10, 10, 24]
+    plain = _greedy(build_scheduler(loaded, kv_slots=512), prompts, lengths)
     scheduler = build_scheduler(loaded, kv_slots=512, speculative=MTP, max_prefill_tokens=16)
-    drafter, seen = scheduler.engine.drafter, []
+    drafter, seen, retiring = scheduler.engine.drafter, [], []
     real = drafter.draft
 
     def recorded(reqs, lengths):
@@ -92,16 +95,34 @@ def test_mtp_drafts_are_the_reference_modules_drafts(tiny_hybrid_path, monkeypat
         out = []
         for req, drafts in zip(reqs, real(reqs, lengths)):
             seen.append((list(req.all_ids), drafts))
+            uid = prompts.index(req.prompt_ids)
             done = len(req.output_ids)
-            oracle = plain[prompts.index(req.prompt_ids)][done : done + len(drafts)]
-            if len(seen) % 2:
+            oracle = plain[uid][done : done + len(drafts)]
+            if uid == 2:
+                oracle, retiring[:] = [t + 1 for t in oracle], [req]
+            elif len(seen) % 2:
                 oracle[-1] += 1
             out.append(oracle)
         return out
 
+    passes, steps = [], 0
+    store = loaded.model.mtp.store
     monkeypatch.setattr(drafter, "draft", recorded)
-    assert _greedy(scheduler, prompts) == plain
+    monkeypatch.setattr(loaded.model.mtp, "store", lambda *a: passes.append(len(a[-1].input_ids)) or store(*a))
+    forward = scheduler.engine.forward_batch
+
+    def counted(batch):
+        nonlocal steps
+        steps += 1
+        return forward(batch)
+
+    monkeypatch.setattr(scheduler.engine, "forward_batch", counted)
+    assert _greedy(scheduler, prompts, lengths) == plain
     assert 0 < scheduler.stats()["spec_decode_num_accepted_tokens"] and len(seen) >= 4
+    # Retired within its first steps; its last ones, alone, ran no pass.
+    [late] = retiring
+    assert not late.drafting and sum(ids[:4] == prompts[2] for ids, _ in seen) <= 8
+    assert len(passes) < steps - 5
     reference = ReferenceMtp(folder)
     for ids, drafts in seen:
         assert drafts == reference.drafts(ids, len(drafts)), ids

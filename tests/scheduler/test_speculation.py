@@ -45,11 +45,11 @@ def test_config_parses_vllms_spelling_and_refuses_the_rest():
 def test_lookup_takes_what_followed_the_latest_longest_match():
     config = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
     # [7, 8] last occurred at 5 (followed by 1, 2): the 2-gram wins over the 3-gram's absence.
-    assert lookup([7, 8, 9, 9, 9, 7, 8, 1, 2, 3, 7, 8], config, 3) == [1, 2, 3]
-    assert lookup([7, 8, 9, 9, 9, 7, 8, 1, 2, 3, 7, 8], config, 1) == [1]
-    assert lookup([1, 2, 3, 4], config, 3) == []  # no earlier occurrence of any suffix
-    assert lookup([5, 5, 5], config, 3) == [5]  # the match may overlap the suffix
-    assert lookup([1, 2, 1, 2], config, 0) == []
+    assert lookup([7, 8, 9, 9, 9, 7, 8, 1, 2, 3, 7, 8], config, 3) == (2, [1, 2, 3])
+    assert lookup([7, 8, 9, 9, 9, 7, 8, 1, 2, 3, 7, 8], config, 1) == (2, [1])
+    assert lookup([1, 2, 3, 4], config, 3) == (0, [])  # no earlier occurrence of any suffix
+    assert lookup([5, 5, 5], config, 3) == (2, [5])  # the match may overlap the suffix
+    assert lookup([1, 2, 1, 2], config, 0) == (0, [])
 
 
 def test_step_cost_fit_gives_the_rows_share_of_a_step():
@@ -82,6 +82,42 @@ def test_drafts_are_proposed_only_where_they_pay_for_their_rows():
     for _ in range(3):
         speculator.verified(good, [1, 2, 3, 4], 4, 5)
     assert speculator.propose(good, 8) == [7, 8, 5, 6]  # 0.91 ** 4 >= 0.5
+
+
+def test_a_drafts_acceptance_is_that_of_its_match_length_too():
+    speculator = speculation.Speculator(SPEC)
+    for rows in (8, 12, 9, 16, 8, 10):  # rows are half of a step of 8
+        speculator.observe(rows, 0.008 + 0.001 * rows)
+    req = lambda ids: Req(uid=0, prompt_ids=ids, params=SamplingParams(max_tokens=50))
+    for _ in range(5):  # other requests' 1-gram drafts were rejected, their 4-gram ones accepted
+        for n, accepted in ((1, 0), (4, 4)):
+            done = req([1])
+            done.draft_match = n
+            speculator.verified(done, [1, 2, 3, 4], accepted, accepted + 1)
+    assert speculator.propose(req([1, 2, 3, 9, 4, 5, 6, 9]), 8) == []  # only a 1-gram matches
+    assert speculator.propose(req([5, 6, 7, 8, 5, 6, 7, 8]), 8) == [5, 6, 7, 8]
+
+
+def test_mtp_drafts_retire_after_a_window_with_nothing_accepted():
+    req = lambda: Req(uid=0, prompt_ids=[5, 6, 7], params=SamplingParams(max_tokens=200))
+    speculator, wrong, steps, drafted = speculation.Speculator(MTP), req(), 0, 0
+    while wrong.drafting:  # a head never accepted, at one request whose rows cost half a step
+        n = speculator.length(wrong, 1)
+        if n:
+            speculator.verified(wrong, [0] * n, 0, 1)
+            drafted += 1
+        speculator.observe(1 + n, 0.010 + 0.010 * (1 + n))
+        steps += 1
+    # One token and a plain step, three times over (the fit then knows what a row costs), then
+    # steps where not even one token pays, each counted as one rejected: 8 in 11 steps.
+    assert (drafted, steps) == (3, 11) and speculator.length(wrong, 1) == 0
+    speculator, half = speculation.Speculator(MTP), req()  # accepted 1 token in 2: kept drafting
+    for _ in range(100):
+        n = speculator.length(half, 1)
+        if n:
+            drafted += 1
+            speculator.verified(half, [0] * n, min(n, drafted % 2), 1)
+    assert half.drafting
 
 
 def _params():
@@ -179,11 +215,11 @@ def _oracle(monkeypatch, prompts, outputs):
                 draft = out[done : done + most]
                 if draft and done % 3 == 0:
                     draft[-1] = (draft[-1] + 1) % 1000
-                return draft
-        return []
+                return 1, draft
+        return 0, []
 
     def draft(self, reqs, lengths):
-        return [lookup(r.all_ids, None, len(d)) or d for r, d in zip(reqs, real(self, reqs, lengths))]
+        return [lookup(r.all_ids, None, len(d))[1] or d for r, d in zip(reqs, real(self, reqs, lengths))]
 
     monkeypatch.setattr(speculation, "lookup", lookup)
     real = MtpDrafter.draft
@@ -215,8 +251,9 @@ def test_hybrid_fixtures_equal_plain_decoding(tiny_hybrid_path, variant, monkeyp
                          ids=["ngram", "mtp"])
 def test_hybrid_drafts_survive_preemption_and_the_prefix_cache(tiny_hybrid_path, variant, speculative,
                                                                monkeypatch):
-    # 200 KV slots for four 67-token prompts and their outputs: requests are preempted and
-    # recomputed, and a prompt's snapshot serves the next request's cache hit.
+    # 150 KV slots for four 67-token prompts (66 shared) and their 24-token outputs: requests are
+    # preempted and recomputed whatever the drafts, and a prompt's snapshot serves the next
+    # request's cache hit.
     loaded = loaded_fp32(tiny_hybrid_path(variant))
     tok = loaded.tokenizer
     shared = tok.encode(CODE * 2)[:66]
@@ -224,7 +261,7 @@ def test_hybrid_drafts_survive_preemption_and_the_prefix_cache(tiny_hybrid_path,
                         for i in range(4)]
     expected = [_run(loaded, [request], None)[0][0][0] for request in requests()]
     _oracle(monkeypatch, [ids for ids, _ in requests()], expected)
-    scheduler = build_scheduler(loaded, kv_slots=200, speculative=speculative, state_snapshots=2,
+    scheduler = build_scheduler(loaded, kv_slots=150, speculative=speculative, state_snapshots=2,
                                 max_running_requests=4)
     out = {}
     for uid, request in enumerate(requests()):

@@ -7,7 +7,8 @@ in a pool layer after the main model's, so that a slot's contents depend on the 
 own alone, as the main layers' do: what the prefix cache shares, what a preemption releases and
 what a rejected draft gives back are the head's K/V too, with nothing to roll back.
 
-Every step also writes the head's K/V of its rows (`MtpPass`, inside the model's forward): the
+Every step also writes the head's K/V of its drafting requests' rows (`MtpPass`, inside the
+model's forward; none at all where no running request drafts any more, Req.drafting): the
 row of token t pairs it with the main model's state at the position before, which is the
 previous row, or for a request's first row the state kept on the request from its last step
 (Req.mtp_hidden). The head has one layer, whose K/V depend on its rows alone: the pass attends
@@ -47,34 +48,45 @@ class MtpDrafter:
         self.engine, self.model = engine, engine.model
         self.zero = torch.zeros(self.model.cfg.hidden_size, dtype=engine.kv.kv[0].dtype, device=engine.device)
 
-    def pass_for(self, batch: Batch, ctx: ForwardContext) -> MtpPass:
-        """The head's pass over the rows of the step `ctx` runs."""
+    def pass_for(self, batch: Batch, ctx: ForwardContext) -> MtpPass | None:
+        """The head's pass over the rows of the step `ctx` runs that belong to requests still
+        drafting (Req.drafting); None where there are none."""
         rows = len(ctx.input_ids)
-        carried, previous, row = [], [], 0
+        carried, previous, chosen, row = [], [], [], 0
         for req, new in zip(batch.reqs, batch.new_ids):
-            start = req.num_computed - len(new)
-            kept = req.mtp_hidden
-            carried.append(kept[1] if kept is not None and kept[0] == start - 1 else self.zero)
-            previous += [rows + len(carried) - 1, *range(row, row + len(new) - 1)]
+            if req.drafting:
+                start = req.num_computed - len(new)
+                kept = req.mtp_hidden
+                carried.append(kept[1] if kept is not None and kept[0] == start - 1 else self.zero)
+                previous += [rows + len(carried) - 1, *range(row, row + len(new) - 1)]
+                chosen += range(row, row + len(new))
             row += len(new)
+        if not chosen:
+            return None
+        dev = self.engine.device
+        ids, positions, slots = ctx.input_ids, ctx.positions, ctx.out_slots
+        if len(chosen) < rows:
+            index = torch.tensor(chosen, device=dev)
+            ids, positions, slots = (t.index_select(0, index) for t in (ids, positions, slots))
         # Pair p is at position p - 1. The pass writes K/V only (a one-layer head's K/V depend
         # on its rows alone): no attention groups.
-        dev = self.engine.device
         head = ForwardContext(
-            input_ids=ctx.input_ids, positions=(ctx.positions - 1).clamp(min=0),
-            out_slots=ctx.out_slots, prompt_groups=[], decode_groups=[],
+            input_ids=ids, positions=(positions - 1).clamp(min=0), out_slots=slots,
+            prompt_groups=[], decode_groups=[],
             logit_rows=torch.empty(0, dtype=torch.long, device=dev), kv_cache=ctx.kv_cache)
         return MtpPass(head, torch.stack(carried), torch.tensor(previous, device=dev))
 
     @staticmethod
     def keep(batch: Batch, tokens: list[list[int]], step: MtpPass) -> None:
-        """After a step: each request keeps the main model's state at its last kept row."""
+        """After a step: each drafting request keeps the main model's state at its last kept
+        row."""
         kept = {id(r): len(t) for r, t in zip(batch.logit_reqs, tokens)}
         row = 0
         for req, new in zip(batch.reqs, batch.new_ids):
-            last = kept[id(req)] - 1 if req.drafts else len(new) - 1
-            position = req.num_computed - len(new) + last
-            req.mtp_hidden = (position, step.hidden[row + last].clone())
+            if req.drafting:
+                last = kept[id(req)] - 1 if req.drafts else len(new) - 1
+                position = req.num_computed - len(new) + last
+                req.mtp_hidden = (position, step.hidden[row + last].clone())
             row += len(new)
 
     @torch.inference_mode()

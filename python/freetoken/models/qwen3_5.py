@@ -245,7 +245,7 @@ class Qwen3_5ForCausalLM(CausalLM):
         if ctx.mtp is not None:  # the MTP head's K/V of this step's rows (engine/mtp.py)
             ctx.mtp.hidden = self.model.norm(x)
             previous = torch.cat([ctx.mtp.hidden, ctx.mtp.carried]).index_select(0, ctx.mtp.previous_rows)
-            self.mtp.store(previous, self.model.embed_tokens(ctx.input_ids), ctx.mtp.ctx)
+            self.mtp.store(previous, self.model.embed_tokens(ctx.mtp.ctx.input_ids), ctx.mtp.ctx)
         x = self.model.norm(x.index_select(0, ctx.logit_rows))
         return self.lm_head(x).float()
 

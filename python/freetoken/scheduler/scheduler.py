@@ -39,7 +39,7 @@ from freetoken.engine import pooling
 from freetoken.engine.engine import Engine, StepOutput
 from freetoken.message import DetokenizeMsg, UserMsg
 from freetoken.scheduler.cache import PrefixCache
-from freetoken.scheduler.speculation import Speculator
+from freetoken.scheduler.speculation import Speculator, speculates
 from freetoken.scheduler.states import RecurrentStates, SnapshotCache
 from freetoken.structured.matcher import GrammarCompiler, wait_any
 
@@ -136,6 +136,7 @@ class Scheduler:
             return [_error(uid, invalid, "invalid_request")]
         req = Req(uid=uid, prompt_ids=list(msg.input_ids), params=params,
                   generator=self.engine.new_generator(params),
+                  drafting=self.speculator is not None and speculates(params),
                   prompt_logprobs=None if params.prompt_logprobs is None else [None])
         if params.structured is not None:
             req.grammar = self.grammars.start(params.structured)
@@ -352,14 +353,19 @@ class Scheduler:
         return Batch(reqs, [[r.output_ids[-1], *r.drafts] for r in reqs], reqs) if reqs else None
 
     def _draft(self, reqs: list[Req]) -> None:
-        """Give the decoding `reqs` their drafts, in free slots only: drafts never preempt anyone."""
+        """Give the decoding `reqs` their drafts, in free slots only: drafts never preempt anyone;
+        prompt-lookup drafts to one request only while the step cost is not known
+        (scheduler/speculation.py)."""
         speculator = self.speculator
         if speculator.config.method == "ngram":
+            one = not speculator.cost.known
             for req in reqs:
                 drafts = speculator.propose(req, len(reqs))
                 if drafts and self._fits(len(drafts)):
                     req.drafts = drafts
                     self._take(req, len(drafts))
+                    if one:
+                        break
             return
         # The MTP head drafts into the slots its drafts take (engine/mtp.py): taken first.
         drafting = []

@@ -11,13 +11,27 @@ rewound to the draws its emitted tokens used, so its output is the plain one, bi
 
 A draft's rows are not free: a decode step costs about a + b * rows (the GEMMs and the sampler
 per row), and at 8 or more requests the rows' share of the step is large. So a draft's j-th
-token is proposed only where it pays for its row: where the chance that it is accepted (the
-request's per-token acceptance rate, to the j-th power) is at least the share b * B / (a + b * B)
-of a plain step of B rows that one row's worth of work is, with a and b fitted on the server's
-recent decode steps (`StepCost`). Besides, a request's next draft is at most one token longer
-than what its last draft had accepted (up to `num_speculative_tokens`), and a request whose
-draft had nothing accepted, or whose drafts do not pay, stops drafting for a while (twice as
-long each time, up to `MAX_PAUSE` steps) and then tries one token.
+token is proposed only where it pays for its row: where the chance that it is accepted (a
+per-token acceptance rate, to the j-th power: the request's recent drafts pooled with the
+server's recent drafts found by a match of the same n-gram length) is at least the share
+b * B / (a + b * B) of a plain step of B rows that one row's worth of work is, with a and b
+fitted on the server's recent decode steps (`StepCost`); until the fit knows them, one
+request a step gets a prompt-lookup draft (so that a batch's first steps do not verify every
+request's whole draft at a cost nobody knows). Besides, a request's next draft is at most one
+token longer than what its last draft had accepted (up to `num_speculative_tokens`), and a
+request whose draft had nothing accepted, or whose drafts do not pay, stops drafting for a
+while (twice as long each time, up to `MAX_PAUSE` steps) and then, where its match is 2 tokens
+long or more, tries one token.
+
+MTP drafts cost more than their rows: every step writes the head's K/V of the drafting requests'
+rows (engine/mtp.py), paused or not, and a draft runs the head and the LM head per token. So an
+MTP request's first draft is one token long, and it is not paused (but for one step after a
+rejected draft while the step cost is not known, so that steps of different row counts come): it
+drafts what pays, and its tokens tried (a step where no token pays counts as one rejected) are
+judged in windows of `MTP_WINDOW`; a window with fewer than `MTP_FLOOR` of them accepted retires
+the request from drafting for good (`Req.drafting`), and the head's pass skips its rows from
+then on. It cannot come back: the head's K/V of the positions it skipped are not written, and a
+draft reads them all.
 """
 
 from __future__ import annotations
@@ -27,28 +41,35 @@ from dataclasses import dataclass
 import numpy as np
 
 from freetoken.config import SpeculativeConfig
-from freetoken.core import Req
+from freetoken.core import Req, SamplingParams
 
 MAX_PAUSE = 32
+# MTP: tokens tried per verdict, and the accepted share below which a request stops drafting.
+MTP_WINDOW = 8
+MTP_FLOOR = 0.1
 # A request's acceptance counts decay by this per verified draft: its rate follows its text.
 ACCEPT_DECAY = 0.7
+# The acceptance by n-gram length decays by this per verified draft of that length: it follows
+# the server's recent text, over more drafts than a request has.
+MATCH_DECAY = 0.9
 # The step-cost fit forgets older steps by this per step (about the last 50 weigh).
 COST_DECAY = 0.98
 
 
-def lookup(ids: list[int], config: SpeculativeConfig, most: int) -> list[int]:
-    """Up to `most` tokens that followed the latest earlier occurrence of the longest suffix of
-    `ids` (prompt_lookup_max tokens down to prompt_lookup_min) that occurred before."""
+def lookup(ids: list[int], config: SpeculativeConfig, most: int) -> tuple[int, list[int]]:
+    """(n, up to `most` tokens that followed the latest earlier occurrence of the longest suffix
+    of `ids`, n tokens long, from prompt_lookup_max down to prompt_lookup_min, that occurred
+    before); (0, []) where none did."""
     if most <= 0:
-        return []
+        return 0, []
     seq = np.asarray(ids, dtype=np.int64)
     for n in range(min(config.prompt_lookup_max, len(ids) - 1), config.prompt_lookup_min - 1, -1):
         windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)
         starts = np.flatnonzero((windows == seq[-n:]).all(axis=1))
         if starts.size:
             follow = int(starts[-1]) + n
-            return ids[follow : follow + most]
-    return []
+            return n, ids[follow : follow + most]
+    return 0, []
 
 
 @dataclass
@@ -73,15 +94,19 @@ class StepCost:
         self.n, self.x, self.y = d * self.n + 1, d * self.x + rows, d * self.y + seconds
         self.xx, self.xy = d * self.xx + rows * rows, d * self.xy + rows * seconds
 
+    @property
+    def known(self) -> bool:
+        """Whether the fit has seen enough steps of different row counts to tell a from b."""
+        # Rows of 1 and 2 in turn have a variance of 0.25 (less, weighed by age).
+        return self.n >= 4 and self.xx / self.n - (self.x / self.n) ** 2 >= 0.2
+
     def row_share(self, rows: int) -> float:
         """The share of a step of `rows` rows that one row's worth of work is times `rows`
-        (b * rows / (a + b * rows)); 0 until the fit has seen steps of different row counts."""
-        if self.n < 4:
+        (b * rows / (a + b * rows)); 0 until the fit is `known`."""
+        if not self.known:
             return 0.0
         mean_x, mean_y = self.x / self.n, self.y / self.n
         var = self.xx / self.n - mean_x * mean_x
-        if var < 0.25:  # too few distinct row counts to tell a from b
-            return 0.0
         b = max((self.xy / self.n - mean_x * mean_y) / var, 0.0)
         a = max(mean_y - b * mean_x, 0.0)
         return b * rows / (a + b * rows) if b > 0 else 0.0
@@ -92,32 +117,54 @@ class Speculator:
         self.config = config
         self.stats = SpecStats()
         self.cost = StepCost()
+        # Per n-gram length: the decayed accepts and rejects of the drafts its matches found.
+        self.matches: dict[int, tuple[float, float]] = {}
 
     def propose(self, req: Req, batch_rows: int) -> list[int]:
         """The prompt-lookup draft for `req`'s next step in a decode step of `batch_rows` plain
         rows, empty when it should decode plainly."""
-        return lookup(req.all_ids, self.config, self.length(req, batch_rows))
+        most = self._most(req)
+        if most <= 0:
+            return []
+        req.draft_match, draft = lookup(req.all_ids, self.config, most)
+        if not draft:
+            return []
+        hits, misses = self.matches.get(req.draft_match, (0.0, 0.0))
+        return draft[: self._paying(req, len(draft), batch_rows, acceptance(req, hits, misses))]
 
     def length(self, req: Req, batch_rows: int) -> int:
-        """How many tokens `req`'s next draft should have in a decode step of `batch_rows` plain
-        rows: 0 where it should decode plainly."""
-        if not speculates(req):
+        """How many tokens `req`'s next MTP draft should have in a decode step of `batch_rows`
+        plain rows: 0 where it should decode plainly."""
+        most = self._most(req)
+        return self._paying(req, most, batch_rows, acceptance(req)) if most > 0 else 0
+
+    def _most(self, req: Req) -> int:
+        """The longest draft `req` may have next: 0 while it is not drafted or pauses."""
+        if not req.drafting:
             return 0
         if req.draft_pause > 0:
             req.draft_pause -= 1
             return 0
         # The bonus token counts against max_tokens too: k drafts emit up to k + 1 tokens.
         room = req.params.max_tokens - len(req.output_ids) - 1
-        most = min(req.draft_length or self.config.num_speculative_tokens, room)
-        share, rate = self.cost.row_share(batch_rows), acceptance(req)
+        # An MTP draft's tokens are each a pass of the head and the LM head: its first is one long.
+        first = 1 if self.config.method == "mtp" else self.config.num_speculative_tokens
+        return min(req.draft_length or first, room)
+
+    def _paying(self, req: Req, most: int, batch_rows: int, rate: float) -> int:
+        """How many of `most` draft tokens pay for their rows at per-token acceptance `rate`."""
+        share = self.cost.row_share(batch_rows)
         paying = 0
         while paying < most and rate ** (paying + 1) >= share:
             paying += 1
-        if paying or most <= 0:
+        if paying:
             return paying
-        # No token pays its row: decode plainly for a while; after a pause, one token is tried
-        # all the same, so that text that starts to repeat is noticed.
-        probe = req.draft_backoff > 0
+        if self.config.method == "mtp":
+            self._judge(req, 1, 0)
+            return 0
+        # No token pays its row: decode plainly for a while; after a pause, a match of 2 tokens or
+        # more (text that starts to repeat; a lone repeated token is no sign) tries one token.
+        probe = req.draft_backoff > 0 and req.draft_match > 1
         self._pause(req)
         return int(probe)
 
@@ -129,6 +176,15 @@ class Speculator:
         req.draft_length = min(accepted + 1, self.config.num_speculative_tokens)
         req.draft_hits = ACCEPT_DECAY * req.draft_hits + accepted
         req.draft_misses = ACCEPT_DECAY * req.draft_misses + (accepted < len(drafts))
+        if req.draft_match:
+            hits, misses = self.matches.get(req.draft_match, (0.0, 0.0))
+            self.matches[req.draft_match] = (MATCH_DECAY * hits + accepted,
+                                             MATCH_DECAY * misses + (accepted < len(drafts)))
+        if self.config.method == "mtp":
+            self._judge(req, len(drafts), accepted)
+            if not accepted and not self.cost.known:  # a plain step between: rows the fit can tell
+                req.draft_pause = 1
+            return
         if req.draft_pause:  # a token tried after a pause: the next pause has begun
             return
         if accepted:
@@ -141,18 +197,29 @@ class Speculator:
         self.cost.observe(rows, seconds)
 
     @staticmethod
+    def _judge(req: Req, tried: int, accepted: int) -> None:
+        """Count an MTP request's tokens tried and accepted; a full window with too few accepted
+        retires it."""
+        req.window_tried += tried
+        req.window_accepted += accepted
+        if req.window_tried >= MTP_WINDOW:
+            if req.window_accepted < MTP_FLOOR * req.window_tried:
+                req.drafting = False
+            req.window_tried = req.window_accepted = 0
+
+    @staticmethod
     def _pause(req: Req) -> None:
         req.draft_backoff = min(2 * req.draft_backoff or 1, MAX_PAUSE)
         req.draft_pause = req.draft_backoff
 
 
-def acceptance(req: Req) -> float:
-    """The chance that `req`'s next draft token is accepted, given its last ones (a prior of
-    one accept and one reject)."""
-    return (req.draft_hits + 1) / (req.draft_hits + req.draft_misses + 2)
+def acceptance(req: Req, hits: float = 0.0, misses: float = 0.0) -> float:
+    """The chance that `req`'s next draft token is accepted, given its last ones and `hits` and
+    `misses` more (those of its match's length), with a prior of one accept and one reject."""
+    return (req.draft_hits + hits + 1) / (req.draft_hits + req.draft_misses + hits + misses + 2)
 
 
-def speculates(req: Req) -> bool:
-    """Whether the request takes drafts: not where it opted out, nor under a grammar, whose
+def speculates(params: SamplingParams) -> bool:
+    """Whether a request takes drafts: not where it opted out, nor under a grammar, whose
     matcher would have to follow the draft and be rolled back, which it does not do."""
-    return req.params.speculative and req.params.structured is None
+    return params.speculative and params.structured is None
