@@ -92,6 +92,18 @@ def test_every_row_gets_the_bits_it_gets_alone(qtype, isa_cap):
 
 
 @pytest.mark.parametrize("qtype", quant.FORMATS, ids=lambda t: t.name)
+def test_rows_past_one_work_item_match_float64_and_their_rows_alone(qtype, isa_cap):
+    w = weight(qtype)
+    # More rows than one work item takes (at most 192), split into items that end in a part tile.
+    x = torch.randn(250, w.shape[1], generator=torch.Generator().manual_seed(7))
+    y = quant.quant_linear(x, w, None)
+    dense = gguf_reference(w).double()
+    exact, scale = x.double() @ dense.T, x.double().abs() @ dense.abs().T
+    assert ((y.double() - exact).abs() <= 1e-5 * scale).all()
+    assert torch.equal(y, torch.cat([quant.quant_linear(x[r:r + 1], w, None) for r in range(len(x))]))
+
+
+@pytest.mark.parametrize("qtype", quant.FORMATS, ids=lambda t: t.name)
 def test_avx2_and_avx512_paths_give_the_same_bits(qtype, monkeypatch):
     if quant._kernel().quant_isa() < quant.ISAS["avx512"]:
         pytest.skip("this CPU lacks AVX-512: one path only")
