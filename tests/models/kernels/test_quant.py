@@ -92,7 +92,7 @@ def test_every_row_gets_the_bits_it_gets_alone(qtype, isa_cap):
 
 
 @pytest.mark.parametrize("qtype", quant.FORMATS, ids=lambda t: t.name)
-def test_rows_past_one_work_item_match_float64_and_their_rows_alone(qtype, isa_cap):
+def test_rows_past_one_work_item_match_float64_and_their_rows_alone(qtype, isa_cap, threads):
     w = weight(qtype)
     # More rows than one work item takes (at most 192), split into items that end in a part tile.
     x = torch.randn(250, w.shape[1], generator=torch.Generator().manual_seed(7))
