@@ -14,8 +14,8 @@ from tests.fixtures.build_models import FP4_VALUES
 pytestmark = pytest.mark.skipif(not quant.supported(T.Q4_0), reason="no quantized-weight kernel on this CPU")
 
 N = 44  # not a multiple of the kernel's 8-column tiles
-K_SMALL = 1120  # 35 blocks of 32: three K ranges of the kernel (at most 512 values each)
-K_SUPER = 1280  # 5 super-blocks of 256: three K ranges
+K_SMALL = 1120  # 35 blocks of 32: two K ranges of the kernel (at most 640 values each)
+K_SUPER = 1280  # 5 super-blocks of 256: three K ranges (at most two super-blocks each)
 
 
 def weight(qtype: T, rows: int = N, seed: int = 0) -> quant.QuantizedWeight:
@@ -76,7 +76,7 @@ def test_quant_linear_matches_a_float64_product(qtype, isa_cap):
 @pytest.mark.parametrize("qtype", quant.FORMATS, ids=lambda t: t.name)
 def test_every_row_gets_the_bits_it_gets_alone(qtype, isa_cap):
     w = weight(qtype)
-    x = torch.randn(70, w.shape[1], generator=torch.Generator().manual_seed(3))  # > one 48-row work item
+    x = torch.randn(70, w.shape[1], generator=torch.Generator().manual_seed(3))  # row tiles of 6 and a part one
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -89,6 +89,18 @@ def test_every_row_gets_the_bits_it_gets_alone(qtype, isa_cap):
                 assert torch.equal(batch, alone[first:first + rows]), (rows, threads)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("qtype", quant.FORMATS, ids=lambda t: t.name)
+def test_rows_past_one_work_item_match_float64_and_their_rows_alone(qtype, isa_cap, threads):
+    w = weight(qtype)
+    # More rows than one work item takes (at most 192), split into items that end in a part tile.
+    x = torch.randn(250, w.shape[1], generator=torch.Generator().manual_seed(7))
+    y = quant.quant_linear(x, w, None)
+    dense = gguf_reference(w).double()
+    exact, scale = x.double() @ dense.T, x.double().abs() @ dense.abs().T
+    assert ((y.double() - exact).abs() <= 1e-5 * scale).all()
+    assert torch.equal(y, torch.cat([quant.quant_linear(x[r:r + 1], w, None) for r in range(len(x))]))
 
 
 @pytest.mark.parametrize("qtype", quant.FORMATS, ids=lambda t: t.name)
@@ -124,7 +136,7 @@ def test_parts_in_one_call_match_each_part_alone_bit_for_bit(isa_cap, threads):
     parts = [weight(T.Q4_1), weight(T.Q8_0, rows=20, seed=1), weight(T.MXFP4, rows=13, seed=2)]
     biases = [torch.randn(N, generator=torch.Generator().manual_seed(3)), None,
               torch.randn(13, generator=torch.Generator().manual_seed(4))]
-    x = torch.randn(70, K_SMALL, generator=torch.Generator().manual_seed(5))  # > one 48-row work item
+    x = torch.randn(70, K_SMALL, generator=torch.Generator().manual_seed(5))  # row tiles of 6 and a part one
     for rows in (1, 3, 70):
         alone = torch.cat([quant.quant_linear(x[:rows], p, b) for p, b in zip(parts, biases)], dim=1)
         assert torch.equal(quant.quant_linear_parts(x[:rows], parts, biases), alone)
@@ -188,3 +200,7 @@ def test_blocks_not_matching_the_shape_are_refused():
         quant.quant_linear(torch.randn(1, 64), quant.QuantizedWeight(T.Q8_0, w.data, (N, 64)), None)
     with pytest.raises(IndexError):
         quant.dequantize_rows(w, torch.tensor([N]))
+    k_quant = weight(T.Q4_K)  # 576 values: two whole blocks of 256 and a part
+    part = quant.QuantizedWeight(T.Q4_K, k_quant.data[:, :quant.row_bytes(T.Q4_K, 576)], (N, 576))
+    with pytest.raises(ValueError, match="Q4_K rows hold whole blocks of 256 values, not 576"):
+        quant.quant_linear(torch.randn(40, 576), part, None)

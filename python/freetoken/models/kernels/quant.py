@@ -102,6 +102,9 @@ def supported(qtype: GGMLQuantizationType) -> bool:
 def _blocks(data: torch.Tensor, qtype: GGMLQuantizationType, k: int) -> torch.Tensor:
     """`data` checked to hold K's blocks in each row, bytes contiguous within a row (rows and
     experts may be strided: a slice of whole blocks along K is read in place)."""
+    block = GGML_QUANT_SIZES[qtype][0]
+    if k % block:  # the kernel dequantizes whole blocks: a part block's values would be garbage
+        raise ValueError(f"{qtype.name} rows hold whole blocks of {block} values, not {k}")
     if data.dtype != torch.uint8 or data.shape[-1] != row_bytes(qtype, k):
         raise ValueError(f"{qtype.name} rows of {k} values are {row_bytes(qtype, k)} bytes, "
                          f"got {data.dtype} {tuple(data.shape)}")

@@ -14,12 +14,13 @@
  * 0-7 and 8-15), both run the same chains and the same final additions, so both give the same
  * bits (on one CPU or across CPUs).
  *
- * How it runs. Work items are (group, block of RB rows, tile of NT output columns), spread over
- * torch's OpenMP threads (we share its libgomp). An item walks K in ranges of KB: it dequantizes
- * its columns' weights for the range into a panel in L1, then runs every row tile of its rows
- * over the panel, the lanes kept in an L1 buffer between ranges. A decode step's few rows read
- * each weight byte once from memory (the step is bound by that read); a prefill's rows reuse each
- * panel RB times, so the FMA microkernel, not the dequantization, sets the pace. An item of at
+ * How it runs. Work items are (group, block of 48-192 rows (block_rows), tile of NT output
+ * columns), spread over torch's OpenMP threads (we share its libgomp). An item walks K in ranges
+ * of at most KB: it dequantizes its columns' weights for the range into a panel in L1, then runs
+ * every row tile of its rows over the panel, the lanes kept in a buffer between ranges (a K of
+ * one range keeps them in registers throughout). A decode step's few rows read each weight byte
+ * once from memory (the step is bound by that read); a prefill's rows reuse each panel for every
+ * row of the item, so the FMA microkernel, not the dequantization, sets the pace. An item of at
  * most FEW rows (AVX-512; a decode step of up to 8 requests) skips the panel: it multiplies each
  * block as it dequantizes it, in registers, the same chains in the same order (few_avx512), the
  * scales read through a table.
@@ -33,9 +34,10 @@
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, MXFP4 = 39 };
 
 #define NT 8   /* output columns per tile */
-#define KB 512 /* most k values per panel (K splits evenly into ranges of whole super-blocks) */
+#define KB 640 /* most k values per panel (K splits evenly into ranges of whole super-blocks) */
 #define LDP (KB + 16) /* panel column stride: off a multiple of 4 KiB */
-#define RB 48  /* rows per work item (a multiple of both row tiles) */
+#define RB 48  /* fewest rows per work item that block_rows picks (a multiple of both row tiles) */
+#define RB_MAX 192 /* most rows per work item */
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -505,10 +507,12 @@ static void item(int isa, int type, const float *x, int64_t ldx, const uint8_t *
         return;
     }
     float panel[NT * LDP] __attribute__((aligned(64)));
-    float acc[RB * NT * 16] __attribute__((aligned(64)));
-    const int64_t per_block = block_values(type), ranges = (K + KB - 1) / KB;
-    /* Even ranges of whole 256-value super-blocks (32-value blocks for a K that has no such). */
-    const int64_t unit = K % 256 ? 32 : 256, span = (K / unit + ranges - 1) / ranges * unit;
+    float acc[RB_MAX * NT * 16] __attribute__((aligned(64)));
+    /* Even ranges of whole 256-value super-blocks (32-value blocks for a K that has no such), as
+     * few as fit the panel: a K of 576 or 640 (small models' width) is one range, whose lanes
+     * never leave the registers. */
+    const int64_t per_block = block_values(type), unit = K % 256 ? 32 : 256;
+    const int64_t ranges = (K / unit + KB / unit - 1) / (KB / unit), span = (K / unit + ranges - 1) / ranges * unit;
     if (cols < NT) memset(panel, 0, sizeof panel);
     if (isa != 2) memset(acc, 0, (size_t)rows * NT * 16 * sizeof(float));
     for (int64_t k0 = 0; k0 < K; k0 += span) {
@@ -535,6 +539,18 @@ static void item(int isa, int type, const float *x, int64_t ldx, const uint8_t *
         }
 }
 
+/* Rows per work item for a group of R rows: as many as keep an item's rows of x near 1 MiB (they
+ * stay in L2 while the item's successors, the next column tiles, read them again), between RB and
+ * RB_MAX, in equal blocks rounded up to whole row tiles. More rows per item dequantize each weight
+ * fewer times; which item a row lands in changes none of its bits. */
+static int64_t block_rows(int64_t R, int64_t K) {
+    if (R < 1 || K < 1) return RB; /* no items either way */
+    int64_t cap = ((int64_t)1 << 18) / K;
+    cap = cap < RB ? RB : cap > RB_MAX ? RB_MAX : cap;
+    const int64_t blocks = (R + cap - 1) / cap, rows = ((R + blocks - 1) / blocks + 5) / 6 * 6;
+    return rows > RB_MAX ? RB_MAX : rows;
+}
+
 /* Of the G spans of work items starting at start[0] = 0 < start[1] ..., the last starting at or
  * before item it. */
 static int64_t owner(const int64_t *start, int64_t G, int64_t it) {
@@ -555,7 +571,7 @@ void quant_gemm_parts(int isa, int64_t P, const int *types, const uint8_t *const
                       const int64_t *n, const float *const *bias, const float *x, int64_t ldx, float *y,
                       int64_t ldy, int64_t R, int64_t K) {
     int64_t start[P + 1], col[P + 1]; /* each part's first item and first column */
-    const int64_t blocks = (R + RB - 1) / RB;
+    const int64_t rb = block_rows(R, K), blocks = (R + rb - 1) / rb;
     start[0] = col[0] = 0;
     for (int64_t p = 0; p < P; p++) {
         start[p + 1] = start[p] + blocks * ((n[p] + NT - 1) / NT);
@@ -564,10 +580,10 @@ void quant_gemm_parts(int isa, int64_t P, const int *types, const uint8_t *const
     _Pragma("omp parallel for schedule(dynamic, 1) if (start[P] > 1)")
     for (int64_t it = 0; it < start[P]; it++) {
         const int64_t p = owner(start, P, it), local = it - start[p], tiles = (n[p] + NT - 1) / NT;
-        const int64_t tile = local % tiles, first = local / tiles * RB;
+        const int64_t tile = local % tiles, first = local / tiles * rb;
         const int cols = n[p] - tile * NT < NT ? (int)(n[p] - tile * NT) : NT;
         item(isa, types[p], x + first * ldx, ldx, w[p], ldw[p], bias[p], y + first * ldy + col[p], ldy,
-             R - first < RB ? R - first : RB, tile * NT, cols, K);
+             R - first < rb ? R - first : rb, tile * NT, cols, K);
     }
 }
 
@@ -579,16 +595,20 @@ void quant_gemm(int isa, int type, const float *x, int64_t ldx, const uint8_t *w
     const int64_t tiles = (N + NT - 1) / NT;
     int64_t *start = malloc((G + 1) * sizeof(int64_t)); /* first item of each group */
     start[0] = 0;
-    for (int64_t g = 0; g < G; g++) start[g + 1] = start[g] + (groups[3 * g + 2] + RB - 1) / RB * tiles;
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t rows = groups[3 * g + 2], rb = block_rows(rows, K);
+        start[g + 1] = start[g] + (rows + rb - 1) / rb * tiles;
+    }
     _Pragma("omp parallel for schedule(dynamic, 1) if (start[G] > 1)")
     for (int64_t it = 0; it < start[G]; it++) {
         const int64_t g = owner(start, G, it);
         const int64_t local = it - start[g], block = local / tiles, tile = local % tiles;
-        const int64_t e = groups[3 * g], first = groups[3 * g + 1] + block * RB;
+        const int64_t rb = block_rows(groups[3 * g + 2], K);
+        const int64_t e = groups[3 * g], first = groups[3 * g + 1] + block * rb;
         const int64_t left = groups[3 * g + 1] + groups[3 * g + 2] - first;
         const int cols = N - tile * NT < NT ? (int)(N - tile * NT) : NT;
         item(isa, type, x + first * ldx, ldx, w + e * lde, ldw, 0, y + first * ldy, ldy,
-             left < RB ? left : RB, tile * NT, cols, K);
+             left < rb ? left : rb, tile * NT, cols, K);
     }
     free(start);
 }
