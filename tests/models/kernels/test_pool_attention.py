@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from freetoken.models.kernels import pool_attention
 
 pytestmark = pytest.mark.skipif(pool_attention.load() is None, reason="no pool attention kernel here")

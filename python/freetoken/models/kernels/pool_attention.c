@@ -3,13 +3,14 @@
  *
  * The layer's cache is [slots, 2 * kv_heads, D], keys then values, float32 or bfloat16 (widened
  * exactly as read). Row r's keys are slots[first_r + j] for j in [lo_r, hi_r) (`ranges`, [R, 3]
- * int64: first, lo, hi): a decoding request's padded slot list with its valid (or windowed) part,
- * or a prompt query's part of its chunk's list. q and out are float32 [R, heads, D], D % 8 == 0;
+ * int64: first, lo, hi): a decoding request's padded slot list and its valid (or windowed) part.
+ * q and out are float32 [R, heads, D], D % 8 == 0;
  * query head h reads kv head h / (heads / kv_heads).
  *
  * Every output row is computed alone, by the same operations in the same order whatever the
  * other rows, their count, the thread or the group: per (row, kv head), each score is one FMA
- * chain of 8 lanes along D then a fixed tree, times the scale; the softmax is exp(s - max) over
+ * chain of 8 lanes along D then a fixed tree (eight keys' trees at once, the same for each),
+ * times the scale; the softmax is exp(s - max) over
  * the keys in slot-list order (8-lane sums, then a fixed tree, then the tail), plus a sink's
  * term where given; the output is one FMA chain over the keys in order per lane, times
  * 1 / the sum. So a row's bits never depend on its batch, by construction.
@@ -22,6 +23,10 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+
+/* Keys x heads x head width below which a call runs on the calling thread: a few microseconds of
+ * work (a decode step at batch 1 and a short context), less than waking the team costs. */
+#define PARALLEL_WORK (1 << 18)
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -45,6 +50,21 @@ __attribute__((target("avx2,fma"), always_inline)) static inline float hsum8(__m
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+
+static inline void prefetch_row(const void *p, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64)
+        _mm_prefetch((const char *)p + b, _MM_HINT_T0);
+}
+
+/* Lane u of the result: the sum of a[u]'s lanes, ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))
+ * for every u, so a key's score does not depend on its place among the eight. */
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256 hsum8x8(const __m256 *a) {
+    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    /* t0: [a0 lo, a1 lo, a2 lo, a3 lo | a0 hi, a1 hi, a2 hi, a3 hi]; t1 likewise for a4..a7. */
+    const __m256 lo = _mm256_permute2f128_ps(t0, t1, 0x20), hi = _mm256_permute2f128_ps(t0, t1, 0x31);
+    return _mm256_add_ps(lo, hi);
 }
 
 /* e^x for x <= 0 (scores minus their max), Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6
@@ -106,7 +126,10 @@ __attribute__((target("avx2,fma"))) static float softmax_weights(float *s, int64
         const float *sinks, float *out, int64_t rows, int64_t heads, int64_t kv_heads,           \
         int64_t D, float scale) {                                                                \
         const int64_t group = heads / kv_heads, ld_slot = 2 * kv_heads * D;                      \
-        _Pragma("omp parallel for schedule(dynamic)")                                            \
+        int64_t keys_total = 0;                                                                  \
+        for (int64_t r = 0; r < rows; r++)                                                       \
+            keys_total += ranges[3 * r + 2] - ranges[3 * r + 1];                                 \
+        _Pragma("omp parallel for schedule(dynamic) if (keys_total * heads * D >= PARALLEL_WORK)") \
         for (int64_t item = 0; item < rows * kv_heads; item++) {                                 \
             const int64_t r = item / kv_heads, kvh = item % kv_heads;                            \
             const int64_t *keys = slots + ranges[3 * r] + ranges[3 * r + 1];                     \
@@ -114,15 +137,32 @@ __attribute__((target("avx2,fma"))) static float softmax_weights(float *s, int64
             const float *qr = q + (r * heads + kvh * group) * D;                                 \
             float *o = out + (r * heads + kvh * group) * D;                                      \
             float *s = malloc(sizeof(float) * (n > 0 ? n : 1) * group);                          \
-            for (int64_t j = 0; j < n; j++) {                                                    \
-                const T *k = cache + keys[j] * ld_slot + kvh * D;                                \
-                for (int64_t g = 0; g < group; g++) {                                            \
-                    __m256 acc = _mm256_setzero_ps();                                            \
-                    for (int64_t d = 0; d < D; d += 8)                                           \
-                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + g * D + d), LOAD(k + d), acc); \
-                    s[g * n + j] = hsum8(acc) * scale;                                           \
+            for (int64_t g = 0; g < group; g++)                                                  \
+                for (int64_t j = 0; j < n; j += 8) {                                             \
+                    __m256 acc[8];                                                               \
+                    _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps(); \
+                    const int64_t m = n - j < 8 ? n - j : 8;                                     \
+                    for (int64_t u = j + 8; u < j + 16 && u < n; u++)                            \
+                        prefetch_row(cache + keys[u] * ld_slot + kvh * D, D * sizeof(T));        \
+                    for (int64_t d = 0; d < D; d += 8) {                                         \
+                        const __m256 qd = _mm256_loadu_ps(qr + g * D + d);                       \
+                        if (m == 8) {                                                            \
+                            _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++)                  \
+                                acc[u] = _mm256_fmadd_ps(qd, LOAD(cache + keys[j + u] * ld_slot + kvh * D + d), acc[u]); \
+                        } else {                                                                 \
+                            for (int u = 0; u < m; u++)                                          \
+                                acc[u] = _mm256_fmadd_ps(qd, LOAD(cache + keys[j + u] * ld_slot + kvh * D + d), acc[u]); \
+                        }                                                                        \
+                    }                                                                            \
+                    const __m256 sums = _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale));      \
+                    if (m == 8) {                                                                \
+                        _mm256_storeu_ps(s + g * n + j, sums);                                   \
+                    } else {                                                                     \
+                        float tail[8];                                                           \
+                        _mm256_storeu_ps(tail, sums);                                            \
+                        for (int u = 0; u < m; u++) s[g * n + j + u] = tail[u];                  \
+                    }                                                                            \
                 }                                                                                \
-            }                                                                                    \
             for (int64_t g = 0; g < group; g++) {                                                \
                 float *sg = s + g * n;                                                           \
                 const float inv = n > 0 ? softmax_weights(sg, n, sinks ? sinks + kvh * group + g : 0) : 0.0f; \
@@ -135,6 +175,8 @@ __attribute__((target("avx2,fma"))) static float softmax_weights(float *s, int64
                         for (int64_t j = 0; j < n; j++) {                                        \
                             const T *v = cache + keys[j] * ld_slot + (kv_heads + kvh) * D + c;   \
                             const __m256 p = _mm256_set1_ps(sg[j]);                              \
+                            if (j + 4 < n)                                                       \
+                                prefetch_row(cache + keys[j + 4] * ld_slot + (kv_heads + kvh) * D + c, 64 * sizeof(T)); \
                             _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++)                  \
                                 acc[u] = _mm256_fmadd_ps(p, LOAD(v + 8 * u), acc[u]);            \
                         }                                                                        \
