@@ -1,4 +1,5 @@
-"""pool_attention.c against a float64 softmax written here, and a row batched vs alone."""
+"""pool_attention.c against a float64 softmax written here; a row batched vs alone, one thread vs
+two."""
 
 import pytest
 import torch
@@ -33,8 +34,14 @@ def test_matches_float64_reference_and_batch(dtype, heads, kv_heads, dim):
     ranges = torch.stack([firsts, torch.tensor([0, 0, 0, 900]), torch.tensor([1, 7, 100, 1000])], 1)
     q = torch.randn(len(lengths), heads, dim, generator=gen).mul(2).to(dtype)
     sinks = torch.randn(heads, generator=gen)
+    threads = torch.get_num_threads()
     for sink in (None, sinks):
         batched = pool_attention.attend(q, cache, table, ranges, sink)
+        torch.set_num_threads(1 if threads > 1 else 2)
+        try:  # the 1,000-key row makes the call parallel where there are threads
+            assert torch.equal(pool_attention.attend(q, cache, table, ranges, sink), batched)
+        finally:
+            torch.set_num_threads(threads)
         for r, n in enumerate(lengths):
             lo = int(ranges[r, 1])
             want = reference(q[r].float(), cache, slots[r][lo:], sink)
