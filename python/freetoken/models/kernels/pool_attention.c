@@ -8,7 +8,7 @@
  * query head h reads kv head h / (heads / kv_heads).
  *
  * Every output row is computed alone, by the same operations in the same order whatever the
- * other rows, their count, the thread or the group: per (row, kv head), each score is one FMA
+ * other rows, their count, the thread or the group: per (row, query head), each score is one FMA
  * chain of 8 lanes along D then a fixed tree (eight keys' trees at once, the same for each),
  * times the scale; the softmax is exp(s - max) over
  * the keys in slot-list order (8-lane sums, then a fixed tree, then the tail), plus a sink's
@@ -16,7 +16,8 @@
  * 1 / the sum. So a row's bits never depend on its batch, by construction.
  *
  * `sinks` (float32 [heads], or NULL): a per-head logit the normaliser counts, with no value
- * (gpt-oss). Work items are (row, kv head) pairs over torch's OpenMP threads.
+ * (gpt-oss). Work items are (row, query head) pairs over torch's OpenMP threads: a batch-1 step
+ * has as many as the model has heads.
  *
  * Built at first use by models/kernels/pool_attention.py; x86-64 with AVX2 and FMA, else
  * unsupported.
@@ -120,80 +121,67 @@ __attribute__((target("avx2,fma"))) static float softmax_weights(float *s, int64
     return 1.0f / sum;
 }
 
-#define DEFINE_POOL_ATTENTION(NAME, T, LOAD)                                                      \
-    __attribute__((target("avx2,fma"))) void NAME(                                               \
-        const float *q, const T *cache, const int64_t *slots, const int64_t *ranges,             \
-        const float *sinks, float *out, int64_t rows, int64_t heads, int64_t kv_heads,           \
-        int64_t D, float scale) {                                                                \
-        const int64_t group = heads / kv_heads, ld_slot = 2 * kv_heads * D;                      \
-        int64_t keys_total = 0;                                                                  \
-        for (int64_t r = 0; r < rows; r++)                                                       \
-            keys_total += ranges[3 * r + 2] - ranges[3 * r + 1];                                 \
-        _Pragma("omp parallel for schedule(dynamic) if (keys_total * heads * D >= PARALLEL_WORK)") \
-        for (int64_t item = 0; item < rows * kv_heads; item++) {                                 \
-            const int64_t r = item / kv_heads, kvh = item % kv_heads;                            \
-            const int64_t *keys = slots + ranges[3 * r] + ranges[3 * r + 1];                     \
-            const int64_t n = ranges[3 * r + 2] - ranges[3 * r + 1];                             \
-            const float *qr = q + (r * heads + kvh * group) * D;                                 \
-            float *o = out + (r * heads + kvh * group) * D;                                      \
-            float *s = malloc(sizeof(float) * (n > 0 ? n : 1) * group);                          \
-            for (int64_t g = 0; g < group; g++)                                                  \
-                for (int64_t j = 0; j < n; j += 8) {                                             \
-                    __m256 acc[8];                                                               \
-                    _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps(); \
-                    const int64_t m = n - j < 8 ? n - j : 8;                                     \
-                    for (int64_t u = j + 8; u < j + 16 && u < n; u++)                            \
-                        prefetch_row(cache + keys[u] * ld_slot + kvh * D, D * sizeof(T));        \
-                    for (int64_t d = 0; d < D; d += 8) {                                         \
-                        const __m256 qd = _mm256_loadu_ps(qr + g * D + d);                       \
-                        if (m == 8) {                                                            \
-                            _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++)                  \
-                                acc[u] = _mm256_fmadd_ps(qd, LOAD(cache + keys[j + u] * ld_slot + kvh * D + d), acc[u]); \
-                        } else {                                                                 \
-                            for (int u = 0; u < m; u++)                                          \
-                                acc[u] = _mm256_fmadd_ps(qd, LOAD(cache + keys[j + u] * ld_slot + kvh * D + d), acc[u]); \
-                        }                                                                        \
-                    }                                                                            \
-                    const __m256 sums = _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale));      \
-                    if (m == 8) {                                                                \
-                        _mm256_storeu_ps(s + g * n + j, sums);                                   \
-                    } else {                                                                     \
-                        float tail[8];                                                           \
-                        _mm256_storeu_ps(tail, sums);                                            \
-                        for (int u = 0; u < m; u++) s[g * n + j + u] = tail[u];                  \
-                    }                                                                            \
-                }                                                                                \
-            for (int64_t g = 0; g < group; g++) {                                                \
-                float *sg = s + g * n;                                                           \
-                const float inv = n > 0 ? softmax_weights(sg, n, sinks ? sinks + kvh * group + g : 0) : 0.0f; \
-                const __m256 vinv = _mm256_set1_ps(inv);                                         \
-                for (int64_t c = 0; c < D; c += 64) {                                            \
-                    const int64_t w = D - c < 64 ? D - c : 64;                                   \
-                    __m256 acc[8];                                                               \
-                    _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps(); \
-                    if (w == 64) {                                                               \
-                        for (int64_t j = 0; j < n; j++) {                                        \
-                            const T *v = cache + keys[j] * ld_slot + (kv_heads + kvh) * D + c;   \
-                            const __m256 p = _mm256_set1_ps(sg[j]);                              \
-                            if (j + 4 < n)                                                       \
-                                prefetch_row(cache + keys[j + 4] * ld_slot + (kv_heads + kvh) * D + c, 64 * sizeof(T)); \
-                            _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++)                  \
-                                acc[u] = _mm256_fmadd_ps(p, LOAD(v + 8 * u), acc[u]);            \
-                        }                                                                        \
-                    } else {                                                                     \
-                        for (int64_t j = 0; j < n; j++) {                                        \
-                            const T *v = cache + keys[j] * ld_slot + (kv_heads + kvh) * D + c;   \
-                            const __m256 p = _mm256_set1_ps(sg[j]);                              \
-                            for (int u = 0; u < w / 8; u++)                                      \
-                                acc[u] = _mm256_fmadd_ps(p, LOAD(v + 8 * u), acc[u]);            \
-                        }                                                                        \
-                    }                                                                            \
-                    for (int u = 0; u < w / 8; u++)                                              \
-                        _mm256_storeu_ps(o + g * D + c + 8 * u, _mm256_mul_ps(acc[u], vinv));    \
-                }                                                                                \
-            }                                                                                    \
-            free(s);                                                                             \
-        }                                                                                        \
+#define DEFINE_POOL_ATTENTION(NAME, T, LOAD)                                                         \
+    __attribute__((target("avx2,fma"))) void NAME(                                                   \
+        const float *q, const T *cache, const int64_t *slots, const int64_t *ranges,                 \
+        const float *sinks, float *out, int64_t rows, int64_t heads, int64_t kv_heads,               \
+        int64_t D, float scale) {                                                                    \
+        const int64_t group = heads / kv_heads, ld_slot = 2 * kv_heads * D;                          \
+        int64_t keys_total = 0;                                                                      \
+        for (int64_t r = 0; r < rows; r++)                                                           \
+            keys_total += ranges[3 * r + 2] - ranges[3 * r + 1];                                     \
+        _Pragma("omp parallel for schedule(dynamic) if (keys_total * heads * D >= PARALLEL_WORK)")   \
+        for (int64_t item = 0; item < rows * heads; item++) {                                        \
+            const int64_t r = item / heads, h = item % heads;                                        \
+            const int64_t *keys = slots + ranges[3 * r] + ranges[3 * r + 1];                         \
+            const int64_t n = ranges[3 * r + 2] - ranges[3 * r + 1];                                 \
+            const T *k_head = cache + (h / group) * D, *v_head = cache + (kv_heads + h / group) * D; \
+            const float *qh = q + item * D;                                                          \
+            float *o = out + item * D, *s = malloc(sizeof(float) * (n > 0 ? n : 1));                 \
+            for (int64_t j = 0; j < n; j += 8) {                                                     \
+                const int m = n - j < 8 ? (int)(n - j) : 8;                                          \
+                __m256 acc[8];                                                                       \
+                _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();    \
+                for (int64_t u = j + 8; u < j + 16 && u < n; u++)                                    \
+                    prefetch_row(k_head + keys[u] * ld_slot, D * sizeof(T));                         \
+                for (int64_t d = 0; d < D; d += 8) {                                                 \
+                    const __m256 qd = _mm256_loadu_ps(qh + d);                                       \
+                    if (m == 8) {                                                                    \
+                        _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++)                          \
+                            acc[u] = _mm256_fmadd_ps(qd, LOAD(k_head + keys[j + u] * ld_slot + d), acc[u]); \
+                    } else {                                                                         \
+                        for (int u = 0; u < m; u++)                                                  \
+                            acc[u] = _mm256_fmadd_ps(qd, LOAD(k_head + keys[j + u] * ld_slot + d), acc[u]); \
+                    }                                                                                \
+                }                                                                                    \
+                float sums[8];                                                                       \
+                _mm256_storeu_ps(sums, _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale)));          \
+                for (int u = 0; u < m; u++)                                                          \
+                    s[j + u] = sums[u];                                                              \
+            }                                                                                        \
+            const __m256 inv = _mm256_set1_ps(n > 0 ? softmax_weights(s, n, sinks ? sinks + h : 0) : 0.0f); \
+            for (int64_t c = 0; c < D; c += 64) {                                                    \
+                const int w = D - c < 64 ? (int)(D - c) : 64;                                        \
+                __m256 acc[8];                                                                       \
+                _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();    \
+                for (int64_t j = 0; j < n; j++) {                                                    \
+                    const T *v = v_head + keys[j] * ld_slot + c;                                     \
+                    const __m256 p = _mm256_set1_ps(s[j]);                                           \
+                    if (j + 4 < n)                                                                   \
+                        prefetch_row(v_head + keys[j + 4] * ld_slot + c, w * sizeof(T));             \
+                    if (w == 64) {                                                                   \
+                        _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++)                          \
+                            acc[u] = _mm256_fmadd_ps(p, LOAD(v + 8 * u), acc[u]);                    \
+                    } else {                                                                         \
+                        for (int u = 0; u < w / 8; u++)                                              \
+                            acc[u] = _mm256_fmadd_ps(p, LOAD(v + 8 * u), acc[u]);                    \
+                    }                                                                                \
+                }                                                                                    \
+                for (int u = 0; u < w / 8; u++)                                                      \
+                    _mm256_storeu_ps(o + c + 8 * u, _mm256_mul_ps(acc[u], inv));                     \
+            }                                                                                        \
+            free(s);                                                                                 \
+        }                                                                                            \
     }
 
 DEFINE_POOL_ATTENTION(pool_attention_f32, float, load8_f32)
