@@ -209,13 +209,17 @@ class Engine:
             lengths = torch.tensor([len(slots) for _, slots in members])
             keys = torch.arange(length)[None, :]
             valid = keys < lengths[:, None]
-            window = None
+            firsts = torch.arange(len(members)) * length
+            ranges = torch.stack([firsts, torch.zeros_like(lengths), lengths], 1)
+            window = window_ranges = None
             if self.window:
                 window = (valid & (keys >= lengths[:, None] - self.window))[:, None, None, :].to(self.device)
+                window_ranges = torch.stack([firsts, (lengths - self.window).clamp(min=0), lengths], 1)
             groups.append(DecodeGroup(
                 rows=torch.tensor([row for row, _ in members], device=self.device),
                 kv_slots=torch.tensor(table, device=self.device),
-                valid=valid[:, None, None, :].to(self.device), window_valid=window))
+                valid=valid[:, None, None, :].to(self.device), window_valid=window,
+                key_ranges=ranges, window_key_ranges=window_ranges))
         return groups
 
     def build_context(self, batch: Batch) -> ForwardContext:

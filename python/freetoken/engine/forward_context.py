@@ -32,7 +32,7 @@ class PromptGroup:
 class DecodeGroup:
     """Decoding requests (one new token each) whose keys are padded to the same length.
 
-    As PromptGroup, with each kv head's queries folded into rows, padded to
+    As PromptGroup; on torch's SDPA, with each kv head's queries folded into rows, padded to
     models/layers/attention.py's MIN_QUERY_ROWS.
     """
 
@@ -40,6 +40,10 @@ class DecodeGroup:
     kv_slots: torch.Tensor  # [B * L]: member after member, each padded to L
     valid: torch.Tensor  # [B, 1, 1, L] bool, False on padding
     window_valid: torch.Tensor | None = None  # as valid, for sliding-window layers
+    # [B, 3] int64 on the CPU, for the pool attention kernel: each member's (first index of its
+    # keys in kv_slots, first visible key, end of its keys); the window's, for sliding layers.
+    key_ranges: torch.Tensor | None = None
+    window_key_ranges: torch.Tensor | None = None
 
 
 @dataclass

@@ -67,6 +67,9 @@ class SinkAttention(Attention):
         super().__init__(cfg, layer)
         self.sinks = nn.Parameter(torch.empty(cfg.num_heads))
 
+    def _sink_logits(self):
+        return self.sinks.float()
+
     def _sdpa(self, q, k, v, mask, folded):
         cfg = self.cfg
         sinks = self.sinks.float()

@@ -2,8 +2,13 @@
 
 q/k/v are one fused projection (`qkv_proj`, rows [q heads | k heads | v heads]); per-head q/k
 RMSNorm (Qwen3), q/k/v biases (Qwen2), an o_proj bias and sliding-window layers are config
-fields. A family changes the softmax by overriding `_sdpa` (gpt-oss's sinks) or the projections
-by overriding `forward` (the hybrids' gated attention), and reuses `_attend`.
+fields. A family changes the softmax by overriding `_sdpa` and `_sink_logits` (gpt-oss's sinks)
+or the projections by overriding `forward` (the hybrids' gated attention), and reuses `_attend`.
+
+Decoding rows attend through models/kernels/pool_attention.py where it runs (a CPU cache of
+float32 or bfloat16): it reads the keys where they lie in the pool and computes each row alone,
+so a row's bits never depend on its batch; elsewhere, and for prompt chunks, torch's SDPA over
+the group's gathered keys (forward_context.py's groups keep its rows batch-invariant).
 """
 
 from __future__ import annotations
@@ -13,14 +18,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetoken.engine.forward_context import DecodeGroup, ForwardContext, PromptGroup
+from freetoken.models.kernels import pool_attention
 from freetoken.models.layers.linear import Linear
 from freetoken.models.layers.norm import RMSNorm
 from freetoken.models.layers.rotary import norm_rotate
 
 # CPU attention kernels round a row differently when a call has fewer than 4 queries per head:
-# a decoding request's queries per kv head are padded to 4 by repeating the last one.
+# on SDPA, a decoding request's queries per kv head are padded to 4 by repeating the last one.
 MIN_QUERY_ROWS = 4
-
 
 
 class Attention(nn.Module):
@@ -76,6 +81,9 @@ class Attention(nn.Module):
         return attn.transpose(1, 2).reshape(-1, cfg.num_heads, cfg.head_dim).index_select(0, group.kept)
 
     def _decode(self, q, kv_cache, group: DecodeGroup) -> torch.Tensor:
+        if group.key_ranges is not None and pool_attention.usable(kv_cache):
+            ranges = group.window_key_ranges if self.sliding else group.key_ranges
+            return pool_attention.attend(q, kv_cache, group.kv_slots, ranges, self._sink_logits())
         cfg, b, kvh = self.cfg, q.shape[0], self.cfg.num_kv_heads
         per_kv_head = cfg.num_heads // cfg.num_kv_heads
         q = q.view(b, cfg.num_kv_heads, per_kv_head, cfg.head_dim)
@@ -85,6 +93,11 @@ class Attention(nn.Module):
         valid = group.window_valid if self.sliding else group.valid
         attn = self._sdpa(q, kv[:, :kvh], kv[:, kvh:], valid, folded=True)
         return attn[:, :, :per_kv_head].reshape(b, cfg.num_heads, cfg.head_dim)
+
+    def _sink_logits(self) -> torch.Tensor | None:
+        """float32 [heads]: per-head logits the softmax also counts, with no value (gpt-oss's
+        sinks), for the pool kernel; None: a plain softmax."""
+        return None
 
     def _sdpa(self, q, k, v, mask: torch.Tensor | None, folded: bool) -> torch.Tensor:
         """SDPA over q [B, heads, Q, d] and k, v [B, kv heads, L, d], causal when `mask` is

@@ -1,0 +1,72 @@
+"""Attention read straight from the KV pool by slot (pool_attention.c, built at first use like
+grouped_gemm.c and sharing its build), for models/layers/attention.py's decoding rows.
+
+The torch path copies every request's keys and values out of the pool (`index_select`) each
+layer and step, and pads a decode's queries for SDPA's rounding; the kernel reads each key where
+it lies, and computes every row alone in a fixed order, so a row's bits never depend on its batch
+(see the C file). Where it cannot run (no C compiler, not x86-64 with AVX2/FMA, a cache dtype
+other than float32/bfloat16, a tensor off the CPU, or FREETOKEN_NO_KERNELS set), the layer keeps
+the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+import os
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from freetoken.models.kernels.grouped_gemm import build
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("pool_attention.c")
+KERNELS = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    """The built kernel, or None where it cannot run here (logged once)."""
+    if os.environ.get("FREETOKEN_NO_KERNELS"):
+        return None
+    try:
+        lib = ctypes.CDLL(str(build(SOURCE)))
+    except OSError as exc:  # FileNotFoundError too: no compiler
+        log.warning("pool attention kernel unavailable (%s); attention runs on torch's SDPA", exc)
+        return None
+    if not lib.pool_attention_supported():
+        log.info("this CPU lacks AVX2/FMA, which the pool attention kernel needs; attention runs "
+                 "on torch's SDPA")
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    for suffix in KERNELS.values():
+        kernel = getattr(lib, f"pool_attention_{suffix}")
+        kernel.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float]
+        kernel.restype = None
+    return lib
+
+
+def usable(kv_cache: torch.Tensor) -> bool:
+    """Can the kernel attend over this layer cache [slots, 2 * kv heads, D]?"""
+    return (kv_cache.device.type == "cpu" and kv_cache.dtype in KERNELS
+            and kv_cache.shape[-1] % 8 == 0 and kv_cache.is_contiguous() and load() is not None)
+
+
+def attend(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, ranges: torch.Tensor,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Queries q [R, heads, D] over the cache (see `usable`): row r's keys are
+    slots[first + j] for j in [lo, hi), ranges [R, 3] int64 = (first, lo, hi), slots int64.
+    `sinks`: float32 [heads] logits the softmax counts with no value, or None. Returns q's dtype."""
+    rows, heads, dim = q.shape
+    q32 = q.float().contiguous()
+    out = torch.empty(rows, heads, dim, dtype=torch.float32)
+    assert slots.dtype == ranges.dtype == torch.int64 and slots.is_contiguous() and ranges.is_contiguous()
+    kernel = getattr(load(), f"pool_attention_{KERNELS[kv_cache.dtype]}")
+    kernel(q32.data_ptr(), kv_cache.data_ptr(), slots.data_ptr(), ranges.data_ptr(),
+           sinks.data_ptr() if sinks is not None else None, out.data_ptr(), rows, heads,
+           kv_cache.shape[1] // 2, dim, 1.0 / math.sqrt(dim))
+    return out.to(q.dtype)
