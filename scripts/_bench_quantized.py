@@ -14,9 +14,9 @@ import gc
 import importlib.util
 import json
 import os
-import resource
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import _bench_common as bc
@@ -69,13 +69,17 @@ def llama_batched_bench_rows(bin_dir: Path, batches: list[int], prefill_len: int
     best: dict[tuple[int, int], dict] = {}
     peak_mb = 0.0
     for _ in range(args.repeats):
-        child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        stdout, stderr = child.communicate()
-        if child.returncode:
-            bc.note(f"llama.cpp ({tool}): ended with code {child.returncode} "
-                    f"({stderr.strip().splitlines()[-1:] or 'no message'})")
-            return []
-        peak_mb = max(peak_mb, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)
+        with tempfile.TemporaryFile("w+") as stderr:
+            child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True)
+            stdout = child.stdout.read()
+            # wait4, not communicate(): the child's own peak, not the largest of all our children's.
+            _, status, usage = os.wait4(child.pid, 0)
+            if code := os.waitstatus_to_exitcode(status):
+                stderr.seek(0)
+                bc.note(f"llama.cpp ({tool}): ended with code {code} "
+                        f"({stderr.read().strip().splitlines()[-1:] or 'no message'})")
+                return []
+        peak_mb = max(peak_mb, usage.ru_maxrss / 1024)
         for line in stdout.splitlines():
             if line.startswith("{"):
                 run = json.loads(line)
@@ -83,7 +87,7 @@ def llama_batched_bench_rows(bin_dir: Path, batches: list[int], prefill_len: int
                 if key not in best or run["t"] < best[key]["t"]:
                     best[key] = run
     bc.note(f"llama.cpp: {tool} {' '.join(cmd[1:])}; decode after {args.decode_prompt_len}-token "
-            f"prompts; RSS MB: the largest child's peak")
+            f"prompts; RSS MB: its process's peak")
     return [["llama.cpp", b, best[b, prefill_len]["speed_pp"], best[b, args.decode_prompt_len]["speed_tg"],
              bc.ms(b / best[b, args.decode_prompt_len]["speed_tg"]), None, peak_mb]
             for b in batches]
