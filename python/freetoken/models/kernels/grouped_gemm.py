@@ -94,19 +94,28 @@ def grouped_gemm(lib: ctypes.CDLL, x: torch.Tensor, experts: PackedLinears,
     return y.to(x.dtype)
 
 
-@cache
-def load() -> ctypes.CDLL | None:
-    """The built kernel, or None where it cannot run here (logged once)."""
+def open_library(source: Path, supported: str, needs: str, instead: str) -> ctypes.CDLL | None:
+    """One of our C files built and opened, or None where it cannot run here (logged: call it
+    once, from a cached loader): FREETOKEN_NO_KERNELS set, no C compiler, or a CPU on which the
+    library's `supported` function returns 0 (it lacks `needs`). `instead`: what runs then."""
     if os.environ.get("FREETOKEN_NO_KERNELS"):
         return None
     try:
-        lib = ctypes.CDLL(str(build()))
+        lib = ctypes.CDLL(str(build(source)))
     except OSError as exc:  # FileNotFoundError too: no compiler
-        log.warning("grouped GEMM kernel unavailable (%s); layers run on torch kernels", exc)
+        log.warning("%s unavailable (%s); %s", source.name, exc, instead)
         return None
-    if not lib.grouped_gemm_supported():
-        log.info("this CPU lacks AVX2/FMA, which the grouped GEMM kernel needs; layers run on "
-                 "torch kernels")
+    if not getattr(lib, supported)():
+        log.info("this CPU lacks %s, which %s needs; %s", needs, source.name, instead)
+        return None
+    return lib
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    """The built kernel, or None where it cannot run here (logged once)."""
+    lib = open_library(SOURCE, "grouped_gemm_supported", "AVX2/FMA", "layers run on torch kernels")
+    if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for suffix in KERNELS.values():

@@ -12,17 +12,13 @@ the torch path.
 from __future__ import annotations
 
 import ctypes
-import logging
 import math
-import os
 from functools import cache
 from pathlib import Path
 
 import torch
 
-from freetoken.models.kernels.grouped_gemm import build
-
-log = logging.getLogger(__name__)
+from freetoken.models.kernels.grouped_gemm import open_library
 
 SOURCE = Path(__file__).with_name("pool_attention.c")
 KERNELS = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -31,16 +27,8 @@ KERNELS = {torch.float32: "f32", torch.bfloat16: "bf16"}
 @cache
 def load() -> ctypes.CDLL | None:
     """The built kernel, or None where it cannot run here (logged once)."""
-    if os.environ.get("FREETOKEN_NO_KERNELS"):
-        return None
-    try:
-        lib = ctypes.CDLL(str(build(SOURCE)))
-    except OSError as exc:  # FileNotFoundError too: no compiler
-        log.warning("pool attention kernel unavailable (%s); attention runs on torch's SDPA", exc)
-        return None
-    if not lib.pool_attention_supported():
-        log.info("this CPU lacks AVX2/FMA, which the pool attention kernel needs; attention runs "
-                 "on torch's SDPA")
+    lib = open_library(SOURCE, "pool_attention_supported", "AVX2/FMA", "attention runs on torch's SDPA")
+    if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for suffix in KERNELS.values():

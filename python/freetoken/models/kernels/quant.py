@@ -14,7 +14,6 @@ FREETOKEN_QUANT_ISA=avx2 caps the kernel at AVX2 (tests and benchmarks compare t
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 from dataclasses import dataclass
 from functools import cache
@@ -25,9 +24,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-from freetoken.models.kernels.grouped_gemm import build
-
-log = logging.getLogger(__name__)
+from freetoken.models.kernels.grouped_gemm import open_library
 
 SOURCE = Path(__file__).with_name("quant_gemm.c")
 
@@ -64,18 +61,10 @@ def row_bytes(qtype: GGMLQuantizationType, k: int) -> int:
 @cache
 def _kernel() -> ctypes.CDLL | None:
     """The built kernel, or None where it cannot run here (logged once)."""
-    if os.environ.get("FREETOKEN_NO_KERNELS"):
+    lib = open_library(SOURCE, "quant_isa", "AVX2/FMA/F16C", "quantized layers are dequantized at load")
+    if lib is None:
         return None
-    try:
-        lib = ctypes.CDLL(str(build(SOURCE)))
-    except OSError as exc:  # FileNotFoundError too: no compiler
-        log.warning("quantized-weight kernel unavailable (%s); quantized layers are dequantized at load", exc)
-        return None
-    lib.best_isa = lib.quant_isa()  # asked once: CPUID is slow under a hypervisor
-    if not lib.best_isa:
-        log.info("this CPU lacks AVX2/FMA/F16C, which the quantized-weight kernel needs; quantized "
-                 "layers are dequantized at load")
-        return None
+    lib.best_isa = lib.quant_isa()  # asked once more, then kept: CPUID is slow under a hypervisor
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.quant_gemm.argtypes = [i32, i32, ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64, i64]
     lib.quant_gemm.restype = None
