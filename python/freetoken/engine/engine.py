@@ -188,10 +188,17 @@ class Engine:
                     mask = seen[:, None].to(self.device)
                 if self.window:
                     window_mask = (seen & (keys > positions - self.window))[:, None].to(self.device)
+            ranges = torch.tensor([(i * kv_len, 0, len(slots) - q + j + 1)
+                                   for i, (_, q, slots) in enumerate(members) for j in range(q)])
+            window_ranges = None
+            if self.window:
+                window_ranges = ranges.clone()
+                window_ranges[:, 1] = (ranges[:, 2] - self.window).clamp(min=0)
             groups.append(PromptGroup(shape=(len(members), q_len, kv_len),
                                       query_rows=on_device(query_rows), kv_slots=on_device(table),
                                       mask=mask, kept=on_device(kept), out_rows=on_device(out_rows),
-                                      window_mask=window_mask))
+                                      window_mask=window_mask, key_ranges=ranges,
+                                      window_key_ranges=window_ranges))
         return groups
 
     def _padded(self, slots: list[int], length: int) -> list[int]:

@@ -26,6 +26,11 @@ class PromptGroup:
     kept: torch.Tensor  # [N] positions in the flattened [B * Q] output of the real queries
     out_rows: torch.Tensor  # [N] their indices into the step's tokens
     window_mask: torch.Tensor | None = None  # [B, 1, Q, L] bool, for sliding-window layers
+    # [N] (first, lo, hi) per real query, as DecodeGroup's: the pool kernel computes each prompt
+    # row as it computes a decoding row, so a row's bits do not depend on which of the two it was
+    # (a preempted request's recomputed rows, chunking, a prefix-cache hit).
+    key_ranges: torch.Tensor | None = None
+    window_key_ranges: torch.Tensor | None = None
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Attention read straight from the KV pool by slot (pool_attention.c, built at first use like
-grouped_gemm.c and sharing its build), for models/layers/attention.py's decoding rows.
+grouped_gemm.c and sharing its build), for models/layers/attention.py's prompt and decoding rows.
 
 The torch path copies every request's keys and values out of the pool (`index_select`) each
 layer and step, and pads a decode's queries for SDPA's rounding; the kernel reads each key where

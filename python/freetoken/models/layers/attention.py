@@ -5,10 +5,11 @@ RMSNorm (Qwen3), q/k/v biases (Qwen2), an o_proj bias and sliding-window layers 
 fields. A family changes the softmax by overriding `_sdpa` and `_sink_logits` (gpt-oss's sinks)
 or the projections by overriding `forward` (the hybrids' gated attention), and reuses `_attend`.
 
-Decoding rows attend through models/kernels/pool_attention.py where it runs (a CPU cache of
-float32 or bfloat16): it reads the keys where they lie in the pool and computes each row alone,
-so a row's bits never depend on its batch; elsewhere, and for prompt chunks, torch's SDPA over
-the group's gathered keys (forward_context.py's groups keep its rows batch-invariant).
+Prompt and decoding rows attend through models/kernels/pool_attention.py where it runs (a CPU
+cache of float32 or bfloat16): it reads the keys where they lie in the pool and computes each row
+alone, so a row's bits depend neither on its batch nor on whether it came as a prompt or a
+decoding row; elsewhere torch's SDPA over the group's gathered keys (forward_context.py's groups
+keep its rows batch-invariant).
 """
 
 from __future__ import annotations
@@ -70,6 +71,10 @@ class Attention(nn.Module):
         return kv_cache
 
     def _prompt(self, q, kv_cache, group: PromptGroup) -> torch.Tensor:
+        if group.key_ranges is not None and pool_attention.usable(kv_cache):
+            ranges = group.window_key_ranges if self.sliding else group.key_ranges
+            return pool_attention.attend(q.index_select(0, group.out_rows), kv_cache, group.kv_slots,
+                                         ranges, self._sink_logits())
         cfg, kvh = self.cfg, self.cfg.num_kv_heads
         b, _, length = group.shape
         # index_select, not kv_cache[slots]: advanced indexing copies several times slower.
