@@ -94,10 +94,12 @@ def grouped_gemm(lib: ctypes.CDLL, x: torch.Tensor, experts: PackedLinears,
     return y.to(x.dtype)
 
 
-def open_library(source: Path, supported: str, needs: str, instead: str) -> ctypes.CDLL | None:
-    """One of our C files built and opened, or None where it cannot run here (logged: call it
-    once, from a cached loader): FREETOKEN_NO_KERNELS set, no C compiler, or a CPU on which the
-    library's `supported` function returns 0 (it lacks `needs`). `instead`: what runs then."""
+def open_library(source: Path, supported: str, needs: str, instead: str,
+                 functions: dict[str, list]) -> ctypes.CDLL | None:
+    """One of our C files built and opened, its `functions` (name: argument types, returning
+    nothing) declared; None where it cannot run here (logged: call it once, from a cached
+    loader): FREETOKEN_NO_KERNELS set, no C compiler, or a CPU on which the library's `supported`
+    function returns 0 (it lacks `needs`). `instead`: what runs then."""
     if os.environ.get("FREETOKEN_NO_KERNELS"):
         return None
     try:
@@ -108,39 +110,32 @@ def open_library(source: Path, supported: str, needs: str, instead: str) -> ctyp
     if not getattr(lib, supported)():
         log.info("this CPU lacks %s, which %s needs; %s", needs, source.name, instead)
         return None
+    for name, argtypes in functions.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = argtypes, None
     return lib
+
+
+_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+# Each function once per weight dtype (suffix of KERNELS).
+_PER_DTYPE = {
+    "grouped_gemm": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64],
+    "rms_norm": [_PTR, _I64, _PTR, _PTR, _I64, _I64, _F32],
+    "rotate": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64],
+    "add_rms_norm": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _F32],
+    "norm_rotate": [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _F32, _PTR, _PTR, _I64],
+    "silu_mul": [_PTR, _I64, _PTR, _I64, _I64],
+}
 
 
 @cache
 def load() -> ctypes.CDLL | None:
     """The built kernel, or None where it cannot run here (logged once)."""
-    lib = open_library(SOURCE, "grouped_gemm_supported", "AVX2/FMA", "layers run on torch kernels")
-    if lib is None:
-        return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for suffix in KERNELS.values():
-        kernel = getattr(lib, f"grouped_gemm_{suffix}")
-        kernel.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64]
-        kernel.restype = None
-    lib.amx_linear_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
-    lib.amx_linear_bf16.restype = None
-    for suffix in KERNELS.values():
-        kernel = getattr(lib, f"rms_norm_{suffix}")
-        kernel.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float]
-        kernel.restype = None
-        kernel = getattr(lib, f"rotate_{suffix}")
-        kernel.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64]
-        kernel.restype = None
-        kernel = getattr(lib, f"add_rms_norm_{suffix}")
-        kernel.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, ctypes.c_float]
-        kernel.restype = None
-        kernel = getattr(lib, f"norm_rotate_{suffix}")
-        kernel.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ctypes.c_float, ptr, ptr, i64]
-        kernel.restype = None
-        kernel = getattr(lib, f"silu_mul_{suffix}")
-        kernel.argtypes = [ptr, i64, ptr, i64, i64]
-        kernel.restype = None
-    return lib
+    functions = {f"{name}_{suffix}": argtypes for name, argtypes in _PER_DTYPE.items()
+                 for suffix in KERNELS.values()}
+    functions["amx_linear_bf16"] = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]
+    return open_library(SOURCE, "grouped_gemm_supported", "AVX2/FMA", "layers run on torch kernels",
+                        functions)
 
 
 @cache

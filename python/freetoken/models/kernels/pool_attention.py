@@ -27,15 +27,10 @@ KERNELS = {torch.float32: "f32", torch.bfloat16: "bf16"}
 @cache
 def load() -> ctypes.CDLL | None:
     """The built kernel, or None where it cannot run here (logged once)."""
-    lib = open_library(SOURCE, "pool_attention_supported", "AVX2/FMA", "attention runs on torch's SDPA")
-    if lib is None:
-        return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for suffix in KERNELS.values():
-        kernel = getattr(lib, f"pool_attention_{suffix}")
-        kernel.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float]
-        kernel.restype = None
-    return lib
+    signature = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float]
+    return open_library(SOURCE, "pool_attention_supported", "AVX2/FMA", "attention runs on torch's SDPA",
+                        {f"pool_attention_{suffix}": signature for suffix in KERNELS.values()})
 
 
 def usable(kv_cache: torch.Tensor) -> bool:

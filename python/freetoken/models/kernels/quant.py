@@ -61,17 +61,13 @@ def row_bytes(qtype: GGMLQuantizationType, k: int) -> int:
 @cache
 def _kernel() -> ctypes.CDLL | None:
     """The built kernel, or None where it cannot run here (logged once)."""
-    lib = open_library(SOURCE, "quant_isa", "AVX2/FMA/F16C", "quantized layers are dequantized at load")
-    if lib is None:
-        return None
-    lib.best_isa = lib.quant_isa()  # asked once more, then kept: CPUID is slow under a hypervisor
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.quant_gemm.argtypes = [i32, i32, ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64, i64]
-    lib.quant_gemm.restype = None
-    lib.quant_gemm_parts.argtypes = [i32, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64]
-    lib.quant_gemm_parts.restype = None
-    lib.quant_dequantize_rows.argtypes = [i32, i32, ptr, i64, ptr, i64, i64, ptr]
-    lib.quant_dequantize_rows.restype = None
+    lib = open_library(SOURCE, "quant_isa", "AVX2/FMA/F16C", "quantized layers are dequantized at load", {
+        "quant_gemm": [i32, i32, ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64, i64],
+        "quant_gemm_parts": [i32, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64],
+        "quant_dequantize_rows": [i32, i32, ptr, i64, ptr, i64, i64, ptr]})
+    if lib is not None:
+        lib.best_isa = lib.quant_isa()  # asked once more, then kept: CPUID is slow under a hypervisor
     return lib
 
 
