@@ -1,5 +1,5 @@
 """pool_attention.c against a float64 softmax written here; a row batched vs alone, one thread vs
-two."""
+two, the AVX2 path vs the AVX-512 one."""
 
 import pytest
 import torch
@@ -22,7 +22,7 @@ def reference(q, cache, keys, sink=None):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 8, 128), (16, 2, 72)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 8, 128), (16, 2, 72), (12, 2, 80)])
 def test_matches_float64_reference_and_batch(dtype, heads, kv_heads, dim):
     gen = torch.Generator().manual_seed(heads * dim)
     cache = torch.randn(1200, 2 * kv_heads, dim, generator=gen).mul(2).to(dtype)
@@ -50,3 +50,9 @@ def test_matches_float64_reference_and_batch(dtype, heads, kv_heads, dim):
             alone = pool_attention.attend(q[r : r + 1], cache, slots[r],
                                           torch.tensor([[0, lo, n]]), sink)
             assert torch.equal(alone[0], batched[r])
+        lib = pool_attention.load()
+        best = lib.pool_attention_set_isa(1)
+        try:
+            assert torch.equal(pool_attention.attend(q, cache, table, ranges, sink), batched)
+        finally:
+            lib.pool_attention_set_isa(best)

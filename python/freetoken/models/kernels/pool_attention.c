@@ -32,9 +32,19 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 
+/* Set by pool_attention_set_isa (the Python side, once: the CPU's best unless capped). */
+static int use_avx512;
+
 int pool_attention_supported(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+/* 2: AVX-512 where the CPU has it, 1: AVX2; returns the path set. */
+int pool_attention_set_isa(int isa) {
+    __builtin_cpu_init();
+    use_avx512 = isa >= 2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+    return use_avx512 ? 2 : 1;
 }
 
 __attribute__((target("avx2,fma"), always_inline)) static inline __m256 load8_f32(const float *p) {
@@ -90,9 +100,18 @@ __attribute__((target("avx2,fma"), always_inline)) static inline __m256 exp8(__m
 /* Softmax weights of n scores in place (exp(s - max), the max over scores and the sink); returns
  * 1 / their sum (the sink's term included). */
 __attribute__((target("avx2,fma"))) static float softmax_weights(float *s, int64_t n, const float *sink) {
-    float max = sink ? *sink : s[0];
-    for (int64_t j = 0; j < n; j++)
-        max = s[j] > max ? s[j] : max;
+    /* The max in 8 lanes: the same value whatever the order (scores are not NaN), in a fraction of
+     * a serial chain's time. */
+    __m256 lanes = _mm256_set1_ps(sink ? *sink : s[0]);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        lanes = _mm256_max_ps(lanes, _mm256_loadu_ps(s + i));
+    float part[8], max = s[0];
+    _mm256_storeu_ps(part, lanes);
+    for (int u = 0; u < 8; u++)
+        max = part[u] > max ? part[u] : max;
+    for (; i < n; i++)
+        max = s[i] > max ? s[i] : max;
     const __m256 m = _mm256_set1_ps(max);
     __m256 acc = _mm256_setzero_ps();
     int64_t j = 0;
@@ -121,75 +140,225 @@ __attribute__((target("avx2,fma"))) static float softmax_weights(float *s, int64
     return 1.0f / sum;
 }
 
-#define DEFINE_POOL_ATTENTION(NAME, T, LOAD)                                                         \
+/* A thread's score buffer, kept between calls (a call's rows may have thousands of keys). */
+static float *thread_scores(int64_t n) {
+    static __thread float *buffer;
+    static __thread int64_t capacity;
+    if (n > capacity) {
+        free(buffer);
+        capacity = n > 4096 ? n : 4096;
+        buffer = malloc(sizeof(float) * capacity);
+    }
+    return buffer;
+}
+
+/* Scores of q against eight keys (fewer: m), scaled, into s: each one FMA chain of 8 lanes
+ * along D, then hsum8x8's tree. */
+#define DEFINE_SCORES8(NAME, T, LOAD)                                                                \
+    __attribute__((target("avx2,fma"), always_inline)) static inline void NAME(                      \
+        const float *qh, const T *const *kp, int m, int64_t D, float scale, float *s) {              \
+        __m256 acc[8];                                                                               \
+        _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();            \
+        if (m == 8) {                                                                                \
+            for (int64_t d = 0; d < D; d += 8) {                                                     \
+                const __m256 qd = _mm256_loadu_ps(qh + d);                                           \
+                _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++)                                  \
+                    acc[u] = _mm256_fmadd_ps(qd, LOAD(kp[u] + d), acc[u]);                           \
+            }                                                                                        \
+        } else {                                                                                     \
+            for (int64_t d = 0; d < D; d += 8) {                                                     \
+                const __m256 qd = _mm256_loadu_ps(qh + d);                                           \
+                for (int u = 0; u < m; u++)                                                          \
+                    acc[u] = _mm256_fmadd_ps(qd, LOAD(kp[u] + d), acc[u]);                           \
+            }                                                                                        \
+        }                                                                                            \
+        float sums[8];                                                                               \
+        _mm256_storeu_ps(sums, _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale)));                  \
+        for (int u = 0; u < m; u++)                                                                  \
+            s[u] = sums[u];                                                                          \
+    }
+
+/* out = sum_j p_j v_j in key order (one FMA chain per lane), times inv, over D in 64-wide parts. */
+#define DEFINE_WEIGHTED_VALUES(NAME, T, LOAD)                                                        \
+    __attribute__((target("avx2,fma"), always_inline)) static inline void NAME(                      \
+        const float *s, const int64_t *keys, int64_t n, const T *v_head, int64_t ld_slot,            \
+        int64_t D, float inv_sum, float *o) {                                                        \
+        const __m256 inv = _mm256_set1_ps(inv_sum);                                                  \
+        for (int64_t c = 0; c < D; c += 64) {                                                        \
+            const int w = D - c < 64 ? (int)(D - c) : 64;                                            \
+            __m256 acc[8];                                                                           \
+            _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();        \
+            if (w == 64) {                                                                           \
+                for (int64_t j = 0; j < n; j++) {                                                    \
+                    const T *v = v_head + keys[j] * ld_slot + c;                                     \
+                    const __m256 p = _mm256_set1_ps(s[j]);                                           \
+                    _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++)                              \
+                        acc[u] = _mm256_fmadd_ps(p, LOAD(v + 8 * u), acc[u]);                        \
+                }                                                                                    \
+            } else {                                                                                 \
+                for (int64_t j = 0; j < n; j++) {                                                    \
+                    const T *v = v_head + keys[j] * ld_slot + c;                                     \
+                    const __m256 p = _mm256_set1_ps(s[j]);                                           \
+                    for (int u = 0; u < w / 8; u++)                                                  \
+                        acc[u] = _mm256_fmadd_ps(p, LOAD(v + 8 * u), acc[u]);                        \
+                }                                                                                    \
+            }                                                                                        \
+            for (int u = 0; u < w / 8; u++)                                                          \
+                _mm256_storeu_ps(o + c + 8 * u, _mm256_mul_ps(acc[u], inv));                         \
+        }                                                                                            \
+    }
+
+/* AVX-512: each output lane's chain is the same FMAs in the same order as on AVX2 (lanes are
+ * independent along D), so both paths give the same bits; sixteen lanes and two query heads of a
+ * kv head at once (one load of a value row for both) keep eight chains in flight. */
+#define AVX512 __attribute__((target("avx512f,avx512dq,avx2,fma"), always_inline)) static inline
+AVX512 __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+AVX512 __m512 load16_bf16(const uint16_t *p) {
+    const __m256i half = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+AVX512 __m512 broadcast8_f32(const float *p) { return _mm512_broadcast_f32x8(_mm256_loadu_ps(p)); }
+AVX512 __m512 broadcast8_bf16(const uint16_t *p) {
+    const __m256 x = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    return _mm512_broadcast_f32x8(x);
+}
+
+/* As SCORES8, for two query heads over the same keys: a key's eight lanes of D meet head 0's in
+ * the low half of a register and head 1's in the high half, each lane the FMA chain SCORES8
+ * runs; then hsum8x8's tree on each half. */
+#define DEFINE_SCORES8X2_512(NAME, T, BROADCAST)                                                     \
+    __attribute__((target("avx512f,avx512dq,avx2,fma"))) static void NAME(                          \
+        const float *q0, const float *q1, const T *const *kp, int m, int64_t D, float scale,         \
+        float *s0, float *s1) {                                                                      \
+        __m512 acc[8];                                                                               \
+        _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) acc[u] = _mm512_setzero_ps();            \
+        for (int64_t d = 0; d < D; d += 8) {                                                         \
+            const __m512 qd = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(q0 + d)),    \
+                                                 _mm256_loadu_ps(q1 + d), 1);                        \
+            if (m == 8) {                                                                            \
+                _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++)                                  \
+                    acc[u] = _mm512_fmadd_ps(qd, BROADCAST(kp[u] + d), acc[u]);                      \
+            } else {                                                                                 \
+                for (int u = 0; u < m; u++)                                                          \
+                    acc[u] = _mm512_fmadd_ps(qd, BROADCAST(kp[u] + d), acc[u]);                      \
+            }                                                                                        \
+        }                                                                                            \
+        __m256 lo[8], hi[8];                                                                         \
+        _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) {                                        \
+            lo[u] = _mm512_castps512_ps256(acc[u]);                                                  \
+            hi[u] = _mm512_extractf32x8_ps(acc[u], 1);                                               \
+        }                                                                                            \
+        float sums[16];                                                                              \
+        _mm256_storeu_ps(sums, _mm256_mul_ps(hsum8x8(lo), _mm256_set1_ps(scale)));                   \
+        _mm256_storeu_ps(sums + 8, _mm256_mul_ps(hsum8x8(hi), _mm256_set1_ps(scale)));               \
+        for (int u = 0; u < m; u++) {                                                                \
+            s0[u] = sums[u];                                                                         \
+            s1[u] = sums[8 + u];                                                                     \
+        }                                                                                            \
+    }
+
+/* As WEIGHTED_VALUES, for two heads' weights s0 and s1 over the same values, D % 16 == 0. */
+#define DEFINE_WEIGHTED_VALUES2_512(NAME, T, LOAD)                                                   \
+    __attribute__((target("avx512f,avx512dq,avx2,fma"))) static void NAME(const float *s0, const float *s1, const int64_t *keys, int64_t n,               \
+                     const T *v_head, int64_t ld_slot, int64_t D, float inv0, float inv1,            \
+                     float *o0, float *o1) {                                                         \
+        for (int64_t c = 0; c < D; c += 64) {                                                        \
+            const int w = D - c < 64 ? (int)(D - c) : 64;                                            \
+            __m512 a0[4], a1[4];                                                                     \
+            _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) a0[u] = a1[u] = _mm512_setzero_ps(); \
+            if (w == 64) {                                                                           \
+                for (int64_t j = 0; j < n; j++) {                                                    \
+                    const T *v = v_head + keys[j] * ld_slot + c;                                     \
+                    const __m512 p0 = _mm512_set1_ps(s0[j]), p1 = _mm512_set1_ps(s1[j]);            \
+                    _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {                            \
+                        const __m512 x = LOAD(v + 16 * u);                                           \
+                        a0[u] = _mm512_fmadd_ps(p0, x, a0[u]);                                       \
+                        a1[u] = _mm512_fmadd_ps(p1, x, a1[u]);                                       \
+                    }                                                                                \
+                }                                                                                    \
+            } else {                                                                                 \
+                for (int64_t j = 0; j < n; j++) {                                                    \
+                    const T *v = v_head + keys[j] * ld_slot + c;                                     \
+                    const __m512 p0 = _mm512_set1_ps(s0[j]), p1 = _mm512_set1_ps(s1[j]);            \
+                    for (int u = 0; u < w / 16; u++) {                                               \
+                        const __m512 x = LOAD(v + 16 * u);                                           \
+                        a0[u] = _mm512_fmadd_ps(p0, x, a0[u]);                                       \
+                        a1[u] = _mm512_fmadd_ps(p1, x, a1[u]);                                       \
+                    }                                                                                \
+                }                                                                                    \
+            }                                                                                        \
+            for (int u = 0; u < w / 16; u++) {                                                       \
+                _mm512_storeu_ps(o0 + c + 16 * u, _mm512_mul_ps(a0[u], _mm512_set1_ps(inv0)));       \
+                _mm512_storeu_ps(o1 + c + 16 * u, _mm512_mul_ps(a1[u], _mm512_set1_ps(inv1)));       \
+            }                                                                                        \
+        }                                                                                            \
+    }
+
+/* Work items are (row, kv head): its query heads' scores first (keys read from memory once, from
+ * L1 by the other heads), then their outputs, two heads at a time where AVX-512 runs. */
+#define DEFINE_POOL_ATTENTION(NAME, T, SCORES8, SCORES8X2_512, WEIGHTED_VALUES, WEIGHTED_VALUES2_512)              \
     __attribute__((target("avx2,fma"))) void NAME(                                                   \
         const float *q, const T *cache, const int64_t *slots, const int64_t *ranges,                 \
         const float *sinks, float *out, int64_t rows, int64_t heads, int64_t kv_heads,               \
         int64_t D, float scale) {                                                                    \
         const int64_t group = heads / kv_heads, ld_slot = 2 * kv_heads * D;                          \
+        const int wide = use_avx512 && D % 16 == 0;                                                  \
         int64_t keys_total = 0;                                                                      \
         for (int64_t r = 0; r < rows; r++)                                                           \
             keys_total += ranges[3 * r + 2] - ranges[3 * r + 1];                                     \
         _Pragma("omp parallel for schedule(dynamic) if (keys_total * heads * D >= PARALLEL_WORK)")   \
-        for (int64_t item = 0; item < rows * heads; item++) {                                        \
-            const int64_t r = item / heads, h = item % heads;                                        \
+        for (int64_t item = 0; item < rows * kv_heads; item++) {                                     \
+            const int64_t r = item / kv_heads, kvh = item % kv_heads;                                \
             const int64_t *keys = slots + ranges[3 * r] + ranges[3 * r + 1];                         \
-            const int64_t n = ranges[3 * r + 2] - ranges[3 * r + 1];                                 \
-            const T *k_head = cache + (h / group) * D, *v_head = cache + (kv_heads + h / group) * D; \
-            const float *qh = q + item * D;                                                          \
-            float *o = out + item * D, *s = malloc(sizeof(float) * (n > 0 ? n : 1));                 \
-            for (int64_t j = 0; j < n; j += 8) {                                                     \
-                const int m = n - j < 8 ? (int)(n - j) : 8;                                          \
-                __m256 acc[8];                                                                       \
-                _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();    \
-                for (int64_t u = j + 8; u < j + 16 && u < n; u++)                                    \
-                    prefetch_row(k_head + keys[u] * ld_slot, D * sizeof(T));                         \
-                for (int64_t d = 0; d < D; d += 8) {                                                 \
-                    const __m256 qd = _mm256_loadu_ps(qh + d);                                       \
-                    if (m == 8) {                                                                    \
-                        _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++)                          \
-                            acc[u] = _mm256_fmadd_ps(qd, LOAD(k_head + keys[j + u] * ld_slot + d), acc[u]); \
-                    } else {                                                                         \
-                        for (int u = 0; u < m; u++)                                                  \
-                            acc[u] = _mm256_fmadd_ps(qd, LOAD(k_head + keys[j + u] * ld_slot + d), acc[u]); \
-                    }                                                                                \
+            const int64_t n = ranges[3 * r + 2] - ranges[3 * r + 1], stride = n > 0 ? n : 1;         \
+            const T *k_head = cache + kvh * D, *v_head = cache + (kv_heads + kvh) * D;               \
+            float *s = thread_scores(group * stride), inv[group];                                    \
+            for (int64_t g = 0; g < group;) {                                                        \
+                const int64_t h = kvh * group + g, pair = wide && g + 2 <= group;                    \
+                const float *qh = q + (r * heads + h) * D;                                           \
+                for (int64_t j = 0; j < n; j += 8) {                                                 \
+                    const int m = n - j < 8 ? (int)(n - j) : 8;                                      \
+                    const T *kp[8];                                                                  \
+                    for (int u = 0; u < m; u++)                                                      \
+                        kp[u] = k_head + keys[j + u] * ld_slot;                                      \
+                    for (int64_t u = j + 8; g == 0 && u < j + 16 && u < n; u++)                      \
+                        prefetch_row(k_head + keys[u] * ld_slot, D * sizeof(T));                     \
+                    if (pair)                                                                        \
+                        SCORES8X2_512(qh, qh + D, kp, m, D, scale, s + g * stride + j,               \
+                                      s + (g + 1) * stride + j);                                     \
+                    else                                                                             \
+                        SCORES8(qh, kp, m, D, scale, s + g * stride + j);                            \
                 }                                                                                    \
-                float sums[8];                                                                       \
-                _mm256_storeu_ps(sums, _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale)));          \
-                for (int u = 0; u < m; u++)                                                          \
-                    s[j + u] = sums[u];                                                              \
+                for (int64_t e = g + 1 + pair; g < e; g++)                                           \
+                    inv[g] = n > 0 ? softmax_weights(s + g * stride, n, sinks ? sinks + kvh * group + g : 0) : 0.0f; \
             }                                                                                        \
-            const __m256 inv = _mm256_set1_ps(n > 0 ? softmax_weights(s, n, sinks ? sinks + h : 0) : 0.0f); \
-            for (int64_t c = 0; c < D; c += 64) {                                                    \
-                const int w = D - c < 64 ? (int)(D - c) : 64;                                        \
-                __m256 acc[8];                                                                       \
-                _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();    \
-                for (int64_t j = 0; j < n; j++) {                                                    \
-                    const T *v = v_head + keys[j] * ld_slot + c;                                     \
-                    const __m256 p = _mm256_set1_ps(s[j]);                                           \
-                    if (j + 4 < n)                                                                   \
-                        prefetch_row(v_head + keys[j + 4] * ld_slot + c, w * sizeof(T));             \
-                    if (w == 64) {                                                                   \
-                        _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++)                          \
-                            acc[u] = _mm256_fmadd_ps(p, LOAD(v + 8 * u), acc[u]);                    \
-                    } else {                                                                         \
-                        for (int u = 0; u < w / 8; u++)                                              \
-                            acc[u] = _mm256_fmadd_ps(p, LOAD(v + 8 * u), acc[u]);                    \
-                    }                                                                                \
-                }                                                                                    \
-                for (int u = 0; u < w / 8; u++)                                                      \
-                    _mm256_storeu_ps(o + c + 8 * u, _mm256_mul_ps(acc[u], inv));                     \
-            }                                                                                        \
-            free(s);                                                                                 \
+            float *o = out + (r * heads + kvh * group) * D;                                          \
+            int64_t g = 0;                                                                           \
+            for (; wide && g + 2 <= group; g += 2)                                                   \
+                WEIGHTED_VALUES2_512(s + g * stride, s + (g + 1) * stride, keys, n, v_head, ld_slot, \
+                                     D, inv[g], inv[g + 1], o + g * D, o + (g + 1) * D);             \
+            for (; g < group; g++)                                                                   \
+                WEIGHTED_VALUES(s + g * stride, keys, n, v_head, ld_slot, D, inv[g], o + g * D);     \
         }                                                                                            \
     }
 
-DEFINE_POOL_ATTENTION(pool_attention_f32, float, load8_f32)
-DEFINE_POOL_ATTENTION(pool_attention_bf16, uint16_t, load8_bf16)
+DEFINE_SCORES8(scores8_f32, float, load8_f32)
+DEFINE_SCORES8(scores8_bf16, uint16_t, load8_bf16)
+DEFINE_WEIGHTED_VALUES(weighted_values_f32, float, load8_f32)
+DEFINE_WEIGHTED_VALUES(weighted_values_bf16, uint16_t, load8_bf16)
+DEFINE_WEIGHTED_VALUES2_512(weighted_values2_512_f32, float, load16_f32)
+DEFINE_WEIGHTED_VALUES2_512(weighted_values2_512_bf16, uint16_t, load16_bf16)
+DEFINE_SCORES8X2_512(scores8x2_512_f32, float, broadcast8_f32)
+DEFINE_SCORES8X2_512(scores8x2_512_bf16, uint16_t, broadcast8_bf16)
+
+DEFINE_POOL_ATTENTION(pool_attention_f32, float, scores8_f32, scores8x2_512_f32, weighted_values_f32, weighted_values2_512_f32)
+DEFINE_POOL_ATTENTION(pool_attention_bf16, uint16_t, scores8_bf16, scores8x2_512_bf16, weighted_values_bf16, weighted_values2_512_bf16)
 
 #else
 
 int pool_attention_supported(void) { return 0; }
+int pool_attention_set_isa(int isa) { return 0; }
 void pool_attention_f32(void) {}
 void pool_attention_bf16(void) {}
 

@@ -29,8 +29,13 @@ def load() -> ctypes.CDLL | None:
     """The built kernel, or None where it cannot run here (logged once)."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     signature = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float]
-    return open_library(SOURCE, "pool_attention_supported", "AVX2/FMA", "attention runs on torch's SDPA",
-                        {f"pool_attention_{suffix}": signature for suffix in KERNELS.values()})
+    lib = open_library(SOURCE, "pool_attention_supported", "AVX2/FMA", "attention runs on torch's SDPA",
+                       {f"pool_attention_{suffix}": signature for suffix in KERNELS.values()}
+                       | {"pool_attention_set_isa": [ctypes.c_int]})
+    if lib is not None:
+        lib.pool_attention_set_isa.restype = ctypes.c_int
+        lib.pool_attention_set_isa(2)  # AVX-512 where the CPU has it: the same bits as AVX2
+    return lib
 
 
 def usable(kv_cache: torch.Tensor) -> bool:
