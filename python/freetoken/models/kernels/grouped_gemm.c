@@ -328,19 +328,93 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void silu_mul8_
     pack_bf16(y, round_bf16(_mm256_mul_ps(s, load8_bf16(up))));
 }
 
+/* The same, sixteen lanes at a time on AVX-512: each lane the operations above in the same order
+ * (a compare's mask in place of a blend's), so the same bits. */
+#define AVX512_INLINE __attribute__((target("avx512f,avx2,fma"), always_inline)) static inline
+
+AVX512_INLINE __m512 pow2i16(__m512i q) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(0x7f)), 23));
+}
+
+AVX512_INLINE __m512 exp16(__m512 d) {
+    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(d, _mm512_set1_ps(1.442695040888963407359924681001892137426645954152985934135449406931f)));
+    const __m512 qf = _mm512_cvtepi32_ps(q);
+    __m512 s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-0.693145751953125f), d);
+    s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-1.428606765330187045e-06f), s);
+    __m512 u = _mm512_set1_ps(0.000198527617612853646278381f);
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00139304355252534151077271f));
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00833336077630519866943359f));
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.0416664853692054748535156f));
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.166666671633720397949219f));
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.5f));
+    u = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_fmadd_ps(_mm512_mul_ps(s, s), u, s));
+    const __m512i h = _mm512_srai_epi32(q, 1);
+    u = _mm512_mul_ps(_mm512_mul_ps(u, pow2i16(h)), pow2i16(_mm512_sub_epi32(q, h)));
+    u = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(d, _mm512_set1_ps(-104.0f), _CMP_LT_OQ), u, _mm512_setzero_ps());
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_set1_ps(100.0f), d, _CMP_LT_OQ), u,
+                                _mm512_set1_ps(__builtin_inff()));
+}
+
+AVX512_INLINE __m512 silu16(__m512 x) {
+    const __m512 e = exp16(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000))));
+    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
+AVX512_INLINE __m512 load16_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* round_bf16 on sixteen lanes. */
+AVX512_INLINE __m512i round16_bf16(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v), high = _mm512_srli_epi32(bits, 16);
+    const __m512i lsb = _mm512_and_si512(high, _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded,
+                                   _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
+}
+
+AVX512_INLINE void silu_mul16_f32(float *y, const float *gate, const float *up) {
+    _mm512_storeu_ps(y, _mm512_mul_ps(silu16(_mm512_loadu_ps(gate)), _mm512_loadu_ps(up)));
+}
+
+AVX512_INLINE void silu_mul16_bf16(uint16_t *y, const uint16_t *gate, const uint16_t *up) {
+    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(round16_bf16(silu16(load16_bf16(gate))), 16));
+    _mm256_storeu_si256((__m256i *)y, _mm512_cvtepi32_epi16(round16_bf16(_mm512_mul_ps(s, load16_bf16(up)))));
+}
+
+/* Elements below which a call stays on 8 lanes: a decode step's few rows took longer on 16 (the
+ * wide units' start-up after the Python between calls). */
+#define WIDE_WORK 16384
+
 /* SwiGLU of a fused gate/up projection x [M, 2 * half] (rows ldx apart, half % 8 == 0) into
- * y [M, half] contiguous: every element on the vector formula, whatever its row's place. */
-#define DEFINE_SILU_MUL(NAME, T, SILU_MUL)                                                       \
+ * y [M, half] contiguous: every element on the vector formula, whatever its row's place or the
+ * width of the vectors that ran it. */
+#define DEFINE_SILU_MUL(NAME, T, SILU_MUL, SILU_MUL16)                                           \
+    __attribute__((target("avx512f,avx2,fma"))) static void NAME##_512(                          \
+        const T *x, int64_t ldx, T *y, int64_t r, int64_t half) {                                \
+        int64_t k = 0;                                                                           \
+        for (; k + 16 <= half; k += 16)                                                          \
+            SILU_MUL16(y + r * half + k, x + r * ldx + k, x + r * ldx + half + k);               \
+        for (; k < half; k += 8)                                                                 \
+            SILU_MUL(y + r * half + k, x + r * ldx + k, x + r * ldx + half + k);                 \
+    }                                                                                            \
     __attribute__((target("avx2,fma"))) void NAME(const T *x, int64_t ldx, T *y, int64_t M,      \
                                                   int64_t half) {                                \
+        const int wide = M * half >= WIDE_WORK && __builtin_cpu_supports("avx512f");             \
         _Pragma("omp parallel for if (M * half >= 32768)")                                       \
-        for (int64_t r = 0; r < M; r++)                                                          \
+        for (int64_t r = 0; r < M; r++) {                                                        \
+            if (wide) {                                                                          \
+                NAME##_512(x, ldx, y, r, half);                                                  \
+                continue;                                                                        \
+            }                                                                                    \
             for (int64_t k = 0; k < half; k += 8)                                                \
                 SILU_MUL(y + r * half + k, x + r * ldx + k, x + r * ldx + half + k);             \
+        }                                                                                        \
     }
 
-DEFINE_SILU_MUL(silu_mul_f32, float, silu_mul8_f32)
-DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, silu_mul8_bf16)
+DEFINE_SILU_MUL(silu_mul_f32, float, silu_mul8_f32, silu_mul16_f32)
+DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, silu_mul8_bf16, silu_mul16_bf16)
 
 
 #if defined(__linux__) && (defined(__clang__) || __GNUC__ >= 11) /* AMX intrinsics, arch_prctl */
