@@ -470,15 +470,15 @@ AVX512 static void rows_avx512(const float *x, int64_t ldx, int64_t rows, const 
 #define FEW_I8(Q, SCALE, C) FEW_FMA(C, i8_512(Q, SCALE))
 #define FEW_U8_FMA(Q, D, M, C) FEW_FMA(C, u8_fma_512(Q, D, M))
 
-/* The super-block formats, a block of the four columns at a time, in PARTS parts that go round
- * the columns (so that each column's chains wait on the others' work, not on their own FMAs);
+/* The super-block formats, a block of the few_cols columns at a time, in PARTS parts that go
+ * round the columns (so that each column's chains wait on the others' work, not on their own FMAs);
  * PART reads column n's block b, its scales s, and adds values from k = dst on. */
 #define FEW_SUPER(SCALES, PARTS, PART)                                                           \
     for (int64_t blk = 0; blk < K / 256; blk++) {                                                \
         float scales[4][16];                                                                     \
-        for (int n = 0; n < 4; n++) SCALES(col[n] + blk * size, scales[n]);                      \
+        for (int n = 0; n < few_cols; n++) SCALES(col[n] + blk * size, scales[n]);               \
         for (int i = 0; i < PARTS; i++)                                                          \
-            for (int n = 0; n < 4; n++) {                                                        \
+            for (int n = 0; n < few_cols; n++) {                                                 \
                 const uint8_t *b = col[n] + blk * size;                                          \
                 const float *s = scales[n];                                                      \
                 const int64_t dst = 256 * blk;                                                   \
@@ -493,26 +493,28 @@ AVX512 static void rows_avx512(const float *x, int64_t ldx, int64_t rows, const 
 
 #define FEW_PAIRS(PAIR)                                                                          \
     for (int64_t blk = 0; blk < K / 32; blk++)                                                   \
-        for (int n = 0; n < 4; n++) {                                                            \
+        for (int n = 0; n < few_cols; n++) {                                                     \
             __m512 lo, hi;                                                                       \
             PAIR(col[n] + blk * size, &lo, &hi);                                                 \
             FEW_FMA(32 * blk, lo)                                                                \
             FEW_FMA(32 * blk + 16, hi)                                                           \
         }
 
-#define FEW_TILE(ROWS)                                                                           \
-    AVX512 static void few_avx512_##ROWS(int type, const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, \
-                                         int cols, int64_t K, float *y, int64_t ldy, const float *bias) { \
-        const int64_t size = block_bytes(type), few_rows = ROWS;                                 \
-        const uint8_t *col[4];                                                                   \
-        for (int n = 0; n < 4; n++) col[n] = w + (n < cols ? n : cols - 1) * ldw;                \
+/* ROWS rows by COLS (4 or 2) columns. */
+#define FEW_TILE(ROWS, COLS)                                                                     \
+    AVX512 static void few_avx512_##ROWS##x##COLS(int type, const float *x, int64_t ldx, const uint8_t *w, \
+                                                  int64_t ldw, int cols, int64_t K, float *y, int64_t ldy, \
+                                                  const float *bias) {                           \
+        const int64_t size = block_bytes(type), few_rows = ROWS, few_cols = COLS;               \
+        const uint8_t *col[COLS];                                                                \
+        for (int n = 0; n < COLS; n++) col[n] = w + (n < cols ? n : cols - 1) * ldw;             \
         /* The columns NT on, which the memory system would otherwise fetch only when asked. */   \
-        for (int n = 0; n < 4; n++)                                                              \
+        for (int n = 0; n < COLS; n++)                                                           \
             for (int64_t b = 0; b < K / block_values(type) * size; b += 64)                      \
                 _mm_prefetch((const char *)w + (n + NT) * ldw + b, _MM_HINT_T0);                 \
-        __m512 a[ROWS][4];                                                                       \
+        __m512 a[ROWS][COLS];                                                                    \
         for (int r = 0; r < ROWS; r++)                                                           \
-            for (int n = 0; n < 4; n++) a[r][n] = _mm512_setzero_ps();                           \
+            for (int n = 0; n < COLS; n++) a[r][n] = _mm512_setzero_ps();                        \
         switch (type) {                                                                          \
         case Q8_0: FEW_PAIRS(pair_q8_0_512) break;                                               \
         case Q4_0: FEW_PAIRS(pair_q4_0_512) break;                                               \
@@ -522,21 +524,41 @@ AVX512 static void rows_avx512(const float *x, int64_t ldx, int64_t rows, const 
         case Q5_K: FEW_SUPER(k_scales, 8, Q5_K_PART(FEW_U8_FMA, _mm512_set1_ps, i)) break;      \
         case Q6_K: FEW_SUPER(q6_scales, 8, Q6_K_PART(FEW_I8, _mm512_set1_ps, i)) break;         \
         }                                                                                        \
-        for (int r = 0; r < ROWS; r++) {                                                         \
+        for (int r = 0; r < ROWS; r++) { /* (with two columns, each finished twice) */         \
             float out[4];                                                                        \
-            finish_avx512(a[r][0], a[r][1], a[r][2], a[r][3], out);                              \
+            finish_avx512(a[r][0], a[r][1], a[r][2 % COLS], a[r][3 % COLS], out);                \
             for (int n = 0; n < cols; n++) y[r * ldy + n] = bias ? out[n] + bias[n] : out[n];    \
         }                                                                                        \
     }
-FEW_TILE(1)
-FEW_TILE(2)
-FEW_TILE(3)
-FEW_TILE(4)
+FEW_TILE(1, 4)
+FEW_TILE(2, 4)
+FEW_TILE(3, 4)
+FEW_TILE(4, 4)
+FEW_TILE(5, 2)
+FEW_TILE(6, 2)
+FEW_TILE(7, 2)
+FEW_TILE(8, 2)
 
 /* Rows [0, rows), rows <= FEW, against output columns [0, cols) of w: four columns by up to four
- * rows at a time (8 rows dequantize each block twice, still cheaper than the panel's stores). */
+ * rows at a time (8 rows dequantize each block twice, still cheaper than the panel's stores);
+ * the super-block formats, whose dequantization costs more, run 5-8 rows in one pass, two
+ * columns at a time. */
 static void few_avx512(int type, const float *x, int64_t ldx, int64_t rows, const uint8_t *w, int64_t ldw,
                        int cols, int64_t K, float *y, int64_t ldy, const float *bias) {
+    if (rows > 4 && block_values(type) == 256) {
+        for (int n = 0; n < cols; n += 2) {
+            const int c2 = cols - n < 2 ? cols - n : 2;
+            const uint8_t *wn = w + n * ldw;
+            const float *bn = bias ? bias + n : 0;
+            switch (rows) {
+            case 5: few_avx512_5x2(type, x, ldx, wn, ldw, c2, K, y + n, ldy, bn); break;
+            case 6: few_avx512_6x2(type, x, ldx, wn, ldw, c2, K, y + n, ldy, bn); break;
+            case 7: few_avx512_7x2(type, x, ldx, wn, ldw, c2, K, y + n, ldy, bn); break;
+            default: few_avx512_8x2(type, x, ldx, wn, ldw, c2, K, y + n, ldy, bn); break;
+            }
+        }
+        return;
+    }
     for (int n = 0; n < cols; n += 4) {
         const int c4 = cols - n < 4 ? cols - n : 4;
         const uint8_t *wn = w + n * ldw;
@@ -545,10 +567,10 @@ static void few_avx512(int type, const float *x, int64_t ldx, int64_t rows, cons
             const float *xr = x + r * ldx;
             float *yr = y + r * ldy + n;
             switch (rows - r < 4 ? rows - r : 4) {
-            case 1: few_avx512_1(type, xr, ldx, wn, ldw, c4, K, yr, ldy, bn); break;
-            case 2: few_avx512_2(type, xr, ldx, wn, ldw, c4, K, yr, ldy, bn); break;
-            case 3: few_avx512_3(type, xr, ldx, wn, ldw, c4, K, yr, ldy, bn); break;
-            default: few_avx512_4(type, xr, ldx, wn, ldw, c4, K, yr, ldy, bn); break;
+            case 1: few_avx512_1x4(type, xr, ldx, wn, ldw, c4, K, yr, ldy, bn); break;
+            case 2: few_avx512_2x4(type, xr, ldx, wn, ldw, c4, K, yr, ldy, bn); break;
+            case 3: few_avx512_3x4(type, xr, ldx, wn, ldw, c4, K, yr, ldy, bn); break;
+            default: few_avx512_4x4(type, xr, ldx, wn, ldw, c4, K, yr, ldy, bn); break;
             }
         }
     }
