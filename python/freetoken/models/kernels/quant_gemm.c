@@ -147,10 +147,12 @@ AVX2 INLINE void q6_scales(const uint8_t *b, float s[16]) {
     _mm256_storeu_ps(s + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))), d));
 }
 
-/* Q5_K's 16 5-bit codes of sub-block j from 16 bytes of nibbles and the matching 16 of qh. */
-AVX2 INLINE __m128i q5_codes(__m128i q, __m128i qh, int j) {
-    const __m128i high = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(qh, j), _mm_set1_epi8(1)), 4);
-    return _mm_or_si128(j & 1 ? high_nibbles(q) : low_nibbles(q), high);
+/* Q5_K's 32 5-bit codes of sub-block j: nibble j % 2 of qs[32(j / 2) + v], bit j of qh[v]. */
+AVX2 INLINE __m256i q5_codes(const uint8_t *b, int j) {
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 48 + 32 * (j / 2)));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16)), four = _mm256_set1_epi8(0x0F);
+    const __m256i low = j & 1 ? _mm256_and_si256(_mm256_srli_epi16(q, 4), four) : _mm256_and_si256(q, four);
+    return _mm256_or_si256(low, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, j), _mm256_set1_epi8(1)), 4));
 }
 
 /* Q6_K's 32 codes minus 32 of group t in half h (values 128h + 32t on): in half h, value v takes
@@ -167,10 +169,11 @@ AVX2 INLINE __m256i q6_codes(const uint8_t *b, int h, int t) {
  * by PUT(codes, scale(s), dst + k): dst a pointer, or (the few-row path, which multiplies instead
  * of storing) an offset along K. */
 #define Q5_K_PART(PUT, SET, i)                                                                   \
-    for (int p = 0; p < 2; p++)                                                                  \
-        PUT(q5_codes(_mm_loadu_si128((const __m128i *)(b + 48 + 32 * ((i) / 2) + 16 * p)),       \
-                     _mm_loadu_si128((const __m128i *)(b + 16 + 16 * p)), i),                    \
-            SET(s[i]), SET(s[8 + (i)]), dst + 32 * (i) + 16 * p);
+    {                                                                                            \
+        const __m256i codes = q5_codes(b, i);                                                    \
+        PUT(_mm256_castsi256_si128(codes), SET(s[i]), SET(s[8 + (i)]), dst + 32 * (i));          \
+        PUT(_mm256_extracti128_si256(codes, 1), SET(s[i]), SET(s[8 + (i)]), dst + 32 * (i) + 16); \
+    }
 
 /* Half h = i / 4, group t = i % 4 of q6_codes; sub-blocks 2i and 2i + 1. */
 #define Q6_K_PART(PUT, SET, i)                                                                   \
