@@ -28,7 +28,6 @@ from pathlib import Path
 import _bench_common as bc
 from _llama_cpp_child import rss_mb
 from bench_gguf_load import synthetic_model
-
 from freetoken.models.gguf_file import open_gguf, planned_bytes
 from freetoken.models.registry import load_model
 from freetoken.paths import ModelNotFound
