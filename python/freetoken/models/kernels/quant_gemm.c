@@ -458,11 +458,11 @@ AVX512 static void rows_avx512(const float *x, int64_t ldx, int64_t rows, const 
         }
 }
 
-/* AVX-512, few rows (a decode step's): up to 4 rows by four columns over the whole of K, each
- * block dequantized in registers and multiplied at once: no panel, no lanes kept in memory. The lanes run
- * the very chains of tile_avx512 (one FMA per chunk, in chunk order) and end in the same
- * finish_avx512, so a row gets the same bits here as through the panel. Columns past `cols`
- * repeat the last one (their sums are not written). */
+/* AVX-512, few rows (a decode step's): up to 4 rows by four columns (or 5-8 rows by two) over the
+ * whole of K, each block dequantized in registers and multiplied at once: no panel, no lanes
+ * kept in memory. The lanes run the very chains of tile_avx512 (one FMA per chunk, in chunk
+ * order) and end in the same finish_avx512, so a row gets the same bits here as through the
+ * panel. Columns past `cols` repeat the last one (their sums are not written). */
 #define FEW 8
 
 #define FEW_FMA(C, W)                                                                            \
