@@ -29,9 +29,10 @@ items of 24 tokens, max_tokens 1, the cache warmed with one item) against no cac
 `--tables speculative` (not in the default run): decode with prompt-lookup speculation against
 plain decoding, on a copy-heavy workload and on free generation (scripts/_bench_speculative.py);
 `--speculative-method mtp --speculative-model FOLDER` drafts with a checkpoint's MTP head.
-`--tables quantized` (not in the default run): the default GGUF's blocks kept quantized against
-our float32 run on them dequantized, and llama.cpp where installed, with memory
-(scripts/_bench_quantized.py); scripts/bench_gguf_load.py measures loading a real-size GGUF.
+`--tables quantized` (not in the default run): a GGUF's blocks kept quantized (the default model's,
+or --quantized-models 8b: a synthetic Qwen3-8B) against our float32 and bfloat16 runs on them
+dequantized, and llama.cpp where installed, with memory (scripts/_bench_quantized.py);
+scripts/bench_gguf_load.py measures loading a real-size GGUF.
 
     python scripts/bench_engine.py                 # float32, about 2-3 minutes on 2 cores
     python scripts/bench_engine.py --quick
@@ -44,6 +45,7 @@ our float32 run on them dequantized, and llama.cpp where installed, with memory
     python scripts/bench_engine.py --tables speculative   # about 2 minutes on 2 cores
     python scripts/bench_engine.py --tables quantized --quick
     python scripts/bench_engine.py --tables quantized --quick --skip-hf --llama-python /tmp/llamavenv/bin/python
+    python scripts/bench_engine.py --tables quantized --quick --quantized-models 8b --llama-cpp-bin BIN
 """
 
 from __future__ import annotations
@@ -222,6 +224,14 @@ def main() -> None:
                         "at every batch (default $FREETOKEN_LLAMA_CPP_BIN; else llama-cpp-python)")
     p.add_argument("--llama-cpp-args", default="",
                    help="extra arguments to llama-batched-bench (e.g. '--no-repack')")
+    p.add_argument("--quantized-models", default="default",
+                   help="the quantized table's GGUFs, comma-separated: default (the default model's), "
+                        "8b (a synthetic Qwen3-8B-shaped Q4_K_M, 4.1 GiB, written under the cache once) "
+                        "or a path")
+    p.add_argument("--dequantized-dtypes", default="float32,bfloat16",
+                   help="the quantized table's runs of ours on the blocks dequantized at load")
+    p.add_argument("--dequantized-max-gib", type=float, default=8.0,
+                   help="skip a dequantized run whose weights would hold more than this")
     p.add_argument("--tensor-parallel-size", "--tp-size", type=int, default=1,
                    help="our engine over N CPU ranks on this machine (gloo): the tables run on "
                    "them (no HF), and the tp table compares ms per step with TP=1 (default "

@@ -204,6 +204,23 @@ def _group_rss(pid: int) -> float:
     return total / 2**30
 
 
+def synthetic_model(shape: str = "qwen3-8b", layers: int | None = None, path: Path | None = None) -> Path:
+    """The synthetic model of `shape` (SHAPES) with `layers` decoder layers (default: the shape's):
+    at `path`, default under the cache, written there first where absent."""
+    from freetoken.paths import cache_root
+
+    layers = layers or SHAPES[shape]["layers"]
+    path = path or cache_root() / "bench-models" / f"{shape}-shape-q4_k_m-{layers}l.gguf"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        tmp = path.with_suffix(".tmp")
+        write_model(tmp, layers, SHAPES[shape])
+        tmp.replace(path)
+        print(f"# wrote {path} in {time.perf_counter() - t0:.0f} s", flush=True)
+    return path
+
+
 def main() -> None:
     p = bc.base_parser(__doc__.split("\n")[0], repeats=False)
     p.add_argument("--shape", choices=list(SHAPES), default="qwen3-8b", help="the model whose shapes to take")
@@ -214,18 +231,8 @@ def main() -> None:
     p.add_argument("--no-forward", action="store_true", help="measure the load only")
     args = p.parse_args()
     bc.setup(args)
-    from freetoken.paths import cache_root
-
-    shape = SHAPES[args.shape]
-    layers = 4 if args.quick else args.layers or shape["layers"]
-    path = args.path or cache_root() / "bench-models" / f"{args.shape}-shape-q4_k_m-{layers}l.gguf"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        t0 = time.perf_counter()
-        tmp = path.with_suffix(".tmp")
-        write_model(tmp, layers, shape)
-        tmp.replace(path)
-        print(f"# wrote {path} in {time.perf_counter() - t0:.0f} s")
+    layers = 4 if args.quick else args.layers or SHAPES[args.shape]["layers"]
+    path = synthetic_model(args.shape, layers, args.path)
     if args.serve:
         serve(path, args.threads)
         return

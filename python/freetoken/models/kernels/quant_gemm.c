@@ -92,12 +92,18 @@ AVX2 INLINE void put_u8_fma(__m128i q, __m256 d, __m256 m, float *dst) { /* 16 u
     _mm256_storeu_ps(dst + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8))), d, m));
 }
 
-AVX512 INLINE void put_i8_512(__m128i q, __m512 scale, float *dst) {
-    _mm512_storeu_ps(dst, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), scale));
+AVX512 INLINE __m512 i8_512(__m128i q, __m512 scale) {
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), scale);
 }
 
+AVX512 INLINE __m512 u8_fma_512(__m128i q, __m512 d, __m512 m) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)), d, m);
+}
+
+AVX512 INLINE void put_i8_512(__m128i q, __m512 scale, float *dst) { _mm512_storeu_ps(dst, i8_512(q, scale)); }
+
 AVX512 INLINE void put_u8_fma_512(__m128i q, __m512 d, __m512 m, float *dst) {
-    _mm512_storeu_ps(dst, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)), d, m));
+    _mm512_storeu_ps(dst, u8_fma_512(q, d, m));
 }
 
 AVX512 INLINE __m512 iota_512(void) {
@@ -115,48 +121,77 @@ INLINE float e8m0_half(uint8_t e) {
     return scale;
 }
 
-/* Q4_K and Q5_K: 8 sub-blocks of 32, each with a 6-bit scale and minimum packed in 12 bytes. */
-INLINE void k_scales(const uint8_t *b, float sc[8], float mn[8]) {
-    const uint8_t *s = b + 4;
-    for (int j = 0; j < 8; j++) {
-        sc[j] = (float)(j < 4 ? s[j] & 63 : (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4));
-        mn[j] = (float)(j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+/* Q4_K and Q5_K: 8 sub-blocks of 32, each a 6-bit scale and minimum packed in 12 bytes, to
+ * s[j] = d * scale_j and s[8 + j] = -(dmin * min_j) (exact products), unpacked four bytes to a
+ * word: scale_j, j < 4, is byte j's low 6 bits, scale_(4+i) byte 8+i's low nibble under byte i's
+ * top 2 bits; min_j likewise from bytes 4+j, and byte 8+i's high nibble under byte 4+i's top 2. */
+AVX2 INLINE void k_scales(const uint8_t *b, float s[16]) {
+    uint32_t u[4];
+    memcpy(u, b + 4, 12);
+    const uint32_t six = 0x3F3F3F3F, four = 0x0F0F0F0F, two = 0x03030303, low_mins = u[1] & six;
+    u[3] = ((u[2] >> 4) & four) | (((u[1] >> 6) & two) << 4);
+    u[1] = (u[2] & four) | (((u[0] >> 6) & two) << 4);
+    u[2] = low_mins;
+    u[0] &= six;
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)u);
+    _mm256_storeu_ps(s, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), _mm256_set1_ps(half(b))));
+    _mm256_storeu_ps(s + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))),
+                                          _mm256_set1_ps(-half(b + 2))));
+}
+
+/* Q6_K: 16 sub-blocks of 16, each an int8 scale: s[j] = d * scale_j (exact products). */
+AVX2 INLINE void q6_scales(const uint8_t *b, float s[16]) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)(b + 192));
+    const __m256 d = _mm256_set1_ps(half(b + 208));
+    _mm256_storeu_ps(s, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), d));
+    _mm256_storeu_ps(s + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))), d));
+}
+
+/* Q5_K's 32 5-bit codes of sub-block j: nibble j % 2 of qs[32(j / 2) + v], bit j of qh[v]. */
+AVX2 INLINE __m256i q5_codes(const uint8_t *b, int j) {
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 48 + 32 * (j / 2)));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16)), four = _mm256_set1_epi8(0x0F);
+    const __m256i low = j & 1 ? _mm256_and_si256(_mm256_srli_epi16(q, 4), four) : _mm256_and_si256(q, four);
+    return _mm256_or_si256(low, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, j), _mm256_set1_epi8(1)), 4));
+}
+
+/* Q6_K's 32 codes minus 32 of group t in half h (values 128h + 32t on): in half h, value v takes
+ * the nibble v/64 of ql[64h + v%64] and the bit pair v/32 of qh[32h + v%32]. */
+AVX2 INLINE __m256i q6_codes(const uint8_t *b, int h, int t) {
+    const __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (t & 1)));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)), four = _mm256_set1_epi8(0x0F);
+    const __m256i low = t >> 1 ? _mm256_and_si256(_mm256_srli_epi16(ql, 4), four) : _mm256_and_si256(ql, four);
+    const __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), _mm256_set1_epi8(3)), 4);
+    return _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
+}
+
+/* Values 32i to 32i + 31 of a super-block b whose scales are s (k_scales, q6_scales), 16 at a time
+ * by PUT(codes, scale(s), dst + k): dst a pointer, or (the few-row path, which multiplies instead
+ * of storing) an offset along K. */
+#define Q5_K_PART(PUT, SET, i)                                                                   \
+    {                                                                                            \
+        const __m256i codes = q5_codes(b, i);                                                    \
+        PUT(_mm256_castsi256_si128(codes), SET(s[i]), SET(s[8 + (i)]), dst + 32 * (i));          \
+        PUT(_mm256_extracti128_si256(codes, 1), SET(s[i]), SET(s[8 + (i)]), dst + 32 * (i) + 16); \
     }
-}
 
-/* Q5_K's 16 5-bit codes of sub-block j from 16 bytes of nibbles and the matching 16 of qh. */
-AVX2 INLINE __m128i q5_codes(__m128i q, __m128i qh, int j) {
-    const __m128i high = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(qh, j), _mm_set1_epi8(1)), 4);
-    return _mm_or_si128(j & 1 ? high_nibbles(q) : low_nibbles(q), high);
-}
-
-/* Q6_K's 16 codes minus 32: in half h, value v takes the nibble v/64 of ql[64h + v%64] and the
- * bit pair v/32 of qh[32h + v%32]; part p of group t is values 32t + 16p of the half. */
-AVX2 INLINE __m128i q6_codes(const uint8_t *b, int h, int t, int p) {
-    const __m128i ql = _mm_loadu_si128((const __m128i *)(b + 64 * h + 32 * (t & 1) + 16 * p));
-    const __m128i qh = _mm_loadu_si128((const __m128i *)(b + 128 + 32 * h + 16 * p));
-    const __m128i high = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(qh, 2 * t), _mm_set1_epi8(3)), 4);
-    return _mm_sub_epi8(_mm_or_si128(t >> 1 ? high_nibbles(ql) : low_nibbles(ql), high), _mm_set1_epi8(32));
-}
+/* Half h = i / 4, group t = i % 4 of q6_codes; sub-blocks 2i and 2i + 1. */
+#define Q6_K_PART(PUT, SET, i)                                                                   \
+    {                                                                                            \
+        const __m256i codes = q6_codes(b, (i) / 4, (i) % 4);                                     \
+        PUT(_mm256_castsi256_si128(codes), SET(s[2 * (i)]), dst + 32 * (i));                     \
+        PUT(_mm256_extracti128_si256(codes, 1), SET(s[2 * (i) + 1]), dst + 32 * (i) + 16);       \
+    }
 
 #define Q5_K_BODY(PUT, SET)                                                                      \
-    float sc[8], mn[8];                                                                          \
-    k_scales(b, sc, mn);                                                                         \
-    const float d = half(b), dmin = half(b + 2);                                                 \
-    for (int j = 0; j < 8; j++)                                                                  \
-        for (int p = 0; p < 2; p++)                                                              \
-            PUT(q5_codes(_mm_loadu_si128((const __m128i *)(b + 48 + 32 * (j / 2) + 16 * p)),     \
-                         _mm_loadu_si128((const __m128i *)(b + 16 + 16 * p)), j),                \
-                SET(d * sc[j]), SET(-(dmin * mn[j])), dst + 32 * j + 16 * p);
+    float s[16];                                                                                 \
+    k_scales(b, s);                                                                              \
+    for (int i = 0; i < 8; i++) Q5_K_PART(PUT, SET, i)
 
 #define Q6_K_BODY(PUT, SET)                                                                      \
-    const float d = half(b + 208);                                                               \
-    const int8_t *scales = (const int8_t *)(b + 192);                                            \
-    for (int h = 0; h < 2; h++)                                                                  \
-        for (int t = 0; t < 4; t++)                                                              \
-            for (int p = 0; p < 2; p++)                                                          \
-                PUT(q6_codes(b, h, t, p), SET(d * (float)scales[8 * h + 2 * t + p]),             \
-                    dst + 128 * h + 32 * t + 16 * p);
+    float s[16];                                                                                 \
+    q6_scales(b, s);                                                                             \
+    for (int i = 0; i < 8; i++) Q6_K_PART(PUT, SET, i)
 
 AVX2 INLINE void dq_q8_0(const uint8_t *b, float *dst) {
     const __m256 d = _mm256_set1_ps(half(b));
@@ -192,11 +227,10 @@ AVX2 INLINE void dq_mxfp4(const uint8_t *b, float *dst) {
 }
 
 AVX2 INLINE void dq_q4_k(const uint8_t *b, float *dst) {
-    float sc[8], mn[8];
-    k_scales(b, sc, mn);
-    const float d = half(b), dmin = half(b + 2);
+    float s[16];
+    k_scales(b, s);
     for (int j = 0; j < 8; j++) {
-        const __m256 dj = _mm256_set1_ps(d * sc[j]), mj = _mm256_set1_ps(-(dmin * mn[j]));
+        const __m256 dj = _mm256_set1_ps(s[j]), mj = _mm256_set1_ps(s[8 + j]);
         for (int p = 0; p < 2; p++) {
             const __m128i q = _mm_loadu_si128((const __m128i *)(b + 16 + 32 * (j / 2) + 16 * p));
             put_u8_fma(j & 1 ? high_nibbles(q) : low_nibbles(q), dj, mj, dst + 32 * j + 16 * p);
@@ -243,19 +277,26 @@ STORE_PAIR_512(dq_q4_0_512, pair_q4_0_512)
 STORE_PAIR_512(dq_q4_1_512, pair_q4_1_512)
 STORE_PAIR_512(dq_mxfp4_512, pair_mxfp4_512)
 
+/* Q4_K's values 64g to 64g + 63 (sub-block 2g in the low nibbles of 32 bytes, 2g + 1 in the high)
+ * as four registers in k order, s from k_scales: each sub-block's 16 values a table. */
+AVX512 INLINE void q4_k_group_512(const uint8_t *b, const float *s, int g, __m512 w[4]) {
+    const __m512 lo = _mm512_fmadd_ps(iota_512(), _mm512_set1_ps(s[2 * g]), _mm512_set1_ps(s[8 + 2 * g]));
+    const __m512 hi = _mm512_fmadd_ps(iota_512(), _mm512_set1_ps(s[2 * g + 1]), _mm512_set1_ps(s[9 + 2 * g]));
+    const __m512i c0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 16 + 32 * g)));
+    const __m512i c1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 32 + 32 * g)));
+    w[0] = _mm512_permutexvar_ps(c0, lo);
+    w[1] = _mm512_permutexvar_ps(c1, lo);
+    w[2] = _mm512_permutexvar_ps(_mm512_srli_epi32(c0, 4), hi);
+    w[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(c1, 4), hi);
+}
+
 AVX512 INLINE void dq_q4_k_512(const uint8_t *b, float *dst) {
-    float sc[8], mn[8];
-    k_scales(b, sc, mn);
-    const float d = half(b), dmin = half(b + 2);
-    for (int g = 0; g < 4; g++) { /* 32 bytes: sub-block 2g in the low nibbles, 2g + 1 in the high */
-        const __m512 lo = _mm512_fmadd_ps(iota_512(), _mm512_set1_ps(d * sc[2 * g]), _mm512_set1_ps(-(dmin * mn[2 * g])));
-        const __m512 hi =
-            _mm512_fmadd_ps(iota_512(), _mm512_set1_ps(d * sc[2 * g + 1]), _mm512_set1_ps(-(dmin * mn[2 * g + 1])));
-        for (int p = 0; p < 2; p++) {
-            const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 16 + 32 * g + 16 * p)));
-            _mm512_storeu_ps(dst + 64 * g + 16 * p, _mm512_permutexvar_ps(codes, lo));
-            _mm512_storeu_ps(dst + 64 * g + 32 + 16 * p, _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), hi));
-        }
+    float s[16];
+    k_scales(b, s);
+    for (int g = 0; g < 4; g++) {
+        __m512 w[4];
+        q4_k_group_512(b, s, g, w);
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(dst + 64 * g + 16 * c, w[c]);
     }
 }
 
@@ -417,68 +458,110 @@ AVX512 static void rows_avx512(const float *x, int64_t ldx, int64_t rows, const 
         }
 }
 
-/* AVX-512, few rows (a decode step's): up to 4 rows by four columns over the whole of K, each
- * block dequantized in registers (32-value formats) or into a block-sized L1 buffer (the
- * super-block formats) and multiplied at once: no panel, no lanes kept in memory. The lanes run
- * the very chains of tile_avx512 (one FMA per chunk, in chunk order) and end in the same
- * finish_avx512, so a row gets the same bits here as through the panel. Columns past `cols`
- * repeat the last one (their sums are not written). */
+/* AVX-512, few rows (a decode step's): up to 4 rows by four columns (or 5-8 rows by two) over the
+ * whole of K, each block dequantized in registers and multiplied at once: no panel, no lanes
+ * kept in memory. The lanes run the very chains of tile_avx512 (one FMA per chunk, in chunk
+ * order) and end in the same finish_avx512, so a row gets the same bits here as through the
+ * panel. Columns past `cols` repeat the last one (their sums are not written). */
 #define FEW 8
 
 #define FEW_FMA(C, W)                                                                            \
-    for (int r = 0; r < few_rows; r++) a[r][n] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * ldx + (C)), W, a[r][n]);
+    {                                                                                            \
+        const __m512 w_ = (W);                                                                   \
+        for (int r = 0; r < few_rows; r++) a[r][n] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * ldx + (C)), w_, a[r][n]); \
+    }
+#define FEW_I8(Q, SCALE, C) FEW_FMA(C, i8_512(Q, SCALE))
+#define FEW_U8_FMA(Q, D, M, C) FEW_FMA(C, u8_fma_512(Q, D, M))
+
+/* The super-block formats, a block of the few_cols columns at a time, in PARTS parts that go
+ * round the columns (so that each column's chains wait on the others' work, not on their own FMAs);
+ * PART reads column n's block b, its scales s, and adds values from k = dst on. */
+#define FEW_SUPER(SCALES, PARTS, PART)                                                           \
+    for (int64_t blk = 0; blk < K / 256; blk++) {                                                \
+        float scales[4][16];                                                                     \
+        for (int n = 0; n < few_cols; n++) SCALES(col[n] + blk * size, scales[n]);               \
+        for (int i = 0; i < PARTS; i++)                                                          \
+            for (int n = 0; n < few_cols; n++) {                                                 \
+                const uint8_t *b = col[n] + blk * size;                                          \
+                const float *s = scales[n];                                                      \
+                const int64_t dst = 256 * blk;                                                   \
+                PART                                                                             \
+            }                                                                                    \
+    }
+
+#define FEW_Q4_K_PART                                                                            \
+    __m512 w[4];                                                                                 \
+    q4_k_group_512(b, s, i, w);                                                                  \
+    for (int c = 0; c < 4; c++) FEW_FMA(dst + 64 * i + 16 * c, w[c])
 
 #define FEW_PAIRS(PAIR)                                                                          \
     for (int64_t blk = 0; blk < K / 32; blk++)                                                   \
-        for (int n = 0; n < 4; n++) {                                                            \
+        for (int n = 0; n < few_cols; n++) {                                                     \
             __m512 lo, hi;                                                                       \
             PAIR(col[n] + blk * size, &lo, &hi);                                                 \
             FEW_FMA(32 * blk, lo)                                                                \
             FEW_FMA(32 * blk + 16, hi)                                                           \
         }
 
-#define FEW_TILE(ROWS)                                                                           \
-    AVX512 static void few_avx512_##ROWS(int type, const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, \
-                                         int cols, int64_t K, float *y, int64_t ldy, const float *bias) { \
-        const int64_t size = block_bytes(type), few_rows = ROWS;                                 \
-        const uint8_t *col[4];                                                                   \
-        for (int n = 0; n < 4; n++) col[n] = w + (n < cols ? n : cols - 1) * ldw;                \
+/* ROWS rows by COLS (4 or 2) columns. */
+#define FEW_TILE(ROWS, COLS)                                                                     \
+    AVX512 static void few_avx512_##ROWS##x##COLS(int type, const float *x, int64_t ldx, const uint8_t *w, \
+                                                  int64_t ldw, int cols, int64_t K, float *y, int64_t ldy, \
+                                                  const float *bias) {                           \
+        const int64_t size = block_bytes(type), few_rows = ROWS, few_cols = COLS;               \
+        const uint8_t *col[COLS];                                                                \
+        for (int n = 0; n < COLS; n++) col[n] = w + (n < cols ? n : cols - 1) * ldw;             \
         /* The columns NT on, which the memory system would otherwise fetch only when asked. */   \
-        for (int n = 0; n < 4; n++)                                                              \
+        for (int n = 0; n < COLS; n++)                                                           \
             for (int64_t b = 0; b < K / block_values(type) * size; b += 64)                      \
                 _mm_prefetch((const char *)w + (n + NT) * ldw + b, _MM_HINT_T0);                 \
-        __m512 a[ROWS][4];                                                                       \
+        __m512 a[ROWS][COLS];                                                                    \
         for (int r = 0; r < ROWS; r++)                                                           \
-            for (int n = 0; n < 4; n++) a[r][n] = _mm512_setzero_ps();                           \
+            for (int n = 0; n < COLS; n++) a[r][n] = _mm512_setzero_ps();                        \
         switch (type) {                                                                          \
         case Q8_0: FEW_PAIRS(pair_q8_0_512) break;                                               \
         case Q4_0: FEW_PAIRS(pair_q4_0_512) break;                                               \
         case Q4_1: FEW_PAIRS(pair_q4_1_512) break;                                               \
         case MXFP4: FEW_PAIRS(pair_mxfp4_512) break;                                             \
-        default: {                                                                               \
-            float block[4][256] __attribute__((aligned(64)));                                    \
-            for (int64_t blk = 0; blk < K / 256; blk++) {                                        \
-                for (int n = 0; n < 4; n++) dequant_avx512(type, col[n], blk, 1, block[n]);      \
-                for (int c = 0; c < 16; c++)                                                     \
-                    for (int n = 0; n < 4; n++) FEW_FMA(256 * blk + 16 * c, _mm512_load_ps(block[n] + 16 * c)) \
-            }                                                                                    \
+        case Q4_K: FEW_SUPER(k_scales, 4, FEW_Q4_K_PART) break;                                 \
+        case Q5_K: FEW_SUPER(k_scales, 8, Q5_K_PART(FEW_U8_FMA, _mm512_set1_ps, i)) break;      \
+        case Q6_K: FEW_SUPER(q6_scales, 8, Q6_K_PART(FEW_I8, _mm512_set1_ps, i)) break;         \
         }                                                                                        \
-        }                                                                                        \
-        for (int r = 0; r < ROWS; r++) {                                                         \
+        for (int r = 0; r < ROWS; r++) { /* (with two columns, each finished twice) */         \
             float out[4];                                                                        \
-            finish_avx512(a[r][0], a[r][1], a[r][2], a[r][3], out);                              \
+            finish_avx512(a[r][0], a[r][1], a[r][2 % COLS], a[r][3 % COLS], out);                \
             for (int n = 0; n < cols; n++) y[r * ldy + n] = bias ? out[n] + bias[n] : out[n];    \
         }                                                                                        \
     }
-FEW_TILE(1)
-FEW_TILE(2)
-FEW_TILE(3)
-FEW_TILE(4)
+FEW_TILE(1, 4)
+FEW_TILE(2, 4)
+FEW_TILE(3, 4)
+FEW_TILE(4, 4)
+FEW_TILE(5, 2)
+FEW_TILE(6, 2)
+FEW_TILE(7, 2)
+FEW_TILE(8, 2)
 
 /* Rows [0, rows), rows <= FEW, against output columns [0, cols) of w: four columns by up to four
- * rows at a time (8 rows dequantize each block twice, still cheaper than the panel's stores). */
+ * rows at a time (8 rows dequantize each block twice, still cheaper than the panel's stores);
+ * the super-block formats, whose dequantization costs more, run 5-8 rows in one pass, two
+ * columns at a time. */
 static void few_avx512(int type, const float *x, int64_t ldx, int64_t rows, const uint8_t *w, int64_t ldw,
                        int cols, int64_t K, float *y, int64_t ldy, const float *bias) {
+    if (rows > 4 && block_values(type) == 256) {
+        for (int n = 0; n < cols; n += 2) {
+            const int c2 = cols - n < 2 ? cols - n : 2;
+            const uint8_t *wn = w + n * ldw;
+            const float *bn = bias ? bias + n : 0;
+            switch (rows) {
+            case 5: few_avx512_5x2(type, x, ldx, wn, ldw, c2, K, y + n, ldy, bn); break;
+            case 6: few_avx512_6x2(type, x, ldx, wn, ldw, c2, K, y + n, ldy, bn); break;
+            case 7: few_avx512_7x2(type, x, ldx, wn, ldw, c2, K, y + n, ldy, bn); break;
+            default: few_avx512_8x2(type, x, ldx, wn, ldw, c2, K, y + n, ldy, bn); break;
+            }
+        }
+        return;
+    }
     for (int n = 0; n < cols; n += 4) {
         const int c4 = cols - n < 4 ? cols - n : 4;
         const uint8_t *wn = w + n * ldw;
@@ -487,10 +570,10 @@ static void few_avx512(int type, const float *x, int64_t ldx, int64_t rows, cons
             const float *xr = x + r * ldx;
             float *yr = y + r * ldy + n;
             switch (rows - r < 4 ? rows - r : 4) {
-            case 1: few_avx512_1(type, xr, ldx, wn, ldw, c4, K, yr, ldy, bn); break;
-            case 2: few_avx512_2(type, xr, ldx, wn, ldw, c4, K, yr, ldy, bn); break;
-            case 3: few_avx512_3(type, xr, ldx, wn, ldw, c4, K, yr, ldy, bn); break;
-            default: few_avx512_4(type, xr, ldx, wn, ldw, c4, K, yr, ldy, bn); break;
+            case 1: few_avx512_1x4(type, xr, ldx, wn, ldw, c4, K, yr, ldy, bn); break;
+            case 2: few_avx512_2x4(type, xr, ldx, wn, ldw, c4, K, yr, ldy, bn); break;
+            case 3: few_avx512_3x4(type, xr, ldx, wn, ldw, c4, K, yr, ldy, bn); break;
+            default: few_avx512_4x4(type, xr, ldx, wn, ldw, c4, K, yr, ldy, bn); break;
             }
         }
     }
