@@ -20,6 +20,7 @@ from freetoken.engine.forward_context import ForwardContext
 from freetoken.models.causal_lm import CausalLM
 from freetoken.models.kernels import decoder_layer
 from freetoken.models.layers.attention import Attention
+from freetoken.models.layers.kernel_choice import UNCAPPED
 from freetoken.models.layers.linear import Linear
 from freetoken.models.layers.mlp import MLP
 from freetoken.models.layers.norm import RMSNorm
@@ -114,17 +115,24 @@ class DecoderLayer(nn.Module):
 
     def _prepare_call(self) -> decoder_layer.LayerCall | None:
         """The whole layer as one C call, with the bits of the calls below: a plain attention and
-        MLP (not a family's own) whose linear layers all run on the quantized kernel."""
+        MLP (not a family's own) whose linear layers all run on our kernels, whole calls."""
         attn, mlp = self.self_attn, self.mlp
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if (type(attn) is not Attention or type(mlp) is not MLP
-                or any(type(m) is not QuantizedLinear or m.fused is None for m in linears)):
+        runs = []
+        for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            if type(module) is QuantizedLinear and module.fused is not None:
+                runs.append(module.fused)
+            elif (type(module) is Linear and module.run is not None
+                  and (module.rule.minimum, module.rule.most) == (1, UNCAPPED)):
+                runs.append(module.run)
+            else:
+                return None
+        if type(attn) is not Attention or type(mlp) is not MLP:
             return None
         cfg = attn.cfg
         norms = (self.input_layernorm, self.post_attention_layernorm)
         norms += (attn.q_norm, attn.k_norm) if cfg.qk_norm else ()
-        return decoder_layer.prepare(tuple(m.fused for m in linears), norms, cfg.num_heads,
-                                     cfg.num_kv_heads, cfg.head_dim, attn.sliding)
+        return decoder_layer.prepare(tuple(runs), norms, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                     attn.sliding)
 
 
 class Backbone(nn.Module):

@@ -1,6 +1,7 @@
-"""A decoder layer in one C call gives the bits of the Python layer: logits and the KV pool, on
-tiny quantized GGUFs (llama with a Python-path layer beside it, Qwen3's q/k norms, Qwen2's biases,
-a sliding-window layer), over a step that holds prompt and decoding rows together."""
+"""A decoder layer in one C call gives the bits of the Python layer: logits and the KV pool, over a
+step that holds prompt and decoding rows together, on tiny quantized GGUFs (llama with a
+Python-path layer beside it, Qwen3's q/k norms, Qwen2's biases, a sliding-window layer) and on
+tiny checkpoints with their linears on the grouped kernel (float32) and the AMX one (bfloat16)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import torch
 
 from freetoken.engine.engine import Engine, StepPlan
 from freetoken.models import registry
-from freetoken.models.kernels import decoder_layer
+from freetoken.models.kernels import decoder_layer, grouped_gemm
+from freetoken.models.registry import load_model
 from tests.fixtures import build_models as bm
+from tests.model_fixtures import tiny_random_folder
 from tests.models.test_gguf_file import MODELS
 
 pytestmark = pytest.mark.skipif(decoder_layer.load() is None, reason="no C kernels on this machine")
@@ -43,12 +46,28 @@ def test_a_layer_in_one_call_gives_the_python_layers_bits(arch, window, monkeypa
     if window:  # layer 0 slides over its last 3 keys
         model.cfg = dataclasses.replace(model.cfg, sliding_window=window, sliding_layers=frozenset({0}))
         model.model.layers[0].self_attn.sliding = True
-    engine = Engine(model, 64, torch.device("cpu"), torch.float32)
-    one_call, ctx = steps(model, engine)
-    assert ctx.layer_step
     # The llama file's layer 1 has a Q5_0 projection (no kernel: dequantized at load).
-    assert [layer.one_call is not None for layer in model.model.layers] == [True, arch != "llama"]
+    assert_same_bits(model, torch.float32, monkeypatch, [True, arch != "llama"])
+
+
+@pytest.mark.parametrize("arch, dtype, kernel", [("qwen2", torch.float32, "grouped"),
+                                                 ("qwen3", torch.bfloat16, "amx")])
+def test_a_layer_on_our_dense_kernels_in_one_call_gives_the_python_layers_bits(arch, dtype, kernel,
+                                                                               monkeypatch):
+    if kernel == "amx" and not grouped_gemm.amx_available(grouped_gemm.load()):
+        pytest.skip("no AMX on this CPU")
+    monkeypatch.setenv("FREETOKEN_LINEAR_KERNEL", kernel)
+    model = load_model(tiny_random_folder(arch), dtype=str(dtype).removeprefix("torch."), device="cpu").model
+    monkeypatch.delenv("FREETOKEN_LINEAR_KERNEL")
+    assert_same_bits(model, dtype, monkeypatch, [True, True])
+
+
+def assert_same_bits(model, dtype: torch.dtype, monkeypatch, one_call: list[bool]) -> None:
+    engine = Engine(model, 64, torch.device("cpu"), dtype)
+    fast, ctx = steps(model, engine)
+    assert ctx.layer_step
+    assert [layer.one_call is not None for layer in model.model.layers] == one_call
     monkeypatch.setenv("FREETOKEN_LAYER_KERNEL", "0")
     python, ctx = steps(model, engine)
     assert ctx.layer_step is False
-    assert all(torch.equal(a, b) for a, b in zip(one_call, python))
+    assert all(torch.equal(a, b) for a, b in zip(fast, python))
