@@ -117,6 +117,8 @@ class DecoderLayer(nn.Module):
         """The whole layer as one C call, with the bits of the calls below: a plain attention and
         MLP (not a family's own) whose linear layers all run on our kernels, whole calls."""
         attn, mlp = self.self_attn, self.mlp
+        if type(attn) is not Attention or type(mlp) is not MLP:
+            return None
         runs = []
         for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             if type(module) is QuantizedLinear and module.fused is not None:
@@ -126,8 +128,6 @@ class DecoderLayer(nn.Module):
                 runs.append(module.run)
             else:
                 return None
-        if type(attn) is not Attention or type(mlp) is not MLP:
-            return None
         cfg = attn.cfg
         norms = (self.input_layernorm, self.post_attention_layernorm)
         norms += (attn.q_norm, attn.k_norm) if cfg.qk_norm else ()

@@ -140,12 +140,12 @@ def prepare(linears: tuple, norms: tuple, heads: int, kv_heads: int, head_dim: i
     run it."""
     weights = [n.weight for n in norms]
     dtype = weights[0].dtype
-    if (load() is None or dtype not in SUFFIX
+    if (dtype not in SUFFIX
             or any(w.dtype != dtype or w.device.type != "cpu" or not w.is_contiguous() for w in weights)
             or (len(norms) == 4 and norms[2].eps != norms[3].eps)):
         return None
     made = [_linear(run, dtype) for run in linears]
-    if any(m is None for m in made):
+    if any(m is None for m in made) or load() is None:
         return None
     (qkv, _), (o, _), (gate_up, _), (down, _) = made
     hidden, intermediate = qkv.in_features, down.in_features
