@@ -41,12 +41,15 @@ def steps(model, engine: Engine) -> tuple[list[torch.Tensor], object]:
 @pytest.mark.parametrize("arch, window", [("llama", None), ("llama", 3), ("qwen3", None), ("qwen2", None)])
 def test_a_layer_in_one_call_gives_the_python_layers_bits(arch, window, monkeypatch):
     path = bm.cached(f"tiny-quantized-{arch}", bm.build_quantized_gguf, MODELS[arch], arch)
+    # The llama file's layer 1 has a Q5_0 projection (no kernel: dequantized at load), kept on
+    # F.linear here (where the probe picks the grouped kernel, that layer runs as one call too).
+    monkeypatch.setenv("FREETOKEN_LINEAR_KERNEL", "torch")
     model = registry.load_model(path / "model.gguf", dtype="float32", device="cpu",
                                 gguf_weights="quantized").model
+    monkeypatch.delenv("FREETOKEN_LINEAR_KERNEL")
     if window:  # layer 0 slides over its last 3 keys
         model.cfg = dataclasses.replace(model.cfg, sliding_window=window, sliding_layers=frozenset({0}))
         model.model.layers[0].self_attn.sliding = True
-    # The llama file's layer 1 has a Q5_0 projection (no kernel: dequantized at load).
     assert_same_bits(model, torch.float32, monkeypatch, [True, arch != "llama"])
 
 
