@@ -86,8 +86,9 @@ def kernels(dtype: torch.dtype) -> Kernels:
 class Step:
     """A step's arguments and scratch (kept alive here while the C layers read them)."""
 
-    def __init__(self, args: StepArgs, tensors: list[torch.Tensor], delta: torch.Tensor):
+    def __init__(self, args: StepArgs, tensors: list[torch.Tensor], delta: torch.Tensor, key: tuple):
         self.args, self.tensors, self.delta = args, tensors, delta
+        self.key = key  # (rows, the shape of the layers whose scratch it holds)
         self.address = ctypes.addressof(args)
 
 
@@ -96,6 +97,7 @@ class LayerCall:
 
     def __init__(self, args: LayerArgs, dtype: torch.dtype, keep: list):
         self.args, self.dtype, self.keep = args, dtype, keep  # keep: what the arguments point into
+        self.shape = (dtype, args.hidden, args.qkv.out_features, args.heads * args.head_dim, args.intermediate)
         self.run, self.kernels = load().decoder_layer, ctypes.addressof(kernels(dtype))
         self.address = ctypes.addressof(args)
 
@@ -166,7 +168,7 @@ def step(ctx: ForwardContext, x: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     """The step's arguments for `layer` and the layers after it (made by the first to ask), or
     None where the step's layers run in Python."""
     made = ctx.layer_step
-    if made is None or (made and made.args.tokens != x.shape[0]):
+    if made is None or (made and made.key != (x.shape[0], layer.shape)):
         made = ctx.layer_step = _make_step(ctx, x, cos, sin, layer) or False
     return made or None
 
@@ -193,4 +195,4 @@ def _make_step(ctx: ForwardContext, x: torch.Tensor, cos: torch.Tensor, sin: tor
     tensors = [cos, sin, out_slots, keys.slots, keys.ranges, keys.window_ranges, groups,
                h, qkv, q, attn32, attn, gate_up, act, delta]
     step_args = StepArgs(quant.isa(), tokens, dtype == torch.bfloat16, *(t.data_ptr() for t in tensors))
-    return Step(step_args, tensors, delta)
+    return Step(step_args, tensors, delta, (tokens, layer.shape))
