@@ -1,7 +1,8 @@
 """A decoder layer in one C call gives the bits of the Python layer: logits and the KV pool, over a
 step that holds prompt and decoding rows together, on tiny quantized GGUFs (llama with a
 Python-path layer beside it, Qwen3's q/k norms, Qwen2's biases, a sliding-window layer) and on
-tiny checkpoints with their linears on the grouped kernel (float32) and the AMX one (bfloat16)."""
+tiny checkpoints with their linears on the grouped kernel (float32, bfloat16) and the AMX one
+(bfloat16)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ def test_a_layer_in_one_call_gives_the_python_layers_bits(arch, window, monkeypa
 
 
 @pytest.mark.parametrize("arch, dtype, kernel", [("qwen2", torch.float32, "grouped"),
+                                                 ("qwen2", torch.bfloat16, "grouped"),
                                                  ("qwen3", torch.bfloat16, "amx")])
 def test_a_layer_on_our_dense_kernels_in_one_call_gives_the_python_layers_bits(arch, dtype, kernel,
                                                                                monkeypatch):

@@ -14,10 +14,10 @@
  * values the Python layer gives them, so each output has the bits the Python layer gives it. What
  * it saves is the Python and torch dispatch between the calls: about a dozen per layer and step.
  *
- * The linear layers run on the quantized kernel (float32 rows), the grouped kernel (float32 rows
- * and weights) or the AMX kernel (bfloat16), as models/layers/linear.py's probe placed them.
- * Attention reads float32 queries and writes float32 rows (pool_attention.c): bfloat16 rows are
- * widened into it and its output rounded back, as the Python layer's casts do.
+ * The linear layers run on the quantized kernel (float32 rows), the grouped kernel (weights of the
+ * rows' dtype) or the AMX kernel (bfloat16), as models/layers/linear.py's probe placed them. The
+ * grouped kernel and attention (pool_attention.c) read and write float32 rows: bfloat16 rows are
+ * widened for them and their output rounded back, as the Python layer's casts do.
  *
  * A layer's fixed arguments (`struct layer`: weights, norms, shapes) are made once per layer, a
  * step's (`struct step`: row count, cos and sin, slots and key ranges, scratch) once per step.
@@ -47,7 +47,7 @@ typedef void (*round_fn)(const float *x, uint16_t *y, int64_t n);
 
 struct kernels {
     quant_parts_fn quant_parts; /* quant_gemm_parts */
-    grouped_fn grouped;         /* grouped_gemm_f32 */
+    grouped_fn grouped_f32, grouped_bf16;
     amx_fn amx;                 /* amx_linear_bf16, or NULL */
     rms_norm_fn rms_norm;       /* the rest: the model dtype's variants */
     add_rms_norm_fn add_rms_norm;
@@ -86,6 +86,7 @@ struct step {
     const int64_t *slots;                  /* every group's key slots, one list */
     const int64_t *ranges, *window_ranges; /* [T, 3] into `slots` (pool_attention.c) */
     const int64_t *groups;                 /* [1, 3] = (0, 0, T): the grouped kernel's one group */
+    float *x32, *y32;                      /* a bfloat16 layer's rows around the grouped kernel */
     /* Scratch, [T, *] each: h, q/k/v, the queries and attention's rows in float32, attention's
      * rows in the model dtype (float32: the same buffer), gate/up, SwiGLU's; `delta` takes
      * o_proj's output (the layer's delta argument is added into x before), then the MLP's,
@@ -97,13 +98,25 @@ struct step {
 
 int decoder_layer_supported(void) { return 1; } /* the kernels it calls were checked where they load */
 
+/* bfloat16 x [n] widened into float32 y: exact, its bits shifted. */
+static void widen(const uint16_t *x, float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t bits = (uint32_t)x[i] << 16;
+        memcpy(y + i, &bits, sizeof bits);
+    }
+}
+
 static void linear(const struct kernels *k, const struct linear *l, const struct step *s, const void *x, void *y) {
-    if (l->kind == QUANT)
+    if (l->kind == QUANT) {
         k->quant_parts((int)s->isa, l->parts, l->types, l->w, l->ldw, l->n, l->bias, x, l->in, y, l->out, s->tokens,
                        l->in);
-    else if (l->kind == GROUPED)
-        k->grouped(x, l->in, l->weight, l->weight_bias, y, l->out, s->groups, 1, l->in, l->out);
-    else
+    } else if (l->kind == GROUPED && s->bf16) {
+        widen(x, s->x32, s->tokens * l->in);
+        k->grouped_bf16(s->x32, l->in, l->weight, l->weight_bias, s->y32, l->out, s->groups, 1, l->in, l->out);
+        k->round(s->y32, y, s->tokens * l->out);
+    } else if (l->kind == GROUPED) {
+        k->grouped_f32(x, l->in, l->weight, l->weight_bias, y, l->out, s->groups, 1, l->in, l->out);
+    } else
         k->amx(x, l->in, l->weight, l->weight_bias, y, l->out, s->tokens, l->in, l->out);
 }
 
@@ -125,14 +138,10 @@ void decoder_layer(const struct kernels *k, const struct layer *l, const struct 
     for (int64_t t = 0; t < T; t++) {
         const char *row = qkv + t * width * size;
         memcpy((char *)cache + s->out_slots[t] * 2 * KV * D * size, row + H * D * size, 2 * KV * D * size);
-        float *q = s->q + t * H * D;
         if (s->bf16)
-            for (int64_t i = 0; i < H * D; i++) { /* bfloat16 widens exactly: its bits, shifted */
-                const uint32_t bits = (uint32_t)((const uint16_t *)row)[i] << 16;
-                memcpy(q + i, &bits, sizeof bits);
-            }
+            widen((const uint16_t *)row, s->q + t * H * D, H * D);
         else
-            memcpy(q, row, sizeof(float) * H * D);
+            memcpy(s->q + t * H * D, row, sizeof(float) * H * D);
     }
     k->attention(s->q, cache, s->slots, l->sliding ? s->window_ranges : s->ranges, 0, s->attn32, T, H, KV, D,
                  l->scale);

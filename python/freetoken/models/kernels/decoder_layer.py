@@ -34,8 +34,8 @@ SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 class Kernels(ctypes.Structure):
-    _fields_ = [(name, _PTR) for name in ("quant_parts", "grouped", "amx", "rms_norm", "add_rms_norm",
-                                           "norm_rotate", "silu_mul", "attention", "round")]
+    _fields_ = [(name, _PTR) for name in ("quant_parts", "grouped_f32", "grouped_bf16", "amx", "rms_norm",
+                                           "add_rms_norm", "norm_rotate", "silu_mul", "attention", "round")]
 
 
 class LinearArgs(ctypes.Structure):
@@ -54,7 +54,7 @@ class LayerArgs(ctypes.Structure):
 
 class StepArgs(ctypes.Structure):
     _fields_ = [("isa", _I64), ("tokens", _I64), ("bf16", _I64), *((name, _PTR) for name in (
-        "cos", "sin", "out_slots", "slots", "ranges", "window_ranges", "groups",
+        "cos", "sin", "out_slots", "slots", "ranges", "window_ranges", "groups", "x32", "y32",
         "h", "qkv", "q", "attn32", "attn", "gate_up", "act", "delta"))]
 
 
@@ -77,6 +77,7 @@ def kernels(dtype: torch.dtype) -> Kernels:
         return None if lib is None else ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
 
     return Kernels(address(quantized, "quant_gemm_parts"), address(grouped, "grouped_gemm_f32"),
+                   address(grouped, "grouped_gemm_bf16"),
                    address(grouped, "amx_linear_bf16") if grouped_gemm.amx_available(grouped) else None,
                    *(address(grouped, f"{name}_{suffix}") for name in
                      ("rms_norm", "add_rms_norm", "norm_rotate", "silu_mul")),
@@ -113,7 +114,7 @@ class LayerCall:
 
 def _linear(run, dtype: torch.dtype) -> tuple[LinearArgs, object] | None:
     """A projection's arguments: `run` a QuantParts (float32 rows), or a Linear's run on the
-    grouped kernel (float32 rows and weights) or the AMX one (bfloat16); None: another."""
+    grouped kernel (weights of the rows' dtype) or the AMX one (bfloat16); None: another."""
     if isinstance(run, quant.QuantParts):
         if dtype != torch.float32:
             return None
@@ -121,9 +122,9 @@ def _linear(run, dtype: torch.dtype) -> tuple[LinearArgs, object] | None:
         return LinearArgs(QUANT, count, *map(ctypes.addressof, (types, blocks, strides, sizes, biases)),
                           None, None, run.k, run.n), run
     func = getattr(run, "func", None)
-    if func is grouped_gemm.grouped_gemm and dtype == torch.float32:
+    if func is grouped_gemm.grouped_gemm:
         packed = run.keywords["experts"]
-        if packed.weight.dtype != torch.float32:
+        if packed.weight.dtype != dtype:
             return None
         bias = None if packed.bias is None else packed.bias.data_ptr()
         return LinearArgs(GROUPED, 0, None, None, None, None, None, packed.weight.data_ptr(), bias,
@@ -187,12 +188,15 @@ def _make_step(ctx: ForwardContext, x: torch.Tensor, cos: torch.Tensor, sin: tor
     out_slots = ctx.out_slots.to(torch.int64).contiguous()
     groups = torch.tensor([[0, 0, tokens]])
     args, width = layer.args, layer.args.heads * layer.args.head_dim
+    linears = (args.qkv, args.o, args.gate_up, args.down)
+    x32 = torch.empty(tokens, max(l.in_features for l in linears))  # a bfloat16 layer on the grouped kernel
+    y32 = torch.empty(tokens, max(l.out_features for l in linears))
     h, qkv = torch.empty(tokens, args.hidden, dtype=dtype), torch.empty(tokens, args.qkv.out_features, dtype=dtype)
     q, attn32 = torch.empty(tokens, width), torch.empty(tokens, width)
     attn = attn32 if dtype == torch.float32 else torch.empty(tokens, width, dtype=dtype)
     gate_up, act, delta = (torch.empty(tokens, n, dtype=dtype)
                            for n in (2 * args.intermediate, args.intermediate, args.hidden))
-    tensors = [cos, sin, out_slots, keys.slots, keys.ranges, keys.window_ranges, groups,
+    tensors = [cos, sin, out_slots, keys.slots, keys.ranges, keys.window_ranges, groups, x32, y32,
                h, qkv, q, attn32, attn, gate_up, act, delta]
     step_args = StepArgs(quant.isa(), tokens, dtype == torch.bfloat16, *(t.data_ptr() for t in tensors))
     return Step(step_args, tensors, delta, (tokens, layer.shape))
