@@ -72,3 +72,35 @@ class ForwardContext:
     hidden_rows: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
     mtp: Any = None  # with MTP drafting: engine.mtp.MtpPass
+    # models/kernels/decoder_layer.py's arguments for this step, made by the first layer that
+    # asks (False: the step's layers run in Python).
+    layer_step: Any = None
+
+    def merged_keys(self, tokens: int) -> StepKeys | None:
+        """Every group's keys as one slot list and a range per row of the step's `tokens`, for a
+        kernel that attends all the rows in one call; None where a group has no key ranges."""
+        groups = [(g.out_rows, g) for g in self.prompt_groups] + [(g.rows, g) for g in self.decode_groups]
+        if not groups or any(g.key_ranges is None for _, g in groups):
+            return None
+        windowed = all(g.window_key_ranges is not None for _, g in groups)
+        ranges = torch.zeros(tokens, 3, dtype=torch.int64)  # a row in no group: no keys
+        window = ranges.clone() if windowed else ranges
+        offset = 0
+        for rows, group in groups:
+            shift = torch.tensor([offset, 0, 0])
+            ranges[rows] = group.key_ranges + shift
+            if windowed:
+                window[rows] = group.window_key_ranges + shift
+            offset += group.kv_slots.numel()
+        slots = torch.cat([g.kv_slots for _, g in groups]).to(torch.int64)
+        return StepKeys(slots, ranges, window)
+
+
+@dataclass
+class StepKeys:
+    """A step's keys in one list (ForwardContext.merged_keys), as models/kernels/pool_attention.py
+    reads them: row r's keys are slots[first + j] for j in [lo, hi) of ranges[r] = (first, lo, hi)."""
+
+    slots: torch.Tensor  # int64, every group's kv_slots one after the other
+    ranges: torch.Tensor  # [T, 3] int64
+    window_ranges: torch.Tensor  # [T, 3] int64, for sliding-window layers (`ranges` without a window)

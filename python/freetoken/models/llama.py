@@ -10,6 +10,7 @@ o_proj bias are config fields too. The layers are models/layers/.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,10 +18,13 @@ from torch import nn
 from freetoken.core import Batch
 from freetoken.engine.forward_context import ForwardContext
 from freetoken.models.causal_lm import CausalLM
+from freetoken.models.kernels import decoder_layer
 from freetoken.models.layers.attention import Attention
+from freetoken.models.layers.kernel_choice import UNCAPPED
 from freetoken.models.layers.linear import Linear
 from freetoken.models.layers.mlp import MLP
 from freetoken.models.layers.norm import RMSNorm
+from freetoken.models.layers.quantized import QuantizedLinear
 from freetoken.models.layers.rotary import Yarn, cos_sin
 
 
@@ -85,6 +89,10 @@ class ModelConfig:
 
 
 class DecoderLayer(nn.Module):
+    # models/kernels/decoder_layer.py's call for this layer, made at its first step (None: the
+    # layer always runs in Python).
+    one_call: Any = NotImplemented
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.self_attn = Attention(cfg, layer)
@@ -96,9 +104,35 @@ class DecoderLayer(nn.Module):
         """The residual stream x, to which `delta` (the previous layer's MLP output; None for the
         first layer) is added in place, then this layer's attention output; returns x and this
         layer's MLP output, left for the next norm to add in the same pass as it normalises."""
+        call = self.one_call
+        if call is NotImplemented:
+            call = self.one_call = self._prepare_call()
+        if call is not None and (step := decoder_layer.step(ctx, x, cos, sin, call)) is not None:
+            return x, call(x, delta, step, ctx.kv_cache[self.self_attn.layer])
         h = self.input_layernorm(x, delta)
         h = self.post_attention_layernorm(x, self.self_attn(h, cos, sin, ctx))
         return x, self.mlp(h)
+
+    def _prepare_call(self) -> decoder_layer.LayerCall | None:
+        """The whole layer as one C call, with the bits of the calls below: a plain attention and
+        MLP (not a family's own) whose linear layers all run on our kernels, whole calls."""
+        attn, mlp = self.self_attn, self.mlp
+        if type(attn) is not Attention or type(mlp) is not MLP:
+            return None
+        runs = []
+        for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            if type(module) is QuantizedLinear and module.fused is not None:
+                runs.append(module.fused)
+            elif (type(module) is Linear and module.run is not None
+                  and (module.rule.minimum, module.rule.most) == (1, UNCAPPED)):
+                runs.append(module.run)
+            else:
+                return None
+        cfg = attn.cfg
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        norms += (attn.q_norm, attn.k_norm) if cfg.qk_norm else ()
+        return decoder_layer.prepare(tuple(runs), norms, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                     attn.sliding)
 
 
 class Backbone(nn.Module):

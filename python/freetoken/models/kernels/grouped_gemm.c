@@ -15,7 +15,8 @@
  * Built at first use by models/kernels/grouped_gemm.py; x86-64 with AVX2 and FMA, else unsupported.
  * The file also holds rms_norm_* (RMSNorm in one pass per row), rotate_* (the rotary embedding in
  * one pass), add_rms_norm_*, norm_rotate_* and silu_mul_* (a layer's residual add and norm, its
- * q/k norms and rotation, its SwiGLU, each in one call) and amx_linear_bf16
+ * q/k norms and rotation, its SwiGLU, each in one call), round_to_bf16 (float32 rounded as torch
+ * rounds to bfloat16) and amx_linear_bf16
  * (below), a bfloat16 linear layer on AMX tiles.
  */
 #include <stdint.h>
@@ -416,6 +417,11 @@ AVX512_INLINE void silu_mul16_bf16(uint16_t *y, const uint16_t *gate, const uint
 DEFINE_SILU_MUL(silu_mul_f32, float, silu_mul8_f32, silu_mul16_f32)
 DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, silu_mul8_bf16, silu_mul16_bf16)
 
+/* x [n] float32 (n % 8 == 0) rounded into y [n] bfloat16: torch's `.to(torch.bfloat16)`. */
+__attribute__((target("avx2,fma"))) void round_to_bf16(const float *x, uint16_t *y, int64_t n) {
+    for (int64_t k = 0; k < n; k += 8) pack_bf16(y + k, round_bf16(_mm256_loadu_ps(x + k)));
+}
+
 
 #if defined(__linux__) && (defined(__clang__) || __GNUC__ >= 11) /* AMX intrinsics, arch_prctl */
 /* A bfloat16 linear layer on AMX: y[M, N] = x[M, K] @ W^T + b, x and y bfloat16, W packed at load
@@ -602,6 +608,7 @@ void norm_rotate_f32(void) {}
 void norm_rotate_bf16(void) {}
 void silu_mul_f32(void) {}
 void silu_mul_bf16(void) {}
+void round_to_bf16(void) {}
 int amx_bf16_supported(void) { return 0; }
 void amx_linear_bf16(void) {}
 

@@ -1,0 +1,78 @@
+"""A decoder layer in one C call gives the bits of the Python layer: logits and the KV pool, over a
+step that holds prompt and decoding rows together, on tiny quantized GGUFs (llama with a
+Python-path layer beside it, Qwen3's q/k norms, Qwen2's biases, a sliding-window layer) and on
+tiny checkpoints with their linears on the grouped kernel (float32, bfloat16) and the AMX one
+(bfloat16)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from freetoken.engine.engine import Engine, StepPlan
+from freetoken.models import registry
+from freetoken.models.kernels import decoder_layer, grouped_gemm
+from freetoken.models.registry import load_model
+from tests.fixtures import build_models as bm
+from tests.model_fixtures import tiny_random_folder
+from tests.models.test_gguf_file import MODELS
+
+pytestmark = pytest.mark.skipif(decoder_layer.load() is None, reason="no C kernels on this machine")
+
+PROMPT = list(range(1, 8))  # request A's slots, then its decoded token's
+SECOND = list(range(20, 25))  # request B's prompt slots
+
+
+def steps(model, engine: Engine) -> tuple[list[torch.Tensor], object]:
+    """A's prompt alone, then A decoding beside B's prompt, from an empty pool: both steps' logits
+    and the pool after them, and the second step's context."""
+    for cache in engine.kv.kv:
+        cache.zero_()
+    plans = [StepPlan([5, 6, 7, 8, 9, 10, 11], list(range(7)), PROMPT, [6], [(0, 7, PROMPT)], []),
+             StepPlan([3, 100, 200, 300, 400, 12], [7, 0, 1, 2, 3, 4], [8, *SECOND], [0, 5],
+                      [(1, 5, SECOND)], [(0, [*PROMPT, 8])])]
+    with torch.inference_mode():
+        contexts = [engine.context(plan) for plan in plans]
+        logits = [model(None, ctx) for ctx in contexts]
+    return logits + [cache.clone() for cache in engine.kv.kv], contexts[1]
+
+
+@pytest.mark.parametrize("arch, window", [("llama", None), ("llama", 3), ("qwen3", None), ("qwen2", None)])
+def test_a_layer_in_one_call_gives_the_python_layers_bits(arch, window, monkeypatch):
+    path = bm.cached(f"tiny-quantized-{arch}", bm.build_quantized_gguf, MODELS[arch], arch)
+    # The llama file's layer 1 has a Q5_0 projection (no kernel: dequantized at load), kept on
+    # F.linear here (where the probe picks the grouped kernel, that layer runs as one call too).
+    monkeypatch.setenv("FREETOKEN_LINEAR_KERNEL", "torch")
+    model = registry.load_model(path / "model.gguf", dtype="float32", device="cpu",
+                                gguf_weights="quantized").model
+    monkeypatch.delenv("FREETOKEN_LINEAR_KERNEL")
+    if window:  # layer 0 slides over its last 3 keys
+        model.cfg = dataclasses.replace(model.cfg, sliding_window=window, sliding_layers=frozenset({0}))
+        model.model.layers[0].self_attn.sliding = True
+    assert_same_bits(model, torch.float32, monkeypatch, [True, arch != "llama"])
+
+
+@pytest.mark.parametrize("arch, dtype, kernel", [("qwen2", torch.float32, "grouped"),
+                                                 ("qwen2", torch.bfloat16, "grouped"),
+                                                 ("qwen3", torch.bfloat16, "amx")])
+def test_a_layer_on_our_dense_kernels_in_one_call_gives_the_python_layers_bits(arch, dtype, kernel,
+                                                                               monkeypatch):
+    if kernel == "amx" and not grouped_gemm.amx_available(grouped_gemm.load()):
+        pytest.skip("no AMX on this CPU")
+    monkeypatch.setenv("FREETOKEN_LINEAR_KERNEL", kernel)
+    model = load_model(tiny_random_folder(arch), dtype=str(dtype).removeprefix("torch."), device="cpu").model
+    monkeypatch.delenv("FREETOKEN_LINEAR_KERNEL")
+    assert_same_bits(model, dtype, monkeypatch, [True, True])
+
+
+def assert_same_bits(model, dtype: torch.dtype, monkeypatch, one_call: list[bool]) -> None:
+    engine = Engine(model, 64, torch.device("cpu"), dtype)
+    fast, ctx = steps(model, engine)
+    assert ctx.layer_step
+    assert [layer.one_call is not None for layer in model.model.layers] == one_call
+    monkeypatch.setenv("FREETOKEN_LAYER_KERNEL", "0")
+    python, ctx = steps(model, engine)
+    assert ctx.layer_step is False
+    assert all(torch.equal(a, b) for a, b in zip(fast, python))
