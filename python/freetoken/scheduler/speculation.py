@@ -32,11 +32,22 @@ judged in windows of `MTP_WINDOW`; a window with fewer than `MTP_FLOOR` of them 
 the request from drafting for good (`Req.drafting`), and the head's pass skips its rows from
 then on. It cannot come back: the head's K/V of the positions it skipped are not written, and a
 draft reads them all.
+
+The fit above sizes drafts but misjudges what they cost (on free text it rated a row cheaper than
+drafted steps turned out to be, and drafting lost 10 %), so whether a step drafts at all is
+measured (`ModeChoice`): per bucket of decoding requests (1, 2-3, 4-7, 8+), steps run in epochs
+of `EPOCH` steps either drafting as above or plain, each mode's emitted tokens and wall seconds
+are kept (decayed per step of that mode, so that they follow the text and the machine), and an
+epoch runs the mode with more tokens a second, but for a bucket's first epochs (drafting's
+`FIRST_DRAFTING`, then plain's) and every `EXPLORE`-th epoch, which runs the other; the first
+step of a bucket after another bucket's is not measured. Drafts never change outputs, so a step may switch
+either way: a plain step proposes nothing (pauses do not run down, no MTP draft is judged), and
+the MTP head's pass still writes its drafting requests' K/V, so that their drafts can resume.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -54,6 +65,12 @@ ACCEPT_DECAY = 0.7
 MATCH_DECAY = 0.9
 # The step-cost fit forgets older steps by this per step (about the last 50 weigh).
 COST_DECAY = 0.98
+# ModeChoice: steps per epoch; every EXPLORE-th epoch runs the slower mode; a mode's tokens and
+# seconds decay by RATE_DECAY per step of it (about its last 10 steps weigh).
+EPOCH = 4
+EXPLORE = 16
+FIRST_DRAFTING = 2  # epochs a bucket drafts before its first plain one
+RATE_DECAY = 0.9
 
 
 def lookup(ids: list[int], config: SpeculativeConfig, most: int) -> tuple[int, list[int]]:
@@ -112,11 +129,66 @@ class StepCost:
         return b * rows / (a + b * rows) if b > 0 else 0.0
 
 
+@dataclass
+class _Bucket:
+    """One bucket of decoding request counts: each mode's decayed emitted tokens and seconds
+    (index 0 plain, 1 drafting), the mode of the running epoch and its steps left."""
+
+    tokens: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    seconds: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    drafting: bool = True
+    left: int = EPOCH
+    epochs: int = 0
+
+    def next_epoch(self) -> None:
+        self.epochs, self.left = self.epochs + 1, EPOCH
+        if self.epochs < FIRST_DRAFTING or not all(self.seconds):
+            # Drafting first, while requests' draft lengths and acceptance warm up; then plain.
+            self.drafting = self.epochs < FIRST_DRAFTING or not self.seconds[1]
+            return
+        plain, drafting = (t / s for t, s in zip(self.tokens, self.seconds))
+        self.drafting = (drafting >= plain) != (self.epochs % EXPLORE == 0)
+
+    def observe(self, seconds: float, tokens: int) -> None:
+        mode = int(self.drafting)
+        self.tokens[mode] = RATE_DECAY * self.tokens[mode] + tokens
+        self.seconds[mode] = RATE_DECAY * self.seconds[mode] + seconds
+
+
+class ModeChoice:
+    """Whether a decode step drafts, by the measured tokens a second of steps that did and did
+    not (see the module's docstring)."""
+
+    def __init__(self):
+        self.buckets: dict[int, _Bucket] = {}
+        self.current: _Bucket | None = None
+        self.measured = False  # whether the current step is measured
+        self.last: _Bucket | None = None  # the bucket of the step before
+
+    def drafts(self, requests: int) -> bool:
+        """Whether this decode step, of `requests` decoding requests, drafts."""
+        bucket = self.buckets.setdefault(min(requests.bit_length(), 4), _Bucket())
+        if bucket.left == 0:
+            bucket.next_epoch()
+        bucket.left -= 1
+        # The first step of a bucket after another's (requests came or went, a prompt was
+        # prefilled) is slow whatever its mode: not measured.
+        self.current, self.measured, self.last = bucket, bucket is self.last, bucket
+        return bucket.drafting
+
+    def observe(self, seconds: float, tokens: int) -> None:
+        """The step `drafts` was last asked about took `seconds` and emitted `tokens`."""
+        if self.current is not None and self.measured:
+            self.current.observe(seconds, tokens)
+        self.current = None
+
+
 class Speculator:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
         self.stats = SpecStats()
         self.cost = StepCost()
+        self.mode = ModeChoice()
         # Per n-gram length: the decayed accepts and rejects of the drafts its matches found.
         self.matches: dict[int, tuple[float, float]] = {}
 
@@ -192,9 +264,11 @@ class Speculator:
         else:
             self._pause(req)
 
-    def observe(self, rows: int, seconds: float) -> None:
-        """A decode step of `rows` rows took `seconds`, its drafts' lookups and sampling too."""
+    def observe(self, rows: int, seconds: float, tokens: int) -> None:
+        """A decode step of `rows` rows took `seconds`, its drafts' lookups and sampling
+        included, and emitted `tokens`."""
         self.cost.observe(rows, seconds)
+        self.mode.observe(seconds, tokens)
 
     @staticmethod
     def _judge(req: Req, tried: int, accepted: int) -> None:
