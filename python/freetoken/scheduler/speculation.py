@@ -35,14 +35,16 @@ draft reads them all.
 
 The fit above sizes drafts but misjudges what they cost (on free text it rated a row cheaper than
 drafted steps turned out to be, and drafting lost 10 %), so whether a step drafts at all is
-measured (`ModeChoice`): per bucket of decoding requests (1, 2-3, 4-7, 8+), steps run in epochs
-of `EPOCH` steps either drafting as above or plain, each mode's emitted tokens and wall seconds
-are kept (decayed per step of that mode, so that they follow the text and the machine), and an
-epoch runs the mode with more tokens a second, but for a bucket's first epochs (drafting's
-`FIRST_DRAFTING`, then plain's) and every `EXPLORE`-th epoch, which runs the other; the first
-step of a bucket after another bucket's is not measured. Drafts never change outputs, so a step may switch
-either way: a plain step proposes nothing (pauses do not run down, no MTP draft is judged), and
-the MTP head's pass still writes its drafting requests' K/V, so that their drafts can resume.
+measured (`ModeChoice`): per bucket of decoding requests (1, 2-3, 4-7, 8+), steps run in epochs of
+`EPOCH` steps either drafting as above or plain, each mode's emitted tokens and wall seconds are
+kept (decayed per step of that mode, so that they follow the text and the machine), and an epoch
+runs the mode with more tokens a second, but for a bucket's first epochs (drafting's
+`FIRST_DRAFTING`, then plain's) and every `EXPLORE`-th epoch, which runs the other; the first step
+of a bucket after another bucket's is not measured. Drafts never change outputs, so a step may
+switch either way: a plain step proposes no prompt-lookup draft (pauses do not run down); an MTP
+request is sized but not drafted (where no token pays it counts one rejected as in any step, so
+that a head that does not pay is still retired), and the head's pass still writes its drafting
+requests' K/V, so that their drafts can resume.
 """
 
 from __future__ import annotations
@@ -171,8 +173,8 @@ class ModeChoice:
         if bucket.left == 0:
             bucket.next_epoch()
         bucket.left -= 1
-        # The first step of a bucket after another's (requests came or went, a prompt was
-        # prefilled) is slow whatever its mode: not measured.
+        # The first step of a bucket after another's (requests came or went, so a prompt was
+        # likely prefilled in between) is slow whatever its mode: not measured.
         self.current, self.measured, self.last = bucket, bucket is self.last, bucket
         return bucket.drafting
 
