@@ -361,6 +361,7 @@ class Scheduler:
         step_drafts = speculator.mode.drafts(len(reqs))
         if speculator.config.method == "ngram":
             if not step_drafts:
+                speculator.rest(reqs)
                 return
             one = not speculator.cost.known
             for req in reqs:

@@ -35,16 +35,18 @@ draft reads them all.
 
 The fit above sizes drafts but misjudges what they cost (on free text it rated a row cheaper than
 drafted steps turned out to be, and drafting lost 10 %), so whether a step drafts at all is
-measured (`ModeChoice`): per bucket of decoding requests (1, 2-3, 4-7, 8+), steps run in epochs of
-`EPOCH` steps either drafting as above or plain, each mode's emitted tokens and wall seconds are
-kept (decayed per step of that mode, so that they follow the text and the machine), and an epoch
-runs the mode with more tokens a second, but for a bucket's first epochs (drafting's
-`FIRST_DRAFTING`, then plain's) and every `EXPLORE`-th epoch, which runs the other; the first step
-of a bucket after another bucket's is not measured. Drafts never change outputs, so a step may
-switch either way: a plain step proposes no prompt-lookup draft (pauses do not run down); an MTP
-request is sized but not drafted (where no token pays it counts one rejected as in any step, so
-that a head that does not pay is still retired), and the head's pass still writes its drafting
-requests' K/V, so that their drafts can resume.
+measured (`ModeChoice`): per bucket of decoding requests (1, 2-3, 4-7, 8+), steps run in epochs
+either drafting as above or plain, and the steps with drafts and those without (a drafting step
+where no request drafted is a plain step) each keep their emitted tokens and wall seconds (decayed
+per step of that kind, so that they follow the text and the machine). An epoch runs the mode whose
+kind of step emits more tokens a second; a bucket drafts until its drafted steps are measured,
+tries plain where its steps without drafts are not, and tries the slower mode again (`TRY` steps)
+after a streak of the faster one as long as the gap between them is wide, so that each try costs
+about as much; the first steps of a bucket after another bucket's are not measured. Drafts never
+change outputs, so a step may switch either way: a plain step proposes no prompt-lookup draft (it
+counts toward pauses); an MTP request is sized but not drafted (where no token pays it counts one
+rejected as in any step, so that a head that does not pay is still retired), and the head's pass
+still writes its drafting requests' K/V, so that their drafts can resume.
 """
 
 from __future__ import annotations
@@ -67,12 +69,17 @@ ACCEPT_DECAY = 0.7
 MATCH_DECAY = 0.9
 # The step-cost fit forgets older steps by this per step (about the last 50 weigh).
 COST_DECAY = 0.98
-# ModeChoice: steps per epoch; every EXPLORE-th epoch runs the slower mode; a mode's tokens and
-# seconds decay by RATE_DECAY per step of it (about its last 10 steps weigh).
+# ModeChoice: steps per epoch, and per try of the slower mode (plain's first one too); the steps
+# of each kind measured before the two are compared; the slower mode is tried after EXPLORE *
+# (1 - slower / faster) epochs of the faster (at least 2, at most MAX_STREAK); a kind's tokens
+# and seconds decay by RATE_DECAY per step of it (about its last 10 steps weigh).
 EPOCH = 4
-EXPLORE = 16
-FIRST_DRAFTING = 2  # epochs a bucket drafts before its first plain one
+TRY = 2
+MIN_STEPS = 2
+EXPLORE = 60
+MAX_STREAK = 16
 RATE_DECAY = 0.9
+UNMEASURED = 2  # steps of a bucket after another's that are not measured
 
 
 def lookup(ids: list[int], config: SpeculativeConfig, most: int) -> tuple[int, list[int]]:
@@ -133,28 +140,39 @@ class StepCost:
 
 @dataclass
 class _Bucket:
-    """One bucket of decoding request counts: each mode's decayed emitted tokens and seconds
-    (index 0 plain, 1 drafting), the mode of the running epoch and its steps left."""
+    """One bucket of decoding request counts: per kind of step (index 0 plain, 1 with drafts),
+    the decayed emitted tokens and seconds and the steps measured; the mode of the running epoch,
+    its steps left, and the epochs of the faster mode since the slower one was last tried."""
 
     tokens: list[float] = field(default_factory=lambda: [0.0, 0.0])
     seconds: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    steps: list[int] = field(default_factory=lambda: [0, 0])
     drafting: bool = True
     left: int = EPOCH
-    epochs: int = 0
+    streak: int = 0
 
     def next_epoch(self) -> None:
-        self.epochs, self.left = self.epochs + 1, EPOCH
-        if self.epochs < FIRST_DRAFTING or not all(self.seconds):
-            # Drafting first, while requests' draft lengths and acceptance warm up; then plain.
-            self.drafting = self.epochs < FIRST_DRAFTING or not self.seconds[1]
+        if self.steps[1] < MIN_STEPS:
+            # Drafting until its drafted steps are measured: it costs nothing where none drafts.
+            self.drafting, self.left = True, EPOCH
             return
-        plain, drafting = (t / s for t, s in zip(self.tokens, self.seconds))
-        self.drafting = (drafting >= plain) != (self.epochs % EXPLORE == 0)
+        if self.steps[0] < MIN_STEPS:
+            self.drafting, self.left = False, TRY
+            return
+        plain, drafted = (t / s for t, s in zip(self.tokens, self.seconds))
+        fast = max(plain, drafted)
+        gap = 1 - min(plain, drafted) / fast if fast else 0.0
+        # A try loses about the gap on its TRY steps in 4 * streak: under 1 % of the throughput
+        # whatever the gap, 1.2 % at most for a gap above 27 %.
+        try_slower = self.streak >= min(max(round(EXPLORE * gap), 2), MAX_STREAK)
+        self.streak = 0 if try_slower else self.streak + 1
+        self.drafting = (drafted >= plain) != try_slower
+        self.left = TRY if try_slower else EPOCH
 
-    def observe(self, seconds: float, tokens: int) -> None:
-        mode = int(self.drafting)
-        self.tokens[mode] = RATE_DECAY * self.tokens[mode] + tokens
-        self.seconds[mode] = RATE_DECAY * self.seconds[mode] + seconds
+    def observe(self, drafted: bool, seconds: float, tokens: int) -> None:
+        self.tokens[drafted] = RATE_DECAY * self.tokens[drafted] + tokens
+        self.seconds[drafted] = RATE_DECAY * self.seconds[drafted] + seconds
+        self.steps[drafted] += 1
 
 
 class ModeChoice:
@@ -164,8 +182,8 @@ class ModeChoice:
     def __init__(self):
         self.buckets: dict[int, _Bucket] = {}
         self.current: _Bucket | None = None
-        self.measured = False  # whether the current step is measured
-        self.last: _Bucket | None = None  # the bucket of the step before
+        self.requests = 0  # the current step's decoding requests
+        self.run = 0  # steps in a row of the current step's bucket, this one included
 
     def drafts(self, requests: int) -> bool:
         """Whether this decode step, of `requests` decoding requests, drafts."""
@@ -173,16 +191,17 @@ class ModeChoice:
         if bucket.left == 0:
             bucket.next_epoch()
         bucket.left -= 1
-        # The first step of a bucket after another's (requests came or went, so a prompt was
-        # likely prefilled in between) is slow whatever its mode: not measured.
-        self.current, self.measured, self.last = bucket, bucket is self.last, bucket
+        self.run = self.run + 1 if bucket is self.current else 1
+        self.current, self.requests = bucket, requests
         return bucket.drafting
 
-    def observe(self, seconds: float, tokens: int) -> None:
-        """The step `drafts` was last asked about took `seconds` and emitted `tokens`."""
-        if self.current is not None and self.measured:
-            self.current.observe(seconds, tokens)
-        self.current = None
+    def observe(self, rows: int, seconds: float, tokens: int) -> None:
+        """The step `drafts` was last asked about ran `rows` rows, took `seconds` and emitted
+        `tokens`. A drafting step in which no request drafted counts as a plain step, which it
+        is; the first steps of a bucket after another's (requests came or went, so a prompt was
+        likely prefilled in between) are slow whatever their mode: not counted."""
+        if self.current is not None and self.run > UNMEASURED:
+            self.current.observe(rows > self.requests, seconds, tokens)
 
 
 class Speculator:
@@ -270,7 +289,13 @@ class Speculator:
         """A decode step of `rows` rows took `seconds`, its drafts' lookups and sampling
         included, and emitted `tokens`."""
         self.cost.observe(rows, seconds)
-        self.mode.observe(seconds, tokens)
+        self.mode.observe(rows, seconds, tokens)
+
+    @staticmethod
+    def rest(reqs: list[Req]) -> None:
+        """A step without prompt-lookup drafts: it counts toward the requests' pauses."""
+        for req in reqs:
+            req.draft_pause = max(req.draft_pause - 1, 0)
 
     @staticmethod
     def _judge(req: Req, tried: int, accepted: int) -> None:
