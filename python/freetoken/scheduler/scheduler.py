@@ -358,11 +358,10 @@ class Scheduler:
         none in a step the measured choice runs plain; prompt-lookup drafts to one request only
         while the step cost is not known (scheduler/speculation.py)."""
         speculator = self.speculator
-        step_drafts = speculator.mode.drafts(len(reqs))
+        if not speculator.mode.drafts(len(reqs)):
+            speculator.rest(reqs)
+            return
         if speculator.config.method == "ngram":
-            if not step_drafts:
-                speculator.rest(reqs)
-                return
             one = not speculator.cost.known
             for req in reqs:
                 drafts = speculator.propose(req, len(reqs))
@@ -372,12 +371,11 @@ class Scheduler:
                     if one:
                         break
             return
-        # The MTP head drafts into the slots its drafts take (engine/mtp.py): taken first. Its
-        # drafts are judged in plain steps too, so that a head that does not pay is retired.
+        # The MTP head drafts into the slots its drafts take (engine/mtp.py): taken first.
         drafting = []
         for req in reqs:
             n = speculator.length(req, len(reqs))
-            if n and step_drafts and self._fits(n):
+            if n and self._fits(n):
                 self._take(req, n)
                 drafting.append((req, n))
         if drafting:

@@ -43,9 +43,9 @@ kind of step emits more tokens a second; a bucket drafts until its drafted steps
 tries plain where its steps without drafts are not, and tries the slower mode again (`TRY` steps)
 after a streak of the faster one as long as the gap between them is wide, so that each try costs
 about as much; the first steps of a bucket after another bucket's are not measured. Drafts never
-change outputs, so a step may switch either way: a plain step proposes no prompt-lookup draft (it
-counts toward pauses); an MTP request is sized but not drafted (where no token pays it counts one
-rejected as in any step, so that a head that does not pay is still retired), and the head's pass
+change outputs, so a step may switch either way: a plain step proposes no draft and counts toward
+pauses; it counts as one rejected token in an MTP request's window (so that a request whose
+bucket keeps drafting off is retired and the head's pass stops), and until then the head's pass
 still writes its drafting requests' K/V, so that their drafts can resume.
 """
 
@@ -291,11 +291,14 @@ class Speculator:
         self.cost.observe(rows, seconds)
         self.mode.observe(rows, seconds, tokens)
 
-    @staticmethod
-    def rest(reqs: list[Req]) -> None:
-        """A step without prompt-lookup drafts: it counts toward the requests' pauses."""
+    def rest(self, reqs: list[Req]) -> None:
+        """A step the measured choice runs plain: it counts toward the requests' pauses, and as
+        one rejected token in an MTP request's window (drafts measured slower than plain steps
+        do not pay for the head's pass: a bucket that keeps them off retires its requests)."""
         for req in reqs:
             req.draft_pause = max(req.draft_pause - 1, 0)
+            if self.config.method == "mtp" and req.drafting:
+                self._judge(req, 1, 0)
 
     @staticmethod
     def _judge(req: Req, tried: int, accepted: int) -> None:
