@@ -3,7 +3,9 @@ tokens and logprobs are those of plain decoding, bit for bit, alone and in a bat
 
 from __future__ import annotations
 
+import itertools
 import json
+import random
 from dataclasses import replace
 
 import pytest
@@ -67,7 +69,7 @@ def test_drafts_are_proposed_only_where_they_pay_for_their_rows():
     req = lambda: Req(uid=0, prompt_ids=list(ids), params=SamplingParams(max_tokens=50))
     assert speculator.propose(req(), 8) == [7, 8, 5, 6]  # no cost known: the whole draft
     for rows in (8, 12, 9, 16, 8, 10):  # rows are half of a step of 8
-        speculator.observe(rows, 0.008 + 0.001 * rows)
+        speculator.observe(rows, 0.008 + 0.001 * rows, 8)
     doubtful = req()
     speculator.verified(doubtful, [1, 2], 0, 1)  # nothing accepted: a pause of 1, then...
     speculator.verified(doubtful, [1, 2], 1, 2)  # ...(its pause, begun, is kept as it is)
@@ -87,7 +89,7 @@ def test_drafts_are_proposed_only_where_they_pay_for_their_rows():
 def test_a_drafts_acceptance_is_that_of_its_match_length_too():
     speculator = speculation.Speculator(SPEC)
     for rows in (8, 12, 9, 16, 8, 10):  # rows are half of a step of 8
-        speculator.observe(rows, 0.008 + 0.001 * rows)
+        speculator.observe(rows, 0.008 + 0.001 * rows, 8)
     req = lambda ids: Req(uid=0, prompt_ids=ids, params=SamplingParams(max_tokens=50))
     for _ in range(5):  # other requests' 1-gram drafts were rejected, their 4-gram ones accepted
         for n, accepted in ((1, 0), (4, 4)):
@@ -106,7 +108,7 @@ def test_mtp_drafts_retire_after_a_window_with_nothing_accepted():
         if n:
             speculator.verified(wrong, [0] * n, 0, 1)
             drafted += 1
-        speculator.observe(1 + n, 0.010 + 0.010 * (1 + n))
+        speculator.observe(1 + n, 0.010 + 0.010 * (1 + n), 1)
         steps += 1
     # One token and a plain step, three times over (the fit then knows what a row costs), then
     # steps where not even one token pays, each counted as one rejected: 8 in 11 steps.
@@ -118,6 +120,30 @@ def test_mtp_drafts_retire_after_a_window_with_nothing_accepted():
             drafted += 1
             speculator.verified(half, [0] * n, min(n, drafted % 2), 1)
     assert half.drafting
+
+
+def _steps_drafted(choice, drafting_speedup, steps, noise):
+    """Steps of 8 requests under `choice`: plain emits 8 tokens in 20 ms, drafting
+    `drafting_speedup` times as many a second; each step's seconds off by up to `noise` (seeded)."""
+    rng, drafted = random.Random(5), 0
+    for _ in range(steps):
+        drafts = choice.drafts(8)
+        drafted += drafts
+        seconds = 0.020 * (1 + rng.uniform(-noise, noise))
+        choice.observe(16 if drafts else 8, seconds, round(8 * drafting_speedup) if drafts else 8)
+    return drafted
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.2])
+def test_steps_draft_in_the_mode_measured_faster_and_follow_a_change(noise):
+    slower, faster = speculation.ModeChoice(), speculation.ModeChoice()
+    assert _steps_drafted(slower, 0.85, 400, noise) <= 0.1 * 400
+    assert _steps_drafted(faster, 1.25, 400, noise) >= 0.9 * 400
+    # Drafting turns slower (the text stops repeating): within 40 steps it is mostly off.
+    _steps_drafted(faster, 0.85, 40, noise)
+    assert _steps_drafted(faster, 0.85, 200, noise) <= 0.1 * 200
+    # Other request counts are measured apart: one request starts over, drafting first.
+    assert faster.drafts(1)
 
 
 def _params():
@@ -163,8 +189,19 @@ def _requests(loaded):
     return list(zip(_prompts(loaded.tokenizer), _params()))
 
 
+def _pinned(monkeypatch):
+    """The draft policy pinned, not left to the steps' timing: every draft token pays for its row,
+    and every fourth step runs plain. What the test counts then does not hang on the machine's
+    load, and a switch between drafting and plain steps must change no output."""
+    steps = itertools.count()
+    monkeypatch.setattr(speculation.ModeChoice, "drafts", lambda self, requests: next(steps) % 4 != 3)
+    monkeypatch.setattr(speculation.StepCost, "known", property(lambda self: True))
+    monkeypatch.setattr(speculation.StepCost, "row_share", lambda self, rows: 0.0)
+
+
 @pytest.mark.slow
-def test_default_model_batched_and_alone_equal_plain_decoding_bit_for_bit():
+def test_default_model_batched_and_alone_equal_plain_decoding_bit_for_bit(monkeypatch):
+    _pinned(monkeypatch)
     loaded = default_model()
     requests = _requests(loaded)
     plain, _ = _run(loaded, requests, None)

@@ -190,6 +190,7 @@ class Scheduler:
         rows = sum(1 + len(r.drafts) for r in batch.reqs)
         done, failed = self._forward(batch)
         replies += failed
+        before = len(replies)
         for part, out in done:
             if self.states:
                 self.states.after_step(part)
@@ -203,7 +204,7 @@ class Scheduler:
             for req, tokens, logprobs in zip(part.logit_reqs, out.tokens, out.logprobs):
                 replies += self._emit(req, tokens, logprobs)
         if self.speculator is not None and prefill is None and not failed:
-            self.speculator.observe(rows, time.perf_counter() - start)
+            self.speculator.observe(rows, time.perf_counter() - start, len(replies) - before)
         return replies
 
     def _emit(self, req: Req, tokens: list[int], logprobs: list) -> list[DetokenizeMsg]:
@@ -348,15 +349,18 @@ class Scheduler:
         reqs = list(self.running)
         for req in reqs:
             self._take(req, 1)
-        if self.speculator is not None:
+        if self.speculator is not None and reqs:
             self._draft(reqs)
         return Batch(reqs, [[r.output_ids[-1], *r.drafts] for r in reqs], reqs) if reqs else None
 
     def _draft(self, reqs: list[Req]) -> None:
         """Give the decoding `reqs` their drafts, in free slots only: drafts never preempt anyone;
-        prompt-lookup drafts to one request only while the step cost is not known
-        (scheduler/speculation.py)."""
+        none in a step the measured choice runs plain; prompt-lookup drafts to one request only
+        while the step cost is not known (scheduler/speculation.py)."""
         speculator = self.speculator
+        if not speculator.mode.drafts(len(reqs)):
+            speculator.rest(reqs)
+            return
         if speculator.config.method == "ngram":
             one = not speculator.cost.known
             for req in reqs:

@@ -32,11 +32,26 @@ judged in windows of `MTP_WINDOW`; a window with fewer than `MTP_FLOOR` of them 
 the request from drafting for good (`Req.drafting`), and the head's pass skips its rows from
 then on. It cannot come back: the head's K/V of the positions it skipped are not written, and a
 draft reads them all.
+
+The fit above sizes drafts but misjudges what they cost (on free text it rated a row cheaper than
+drafted steps turned out to be, and drafting lost 10 %), so whether a step drafts at all is
+measured (`ModeChoice`): per bucket of decoding requests (1, 2-3, 4-7, 8+), steps run in epochs
+either drafting as above or plain, and the steps with drafts and those without (a drafting step
+where no request drafted is a plain step) each keep their emitted tokens and wall seconds (decayed
+per step of that kind, so that they follow the text and the machine). An epoch runs the mode whose
+kind of step emits more tokens a second; a bucket drafts until its drafted steps are measured,
+tries plain where its steps without drafts are not, and tries the slower mode again (`TRY` steps)
+after a streak of the faster one as long as the gap between them is wide, so that each try costs
+about as much; the first steps of a bucket after another bucket's are not measured. Drafts never
+change outputs, so a step may switch either way: a plain step proposes no draft and counts toward
+pauses; it counts as one rejected token in an MTP request's window (so that a request whose
+bucket keeps drafting off is retired and the head's pass stops), and until then the head's pass
+still writes its drafting requests' K/V, so that their drafts can resume.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -54,6 +69,17 @@ ACCEPT_DECAY = 0.7
 MATCH_DECAY = 0.9
 # The step-cost fit forgets older steps by this per step (about the last 50 weigh).
 COST_DECAY = 0.98
+# ModeChoice: steps per epoch, and per try of the slower mode (plain's first one too); the steps
+# of each kind measured before the two are compared; the slower mode is tried after EXPLORE *
+# (1 - slower / faster) epochs of the faster (at least 2, at most MAX_STREAK); a kind's tokens
+# and seconds decay by RATE_DECAY per step of it (about its last 10 steps weigh).
+EPOCH = 4
+TRY = 2
+MIN_STEPS = 2
+EXPLORE = 60
+MAX_STREAK = 16
+RATE_DECAY = 0.9
+UNMEASURED = 2  # steps of a bucket after another's that are not measured
 
 
 def lookup(ids: list[int], config: SpeculativeConfig, most: int) -> tuple[int, list[int]]:
@@ -112,11 +138,78 @@ class StepCost:
         return b * rows / (a + b * rows) if b > 0 else 0.0
 
 
+@dataclass
+class _Bucket:
+    """One bucket of decoding request counts: per kind of step (index 0 plain, 1 with drafts),
+    the decayed emitted tokens and seconds and the steps measured; the mode of the running epoch,
+    its steps left, and the epochs of the faster mode since the slower one was last tried."""
+
+    tokens: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    seconds: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    steps: list[int] = field(default_factory=lambda: [0, 0])
+    drafting: bool = True
+    left: int = EPOCH
+    streak: int = 0
+
+    def next_epoch(self) -> None:
+        if self.steps[1] < MIN_STEPS:
+            # Drafting until its drafted steps are measured: it costs nothing where none drafts.
+            self.drafting, self.left = True, EPOCH
+            return
+        if self.steps[0] < MIN_STEPS:
+            self.drafting, self.left = False, TRY
+            return
+        plain, drafted = (t / s for t, s in zip(self.tokens, self.seconds))
+        fast = max(plain, drafted)
+        gap = 1 - min(plain, drafted) / fast if fast else 0.0
+        # A try loses about the gap on its TRY steps in 4 * streak: under 1 % of the throughput
+        # whatever the gap, 1.2 % at most for a gap above 27 %.
+        try_slower = self.streak >= min(max(round(EXPLORE * gap), 2), MAX_STREAK)
+        self.streak = 0 if try_slower else self.streak + 1
+        self.drafting = (drafted >= plain) != try_slower
+        self.left = TRY if try_slower else EPOCH
+
+    def observe(self, drafted: bool, seconds: float, tokens: int) -> None:
+        self.tokens[drafted] = RATE_DECAY * self.tokens[drafted] + tokens
+        self.seconds[drafted] = RATE_DECAY * self.seconds[drafted] + seconds
+        self.steps[drafted] += 1
+
+
+class ModeChoice:
+    """Whether a decode step drafts, by the measured tokens a second of steps that did and did
+    not (see the module's docstring)."""
+
+    def __init__(self):
+        self.buckets: dict[int, _Bucket] = {}
+        self.current: _Bucket | None = None
+        self.requests = 0  # the current step's decoding requests
+        self.run = 0  # steps in a row of the current step's bucket, this one included
+
+    def drafts(self, requests: int) -> bool:
+        """Whether this decode step, of `requests` decoding requests, drafts."""
+        bucket = self.buckets.setdefault(min(requests.bit_length(), 4), _Bucket())
+        if bucket.left == 0:
+            bucket.next_epoch()
+        bucket.left -= 1
+        self.run = self.run + 1 if bucket is self.current else 1
+        self.current, self.requests = bucket, requests
+        return bucket.drafting
+
+    def observe(self, rows: int, seconds: float, tokens: int) -> None:
+        """The step `drafts` was last asked about ran `rows` rows, took `seconds` and emitted
+        `tokens`. A drafting step in which no request drafted counts as a plain step, which it
+        is; the first steps of a bucket after another's (requests came or went, so a prompt was
+        likely prefilled in between) are slow whatever their mode: not counted."""
+        if self.current is not None and self.run > UNMEASURED:
+            self.current.observe(rows > self.requests, seconds, tokens)
+
+
 class Speculator:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
         self.stats = SpecStats()
         self.cost = StepCost()
+        self.mode = ModeChoice()
         # Per n-gram length: the decayed accepts and rejects of the drafts its matches found.
         self.matches: dict[int, tuple[float, float]] = {}
 
@@ -192,9 +285,20 @@ class Speculator:
         else:
             self._pause(req)
 
-    def observe(self, rows: int, seconds: float) -> None:
-        """A decode step of `rows` rows took `seconds`, its drafts' lookups and sampling too."""
+    def observe(self, rows: int, seconds: float, tokens: int) -> None:
+        """A decode step of `rows` rows took `seconds`, its drafts' lookups and sampling
+        included, and emitted `tokens`."""
         self.cost.observe(rows, seconds)
+        self.mode.observe(rows, seconds, tokens)
+
+    def rest(self, reqs: list[Req]) -> None:
+        """A step the measured choice runs plain: it counts toward the requests' pauses, and as
+        one rejected token in an MTP request's window (drafts measured slower than plain steps
+        do not pay for the head's pass: a bucket that keeps them off retires its requests)."""
+        for req in reqs:
+            req.draft_pause = max(req.draft_pause - 1, 0)
+            if self.config.method == "mtp" and req.drafting:
+                self._judge(req, 1, 0)
 
     @staticmethod
     def _judge(req: Req, tried: int, accepted: int) -> None:
