@@ -10,7 +10,7 @@ import torch
 from freetoken.core import Batch, Req, SamplingParams, TokenLogprob
 from freetoken.engine import pooling
 from freetoken.engine.kv_pool import KVPool
-from freetoken.engine.logit_processing import long_tensor, processes
+from freetoken.engine.logit_processing import long_tensor, uses_processors
 from freetoken.engine.mtp import MtpDrafter
 from freetoken.engine.sample import Sampler, logprob_entries
 from freetoken.engine.state_pool import LinearContext, PrefillPiece, StatePool
@@ -138,7 +138,7 @@ class Engine:
                    if r.drafts and not r.params.is_greedy}
         # Histories copy each output so far: only for the logit processors, which read them.
         histories = [(r.prompt_ids, r.output_ids + r.drafts[:j]) for r, j in rows] \
-            if processes(params) else None
+            if uses_processors(params) else None
         args = self.sampler.prepare(params, [r.generator for r, _ in rows], histories,
                                     grammars if any(g is not None for g in grammars) else None)
         sampled = self.sampler.sample(logits[: len(rows)], args)
@@ -221,9 +221,9 @@ class Engine:
         by_length: dict[int, list[tuple[int, list[int]]]] = {}
         for row, slots in decoding:
             by_length.setdefault(_round_up(len(slots), DECODE_KV_BLOCK), []).append((row, slots))
-        groups, scratch = [], [self.kv.scratch_slot]
+        groups = []
         for length, members in by_length.items():
-            table = [part for _, slots in members for part in (slots, scratch * (length - len(slots)))]
+            table = [self._padded(slots, length) for _, slots in members]
             lengths = [len(slots) for _, slots in members]
             ranges = long_tensor([v for i, n in enumerate(lengths) for v in (i * length, 0, n)]).view(-1, 3)
             keys = torch.arange(length)[None, :]

@@ -53,7 +53,7 @@ def _bad_word_bans(words: list[list[int]], output: list[int]) -> list[int]:
     return banned
 
 
-def processes(params: Sequence[SamplingParams]) -> bool:
+def uses_processors(params: Sequence[SamplingParams]) -> bool:
     """Does any row use a logit processor (and so need its history)?"""
     return any(p.bad_words_token_ids or p.min_tokens > 0 or p.logit_bias or _uses_penalties(p)
                for p in params)
@@ -120,7 +120,7 @@ class LogitProcessing:
               eos_token_ids: tuple[int, ...], vocab_size: int,
               device: torch.device) -> LogitProcessing | None:
         """None when no row uses a processor; else `histories` must be given."""
-        if not processes(params):
+        if not uses_processors(params):
             return None
         assert histories is not None and len(histories) == len(params), "one history per row"
 
