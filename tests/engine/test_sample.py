@@ -59,6 +59,19 @@ def test_greedy_exact_in_mixed_batch() -> None:
     assert out == torch.tensor(rows).argmax(-1).tolist()
 
 
+def test_argmax_keeps_torch_rules_on_ties_infinities_and_nan() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-2, 3, (64, 300), generator=g).float()  # many tied maxima
+    r = torch.rand(64, 300, generator=g)
+    x[r < 0.2] = float("-inf")
+    x[:8][r[:8] > 0.97] = float("inf")
+    x[8:16][r[8:16] > 0.97] = float("nan")
+    x[16] = float("-inf")
+    x[17] = torch.where(r[17] < 0.5, -0.0, 0.0)
+    assert torch.equal(sample_mod.argmax(x), torch.argmax(x, dim=-1))
+    assert torch.equal(sample_mod.argmax(x[:, ::3]), torch.argmax(x[:, ::3], dim=-1))
+
+
 @pytest.mark.parametrize("p, support", [
     (SamplingParams(), {0, 1, 2, 3, 4, 5, 6}),
     (SamplingParams(top_k=3), {0, 1, 2}),

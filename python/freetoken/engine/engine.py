@@ -10,6 +10,7 @@ import torch
 from freetoken.core import Batch, Req, SamplingParams, TokenLogprob
 from freetoken.engine import pooling
 from freetoken.engine.kv_pool import KVPool
+from freetoken.engine.logit_processing import long_tensor, uses_processors
 from freetoken.engine.mtp import MtpDrafter
 from freetoken.engine.sample import Sampler, logprob_entries
 from freetoken.engine.state_pool import LinearContext, PrefillPiece, StatePool
@@ -93,6 +94,17 @@ class Engine:
         tokens, logprobs = self._sample(logits, batch.logit_reqs)
         if ctx.mtp is not None:
             self.drafter.keep(batch, tokens, ctx.mtp)
+        out = StepOutput(tokens, logprobs, self._score_prompts(batch, logits) if batch.prompt_rows else [])
+        if ctx.hidden_rows is not None:
+            self._collect_hidden(batch, ctx)
+        if ctx.linear is not None:  # the step went through: its new recurrent states stand
+            kept = {id(r): len(t) for r, t in zip(batch.logit_reqs, tokens)}
+            self.states.commit(ctx.linear, torch.tensor([kept.get(id(r), 1) for r in ctx.linear.decoding],
+                                                        device=self.device))
+        return out
+
+    def _score_prompts(self, batch: Batch, logits: torch.Tensor) -> list[TokenLogprob]:
+        """The entries of batch.prompt_rows' rows, which follow the sampling rows in `logits`."""
         # Row i of a chunk starting at position s scores prompt token s + i + 1.
         start = {id(r): r.num_computed - len(new) for r, new in zip(batch.reqs, batch.new_ids)}
         targets, ks = [], []
@@ -101,13 +113,7 @@ class Engine:
             targets += req.prompt_ids[first : first + rows]
             ks += [req.params.prompt_logprobs] * rows
         n = sum(1 + len(r.drafts) for r in batch.logit_reqs)
-        out = StepOutput(tokens, logprobs, prompt_logprobs(logits[n : n + len(targets)], targets, ks))
-        self._collect_hidden(batch, ctx)
-        if ctx.linear is not None:  # the step went through: its new recurrent states stand
-            kept = {id(r): len(t) for r, t in zip(batch.logit_reqs, tokens)}
-            self.states.commit(ctx.linear, torch.tensor([kept.get(id(r), 1) for r in ctx.linear.decoding],
-                                                        device=self.device))
-        return out
+        return prompt_logprobs(logits[n : n + len(targets)], targets, ks)
 
     def _collect_hidden(self, batch: Batch, ctx: ForwardContext) -> None:
         """Hand each pooling request the hidden states of this step's positions it reads."""
@@ -125,14 +131,19 @@ class Engine:
         sees the output as if the j drafts before it were emitted (penalties, min_tokens,
         bad_words), and its random draw comes after theirs from the request's stream."""
         rows = [(r, j) for r in reqs for j in range(1 + len(r.drafts))]
+        params = [r.params for r, _ in rows]
         grammars = [r.grammar.constraining if r.grammar else None for r, _ in rows]
         # A rejected draft's row drew from the stream all the same: rewound below.
         streams = {id(r): r.generator.get_state() for r in reqs
                    if r.drafts and not r.params.is_greedy}
-        args = self.sampler.prepare([r.params for r, _ in rows], [r.generator for r, _ in rows],
-                                    [(r.prompt_ids, r.output_ids + r.drafts[:j]) for r, j in rows],
+        # Histories copy each output so far: only for the logit processors, which read them.
+        histories = [(r.prompt_ids, r.output_ids + r.drafts[:j]) for r, j in rows] \
+            if uses_processors(params) else None
+        args = self.sampler.prepare(params, [r.generator for r, _ in rows], histories,
                                     grammars if any(g is not None for g in grammars) else None)
         sampled = self.sampler.sample(logits[: len(rows)], args)
+        if len(rows) == len(reqs):  # no drafts: a token each
+            return [[t] for t in sampled.token_ids], [[lp] for lp in sampled.logprobs]
         tokens, logprobs, row = [], [], 0
         for req in reqs:
             drawn = sampled.token_ids[row : row + 1 + len(req.drafts)]
@@ -165,7 +176,7 @@ class Engine:
             by_shape.setdefault((kv_len if causal else _round_up(q, PROMPT_QUERY_BLOCK), kv_len, causal),
                                 []).append((start, q, slots))
         groups = []
-        on_device = partial(torch.tensor, device=self.device)
+        on_device = partial(long_tensor, device=self.device)
         for (q_len, kv_len, causal), members in by_shape.items():
             query_rows, table, kept, out_rows = [], [], [], []
             for i, (start, q, slots) in enumerate(members):
@@ -188,8 +199,8 @@ class Engine:
                     mask = seen[:, None].to(self.device)
                 if self.window:
                     window_mask = (seen & (keys > positions - self.window))[:, None].to(self.device)
-            ranges = torch.tensor([(i * kv_len, 0, len(slots) - q + j + 1)
-                                   for i, (_, q, slots) in enumerate(members) for j in range(q)])
+            ranges = long_tensor([v for i, (_, q, slots) in enumerate(members) for j in range(q)
+                                  for v in (i * kv_len, 0, len(slots) - q + j + 1)]).view(-1, 3)
             window_ranges = None
             if self.window:
                 window_ranges = ranges.clone()
@@ -212,19 +223,19 @@ class Engine:
             by_length.setdefault(_round_up(len(slots), DECODE_KV_BLOCK), []).append((row, slots))
         groups = []
         for length, members in by_length.items():
-            table = [s for _, slots in members for s in self._padded(slots, length)]
-            lengths = torch.tensor([len(slots) for _, slots in members])
+            table = [self._padded(slots, length) for _, slots in members]
+            lengths = [len(slots) for _, slots in members]
+            ranges = long_tensor([v for i, n in enumerate(lengths) for v in (i * length, 0, n)]).view(-1, 3)
             keys = torch.arange(length)[None, :]
-            valid = keys < lengths[:, None]
-            firsts = torch.arange(len(members)) * length
-            ranges = torch.stack([firsts, torch.zeros_like(lengths), lengths], 1)
+            valid = keys < ranges[:, 2:]
             window = window_ranges = None
             if self.window:
-                window = (valid & (keys >= lengths[:, None] - self.window))[:, None, None, :].to(self.device)
-                window_ranges = torch.stack([firsts, (lengths - self.window).clamp(min=0), lengths], 1)
+                window = (valid & (keys >= ranges[:, 2:] - self.window))[:, None, None, :].to(self.device)
+                window_ranges = long_tensor([v for i, n in enumerate(lengths)
+                                             for v in (i * length, max(n - self.window, 0), n)]).view(-1, 3)
             groups.append(DecodeGroup(
-                rows=torch.tensor([row for row, _ in members], device=self.device),
-                kv_slots=torch.tensor(table, device=self.device),
+                rows=long_tensor([row for row, _ in members], device=self.device),
+                kv_slots=long_tensor(*table, device=self.device),
                 valid=valid[:, None, None, :].to(self.device), window_valid=window,
                 key_ranges=ranges, window_key_ranges=window_ranges))
         return groups
@@ -267,15 +278,14 @@ class Engine:
     def context(self, plan: StepPlan) -> ForwardContext:
         dev = self.device
         return ForwardContext(
-            input_ids=torch.tensor(plan.ids, device=dev),
-            positions=torch.tensor(plan.positions, device=dev),
-            out_slots=torch.tensor(plan.out_slots, device=dev),
+            input_ids=long_tensor(plan.ids, device=dev),
+            positions=long_tensor(plan.positions, device=dev),
+            out_slots=long_tensor(plan.out_slots, device=dev),
             prompt_groups=self._prompt_groups(plan.chunks),
             decode_groups=self._decode_groups(plan.decoding),
-            logit_rows=torch.tensor(plan.logit_rows, dtype=torch.long, device=dev),
+            logit_rows=long_tensor(plan.logit_rows, device=dev),
             kv_cache=self.kv.kv,
-            hidden_rows=torch.tensor(plan.hidden_rows, dtype=torch.long, device=dev)
-            if plan.hidden_rows else None,
+            hidden_rows=long_tensor(plan.hidden_rows, device=dev) if plan.hidden_rows else None,
         )
 
     def _linear_context(self, batch: Batch) -> LinearContext:
@@ -292,7 +302,7 @@ class Engine:
                 prefills.append(PrefillPiece(row, len(new), req.num_computed - len(new), req.state_slot,
                                              req.snapshots))
             row += len(new)
-        on_device = partial(torch.tensor, device=self.device)
+        on_device = partial(long_tensor, device=self.device)
         rounds = []
         for j in range(1, 1 + max((len(r.drafts) for r in decoding), default=0)):
             members = [i for i, r in enumerate(decoding) if len(r.drafts) >= j]

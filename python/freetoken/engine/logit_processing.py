@@ -27,13 +27,17 @@ def _uses_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 
-def _concat_tensor(lists: list[list[int]]) -> torch.Tensor:
-    """The lists' ints end to end in a CPU long tensor, through an array: several times faster
-    than torch.tensor on long histories."""
+def long_tensor(*lists: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """The lists' ints end to end in a long tensor on `device`, through an array: several times
+    faster than torch.tensor on a list (~8x at 512 ints), which converts one object at a time."""
     buffer = array("q")
     for ids in lists:
-        buffer.fromlist(ids)
-    return torch.frombuffer(buffer, dtype=torch.long) if buffer else torch.empty(0, dtype=torch.long)
+        if isinstance(ids, list):
+            buffer.fromlist(ids)  # twice extend's speed
+        else:
+            buffer.extend(ids)
+    flat = torch.frombuffer(buffer, dtype=torch.long) if buffer else torch.empty(0, dtype=torch.long)
+    return flat.to(device)
 
 
 def _bad_word_bans(words: list[list[int]], output: list[int]) -> list[int]:
@@ -47,6 +51,12 @@ def _bad_word_bans(words: list[list[int]], output: list[int]) -> list[int]:
         if not prefix or output[-len(prefix):] == prefix:
             banned.append(word[-1])
     return banned
+
+
+def uses_processors(params: Sequence[SamplingParams]) -> bool:
+    """Does any row use a logit processor (and so need its history)?"""
+    return any(p.bad_words_token_ids or p.min_tokens > 0 or p.logit_bias or _uses_penalties(p)
+               for p in params)
 
 
 @dataclass
@@ -70,7 +80,7 @@ class Penalties:
         keys, weights = [], []
         for chosen, part, weight in ((rows, 1, 1), (rep_rows, 0, 0)):
             lists = [histories[i][part] for i in chosen]
-            ids = _concat_tensor(lists)
+            ids = long_tensor(*lists)
             owner = torch.tensor(chosen, dtype=torch.long).repeat_interleave(
                 torch.tensor([len(ids_) for ids_ in lists], dtype=torch.long))
             keys.append(owner * vocab_size + ids)
@@ -110,8 +120,7 @@ class LogitProcessing:
               eos_token_ids: tuple[int, ...], vocab_size: int,
               device: torch.device) -> LogitProcessing | None:
         """None when no row uses a processor; else `histories` must be given."""
-        if not any(p.bad_words_token_ids or p.min_tokens > 0 or p.logit_bias
-                   or _uses_penalties(p) for p in params):
+        if not uses_processors(params):
             return None
         assert histories is not None and len(histories) == len(params), "one history per row"
 

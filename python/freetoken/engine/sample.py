@@ -81,6 +81,15 @@ class BatchSamplingArgs:
     lp_listed: list[list[int] | None]  # per row of lp_rows: the ids it lists instead of a top-K
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax of `x` [N, V] (long [N]), by torch's rules: the first of tied maxima,
+    a NaN above every number. On the CPU numpy's, which gives the same index with a vectorised
+    scan: torch's argmax walks a row one element at a time (~60 us over 49k logits, ~20x numpy)."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
+        return x.argmax(dim=-1)
+    return torch.from_numpy(x.numpy().argmax(-1))
+
+
 def _logsumexp(x: torch.Tensor) -> torch.Tensor:
     """logsumexp of each row of `x` [N, V] as [N, 1], with bits that do not depend on N: torch
     sums a lone row in slices across threads (a two-pass reduction) but each of several rows on
@@ -195,12 +204,12 @@ class Sampler:
             args.processing.apply(x)
 
         if args.rand_rows is None:  # all greedy: argmax only, no softmax
-            tokens = x.argmax(dim=-1)
+            tokens = argmax(x)
         elif args.greedy_rows is None:  # all random
             tokens = self._sample_random(x, args)
         else:
             tokens = torch.empty(args.batch_size, dtype=torch.long, device=x.device)
-            tokens[args.greedy_rows] = x[args.greedy_rows].argmax(dim=-1)
+            tokens[args.greedy_rows] = argmax(x[args.greedy_rows])
             tokens[args.rand_rows] = self._sample_random(x[args.rand_rows], args)
 
         token_ids: list[int] = tokens.tolist()
@@ -231,7 +240,7 @@ class Sampler:
         q = torch.empty_like(probs)
         for j, g in enumerate(args.rand_generators):
             q[j].uniform_(generator=g)
-        return probs.div_(q.log_().neg_().clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+        return argmax(probs.div_(q.log_().neg_().clamp_min_(torch.finfo(q.dtype).tiny)))
 
     def _top_k_top_p(self, x: torch.Tensor, args: BatchSamplingArgs) -> None:
         """Cut x in place to each row's top-k set, then its top-p set, without a vocabulary sort.

@@ -220,10 +220,10 @@ class Scheduler:
             self.speculator.verified(req, drafts, min(len(tokens) - 1, len(replies)), len(replies))
         if replies[-1].finished:
             return replies
-        unused = req.slots[len(req.all_ids) - 1 :]
-        if unused:
-            del req.slots[len(req.all_ids) - 1 :]
-            self.engine.kv.release(unused)
+        kept = len(req.prompt_ids) + len(req.output_ids) - 1  # not all_ids: a copy of both lists
+        if len(req.slots) > kept:
+            self.engine.kv.release(req.slots[kept:])
+            del req.slots[kept:]
         return replies
 
     def _resolve_grammars(self) -> list[DetokenizeMsg]:
@@ -273,6 +273,8 @@ class Scheduler:
         return n <= self.engine.kv.num_free
 
     def _admit(self) -> None:
+        if not self.waiting:
+            return
         # Slots the running requests need to reach their next sample.
         need = sum(r.num_pending for r in self.running)
         held = []

@@ -340,10 +340,11 @@ static void dequant_blocks(int isa, int type, const uint8_t *row, int64_t b0, in
     else dequant_avx2(type, row, b0, count, dst);
 }
 
-/* Rows ids[i] of a [rows, K] weight, row stride ldw bytes (ids NULL: every row), to float32 out [n, K]. */
+/* Rows ids[i] of a [rows, K] weight, row stride ldw bytes (ids NULL: every row), to float32 out [n, K].
+ * A decode step's embedding rows (a few thousand values) take less than waking the other threads. */
 void quant_dequantize_rows(int isa, int type, const uint8_t *w, int64_t ldw, const int64_t *ids, int64_t n,
                            int64_t K, float *out) {
-    _Pragma("omp parallel for schedule(static)")
+    _Pragma("omp parallel for schedule(static) if (n * K >= 65536)")
     for (int64_t i = 0; i < n; i++)
         dequant_blocks(isa, type, w + (ids ? ids[i] : i) * ldw, 0, K / block_values(type), out + i * K);
 }
