@@ -286,25 +286,31 @@ DEFINE_NORM_ROTATE(norm_rotate_f32, float, rms_row_f32, rotate_row_f32)
 DEFINE_NORM_ROTATE(norm_rotate_bf16, uint16_t, rms_row_bf16, rotate_row_bf16)
 
 /* e^d as torch's vectorised exp computes it on x86 (SLEEF's expf_u10, FMA variant): the same
- * bits for every float32 input (checked against torch's SiLU over all 2^32). */
-__attribute__((target("avx2,fma"), always_inline)) static inline __m256 pow2i(__m256i q) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(q, _mm256_set1_epi32(0x7f)), 23));
-}
+ * bits for every float32 input (checked against torch's SiLU over all 2^32). Written once for
+ * both vector widths (P: the intrinsics' prefix, W: the width); the range fix-ups, which differ
+ * by width (a blend, a mask), follow in each. */
+#define EXP_CORE(P, W, d, u)                                                                         \
+    do {                                                                                             \
+        const __m##W##i q = P##_cvtps_epi32(P##_mul_ps(d, P##_set1_ps(1.442695040888963407359924681001892137426645954152985934135449406931f))); \
+        const __m##W qf = P##_cvtepi32_ps(q);                                                        \
+        __m##W s = P##_fmadd_ps(qf, P##_set1_ps(-0.693145751953125f), d);                            \
+        s = P##_fmadd_ps(qf, P##_set1_ps(-1.428606765330187045e-06f), s);                            \
+        u = P##_set1_ps(0.000198527617612853646278381f);                                             \
+        u = P##_fmadd_ps(u, s, P##_set1_ps(0.00139304355252534151077271f));                          \
+        u = P##_fmadd_ps(u, s, P##_set1_ps(0.00833336077630519866943359f));                          \
+        u = P##_fmadd_ps(u, s, P##_set1_ps(0.0416664853692054748535156f));                           \
+        u = P##_fmadd_ps(u, s, P##_set1_ps(0.166666671633720397949219f));                            \
+        u = P##_fmadd_ps(u, s, P##_set1_ps(0.5f));                                                   \
+        u = P##_add_ps(P##_set1_ps(1.0f), P##_fmadd_ps(P##_mul_ps(s, s), u, s));                     \
+        const __m##W##i h = P##_srai_epi32(q, 1), rest = P##_sub_epi32(q, h);                        \
+        const __m##W##i bias = P##_set1_epi32(0x7f);                                                 \
+        u = P##_mul_ps(P##_mul_ps(u, P##_castsi##W##_ps(P##_slli_epi32(P##_add_epi32(h, bias), 23))), \
+                       P##_castsi##W##_ps(P##_slli_epi32(P##_add_epi32(rest, bias), 23)));          \
+    } while (0)
 
 __attribute__((target("avx2,fma"), always_inline)) static inline __m256 exp8(__m256 d) {
-    const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(d, _mm256_set1_ps(1.442695040888963407359924681001892137426645954152985934135449406931f)));
-    const __m256 qf = _mm256_cvtepi32_ps(q);
-    __m256 s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-0.693145751953125f), d);
-    s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-1.428606765330187045e-06f), s);
-    __m256 u = _mm256_set1_ps(0.000198527617612853646278381f);
-    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00139304355252534151077271f));
-    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00833336077630519866943359f));
-    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.0416664853692054748535156f));
-    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.166666671633720397949219f));
-    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.5f));
-    u = _mm256_add_ps(_mm256_set1_ps(1.0f), _mm256_fmadd_ps(_mm256_mul_ps(s, s), u, s));
-    const __m256i h = _mm256_srai_epi32(q, 1);
-    u = _mm256_mul_ps(_mm256_mul_ps(u, pow2i(h)), pow2i(_mm256_sub_epi32(q, h)));
+    __m256 u;
+    EXP_CORE(_mm256, 256, d, u);
     u = _mm256_andnot_ps(_mm256_cmp_ps(d, _mm256_set1_ps(-104.0f), _CMP_LT_OQ), u);
     return _mm256_blendv_ps(u, _mm256_set1_ps(__builtin_inff()),
                             _mm256_cmp_ps(_mm256_set1_ps(100.0f), d, _CMP_LT_OQ));
@@ -333,24 +339,9 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void silu_mul8_
  * (a compare's mask in place of a blend's), so the same bits. */
 #define AVX512_INLINE __attribute__((target("avx512f,avx2,fma"), always_inline)) static inline
 
-AVX512_INLINE __m512 pow2i16(__m512i q) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(0x7f)), 23));
-}
-
 AVX512_INLINE __m512 exp16(__m512 d) {
-    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(d, _mm512_set1_ps(1.442695040888963407359924681001892137426645954152985934135449406931f)));
-    const __m512 qf = _mm512_cvtepi32_ps(q);
-    __m512 s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-0.693145751953125f), d);
-    s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-1.428606765330187045e-06f), s);
-    __m512 u = _mm512_set1_ps(0.000198527617612853646278381f);
-    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00139304355252534151077271f));
-    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00833336077630519866943359f));
-    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.0416664853692054748535156f));
-    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.166666671633720397949219f));
-    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.5f));
-    u = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_fmadd_ps(_mm512_mul_ps(s, s), u, s));
-    const __m512i h = _mm512_srai_epi32(q, 1);
-    u = _mm512_mul_ps(_mm512_mul_ps(u, pow2i16(h)), pow2i16(_mm512_sub_epi32(q, h)));
+    __m512 u;
+    EXP_CORE(_mm512, 512, d, u);
     u = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(d, _mm512_set1_ps(-104.0f), _CMP_LT_OQ), u, _mm512_setzero_ps());
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_set1_ps(100.0f), d, _CMP_LT_OQ), u,
                                 _mm512_set1_ps(__builtin_inff()));
