@@ -32,7 +32,7 @@ SOURCE = Path(__file__).with_name("quant_gemm.c")
 FORMATS = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
            GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
            GGMLQuantizationType.MXFP4)
-ISAS = {"avx2": 1, "avx512": 2}
+ISAS = {"avx2": 1, "avx512": 2, "amx": 3}
 # Where each format keeps float16 scales (byte offsets in a block), for `random_weight`.
 _HALF_SCALES = {GGMLQuantizationType.Q8_0: (0,), GGMLQuantizationType.Q4_0: (0,), GGMLQuantizationType.Q4_1: (0, 2),
                 GGMLQuantizationType.Q4_K: (0, 2), GGMLQuantizationType.Q5_K: (0, 2), GGMLQuantizationType.Q6_K: (208,)}
@@ -72,11 +72,12 @@ def _kernel() -> ctypes.CDLL | None:
 
 
 def isa() -> int:
-    """The kernel path this process runs: 2 AVX-512, 1 AVX2, 0 none (FREETOKEN_QUANT_ISA caps it)."""
+    """The kernel path this process runs: 3 AMX, 2 AVX-512, 1 AVX2, 0 none (FREETOKEN_QUANT_ISA
+    caps it)."""
     lib = _kernel()
     if lib is None:
         return 0
-    return min(lib.best_isa, ISAS.get(os.environ.get("FREETOKEN_QUANT_ISA", ""), 2))
+    return min(lib.best_isa, ISAS.get(os.environ.get("FREETOKEN_QUANT_ISA", ""), 3))
 
 
 def supported(qtype: GGMLQuantizationType) -> bool:

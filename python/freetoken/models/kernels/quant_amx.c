@@ -1,0 +1,306 @@
+/* The AMX level of quant_gemm.c (isa 3), included by it: the same matmuls on the tile unit's
+ * bfloat16 dot products (TDPBF16PS), every row count alike, one row included.
+ *
+ * Exact operands. Each float32 x is split into three bfloat16 parts, x = hi + mid + lo: hi is x
+ * cut to its top 8 significant bits, mid the remainder cut likewise, lo what is left (at most 8
+ * bits: exact). Every quant is a small integer, exact in bfloat16: Q4_0's nibble - 8, Q4_1's and
+ * Q4_K's nibble, Q5_K's 5-bit code, Q6_K's code - 32, Q8_0's int8, MXFP4's doubled e2m1 value. So
+ * every product the tile unit forms (8 by 8 significant bits) is exact; its sums are float32.
+ *
+ * THE ORDER (AMX). Per row, three "combos" (the row's hi, mid and lo parts). For each output
+ * column n and combo c, an accumulator a(n, c) starts at zero and takes, for each step along K in
+ * order (a block of 32 values; Q6_K: a sub-block of 16), first fma(S, scale, a) and then, for the
+ * formats with a minimum (Q4_1, Q4_K, Q5_K), fma(min, X, a), where S is the tile unit's dot
+ * product of the step's quants of column n with the step's part c values (one TDPBF16PS from
+ * zero), scale the step's float32 scale (Q8_0, Q4_0, Q4_1: d; MXFP4: half its power of two, on
+ * doubled codes; Q4_K, Q5_K, Q6_K: d times the sub-block's scale, an exact product), min the
+ * step's float32 minimum (Q4_1: m; Q4_K, Q5_K: -(dmin times the sub-block's minimum)) and X the
+ * sum of the step's part c values (the two halves added lane by lane, then the sixteen lanes in
+ * _mm512_reduce_add_ps's fixed tree). Then y = (a(n, hi) + a(n, mid)) + a(n, lo) (+ bias, last).
+ * A tile row is one column, a tile column one combo: no sum sees another row, so nothing depends
+ * on the row count, the tile or lane a combo lands in, the thread or the group. The bits differ
+ * from the FMA paths' (the level is chosen per process); the error is float32 rounding of the
+ * same size (each step's sum of 32 exact products, then one FMA per step and term). Parts of x
+ * below about 2^-126 (x itself below about 2^-110) count as zero: the tile unit reads bfloat16
+ * subnormals as zero.
+ *
+ * How it runs. quant_gemm_parts and quant_gemm split all rows once per call (amx_split: the parts
+ * in the tile unit's pair layout, b[K/2][combos][2], and X per 32-value step), then each work item
+ * (NT = 8 output columns by up to RB_MAX rows, as the other levels) walks K in ranges: it writes
+ * its columns' quants for the range as bfloat16 tiles (one 64-byte tile row per column and block)
+ * with their scales, then for each group of 16 of its combos runs the range's steps, tiles A
+ * (8 columns by 32 k), B (16 k pairs by 16 combos) and C (8 by 16 float32 sums), the vector
+ * units draining step s's C into the accumulators while the tile unit computes step s + 1.
+ */
+#if defined(__linux__) && (defined(__clang__) || __GNUC__ >= 11) /* AMX intrinsics, arch_prctl */
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")))
+#define AMX_KB 1024 /* most k values per range: the range's bfloat16 tiles take 16 KiB */
+#define AMX_GROUPS ((3 * RB_MAX + 15) / 16)
+
+/* AMX-BF16 and AVX512-BW, and Linux's leave to use the tiles (asked once per process). */
+static int amx_supported(void) {
+    unsigned a, b, c, d;
+    __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+    if (!((d >> 22) & 1) || !((d >> 24) & 1) || !((b >> 30) & 1)) return 0; /* AMX-BF16, AMX-TILE, AVX512BW */
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+}
+
+/* The rows of a call as the tile unit reads them: b [K/2][ld][2] bfloat16 (combo 3r + p is row r's
+ * part p; ld = 3R + 16, the last 16 zero for a group that runs past the rows), sums [K/32][ld]
+ * float32 (X), and which call this is (a thread loads the tile configuration once per call). */
+typedef struct {
+    uint16_t *b;
+    float *sums;
+    int64_t ld, call;
+} amx_rows;
+
+/* 32 float32 (two registers) to their bfloat16 bits in order: each value's top 16 bits. */
+AMX INLINE __m512i top_halves(__m512 a, __m512 b) {
+    static const uint16_t odd[32] = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31,
+                                     33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
+    return _mm512_permutex2var_epi16(_mm512_castps_si512(a), _mm512_loadu_si512(odd), _mm512_castps_si512(b));
+}
+
+AMX static void amx_split_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, int64_t K, const amx_rows *s) {
+    const __m512 top = _mm512_castsi512_ps(_mm512_set1_epi32((int)0xFFFF0000u));
+    const __m512i pairs = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32((int)s->ld));
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t k = 0; k < K; k += 32) {
+            __m512 v0 = _mm512_loadu_ps(x + r * ldx + k), v1 = _mm512_loadu_ps(x + r * ldx + k + 16);
+            for (int p = 0; p < 3; p++) {
+                const __m512 h0 = _mm512_and_ps(v0, top), h1 = _mm512_and_ps(v1, top);
+                const int64_t c = 3 * r + p;
+                _mm512_i32scatter_epi32((int *)s->b + k / 2 * s->ld + c, pairs, top_halves(h0, h1), 4);
+                s->sums[k / 32 * s->ld + c] = _mm512_reduce_add_ps(_mm512_add_ps(h0, h1));
+                v0 = _mm512_sub_ps(v0, h0); /* exact: h is v's leading bits */
+                v1 = _mm512_sub_ps(v1, h1);
+            }
+        }
+}
+
+/* Rows [0, R) of x split into `s` (malloc'd; the caller frees s->b and s->sums). */
+static void amx_split(const float *x, int64_t ldx, int64_t R, int64_t K, amx_rows *s) {
+    static int64_t calls;
+    s->ld = 3 * R + 16;
+    s->call = __atomic_add_fetch(&calls, 1, __ATOMIC_RELAXED);
+    s->b = aligned_alloc(64, (size_t)(K / 2 * s->ld * 4 + 64));
+    s->sums = aligned_alloc(64, (size_t)(K / 32 * s->ld * 4 + 64));
+    for (int64_t k = 0; k < K / 2; k++) memset(s->b + 2 * (k * s->ld + 3 * R), 0, 64);
+    for (int64_t k = 0; k < K / 32; k++) memset(s->sums + k * s->ld + 3 * R, 0, 64);
+    _Pragma("omp parallel for schedule(static) if (R * K >= (1 << 16))")
+    for (int64_t r = 0; r < R; r += 8) amx_split_rows(x, ldx, r, r + 8 < R ? r + 8 : R, K, s);
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+/* Tiles 0, 1: A (8 columns by `step` k); 2, 3: B (step / 2 k pairs by 16 combos); 4, 5: C. Loaded
+ * when this thread's tiles hold another call's or another step's configuration. */
+AMX INLINE void amx_configure(int64_t call, int step) {
+    static __thread int64_t loaded = -1;
+    if (loaded == 2 * call + (step == 16)) return;
+    amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 6; t++) {
+        cfg.rows[t] = t == 2 || t == 3 ? step / 2 : NT;
+        cfg.colsb[t] = t < 2 ? 2 * step : 64;
+    }
+    _tile_loadconfig(&cfg);
+    loaded = 2 * call + (step == 16);
+}
+
+/* bfloat16 bits of 32 values (a lookup table for vpermw, which reads an index's low 5 bits). */
+AMX INLINE __m512i bf16_table(__m512 low16, __m512 high16) { return top_halves(low16, high16); }
+
+/* 32 byte codes (k order) to bfloat16 through `table` (their low 5 bits index it). */
+AMX INLINE __m512i look_up(__m256i codes, __m512i table) {
+    return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(codes), table);
+}
+
+/* 16 bytes of nibbles: values 0-15 the low nibbles, 16-31 the high (a table of 16 values, twice). */
+AMX INLINE __m512i nibbles_bf16(const uint8_t *q, __m512i table) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)q);
+    return look_up(_mm256_inserti128_si256(_mm256_castsi128_si256(bytes), _mm_srli_epi16(bytes, 4), 1), table);
+}
+
+AMX INLINE __m512i int8_bf16(const uint8_t *q) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
+    return top_halves(lo, hi); /* small integers: their top halves are exact */
+}
+
+/* A range's quants of the item's columns as A tiles, panel [step][NT][32] bfloat16, with each
+ * step's scale [step16 or step][NT] and minimum [step][NT] (Q6_K: two 16-k steps per 32). */
+AMX static void amx_panel(int type, const uint8_t *const *col, int64_t k0, int64_t kb, uint16_t *panel, float *scale,
+                          float *mins) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 fp4 = _mm512_setr_ps(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const int64_t size = block_bytes(type), values = block_values(type), first = k0 / values;
+    const int64_t blocks = kb / values;
+#define ROW(step, n) ((__m512i *)(panel + ((step) * NT + (n)) * 32))
+    switch (type) {
+    case Q8_0:
+    case Q4_0:
+    case Q4_1:
+    case MXFP4: {
+        const __m512 t = type == Q4_0 ? _mm512_sub_ps(iota, _mm512_set1_ps(8)) : type == MXFP4 ? fp4 : iota;
+        const __m512i table = bf16_table(t, t);
+        for (int n = 0; n < NT; n++)
+            for (int64_t i = 0; i < blocks; i++) {
+                const uint8_t *b = col[n] + (first + i) * size;
+                float *sc = scale + i * NT + n;
+                switch (type) {
+                case Q8_0: *sc = half(b); _mm512_store_si512(ROW(i, n), int8_bf16(b + 2)); break;
+                case Q4_0: *sc = half(b); _mm512_store_si512(ROW(i, n), nibbles_bf16(b + 2, table)); break;
+                case Q4_1:
+                    *sc = half(b);
+                    mins[i * NT + n] = half(b + 2);
+                    _mm512_store_si512(ROW(i, n), nibbles_bf16(b + 4, table));
+                    break;
+                default: *sc = e8m0_half(b[0]); _mm512_store_si512(ROW(i, n), nibbles_bf16(b + 1, table)); break;
+                }
+            }
+        break;
+    }
+    case Q4_K:
+    case Q5_K: {
+        const __m512i table = type == Q4_K ? bf16_table(iota, iota)
+                                           : bf16_table(iota, _mm512_add_ps(iota, _mm512_set1_ps(16)));
+        for (int n = 0; n < NT; n++)
+            for (int64_t i = 0; i < blocks; i++) {
+                const uint8_t *b = col[n] + (first + i) * size;
+                float s[16];
+                k_scales(b, s);
+                for (int j = 0; j < 8; j++) {
+                    __m256i codes;
+                    if (type == Q5_K) codes = q5_codes(b, j);
+                    else {
+                        codes = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (j / 2)));
+                        if (j & 1) codes = _mm256_srli_epi16(codes, 4);
+                    }
+                    _mm512_store_si512(ROW(8 * i + j, n), look_up(codes, table));
+                    scale[(8 * i + j) * NT + n] = s[j];
+                    mins[(8 * i + j) * NT + n] = s[8 + j];
+                }
+            }
+        break;
+    }
+    case Q6_K: {
+        /* codes - 32 as bytes: their low 6 bits index a table of 0..31 then -32..-1 */
+        const __m512i t0 = bf16_table(iota, _mm512_add_ps(iota, _mm512_set1_ps(16)));
+        const __m512i t1 = bf16_table(_mm512_sub_ps(iota, _mm512_set1_ps(32)), _mm512_sub_ps(iota, _mm512_set1_ps(16)));
+        for (int n = 0; n < NT; n++)
+            for (int64_t i = 0; i < blocks; i++) {
+                const uint8_t *b = col[n] + (first + i) * size;
+                float s[16];
+                q6_scales(b, s);
+                for (int j = 0; j < 8; j++) {
+                    const __m512i codes = _mm512_cvtepu8_epi16(q6_codes(b, j / 4, j % 4));
+                    _mm512_store_si512(ROW(8 * i + j, n), _mm512_permutex2var_epi16(t0, codes, t1));
+                    scale[(16 * i + 2 * j) * NT + n] = s[2 * j];
+                    scale[(16 * i + 2 * j + 1) * NT + n] = s[2 * j + 1];
+                }
+            }
+        break;
+    }
+    }
+#undef ROW
+}
+
+/* Steps [0, steps) of a range for one group of 16 combos: tile A of step s at a(s), B at
+ * b + s * bstep (rows ldb bytes apart); sums (with MINS) at x + s * ld. The accumulators acc[NT]. */
+#define AMX_PRODUCT(TA, TB, TC, s, out)                                                          \
+    {                                                                                            \
+        _tile_loadd(TA, panel + ((s) * step / 32) * NT * 32 + (s) * step % 32, 64);              \
+        _tile_loadd(TB, b + (s) * bstep, ldb);                                                   \
+        _tile_zero(TC);                                                                          \
+        _tile_dpbf16ps(TC, TA, TB);                                                              \
+        _tile_stored(TC, out, 64);                                                               \
+    }
+#define AMX_DRAIN(s, out)                                                                        \
+    for (int n = 0; n < NT; n++) {                                                               \
+        acc[n] = _mm512_fmadd_ps(_mm512_load_ps(out + 16 * n), _mm512_set1_ps(scale[(s) * NT + n]), acc[n]); \
+        if (MINS) acc[n] = _mm512_fmadd_ps(_mm512_set1_ps(mins[(s) * NT + n]), _mm512_loadu_ps(x + (s) * ld), acc[n]); \
+    }
+
+AMX INLINE void amx_steps(const uint16_t *panel, const float *scale, const float *mins, const uint16_t *b,
+                          int64_t bstep, int64_t ldb, const float *x, int64_t ld, int64_t steps, const int step,
+                          const int MINS, __m512 acc[NT]) {
+    float out[2][NT * 16] __attribute__((aligned(64)));
+    /* step s + 1's product is issued before step s's drain */
+    AMX_PRODUCT(0, 2, 4, 0, out[0])
+    for (int64_t s = 0; s < steps; s += 2) {
+        if (s + 1 < steps) AMX_PRODUCT(1, 3, 5, s + 1, out[1])
+        AMX_DRAIN(s, out[0])
+        if (s + 2 < steps) AMX_PRODUCT(0, 2, 4, s + 2, out[0])
+        if (s + 1 < steps) AMX_DRAIN(s + 1, out[1])
+    }
+}
+
+/* One work item on AMX: rows [first, first + rows) of the split `xs` against output columns
+ * [0, cols) of w (row n at w + n * ldw), y at the item's first row and column. */
+AMX static void amx_item(int type, const amx_rows *xs, int64_t first, int64_t rows, const uint8_t *w, int64_t ldw,
+                         const float *bias, float *y, int64_t ldy, int cols, int64_t K) {
+    uint16_t panel[AMX_KB / 32 * NT * 32] __attribute__((aligned(64)));
+    float scale[AMX_KB / 16 * NT], mins[AMX_KB / 32 * NT];
+    float acc[AMX_GROUPS * NT * 16] __attribute__((aligned(64)));
+    const int step = type == Q6_K ? 16 : 32, with_mins = type == Q4_1 || type == Q4_K || type == Q5_K;
+    const int64_t per_block = block_values(type), size = block_bytes(type), ld = xs->ld;
+    const int64_t ranges = (K / per_block + AMX_KB / per_block - 1) / (AMX_KB / per_block);
+    const int64_t span = (K / per_block + ranges - 1) / ranges * per_block, groups = (3 * rows + 15) / 16;
+    const uint8_t *col[NT];
+    for (int n = 0; n < NT; n++) col[n] = w + (n < cols ? n : cols - 1) * ldw; /* a part tile repeats its last */
+    amx_configure(xs->call, step);
+    for (int64_t k0 = 0; k0 < K; k0 += span) {
+        const int64_t kb = K - k0 < span ? K - k0 : span;
+        /* The same range of the next tile's columns, which the memory system would otherwise
+         * start fetching only once a thread asks for them (prefetches do not fault). */
+        for (int n = 0; n < NT; n++)
+            for (int64_t b = 0; b < kb / per_block * size; b += 64)
+                _mm_prefetch((const char *)w + (n + NT) * ldw + k0 / per_block * size + b, _MM_HINT_T0);
+        amx_panel(type, col, k0, kb, panel, scale, mins);
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t c0 = 3 * first + 16 * g;
+            __m512 a[NT];
+            for (int n = 0; n < NT; n++) a[n] = k0 ? _mm512_load_ps(acc + (g * NT + n) * 16) : _mm512_setzero_ps();
+            const uint16_t *b = xs->b + 2 * (k0 / 2 * ld + c0);
+            const float *x = xs->sums + k0 / 32 * ld + c0;
+            if (step == 16) amx_steps(panel, scale, mins, b, 16 * ld, 4 * ld, x, ld, kb / 16, 16, 0, a);
+            else if (with_mins) amx_steps(panel, scale, mins, b, 32 * ld, 4 * ld, x, ld, kb / 32, 32, 1, a);
+            else amx_steps(panel, scale, mins, b, 32 * ld, 4 * ld, x, ld, kb / 32, 32, 0, a);
+            for (int n = 0; n < NT; n++) _mm512_store_ps(acc + (g * NT + n) * 16, a[n]);
+        }
+    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int n = 0; n < cols; n++) {
+            float part[3];
+            for (int p = 0; p < 3; p++) {
+                const int64_t c = 3 * r + p;
+                part[p] = acc[(c / 16 * NT + n) * 16 + c % 16];
+            }
+            const float sum = (part[0] + part[1]) + part[2];
+            y[r * ldy + n] = bias ? sum + bias[n] : sum;
+        }
+}
+
+#else
+
+static int amx_supported(void) { return 0; }
+typedef struct {
+    uint16_t *b;
+    float *sums;
+    int64_t ld, call;
+} amx_rows;
+static void amx_split(const float *x, int64_t ldx, int64_t R, int64_t K, amx_rows *s) {}
+static void amx_item(int type, const amx_rows *xs, int64_t first, int64_t rows, const uint8_t *w, int64_t ldw,
+                     const float *bias, float *y, int64_t ldy, int cols, int64_t K) {}
+
+#endif
