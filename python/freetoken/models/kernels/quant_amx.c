@@ -32,12 +32,14 @@
  * (8 columns by 32 k), B (16 k pairs by 16 combos) and C (8 by 16 float32 sums), the vector
  * units draining step s's C into the accumulators while the tile unit computes step s + 1.
  */
+#define AMX_NT 16 /* output columns per work item: one tile row each */
+
 #if defined(__linux__) && (defined(__clang__) || __GNUC__ >= 11) /* AMX intrinsics, arch_prctl */
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")))
-#define AMX_KB 1024 /* most k values per range: the range's bfloat16 tiles take 16 KiB */
+#define AMX_KB 640 /* most k values per range: the range's bfloat16 tiles take 20 KiB */
 #define AMX_GROUPS ((3 * RB_MAX + 15) / 16)
 
 /* AMX-BF16 and AVX512-BW, and Linux's leave to use the tiles (asked once per process). */
@@ -48,13 +50,16 @@ static int amx_supported(void) {
     return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
 }
 
-/* The rows of a call as the tile unit reads them: b [K/2][ld][2] bfloat16 (combo 3r + p is row r's
- * part p; ld = 3R + 16, the last 16 zero for a group that runs past the rows), sums [K/32][ld]
- * float32 (X), and which call this is (a thread loads the tile configuration once per call). */
+/* The rows of a call as the tile unit reads them, in regions (a work item's rows each): region j's
+ * combos (3r + p: its row r's part p) in groups of 16 from group region[j] on, the last group's
+ * unused combos zero. b [group][K/2][16][2] bfloat16: one B tile per group and 32 k, 1 KiB in a
+ * run; sums [group][K/32][16] float32: X. `call` tells the calls apart (a thread loads the tile
+ * configuration once per call). */
 typedef struct {
     uint16_t *b;
     float *sums;
-    int64_t ld, call;
+    int64_t *region, *group_region; /* group_region: quant_gemm's first region of each expert group */
+    int64_t call, K;
 } amx_rows;
 
 /* 32 float32 (two registers) to their bfloat16 bits in order: each value's top 16 bits. */
@@ -64,35 +69,83 @@ AMX INLINE __m512i top_halves(__m512 a, __m512 b) {
     return _mm512_permutex2var_epi16(_mm512_castps_si512(a), _mm512_loadu_si512(odd), _mm512_castps_si512(b));
 }
 
-AMX static void amx_split_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, int64_t K, const amx_rows *s) {
+/* `rows` rows of x (stride ldx) into the region whose first group is g0. */
+AMX static void amx_split_region(const float *x, int64_t ldx, int64_t rows, int64_t g0, const amx_rows *s) {
+    const int64_t K = s->K, last = g0 + (3 * rows - 1) / 16;
     const __m512 top = _mm512_castsi512_ps(_mm512_set1_epi32((int)0xFFFF0000u));
-    const __m512i pairs = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                             _mm512_set1_epi32((int)s->ld));
-    for (int64_t r = r0; r < r1; r++)
+    const __m512i pairs = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+    memset(s->b + last * K * 16, 0, (size_t)K * 32);
+    memset(s->sums + last * K / 2, 0, (size_t)K * 2);
+    for (int64_t r = 0; r < rows; r++)
         for (int64_t k = 0; k < K; k += 32) {
             __m512 v0 = _mm512_loadu_ps(x + r * ldx + k), v1 = _mm512_loadu_ps(x + r * ldx + k + 16);
             for (int p = 0; p < 3; p++) {
                 const __m512 h0 = _mm512_and_ps(v0, top), h1 = _mm512_and_ps(v1, top);
-                const int64_t c = 3 * r + p;
-                _mm512_i32scatter_epi32((int *)s->b + k / 2 * s->ld + c, pairs, top_halves(h0, h1), 4);
-                s->sums[k / 32 * s->ld + c] = _mm512_reduce_add_ps(_mm512_add_ps(h0, h1));
+                const int64_t g = g0 + (3 * r + p) / 16, lane = (3 * r + p) % 16;
+                _mm512_i32scatter_epi32((int *)s->b + (g * K / 2 + k / 2) * 16 + lane, pairs, top_halves(h0, h1), 4);
+                s->sums[(g * K / 32 + k / 32) * 16 + lane] = _mm512_reduce_add_ps(_mm512_add_ps(h0, h1));
                 v0 = _mm512_sub_ps(v0, h0); /* exact: h is v's leading bits */
                 v1 = _mm512_sub_ps(v1, h1);
             }
         }
 }
 
-/* Rows [0, R) of x split into `s` (malloc'd; the caller frees s->b and s->sums). */
-static void amx_split(const float *x, int64_t ldx, int64_t R, int64_t K, amx_rows *s) {
+/* Regions [0, n) (region j: rows[j] rows from row first[j] of x) split into `s`. */
+static void amx_split(const float *x, int64_t ldx, int64_t K, int64_t n, const int64_t *first, const int64_t *rows,
+                      amx_rows *s) {
     static int64_t calls;
-    s->ld = 3 * R + 16;
     s->call = __atomic_add_fetch(&calls, 1, __ATOMIC_RELAXED);
-    s->b = aligned_alloc(64, (size_t)(K / 2 * s->ld * 4 + 64));
-    s->sums = aligned_alloc(64, (size_t)(K / 32 * s->ld * 4 + 64));
-    for (int64_t k = 0; k < K / 2; k++) memset(s->b + 2 * (k * s->ld + 3 * R), 0, 64);
-    for (int64_t k = 0; k < K / 32; k++) memset(s->sums + k * s->ld + 3 * R, 0, 64);
-    _Pragma("omp parallel for schedule(static) if (R * K >= (1 << 16))")
-    for (int64_t r = 0; r < R; r += 8) amx_split_rows(x, ldx, r, r + 8 < R ? r + 8 : R, K, s);
+    s->K = K;
+    s->region = malloc((n + 1) * sizeof(int64_t));
+    s->region[0] = 0;
+    for (int64_t j = 0; j < n; j++) s->region[j + 1] = s->region[j] + (3 * rows[j] + 15) / 16;
+    s->b = aligned_alloc(64, (size_t)(s->region[n] * K * 32 + 64));
+    s->sums = aligned_alloc(64, (size_t)(s->region[n] * K * 2 + 64));
+    int64_t total = 0;
+    for (int64_t j = 0; j < n; j++) total += rows[j];
+    _Pragma("omp parallel for schedule(dynamic, 1) if (n > 1 && total * K >= (1 << 16))")
+    for (int64_t j = 0; j < n; j++) amx_split_region(x + first[j] * ldx, ldx, rows[j], s->region[j], s);
+}
+
+/* quant_gemm_parts's regions: blocks of rb rows of R. */
+static void amx_split_blocks(const float *x, int64_t ldx, int64_t K, int64_t R, int64_t rb, amx_rows *s) {
+    const int64_t n = (R + rb - 1) / rb;
+    int64_t *first = malloc(2 * n * sizeof(int64_t)), *rows = first + n;
+    for (int64_t j = 0; j < n; j++) {
+        first[j] = j * rb;
+        rows[j] = R - j * rb < rb ? R - j * rb : rb;
+    }
+    amx_split(x, ldx, K, n, first, rows, s);
+    s->group_region = 0;
+    free(first);
+}
+
+static int64_t block_rows(int64_t R, int64_t K);
+
+/* quant_gemm's regions: each expert group's blocks (block_rows of its rows), in order. */
+static void amx_split_groups(const float *x, int64_t ldx, int64_t K, const int64_t *groups, int64_t G,
+                             amx_rows *s) {
+    int64_t n = 0;
+    for (int64_t g = 0; g < G; g++) n += (groups[3 * g + 2] + block_rows(groups[3 * g + 2], K) - 1) / block_rows(groups[3 * g + 2], K);
+    int64_t *first = malloc(2 * n * sizeof(int64_t)), *rows = first + n, j = 0;
+    s->group_region = malloc(G * sizeof(int64_t));
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t count = groups[3 * g + 2], rb = block_rows(count, K);
+        s->group_region[g] = j;
+        for (int64_t r = 0; r < count; r += rb, j++) {
+            first[j] = groups[3 * g + 1] + r;
+            rows[j] = count - r < rb ? count - r : rb;
+        }
+    }
+    amx_split(x, ldx, K, n, first, rows, s);
+    free(first);
+}
+
+static void amx_free(amx_rows *s) {
+    free(s->b);
+    free(s->sums);
+    free(s->region);
+    free(s->group_region);
 }
 
 typedef struct {
@@ -110,7 +163,7 @@ AMX INLINE void amx_configure(int64_t call, int step) {
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int t = 0; t < 6; t++) {
-        cfg.rows[t] = t == 2 || t == 3 ? step / 2 : NT;
+        cfg.rows[t] = t == 2 || t == 3 ? step / 2 : AMX_NT;
         cfg.colsb[t] = t < 2 ? 2 * step : 64;
     }
     _tile_loadconfig(&cfg);
@@ -137,15 +190,15 @@ AMX INLINE __m512i int8_bf16(const uint8_t *q) {
     return top_halves(lo, hi); /* small integers: their top halves are exact */
 }
 
-/* A range's quants of the item's columns as A tiles, panel [step][NT][32] bfloat16, with each
- * step's scale [step16 or step][NT] and minimum [step][NT] (Q6_K: two 16-k steps per 32). */
+/* A range's quants of the item's columns as A tiles, panel [step][AMX_NT][32] bfloat16, with each
+ * step's scale [step16 or step][AMX_NT] and minimum [step][AMX_NT] (Q6_K: two 16-k steps per 32). */
 AMX static void amx_panel(int type, const uint8_t *const *col, int64_t k0, int64_t kb, uint16_t *panel, float *scale,
                           float *mins) {
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 fp4 = _mm512_setr_ps(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
     const int64_t size = block_bytes(type), values = block_values(type), first = k0 / values;
     const int64_t blocks = kb / values;
-#define ROW(step, n) ((__m512i *)(panel + ((step) * NT + (n)) * 32))
+#define ROW(step, n) ((__m512i *)(panel + ((step) * AMX_NT + (n)) * 32))
     switch (type) {
     case Q8_0:
     case Q4_0:
@@ -153,20 +206,28 @@ AMX static void amx_panel(int type, const uint8_t *const *col, int64_t k0, int64
     case MXFP4: {
         const __m512 t = type == Q4_0 ? _mm512_sub_ps(iota, _mm512_set1_ps(8)) : type == MXFP4 ? fp4 : iota;
         const __m512i table = bf16_table(t, t);
-        for (int n = 0; n < NT; n++)
+        int offsets[AMX_NT];
+        for (int n = 0; n < AMX_NT; n++) offsets[n] = (int)(col[n] - col[0]);
+        const __m512i at = _mm512_loadu_si512(offsets);
+        for (int64_t i = 0; i < blocks; i++) { /* the 16 columns' scales (and minima) of block i at once */
+            const __m512i head = _mm512_i32gather_epi32(at, col[0] + (first + i) * size, 1);
+            if (type == MXFP4) { /* e8m0_half */
+                const __m512i e = _mm512_and_si512(head, _mm512_set1_epi32(0xFF));
+                const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+                const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+                const __mmask16 small = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
+                _mm512_store_ps(scale + i * AMX_NT, _mm512_castsi512_ps(_mm512_mask_blend_epi32(small, normal, tiny)));
+            } else {
+                _mm512_store_ps(scale + i * AMX_NT, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head)));
+                if (type == Q4_1)
+                    _mm512_store_ps(mins + i * AMX_NT, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16))));
+            }
+        }
+        const int64_t at_quants = type == Q8_0 || type == Q4_0 ? 2 : type == Q4_1 ? 4 : 1;
+        for (int n = 0; n < AMX_NT; n++)
             for (int64_t i = 0; i < blocks; i++) {
-                const uint8_t *b = col[n] + (first + i) * size;
-                float *sc = scale + i * NT + n;
-                switch (type) {
-                case Q8_0: *sc = half(b); _mm512_store_si512(ROW(i, n), int8_bf16(b + 2)); break;
-                case Q4_0: *sc = half(b); _mm512_store_si512(ROW(i, n), nibbles_bf16(b + 2, table)); break;
-                case Q4_1:
-                    *sc = half(b);
-                    mins[i * NT + n] = half(b + 2);
-                    _mm512_store_si512(ROW(i, n), nibbles_bf16(b + 4, table));
-                    break;
-                default: *sc = e8m0_half(b[0]); _mm512_store_si512(ROW(i, n), nibbles_bf16(b + 1, table)); break;
-                }
+                const uint8_t *q = col[n] + (first + i) * size + at_quants;
+                _mm512_store_si512(ROW(i, n), type == Q8_0 ? int8_bf16(q) : nibbles_bf16(q, table));
             }
         break;
     }
@@ -174,7 +235,7 @@ AMX static void amx_panel(int type, const uint8_t *const *col, int64_t k0, int64
     case Q5_K: {
         const __m512i table = type == Q4_K ? bf16_table(iota, iota)
                                            : bf16_table(iota, _mm512_add_ps(iota, _mm512_set1_ps(16)));
-        for (int n = 0; n < NT; n++)
+        for (int n = 0; n < AMX_NT; n++)
             for (int64_t i = 0; i < blocks; i++) {
                 const uint8_t *b = col[n] + (first + i) * size;
                 float s[16];
@@ -187,8 +248,8 @@ AMX static void amx_panel(int type, const uint8_t *const *col, int64_t k0, int64
                         if (j & 1) codes = _mm256_srli_epi16(codes, 4);
                     }
                     _mm512_store_si512(ROW(8 * i + j, n), look_up(codes, table));
-                    scale[(8 * i + j) * NT + n] = s[j];
-                    mins[(8 * i + j) * NT + n] = s[8 + j];
+                    scale[(8 * i + j) * AMX_NT + n] = s[j];
+                    mins[(8 * i + j) * AMX_NT + n] = s[8 + j];
                 }
             }
         break;
@@ -197,7 +258,7 @@ AMX static void amx_panel(int type, const uint8_t *const *col, int64_t k0, int64
         /* codes - 32 as bytes: their low 6 bits index a table of 0..31 then -32..-1 */
         const __m512i t0 = bf16_table(iota, _mm512_add_ps(iota, _mm512_set1_ps(16)));
         const __m512i t1 = bf16_table(_mm512_sub_ps(iota, _mm512_set1_ps(32)), _mm512_sub_ps(iota, _mm512_set1_ps(16)));
-        for (int n = 0; n < NT; n++)
+        for (int n = 0; n < AMX_NT; n++)
             for (int64_t i = 0; i < blocks; i++) {
                 const uint8_t *b = col[n] + (first + i) * size;
                 float s[16];
@@ -205,8 +266,8 @@ AMX static void amx_panel(int type, const uint8_t *const *col, int64_t k0, int64
                 for (int j = 0; j < 8; j++) {
                     const __m512i codes = _mm512_cvtepu8_epi16(q6_codes(b, j / 4, j % 4));
                     _mm512_store_si512(ROW(8 * i + j, n), _mm512_permutex2var_epi16(t0, codes, t1));
-                    scale[(16 * i + 2 * j) * NT + n] = s[2 * j];
-                    scale[(16 * i + 2 * j + 1) * NT + n] = s[2 * j + 1];
+                    scale[(16 * i + 2 * j) * AMX_NT + n] = s[2 * j];
+                    scale[(16 * i + 2 * j + 1) * AMX_NT + n] = s[2 * j + 1];
                 }
             }
         break;
@@ -215,80 +276,143 @@ AMX static void amx_panel(int type, const uint8_t *const *col, int64_t k0, int64
 #undef ROW
 }
 
-/* Steps [0, steps) of a range for one group of 16 combos: tile A of step s at a(s), B at
- * b + s * bstep (rows ldb bytes apart); sums (with MINS) at x + s * ld. The accumulators acc[NT]. */
-#define AMX_PRODUCT(TA, TB, TC, s, out)                                                          \
+/* Steps [0, steps) of a range for one group of 16 combos: tile A of step s in the panel, B at
+ * b + s * bstep (rows ldb bytes apart), into the accumulators acc[AMX_NT] (acc[n] lane c: column n,
+ * combo c). Steps alternate between tiles 0, 2, 4 and 1, 3, 5 (A, B, C); step s's C is stored only
+ * once step s + 1's product is issued, and drained while the tile unit computes it. */
+#define AMX_PRODUCT(TA, TB, TC, s)                                                               \
     {                                                                                            \
-        _tile_loadd(TA, panel + ((s) * step / 32) * NT * 32 + (s) * step % 32, 64);              \
+        _tile_loadd(TA, panel + ((s) * step / 32) * AMX_NT * 32 + (s) * step % 32, 64);          \
         _tile_loadd(TB, b + (s) * bstep, ldb);                                                   \
         _tile_zero(TC);                                                                          \
         _tile_dpbf16ps(TC, TA, TB);                                                              \
-        _tile_stored(TC, out, 64);                                                               \
     }
 #define AMX_DRAIN(s, out)                                                                        \
-    for (int n = 0; n < NT; n++) {                                                               \
-        acc[n] = _mm512_fmadd_ps(_mm512_load_ps(out + 16 * n), _mm512_set1_ps(scale[(s) * NT + n]), acc[n]); \
-        if (MINS) acc[n] = _mm512_fmadd_ps(_mm512_set1_ps(mins[(s) * NT + n]), _mm512_loadu_ps(x + (s) * ld), acc[n]); \
-    }
+    for (int n = 0; n < AMX_NT; n++)                                                             \
+        acc[n] = _mm512_fmadd_ps(_mm512_load_ps(out + 16 * n), _mm512_set1_ps(scale[(s) * AMX_NT + n]), acc[n]);
 
-AMX INLINE void amx_steps(const uint16_t *panel, const float *scale, const float *mins, const uint16_t *b,
-                          int64_t bstep, int64_t ldb, const float *x, int64_t ld, int64_t steps, const int step,
-                          const int MINS, __m512 acc[NT]) {
-    float out[2][NT * 16] __attribute__((aligned(64)));
-    /* step s + 1's product is issued before step s's drain */
-    AMX_PRODUCT(0, 2, 4, 0, out[0])
+AMX INLINE void amx_steps(const uint16_t *panel, const float *scale, const uint16_t *b, int64_t bstep, int64_t ldb,
+                          int64_t steps, const int step, __m512 acc[AMX_NT]) {
+    float out[2][AMX_NT * 16] __attribute__((aligned(64)));
+    AMX_PRODUCT(0, 2, 4, 0)
     for (int64_t s = 0; s < steps; s += 2) {
-        if (s + 1 < steps) AMX_PRODUCT(1, 3, 5, s + 1, out[1])
+        if (s + 1 < steps) AMX_PRODUCT(1, 3, 5, s + 1)
+        _tile_stored(4, out[0], 64);
         AMX_DRAIN(s, out[0])
-        if (s + 2 < steps) AMX_PRODUCT(0, 2, 4, s + 2, out[0])
-        if (s + 1 < steps) AMX_DRAIN(s + 1, out[1])
+        if (s + 1 == steps) break;
+        if (s + 2 < steps) AMX_PRODUCT(0, 2, 4, s + 2)
+        _tile_stored(5, out[1], 64);
+        AMX_DRAIN(s + 1, out[1])
     }
 }
 
-/* One work item on AMX: rows [first, first + rows) of the split `xs` against output columns
- * [0, cols) of w (row n at w + n * ldw), y at the item's first row and column. */
-AMX static void amx_item(int type, const amx_rows *xs, int64_t first, int64_t rows, const uint8_t *w, int64_t ldw,
+/* The minimum terms of `combos` combos over a range's steps: m[c] (lane n: column n) takes
+ * fma(min of step s, X of step s and combo c, m[c]) for s in order; combo c's X of step s at
+ * x[c / 16 * gx + 16 s + c % 16]. */
+AMX INLINE void amx_mins(const float *mins, const float *x, int64_t gx, int64_t steps, int64_t combos, float *m) {
+    int64_t c = 0;
+    for (; c + 8 <= combos; c += 8) { /* eight at a time: each step's minima loaded once */
+        __m512 a[8];
+        const float *xc[8];
+        for (int j = 0; j < 8; j++) {
+            a[j] = _mm512_load_ps(m + 16 * (c + j));
+            xc[j] = x + (c + j) / 16 * gx + (c + j) % 16;
+        }
+        for (int64_t s = 0; s < steps; s++) {
+            const __m512 v = _mm512_load_ps(mins + s * AMX_NT);
+            for (int j = 0; j < 8; j++) a[j] = _mm512_fmadd_ps(v, _mm512_set1_ps(xc[j][16 * s]), a[j]);
+        }
+        for (int j = 0; j < 8; j++) _mm512_store_ps(m + 16 * (c + j), a[j]);
+    }
+    for (; c < combos; c++) {
+        __m512 a = _mm512_load_ps(m + 16 * c);
+        const float *xc = x + c / 16 * gx + c % 16;
+        for (int64_t s = 0; s < steps; s++)
+            a = _mm512_fmadd_ps(_mm512_load_ps(mins + s * AMX_NT), _mm512_set1_ps(xc[16 * s]), a);
+        _mm512_store_ps(m + 16 * c, a);
+    }
+}
+
+/* r[i] lane j to r[j] lane i. */
+AMX INLINE void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+    }
+    for (int j = 0; j < 4; j++) {
+        const __m512 lo = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x44), hi = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xEE);
+        const __m512 lo2 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x44), hi2 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xEE);
+        t[j] = _mm512_shuffle_f32x4(lo, lo2, 0x88);
+        t[4 + j] = _mm512_shuffle_f32x4(lo, lo2, 0xDD);
+        t[8 + j] = _mm512_shuffle_f32x4(hi, hi2, 0x88);
+        t[12 + j] = _mm512_shuffle_f32x4(hi, hi2, 0xDD);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+/* One work item on AMX: the `rows` rows of region `region` of the split `xs` against output
+ * columns [0, cols) of w (row n at w + n * ldw), y at the item's first row and column. */
+AMX static void amx_item(int type, const amx_rows *xs, int64_t region, int64_t rows, const uint8_t *w, int64_t ldw,
                          const float *bias, float *y, int64_t ldy, int cols, int64_t K) {
-    uint16_t panel[AMX_KB / 32 * NT * 32] __attribute__((aligned(64)));
-    float scale[AMX_KB / 16 * NT], mins[AMX_KB / 32 * NT];
-    float acc[AMX_GROUPS * NT * 16] __attribute__((aligned(64)));
+    uint16_t panel[AMX_KB / 32 * AMX_NT * 32] __attribute__((aligned(64)));
+    float scale[AMX_KB / 16 * AMX_NT] __attribute__((aligned(64))), mins[AMX_KB / 32 * AMX_NT] __attribute__((aligned(64)));
+    /* acc [group][column][16 combos]: the scaled sums between ranges; m [combo][column]: the
+     * minimum terms, then the finished sums */
+    float acc[AMX_GROUPS * AMX_NT * 16] __attribute__((aligned(64))), m[3 * RB_MAX * AMX_NT] __attribute__((aligned(64)));
     const int step = type == Q6_K ? 16 : 32, with_mins = type == Q4_1 || type == Q4_K || type == Q5_K;
-    const int64_t per_block = block_values(type), size = block_bytes(type), ld = xs->ld;
+    const int64_t per_block = block_values(type), size = block_bytes(type), combos = 3 * rows, g0 = xs->region[region];
     const int64_t ranges = (K / per_block + AMX_KB / per_block - 1) / (AMX_KB / per_block);
-    const int64_t span = (K / per_block + ranges - 1) / ranges * per_block, groups = (3 * rows + 15) / 16;
-    const uint8_t *col[NT];
-    for (int n = 0; n < NT; n++) col[n] = w + (n < cols ? n : cols - 1) * ldw; /* a part tile repeats its last */
+    const int64_t span = (K / per_block + ranges - 1) / ranges * per_block, groups = (combos + 15) / 16;
+    const uint8_t *col[AMX_NT];
+    for (int n = 0; n < AMX_NT; n++) col[n] = w + (n < cols ? n : cols - 1) * ldw; /* a part tile repeats its last */
+    if (with_mins) memset(m, 0, (size_t)combos * AMX_NT * sizeof(float));
     amx_configure(xs->call, step);
     for (int64_t k0 = 0; k0 < K; k0 += span) {
         const int64_t kb = K - k0 < span ? K - k0 : span;
         /* The same range of the next tile's columns, which the memory system would otherwise
          * start fetching only once a thread asks for them (prefetches do not fault). */
-        for (int n = 0; n < NT; n++)
+        for (int n = 0; n < AMX_NT; n++)
             for (int64_t b = 0; b < kb / per_block * size; b += 64)
-                _mm_prefetch((const char *)w + (n + NT) * ldw + k0 / per_block * size + b, _MM_HINT_T0);
+                _mm_prefetch((const char *)w + (n + AMX_NT) * ldw + k0 / per_block * size + b, _MM_HINT_T0);
         amx_panel(type, col, k0, kb, panel, scale, mins);
         for (int64_t g = 0; g < groups; g++) {
-            const int64_t c0 = 3 * first + 16 * g;
-            __m512 a[NT];
-            for (int n = 0; n < NT; n++) a[n] = k0 ? _mm512_load_ps(acc + (g * NT + n) * 16) : _mm512_setzero_ps();
-            const uint16_t *b = xs->b + 2 * (k0 / 2 * ld + c0);
-            const float *x = xs->sums + k0 / 32 * ld + c0;
-            if (step == 16) amx_steps(panel, scale, mins, b, 16 * ld, 4 * ld, x, ld, kb / 16, 16, 0, a);
-            else if (with_mins) amx_steps(panel, scale, mins, b, 32 * ld, 4 * ld, x, ld, kb / 32, 32, 1, a);
-            else amx_steps(panel, scale, mins, b, 32 * ld, 4 * ld, x, ld, kb / 32, 32, 0, a);
-            for (int n = 0; n < NT; n++) _mm512_store_ps(acc + (g * NT + n) * 16, a[n]);
-        }
-    }
-    for (int64_t r = 0; r < rows; r++)
-        for (int n = 0; n < cols; n++) {
-            float part[3];
-            for (int p = 0; p < 3; p++) {
-                const int64_t c = 3 * r + p;
-                part[p] = acc[(c / 16 * NT + n) * 16 + c % 16];
+            __m512 a[AMX_NT];
+            for (int n = 0; n < AMX_NT; n++) a[n] = k0 ? _mm512_load_ps(acc + (g * AMX_NT + n) * 16) : _mm512_setzero_ps();
+            const uint16_t *b = xs->b + ((g0 + g) * K / 2 + k0 / 2) * 32;
+            if (step == 16) amx_steps(panel, scale, b, 8 * 32, 64, kb / 16, 16, a);
+            else amx_steps(panel, scale, b, 16 * 32, 64, kb / 32, 32, a);
+            if (k0 + kb < K) {
+                for (int n = 0; n < AMX_NT; n++) _mm512_store_ps(acc + (g * AMX_NT + n) * 16, a[n]);
+                continue;
             }
-            const float sum = (part[0] + part[1]) + part[2];
-            y[r * ldy + n] = bias ? sum + bias[n] : sum;
+            /* the last range: the group's sums by combo (lanes: columns), plus the minimum terms,
+             * wait in m once these are complete */
+            if (with_mins) amx_mins(mins, xs->sums + ((g0 + g) * K / 32 + k0 / 32) * 16, K / 2, kb / 32,
+                                    combos - 16 * g < 16 ? combos - 16 * g : 16, m + 16 * 16 * g);
+            transpose16(a);
+            for (int c = 0; c < 16 && 16 * g + c < combos; c++) {
+                float *mc = m + 16 * (16 * g + c);
+                _mm512_store_ps(mc, with_mins ? _mm512_add_ps(a[c], _mm512_load_ps(mc)) : a[c]);
+            }
         }
+        if (with_mins && k0 + kb < K) amx_mins(mins, xs->sums + (g0 * K / 32 + k0 / 32) * 16, K / 2, kb / 32, combos, m);
+    }
+    const __mmask16 keep = (__mmask16)((1u << cols) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; r++) {
+        const float *mr = m + 48 * r;
+        const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(mr), _mm512_load_ps(mr + 16)), _mm512_load_ps(mr + 32));
+        _mm512_mask_storeu_ps(y + r * ldy, keep, bias ? _mm512_add_ps(sum, b) : sum);
+    }
 }
 
 #else
@@ -297,10 +421,14 @@ static int amx_supported(void) { return 0; }
 typedef struct {
     uint16_t *b;
     float *sums;
-    int64_t ld, call;
+    int64_t *region, *group_region;
+    int64_t call, K;
 } amx_rows;
-static void amx_split(const float *x, int64_t ldx, int64_t R, int64_t K, amx_rows *s) {}
-static void amx_item(int type, const amx_rows *xs, int64_t first, int64_t rows, const uint8_t *w, int64_t ldw,
+static void amx_split_blocks(const float *x, int64_t ldx, int64_t K, int64_t R, int64_t rb, amx_rows *s) {}
+static void amx_split_groups(const float *x, int64_t ldx, int64_t K, const int64_t *groups, int64_t G,
+                             amx_rows *s) {}
+static void amx_free(amx_rows *s) {}
+static void amx_item(int type, const amx_rows *xs, int64_t region, int64_t rows, const uint8_t *w, int64_t ldw,
                      const float *bias, float *y, int64_t ldy, int cols, int64_t K) {}
 
 #endif

@@ -587,13 +587,13 @@ static void few_avx512(int type, const float *x, int64_t ldx, int64_t rows, cons
 
 /* ---------------------------------------------------------------- the GEMM */
 
-/* One work item: rows [0, rows) of x (the call's rows first on, as `xs` holds them on AMX)
- * against output columns [n0, n0 + cols) of a weight whose row n starts at w + n * ldw. */
-static void item(int isa, int type, const float *x, int64_t ldx, const amx_rows *xs, int64_t first,
+/* One work item: rows [0, rows) of x (on AMX: region `region` of `xs`) against output columns
+ * [n0, n0 + cols) of a weight whose row n starts at w + n * ldw. */
+static void item(int isa, int type, const float *x, int64_t ldx, const amx_rows *xs, int64_t region,
                  const uint8_t *w, int64_t ldw, const float *bias, float *y, int64_t ldy, int64_t rows, int64_t n0,
                  int cols, int64_t K) {
     if (isa == 3) {
-        amx_item(type, xs, first, rows, w + n0 * ldw, ldw, bias ? bias + n0 : 0, y + n0, ldy, cols, K);
+        amx_item(type, xs, region, rows, w + n0 * ldw, ldw, bias ? bias + n0 : 0, y + n0, ldy, cols, K);
         return;
     }
     if (isa == 2 && rows <= FEW) {
@@ -666,23 +666,23 @@ void quant_gemm_parts(int isa, int64_t P, const int *types, const uint8_t *const
                       int64_t ldy, int64_t R, int64_t K) {
     int64_t start[P + 1], col[P + 1]; /* each part's first item and first column */
     const int64_t rb = block_rows(R, K), blocks = (R + rb - 1) / rb;
+    const int nt = isa == 3 ? AMX_NT : NT; /* columns per item */
     start[0] = col[0] = 0;
     amx_rows xs = {0};
-    if (isa == 3 && R > 0) amx_split(x, ldx, R, K, &xs);
+    if (isa == 3 && R > 0) amx_split_blocks(x, ldx, K, R, rb, &xs);
     for (int64_t p = 0; p < P; p++) {
-        start[p + 1] = start[p] + blocks * ((n[p] + NT - 1) / NT);
+        start[p + 1] = start[p] + blocks * ((n[p] + nt - 1) / nt);
         col[p + 1] = col[p] + n[p];
     }
     _Pragma("omp parallel for schedule(dynamic, 1) if (start[P] > 1)")
     for (int64_t it = 0; it < start[P]; it++) {
-        const int64_t p = owner(start, P, it), local = it - start[p], tiles = (n[p] + NT - 1) / NT;
+        const int64_t p = owner(start, P, it), local = it - start[p], tiles = (n[p] + nt - 1) / nt;
         const int64_t tile = local % tiles, first = local / tiles * rb;
-        const int cols = n[p] - tile * NT < NT ? (int)(n[p] - tile * NT) : NT;
-        item(isa, types[p], x + first * ldx, ldx, &xs, first, w[p], ldw[p], bias[p], y + first * ldy + col[p], ldy,
-             R - first < rb ? R - first : rb, tile * NT, cols, K);
+        const int cols = n[p] - tile * nt < nt ? (int)(n[p] - tile * nt) : nt;
+        item(isa, types[p], x + first * ldx, ldx, &xs, local / tiles, w[p], ldw[p], bias[p], y + first * ldy + col[p], ldy,
+             R - first < rb ? R - first : rb, tile * nt, cols, K);
     }
-    free(xs.b);
-    free(xs.sums);
+    if (isa == 3) amx_free(&xs);
 }
 
 /* Experts' rows (dense layers run quant_gemm_parts): x [*, K] float32 (row stride ldx); w uint8
@@ -690,16 +690,16 @@ void quant_gemm_parts(int isa, int64_t P, const int *types, const uint8_t *const
  * expert, first row, rows. */
 void quant_gemm(int isa, int type, const float *x, int64_t ldx, const uint8_t *w, int64_t lde, int64_t ldw,
                 float *y, int64_t ldy, const int64_t *groups, int64_t G, int64_t K, int64_t N) {
-    const int64_t tiles = (N + NT - 1) / NT;
-    int64_t *start = malloc((G + 1) * sizeof(int64_t)), R = 0; /* first item of each group; rows */
+    const int nt = isa == 3 ? AMX_NT : NT; /* columns per item */
+    const int64_t tiles = (N + nt - 1) / nt;
+    int64_t *start = malloc((G + 1) * sizeof(int64_t)); /* first item of each group */
     start[0] = 0;
     for (int64_t g = 0; g < G; g++) {
         const int64_t rows = groups[3 * g + 2], rb = block_rows(rows, K);
         start[g + 1] = start[g] + (rows + rb - 1) / rb * tiles;
-        if (rows && groups[3 * g + 1] + rows > R) R = groups[3 * g + 1] + rows;
     }
     amx_rows xs = {0};
-    if (isa == 3 && R > 0) amx_split(x, ldx, R, K, &xs);
+    if (isa == 3) amx_split_groups(x, ldx, K, groups, G, &xs);
     _Pragma("omp parallel for schedule(dynamic, 1) if (start[G] > 1)")
     for (int64_t it = 0; it < start[G]; it++) {
         const int64_t g = owner(start, G, it);
@@ -707,13 +707,12 @@ void quant_gemm(int isa, int type, const float *x, int64_t ldx, const uint8_t *w
         const int64_t rb = block_rows(groups[3 * g + 2], K);
         const int64_t e = groups[3 * g], first = groups[3 * g + 1] + block * rb;
         const int64_t left = groups[3 * g + 1] + groups[3 * g + 2] - first;
-        const int cols = N - tile * NT < NT ? (int)(N - tile * NT) : NT;
-        item(isa, type, x + first * ldx, ldx, &xs, first, w + e * lde, ldw, 0, y + first * ldy, ldy,
-             left < rb ? left : rb, tile * NT, cols, K);
+        const int cols = N - tile * nt < nt ? (int)(N - tile * nt) : nt;
+        item(isa, type, x + first * ldx, ldx, &xs, isa == 3 ? xs.group_region[g] + block : 0, w + e * lde, ldw, 0, y + first * ldy, ldy,
+             left < rb ? left : rb, tile * nt, cols, K);
     }
     free(start);
-    free(xs.b);
-    free(xs.sums);
+    if (isa == 3) amx_free(&xs);
 }
 
 #else
