@@ -7,30 +7,34 @@
  * Q4_K's nibble, Q5_K's 5-bit code, Q6_K's code - 32, Q8_0's int8, MXFP4's doubled e2m1 value. So
  * every product the tile unit forms (8 by 8 significant bits) is exact; its sums are float32.
  *
- * THE ORDER (AMX). Per row, three "combos" (the row's hi, mid and lo parts). For each output
- * column n and combo c, an accumulator a(n, c) starts at zero and takes, for each step along K in
- * order (a block of 32 values; Q6_K: a sub-block of 16), first fma(S, scale, a) and then, for the
- * formats with a minimum (Q4_1, Q4_K, Q5_K), fma(min, X, a), where S is the tile unit's dot
- * product of the step's quants of column n with the step's part c values (one TDPBF16PS from
- * zero), scale the step's float32 scale (Q8_0, Q4_0, Q4_1: d; MXFP4: half its power of two, on
- * doubled codes; Q4_K, Q5_K, Q6_K: d times the sub-block's scale, an exact product), min the
- * step's float32 minimum (Q4_1: m; Q4_K, Q5_K: -(dmin times the sub-block's minimum)) and X the
- * sum of the step's part c values (the two halves added lane by lane, then the sixteen lanes in
- * _mm512_reduce_add_ps's fixed tree). Then y = (a(n, hi) + a(n, mid)) + a(n, lo) (+ bias, last).
- * A tile row is one column, a tile column one combo: no sum sees another row, so nothing depends
- * on the row count, the tile or lane a combo lands in, the thread or the group. The bits differ
- * from the FMA paths' (the level is chosen per process); the error is float32 rounding of the
- * same size (each step's sum of 32 exact products, then one FMA per step and term). Parts of x
- * below about 2^-126 (x itself below about 2^-110) count as zero: the tile unit reads bfloat16
- * subnormals as zero.
+ * THE ORDER (AMX). Per row, three "combos": its hi, mid and lo parts. For each output column n
+ * and combo c, an accumulator a(n, c) starts at zero and takes fma(S, scale, a) for each step
+ * along K in order (a block of 32 values; Q6_K: a sub-block of 16), S the tile unit's dot product
+ * of the step's quants of column n with the step's part c values (one TDPBF16PS from zero), scale
+ * the step's float32 scale (Q8_0, Q4_0, Q4_1: d; MXFP4: half its power of two, on doubled codes;
+ * Q4_K, Q5_K, Q6_K: d times the sub-block's scale, an exact product). The formats with a minimum
+ * (Q4_1, Q4_K, Q5_K) keep a second accumulator m(n, c), from zero: fma(min, X, m) for each step in
+ * order, min the step's float32 minimum (Q4_1: m; Q4_K, Q5_K: -(dmin times the sub-block's
+ * minimum)) and X the sum of the step's part c values (the two halves added lane by lane, then the
+ * sixteen lanes in _mm512_reduce_add_ps's fixed tree); then a(n, c) + m(n, c). Last, y = (hi's +
+ * mid's) + lo's (+ bias). A tile row is one column, a tile column one combo: no sum sees another
+ * row, so nothing depends on the row count, the tile or lane a combo lands in, the thread or the
+ * group. The bits differ from the FMA paths' (the level is chosen per process); the error is
+ * float32 rounding of the same size (each step's sum of 32 exact products, then one FMA per step
+ * and term). Parts of x below about 2^-126 (x itself below about 2^-110) count as zero: the tile
+ * unit reads bfloat16 subnormals as zero.
  *
- * How it runs. quant_gemm_parts and quant_gemm split all rows once per call (amx_split: the parts
- * in the tile unit's pair layout, b[K/2][combos][2], and X per 32-value step), then each work item
- * (NT = 8 output columns by up to RB_MAX rows, as the other levels) walks K in ranges: it writes
- * its columns' quants for the range as bfloat16 tiles (one 64-byte tile row per column and block)
- * with their scales, then for each group of 16 of its combos runs the range's steps, tiles A
- * (8 columns by 32 k), B (16 k pairs by 16 combos) and C (8 by 16 float32 sums), the vector
- * units draining step s's C into the accumulators while the tile unit computes step s + 1.
+ * How it runs. A work item is AMX_NT = 16 output columns (one tile row each) by up to RB_MAX rows.
+ * quant_gemm_parts and quant_gemm split every item's rows once per call (amx_split: each item's
+ * combos in groups of 16, their parts in the tile unit's pair layout, 1 KiB per group and block,
+ * and X), then each item walks K in ranges: it writes its columns' quants for the range as
+ * bfloat16 tiles (a 64-byte tile row per column and block) with their scales, then for each group
+ * of 16 of its combos runs the range's steps, tiles A (16 columns by 32 k), B (16 k pairs by 16
+ * combos) and C (16 by 16 float32 sums), the vector units draining step s's C into a(n, c) while
+ * the tile unit computes step s + 1; the minimum terms follow per range, eight combos at a time.
+ *
+ * Speed (docs/performance.md): the drain costs a C row per column, block and group whatever the
+ * rows, so one row runs at about half the FMA path's speed; from about 16 rows on it gains.
  */
 #define AMX_NT 16 /* output columns per work item: one tile row each */
 
