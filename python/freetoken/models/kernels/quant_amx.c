@@ -31,7 +31,8 @@
  * bfloat16 tiles (a 64-byte tile row per column and block) with their scales, then for each group
  * of 16 of its combos runs the range's steps, tiles A (16 columns by 32 k), B (16 k pairs by 16
  * combos) and C (16 by 16 float32 sums), the vector units draining step s's C into a(n, c) while
- * the tile unit computes step s + 1; the minimum terms follow per range, eight combos at a time.
+ * the tile unit computes steps s + 1 and s + 2; the minimum terms follow per range, eight combos at
+ * a time.
  *
  * Speed (docs/performance.md): the drain costs a C row per column, block and group whatever the
  * rows, so one row runs at about half the FMA path's speed; from about 16 rows on it gains.
@@ -158,7 +159,7 @@ typedef struct {
     uint8_t rows[16];
 } amx_config;
 
-/* Tiles 0, 1: A (8 columns by `step` k); 2, 3: B (step / 2 k pairs by 16 combos); 4, 5: C. Loaded
+/* Tiles 0, 1: A (16 columns by `step` k); 2, 3: B (step / 2 k pairs by 16 combos); 4-6: C. Loaded
  * when this thread's tiles hold another call's or another step's configuration. */
 AMX INLINE void amx_configure(int64_t call, int step) {
     static __thread int64_t loaded = -1;
@@ -166,7 +167,7 @@ AMX INLINE void amx_configure(int64_t call, int step) {
     amx_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 6; t++) {
+    for (int t = 0; t < 7; t++) {
         cfg.rows[t] = t == 2 || t == 3 ? step / 2 : AMX_NT;
         cfg.colsb[t] = t < 2 ? 2 * step : 64;
     }
@@ -282,8 +283,8 @@ AMX static void amx_panel(int type, const uint8_t *const *col, int64_t k0, int64
 
 /* Steps [0, steps) of a range for one group of 16 combos: tile A of step s in the panel, B at
  * b + s * bstep (rows ldb bytes apart), into the accumulators acc[AMX_NT] (acc[n] lane c: column n,
- * combo c). Steps alternate between tiles 0, 2, 4 and 1, 3, 5 (A, B, C); step s's C is stored only
- * once step s + 1's product is issued, and drained while the tile unit computes it. */
+ * combo c). Step s takes tiles A and B 0, 2 or 1, 3 (s even or odd) and C 4 + s % 3: its C is
+ * stored and drained once step s + 2's product is issued, while the tile unit computes. */
 #define AMX_PRODUCT(TA, TB, TC, s)                                                               \
     {                                                                                            \
         _tile_loadd(TA, panel + ((s) * step / 32) * AMX_NT * 32 + (s) * step % 32, 64);          \
@@ -297,17 +298,23 @@ AMX static void amx_panel(int type, const uint8_t *const *col, int64_t k0, int64
 
 AMX INLINE void amx_steps(const uint16_t *panel, const float *scale, const uint16_t *b, int64_t bstep, int64_t ldb,
                           int64_t steps, const int step, __m512 acc[AMX_NT]) {
-    float out[2][AMX_NT * 16] __attribute__((aligned(64)));
+    float out[3][AMX_NT * 16] __attribute__((aligned(64)));
     AMX_PRODUCT(0, 2, 4, 0)
-    for (int64_t s = 0; s < steps; s += 2) {
-        if (s + 1 < steps) AMX_PRODUCT(1, 3, 5, s + 1)
-        _tile_stored(4, out[0], 64);
-        AMX_DRAIN(s, out[0])
-        if (s + 1 == steps) break;
-        if (s + 2 < steps) AMX_PRODUCT(0, 2, 4, s + 2)
-        _tile_stored(5, out[1], 64);
-        AMX_DRAIN(s + 1, out[1])
+    if (steps > 1) AMX_PRODUCT(1, 3, 5, 1)
+#define AMX_STAGE(i, TA, TB, TN, TC)                                                             \
+    if (s + (i) >= steps) break;                                                                 \
+    if (s + (i) + 2 < steps) AMX_PRODUCT(TA, TB, TN, s + (i) + 2)                                \
+    _tile_stored(TC, out[(i) % 3], 64);                                                          \
+    AMX_DRAIN(s + (i), out[(i) % 3])
+    for (int64_t s = 0; s < steps; s += 6) {
+        AMX_STAGE(0, 0, 2, 6, 4)
+        AMX_STAGE(1, 1, 3, 4, 5)
+        AMX_STAGE(2, 0, 2, 5, 6)
+        AMX_STAGE(3, 1, 3, 6, 4)
+        AMX_STAGE(4, 0, 2, 4, 5)
+        AMX_STAGE(5, 1, 3, 5, 6)
     }
+#undef AMX_STAGE
 }
 
 /* The minimum terms of `combos` combos over a range's steps: m[c] (lane n: column n) takes
