@@ -11,7 +11,7 @@ dequantizes at load; the functions here still answer, through gguf's numpy dequa
 FREETOKEN_QUANT_ISA=avx2 caps the kernel at AVX2 (tests and benchmarks compare the paths);
 FREETOKEN_QUANT_ISA=amx asks for the AMX level (quant_amx.c: the tile unit's bfloat16 products on
 an exact three-part split of x, its own fixed order, as batch-invariant), which a CPU with AMX runs
-only when asked: it gains from about 16 rows a call but runs one row at about half the AVX-512
+only when asked: it gains from about 32 rows a call but runs one row at about half the AVX-512
 path's speed (docs/performance.md), and a decode step's rows are few.
 """
 

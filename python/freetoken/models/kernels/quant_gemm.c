@@ -25,6 +25,10 @@
  * block as it dequantizes it, in registers, the same chains in the same order (few_avx512), the
  * scales read through a table.
  *
+ * The AMX level (isa 3: quant_amx.c, included below, run where quant.py is asked for it) has an
+ * order of its own, written there: per (row, part of its three-part bfloat16 split), per output
+ * column, one FMA per block of the tile unit's exact-product dot into a float32 accumulator.
+ *
  * Built at first use by models/kernels/quant.py; x86-64 with AVX2, FMA and F16C, else unsupported.
  */
 #include <stdint.h>
