@@ -132,7 +132,10 @@ static int64_t block_rows(int64_t R, int64_t K);
 static void amx_split_groups(const float *x, int64_t ldx, int64_t K, const int64_t *groups, int64_t G,
                              amx_rows *s) {
     int64_t n = 0;
-    for (int64_t g = 0; g < G; g++) n += (groups[3 * g + 2] + block_rows(groups[3 * g + 2], K) - 1) / block_rows(groups[3 * g + 2], K);
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t count = groups[3 * g + 2], rb = block_rows(count, K);
+        n += (count + rb - 1) / rb;
+    }
     int64_t *first = malloc(2 * n * sizeof(int64_t)), *rows = first + n, j = 0;
     s->group_region = malloc(G * sizeof(int64_t));
     for (int64_t g = 0; g < G; g++) {
