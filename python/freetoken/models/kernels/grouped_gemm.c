@@ -424,8 +424,9 @@ __attribute__((target("avx2,fma"))) void round_to_bf16(const float *x, uint16_t 
  * rows 33-512 get other bits than 1-32 here), so a call takes any number of rows.
  *
  * Each thread takes a contiguous run of the 32-column strips: its share of the weights, read
- * front to back (what a decode step's few rows are bound by). It passes them over the rows in
- * chunks of AMX_MC, whose x stays in the core's L2 meanwhile; per strip, each 32-row block of
+ * front to back (what a decode step's few rows are bound by), the next strip prefetched while
+ * the tile unit works on this one. It passes them over the rows in chunks of about
+ * AMX_CHUNK_BYTES of x, which stays in the core's L2 meanwhile; per strip, each 32-row block of
  * the chunk runs on a 2x2 block of tiles (four float32 accumulators over all of K, each A and B
  * tile loaded once per k step and used twice); a last block of fewer rows runs on tiles
  * configured to its row count.
@@ -472,7 +473,10 @@ __attribute__((target("avx512f"), always_inline)) static inline void store_bf16(
     _mm512_mask_cvtepi32_storeu_epi16(y, keep, rounded);
 }
 
-#define AMX_MC 128
+/* Bytes of x a chunk of rows holds: the chunk stays in the core's L2 (2 MiB on Sapphire Rapids)
+ * while every strip passes over it. 128-row chunks read the weights again for every 128 rows,
+ * from L3 or memory: a 540-row step of the default model ran its linears 1.25x slower so. */
+#define AMX_CHUNK_BYTES (1 << 20)
 
 /* A block's float32 sums (rows of 32) still to be rounded into y. */
 typedef struct {
@@ -507,17 +511,21 @@ __attribute__((target("amx-tile"), always_inline)) static inline void amx_config
 /* 1-16 or 17-32 rows of A (rows lda apart) times one 32-column strip of B over all K steps, into `out`
  * [32][32] float32: the 2x2 tile block, each A and B tile loaded once per step. The previous
  * block is rounded and stored after this one's tile products are issued, so that the vector
- * units do it while the tile unit works through them. */
+ * units do it while the tile unit works through them; `ahead_lines` cache lines from `ahead`
+ * are prefetched over the steps. */
 __attribute__((target("amx-tile,amx-bf16,avx512f"), always_inline)) static inline void amx_block(
     const uint16_t *a, int64_t lda, const int two, const uint16_t *b, int64_t steps,
-    const amx_pending *previous, float *out) {
+    const amx_pending *previous, float *out, const char *ahead, int64_t ahead_lines) {
     _tile_zero(0);
     _tile_zero(1);
     if (two) {
         _tile_zero(2);
         _tile_zero(3);
     }
+    const int64_t per_step = (ahead_lines + steps - 1) / steps;
     for (int64_t s = 0; s < steps; s++) {
+        for (int64_t l = s * per_step; l < (s + 1) * per_step && l < ahead_lines; l++)
+            _mm_prefetch(ahead + l * 64, _MM_HINT_T1);
         _tile_loadd(6, b + s * 1024, 64);
         _tile_loadd(4, a + s * 32, lda * 2);
         _tile_loadd(7, b + s * 1024 + 512, 64);
@@ -549,8 +557,9 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void amx_linear_bf16(
         amx_pending pending = {0};
         const int threads = omp_get_num_threads(), thread = omp_get_thread_num();
         const int64_t first = strips * thread / threads, end = strips * (thread + 1) / threads;
-        for (int64_t m0 = 0; m0 < M; m0 += AMX_MC) {
-            const int64_t m_end = M - m0 < AMX_MC ? M : m0 + AMX_MC;
+        const int64_t fit = AMX_CHUNK_BYTES / (K * 2) / 32 * 32, chunk = fit > 32 ? fit : 32;
+        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+            const int64_t m_end = M - m0 < chunk ? M : m0 + chunk;
             for (int64_t strip = first; strip < end; strip++) {
                 const uint16_t *b = w + strip * steps * 1024;
                 const int64_t cols = N - strip * 32 < 32 ? N - strip * 32 : 32;
@@ -560,10 +569,17 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void amx_linear_bf16(
                     const int switched = rows < 32 && M > 32;
                     if (switched) amx_configure(tail);
                     float *sums = out[pending.sums == out[0]];
+                    /* This block's share of the thread's next strip, prefetched into L2 while
+                     * the tile unit works: the hardware's prefetchers left the first block of
+                     * each strip waiting on L3 or memory. */
+                    const int64_t blocks = (m_end - m0 + 31) / 32, j = (m - m0) / 32;
+                    const int64_t lines = strip + 1 < end ? steps * 32 : 0;
+                    const char *ahead = (const char *)(b + steps * 1024) + lines * j / blocks * 64;
+                    const int64_t ahead_lines = lines * (j + 1) / blocks - lines * j / blocks;
                     if (rows > 16)
-                        amx_block(x + m * ldx, ldx, 1, b, steps, &pending, sums);
+                        amx_block(x + m * ldx, ldx, 1, b, steps, &pending, sums, ahead, ahead_lines);
                     else
-                        amx_block(x + m * ldx, ldx, 0, b, steps, &pending, sums);
+                        amx_block(x + m * ldx, ldx, 0, b, steps, &pending, sums, ahead, ahead_lines);
                     if (switched) amx_configure(32);
                     pending = (amx_pending){sums, bias ? bias + strip * 32 : 0, y + m * ldy + strip * 32,
                                             ldy, rows, cols};
