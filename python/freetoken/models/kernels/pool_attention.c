@@ -295,9 +295,38 @@ AVX512 __m512 broadcast8_bf16(const uint16_t *p) {
         }                                                                                            \
     }
 
+/* As WEIGHTED_VALUES on sixteen lanes, D % 16 == 0: a kv head's odd query head (a group of 3). */
+#define DEFINE_WEIGHTED_VALUES_512(NAME, T, LOAD)                                                    \
+    __attribute__((target("avx512f,avx512dq,avx2,fma"))) static void NAME(                          \
+        const float *s, const int64_t *keys, int64_t n, const T *v_head, int64_t ld_slot,            \
+        int64_t D, float inv_sum, float *o) {                                                        \
+        for (int64_t c = 0; c < D; c += 64) {                                                        \
+            const int w = D - c < 64 ? (int)(D - c) : 64;                                            \
+            __m512 a[4];                                                                             \
+            _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) a[u] = _mm512_setzero_ps();          \
+            if (w == 64) {                                                                           \
+                for (int64_t j = 0; j < n; j++) {                                                    \
+                    const T *v = v_head + keys[j] * ld_slot + c;                                     \
+                    const __m512 p = _mm512_set1_ps(s[j]);                                           \
+                    _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++)                              \
+                        a[u] = _mm512_fmadd_ps(p, LOAD(v + 16 * u), a[u]);                           \
+                }                                                                                    \
+            } else {                                                                                 \
+                for (int64_t j = 0; j < n; j++) {                                                    \
+                    const T *v = v_head + keys[j] * ld_slot + c;                                     \
+                    const __m512 p = _mm512_set1_ps(s[j]);                                           \
+                    for (int u = 0; u < w / 16; u++)                                                 \
+                        a[u] = _mm512_fmadd_ps(p, LOAD(v + 16 * u), a[u]);                           \
+                }                                                                                    \
+            }                                                                                        \
+            for (int u = 0; u < w / 16; u++)                                                         \
+                _mm512_storeu_ps(o + c + 16 * u, _mm512_mul_ps(a[u], _mm512_set1_ps(inv_sum)));      \
+        }                                                                                            \
+    }
+
 /* Work items are (row, kv head): its query heads' scores first (keys read from memory once, from
  * L1 by the other heads), then their outputs, two heads at a time where AVX-512 runs. */
-#define DEFINE_POOL_ATTENTION(NAME, T, SCORES8, SCORES8X2_512, WEIGHTED_VALUES, WEIGHTED_VALUES2_512)              \
+#define DEFINE_POOL_ATTENTION(NAME, T, SCORES8, SCORES8X2_512, WEIGHTED_VALUES, WEIGHTED_VALUES2_512, WEIGHTED_VALUES_512) \
     __attribute__((target("avx2,fma"))) void NAME(                                                   \
         const float *q, const T *cache, const int64_t *slots, const int64_t *ranges,                 \
         const float *sinks, float *out, int64_t rows, int64_t heads, int64_t kv_heads,               \
@@ -338,6 +367,8 @@ AVX512 __m512 broadcast8_bf16(const uint16_t *p) {
             for (; wide && g + 2 <= group; g += 2)                                                   \
                 WEIGHTED_VALUES2_512(s + g * stride, s + (g + 1) * stride, keys, n, v_head, ld_slot, \
                                      D, inv[g], inv[g + 1], o + g * D, o + (g + 1) * D);             \
+            for (; wide && g < group; g++)                                                           \
+                WEIGHTED_VALUES_512(s + g * stride, keys, n, v_head, ld_slot, D, inv[g], o + g * D); \
             for (; g < group; g++)                                                                   \
                 WEIGHTED_VALUES(s + g * stride, keys, n, v_head, ld_slot, D, inv[g], o + g * D);     \
         }                                                                                            \
@@ -349,11 +380,15 @@ DEFINE_WEIGHTED_VALUES(weighted_values_f32, float, load8_f32)
 DEFINE_WEIGHTED_VALUES(weighted_values_bf16, uint16_t, load8_bf16)
 DEFINE_WEIGHTED_VALUES2_512(weighted_values2_512_f32, float, load16_f32)
 DEFINE_WEIGHTED_VALUES2_512(weighted_values2_512_bf16, uint16_t, load16_bf16)
+DEFINE_WEIGHTED_VALUES_512(weighted_values_512_f32, float, load16_f32)
+DEFINE_WEIGHTED_VALUES_512(weighted_values_512_bf16, uint16_t, load16_bf16)
 DEFINE_SCORES8X2_512(scores8x2_512_f32, float, broadcast8_f32)
 DEFINE_SCORES8X2_512(scores8x2_512_bf16, uint16_t, broadcast8_bf16)
 
-DEFINE_POOL_ATTENTION(pool_attention_f32, float, scores8_f32, scores8x2_512_f32, weighted_values_f32, weighted_values2_512_f32)
-DEFINE_POOL_ATTENTION(pool_attention_bf16, uint16_t, scores8_bf16, scores8x2_512_bf16, weighted_values_bf16, weighted_values2_512_bf16)
+DEFINE_POOL_ATTENTION(pool_attention_f32, float, scores8_f32, scores8x2_512_f32, weighted_values_f32,
+                      weighted_values2_512_f32, weighted_values_512_f32)
+DEFINE_POOL_ATTENTION(pool_attention_bf16, uint16_t, scores8_bf16, scores8x2_512_bf16, weighted_values_bf16,
+                      weighted_values2_512_bf16, weighted_values_512_bf16)
 
 #else
 
