@@ -23,7 +23,10 @@
  * row of the item, so the FMA microkernel, not the dequantization, sets the pace. An item of at
  * most FEW rows (AVX-512; a decode step of up to 8 requests) skips the panel: it multiplies each
  * block as it dequantizes it, in registers, the same chains in the same order (few_avx512), the
- * scales read through a table.
+ * scales read through a table; 1-4 rows four columns at a time, 5-8 rows two at a time, so that
+ * every row of the item shares each block's one dequantization (at 8 rows the FMAs, eight per
+ * 16 weights of a column, are most of the work; a second pass of 4 rows would dequantize each
+ * block again).
  *
  * The AMX level (isa 3: quant_amx.c, included below, run where quant.py is asked for it) has an
  * order of its own, written there: per (row, part of its three-part bfloat16 split), per output
@@ -502,14 +505,30 @@ AVX512 static void rows_avx512(const float *x, int64_t ldx, int64_t rows, const 
     q4_k_group_512(b, s, i, w);                                                                  \
     for (int c = 0; c < 4; c++) FEW_FMA(dst + 64 * i + 16 * c, w[c])
 
+/* x's sixteen values at p in a register that every column's FMA shares: left to itself, the
+ * compiler folds the load into each FMA, loading x once per column, with an indexed address that
+ * splits each FMA in two. */
+AVX512 INLINE __m512 x_shared(const float *p) {
+    __m512 v = _mm512_loadu_ps(p);
+    __asm__("" : "+v"(v));
+    return v;
+}
+
+/* The 32-value formats: a block of every column dequantized, then each row's x loaded once for
+ * all of them (values 0-15 of every (row, column), then 16-31: each chain still in chunk order). */
 #define FEW_PAIRS(PAIR)                                                                          \
-    for (int64_t blk = 0; blk < K / 32; blk++)                                                   \
-        for (int n = 0; n < few_cols; n++) {                                                     \
-            __m512 lo, hi;                                                                       \
-            PAIR(col[n] + blk * size, &lo, &hi);                                                 \
-            FEW_FMA(32 * blk, lo)                                                                \
-            FEW_FMA(32 * blk + 16, hi)                                                           \
-        }
+    for (int64_t blk = 0; blk < K / 32; blk++) {                                                 \
+        __m512 lo[4], hi[4];                                                                     \
+        for (int n = 0; n < few_cols; n++) PAIR(col[n] + blk * size, &lo[n], &hi[n]);           \
+        for (int r = 0; r < few_rows; r++) {                                                     \
+            const __m512 xv = x_shared(x + r * ldx + 32 * blk);                                  \
+            for (int n = 0; n < few_cols; n++) a[r][n] = _mm512_fmadd_ps(xv, lo[n], a[r][n]);    \
+        }                                                                                        \
+        for (int r = 0; r < few_rows; r++) {                                                     \
+            const __m512 xv = x_shared(x + r * ldx + 32 * blk + 16);                             \
+            for (int n = 0; n < few_cols; n++) a[r][n] = _mm512_fmadd_ps(xv, hi[n], a[r][n]);    \
+        }                                                                                        \
+    }
 
 /* ROWS rows by COLS (4 or 2) columns. */
 #define FEW_TILE(ROWS, COLS)                                                                     \
@@ -551,12 +570,11 @@ FEW_TILE(7, 2)
 FEW_TILE(8, 2)
 
 /* Rows [0, rows), rows <= FEW, against output columns [0, cols) of w: four columns by up to four
- * rows at a time (8 rows dequantize each block twice, still cheaper than the panel's stores);
- * the super-block formats, whose dequantization costs more, run 5-8 rows in one pass, two
- * columns at a time. */
+ * rows at a time, or 5-8 rows in one pass two columns at a time (16 accumulators at 8 rows: the
+ * registers hold no more with the dequantized weights and x), each block dequantized once. */
 static void few_avx512(int type, const float *x, int64_t ldx, int64_t rows, const uint8_t *w, int64_t ldw,
                        int cols, int64_t K, float *y, int64_t ldy, const float *bias) {
-    if (rows > 4 && block_values(type) == 256) {
+    if (rows > 4) {
         for (int n = 0; n < cols; n += 2) {
             const int c2 = cols - n < 2 ? cols - n : 2;
             const uint8_t *wn = w + n * ldw;
