@@ -592,15 +592,11 @@ static void few_avx512(int type, const float *x, int64_t ldx, int64_t rows, cons
         const int c4 = cols - n < 4 ? cols - n : 4;
         const uint8_t *wn = w + n * ldw;
         const float *bn = bias ? bias + n : 0;
-        for (int64_t r = 0; r < rows; r += 4) { /* over 4 rows: the columns dequantized again */
-            const float *xr = x + r * ldx;
-            float *yr = y + r * ldy + n;
-            switch (rows - r < 4 ? rows - r : 4) {
-            case 1: few_avx512_1x4(type, xr, ldx, wn, ldw, c4, K, yr, ldy, bn); break;
-            case 2: few_avx512_2x4(type, xr, ldx, wn, ldw, c4, K, yr, ldy, bn); break;
-            case 3: few_avx512_3x4(type, xr, ldx, wn, ldw, c4, K, yr, ldy, bn); break;
-            default: few_avx512_4x4(type, xr, ldx, wn, ldw, c4, K, yr, ldy, bn); break;
-            }
+        switch (rows) {
+        case 1: few_avx512_1x4(type, x, ldx, wn, ldw, c4, K, y + n, ldy, bn); break;
+        case 2: few_avx512_2x4(type, x, ldx, wn, ldw, c4, K, y + n, ldy, bn); break;
+        case 3: few_avx512_3x4(type, x, ldx, wn, ldw, c4, K, y + n, ldy, bn); break;
+        default: few_avx512_4x4(type, x, ldx, wn, ldw, c4, K, y + n, ldy, bn); break;
         }
     }
 }
