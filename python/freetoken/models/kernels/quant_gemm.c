@@ -484,9 +484,9 @@ AVX512 static void rows_avx512(const float *x, int64_t ldx, int64_t rows, const 
 #define FEW_I8(Q, SCALE, C) FEW_FMA(C, i8_512(Q, SCALE))
 #define FEW_U8_FMA(Q, D, M, C) FEW_FMA(C, u8_fma_512(Q, D, M))
 
-/* The super-block formats, a block of the few_cols columns at a time, in PARTS parts that go
- * round the columns (so that each column's chains wait on the others' work, not on their own FMAs);
- * PART reads column n's block b, its scales s, and adds values from k = dst on. */
+/* The super-block formats at four columns (1-4 rows), a block of the columns at a time, in PARTS
+ * parts that go round the columns (so that each column's chains wait on the others' work, not on
+ * their own FMAs); PART reads column n's block b, its scales s, and adds values from k = dst on. */
 #define FEW_SUPER(SCALES, PARTS, PART)                                                           \
     for (int64_t blk = 0; blk < K / 256; blk++) {                                                \
         float scales[4][16];                                                                     \
@@ -530,6 +530,38 @@ AVX512 INLINE __m512 x_shared(const float *p) {
         }                                                                                        \
     }
 
+/* Q5_K's and Q6_K's values 32i to 32i + 31 as two registers (as Q5_K_PART and Q6_K_PART make them). */
+AVX512 INLINE void q5_k_part_512(const uint8_t *b, const float *s, int i, __m512 w[2]) {
+    const __m256i codes = q5_codes(b, i);
+    const __m512 d = _mm512_set1_ps(s[i]), m = _mm512_set1_ps(s[8 + i]);
+    w[0] = u8_fma_512(_mm256_castsi256_si128(codes), d, m);
+    w[1] = u8_fma_512(_mm256_extracti128_si256(codes, 1), d, m);
+}
+
+AVX512 INLINE void q6_k_part_512(const uint8_t *b, const float *s, int i, __m512 w[2]) {
+    const __m256i codes = q6_codes(b, i / 4, i % 4);
+    w[0] = i8_512(_mm256_castsi256_si128(codes), _mm512_set1_ps(s[2 * i]));
+    w[1] = i8_512(_mm256_extracti128_si256(codes, 1), _mm512_set1_ps(s[2 * i + 1]));
+}
+
+/* The super-block formats at two columns (5-8 rows): part i of both columns' block, GROUP
+ * filling 256 / PARTS values as registers, then each row's x loaded once for both (four
+ * columns' parts would take the accumulators' registers: those tiles run FEW_SUPER). */
+#define FEW_SUPER_SHARED(SCALES, PARTS, GROUP)                                                   \
+    for (int64_t blk = 0; blk < K / 256; blk++) {                                                \
+        float scales[2][16];                                                                     \
+        for (int n = 0; n < 2; n++) SCALES(col[n] + blk * size, scales[n]);                      \
+        for (int i = 0; i < PARTS; i++) {                                                        \
+            __m512 wp[2][256 / PARTS / 16];                                                      \
+            for (int n = 0; n < 2; n++) GROUP(col[n] + blk * size, scales[n], i, wp[n]);          \
+            for (int c = 0; c < 256 / PARTS / 16; c++)                                           \
+                for (int r = 0; r < few_rows; r++) {                                             \
+                    const __m512 xv = x_shared(x + r * ldx + 256 * blk + 256 / PARTS * i + 16 * c); \
+                    for (int n = 0; n < 2; n++) a[r][n] = _mm512_fmadd_ps(xv, wp[n][c], a[r][n]); \
+                }                                                                                \
+        }                                                                                        \
+    }
+
 /* ROWS rows by COLS (4 or 2) columns. */
 #define FEW_TILE(ROWS, COLS)                                                                     \
     AVX512 static void few_avx512_##ROWS##x##COLS(int type, const float *x, int64_t ldx, const uint8_t *w, \
@@ -550,9 +582,18 @@ AVX512 INLINE __m512 x_shared(const float *p) {
         case Q4_0: FEW_PAIRS(pair_q4_0_512) break;                                               \
         case Q4_1: FEW_PAIRS(pair_q4_1_512) break;                                               \
         case MXFP4: FEW_PAIRS(pair_mxfp4_512) break;                                             \
-        case Q4_K: FEW_SUPER(k_scales, 4, FEW_Q4_K_PART) break;                                 \
-        case Q5_K: FEW_SUPER(k_scales, 8, Q5_K_PART(FEW_U8_FMA, _mm512_set1_ps, i)) break;      \
-        case Q6_K: FEW_SUPER(q6_scales, 8, Q6_K_PART(FEW_I8, _mm512_set1_ps, i)) break;         \
+        case Q4_K:                                                                               \
+            if (COLS == 2) FEW_SUPER_SHARED(k_scales, 4, q4_k_group_512)                         \
+            else FEW_SUPER(k_scales, 4, FEW_Q4_K_PART)                                           \
+            break;                                                                               \
+        case Q5_K:                                                                               \
+            if (COLS == 2) FEW_SUPER_SHARED(k_scales, 8, q5_k_part_512)                          \
+            else FEW_SUPER(k_scales, 8, Q5_K_PART(FEW_U8_FMA, _mm512_set1_ps, i))                \
+            break;                                                                               \
+        case Q6_K:                                                                               \
+            if (COLS == 2) FEW_SUPER_SHARED(q6_scales, 8, q6_k_part_512)                         \
+            else FEW_SUPER(q6_scales, 8, Q6_K_PART(FEW_I8, _mm512_set1_ps, i))                   \
+            break;                                                                               \
         }                                                                                        \
         for (int r = 0; r < ROWS; r++) { /* (with two columns, each finished twice) */         \
             float out[4];                                                                        \
