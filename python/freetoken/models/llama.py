@@ -104,14 +104,18 @@ class DecoderLayer(nn.Module):
         """The residual stream x, to which `delta` (the previous layer's MLP output; None for the
         first layer) is added in place, then this layer's attention output; returns x and this
         layer's MLP output, left for the next norm to add in the same pass as it normalises."""
-        call = self.one_call
-        if call is NotImplemented:
-            call = self.one_call = self._prepare_call()
+        call = self.prepared_call()
         if call is not None and (step := decoder_layer.step(ctx, x, cos, sin, call)) is not None:
             return x, call(x, delta, step, ctx.kv_cache[self.self_attn.layer])
         h = self.input_layernorm(x, delta)
         h = self.post_attention_layernorm(x, self.self_attn(h, cos, sin, ctx))
         return x, self.mlp(h)
+
+    def prepared_call(self) -> decoder_layer.LayerCall | None:
+        """This layer's one C call (made at the first ask), or None."""
+        if self.one_call is NotImplemented:
+            self.one_call = self._prepare_call()
+        return self.one_call
 
     def _prepare_call(self) -> decoder_layer.LayerCall | None:
         """The whole layer as one C call, with the bits of the calls below: a plain attention and
@@ -136,11 +140,31 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
+    # Every layer in one C call a step (models/kernels/decoder_layer.py's Stack), made at the first
+    # step (None: the layers are called one by one).
+    stack: Any = NotImplemented
+
     def __init__(self, cfg: ModelConfig, layer_class: type[nn.Module] = DecoderLayer):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(layer_class(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def run_layers(self, x, cos, sin, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream x through every layer (DecoderLayer.forward's contract): x, and the
+        last layer's MLP output, not yet added to it."""
+        stack = self.stack
+        if stack is NotImplemented:
+            plain = all(type(layer) is DecoderLayer for layer in self.layers)
+            stack = self.stack = decoder_layer.stack(
+                [layer.prepared_call() for layer in self.layers],
+                [layer.self_attn.layer for layer in self.layers]) if plain else None
+        if stack is not None and (step := decoder_layer.step(ctx, x, cos, sin, stack.first)) is not None:
+            return x, stack(x, step, ctx.kv_cache)
+        delta = None
+        for layer in self.layers:
+            x, delta = layer(x, delta, cos, sin, ctx)
+        return x, delta
 
 
 class LlamaForCausalLM(CausalLM):
@@ -173,9 +197,7 @@ class LlamaForCausalLM(CausalLM):
         x = self.model.embed_tokens(ctx.input_ids)
         cfg = self.cfg
         cos, sin = cos_sin(ctx.positions, cfg.head_dim, cfg.rope_theta, cfg.rope_yarn, x.dtype)
-        delta = None
-        for layer in self.model.layers:
-            x, delta = layer(x, delta, cos, sin, ctx)
+        x, delta = self.model.run_layers(x, cos, sin, ctx)
         x.add_(delta)
         if ctx.hidden_rows is not None:
             ctx.hidden = self.model.norm(x.index_select(0, ctx.hidden_rows))

@@ -1,8 +1,8 @@
-"""A decoder layer in one C call gives the bits of the Python layer: logits and the KV pool, over a
-step that holds prompt and decoding rows together, on tiny quantized GGUFs (llama with a
-Python-path layer beside it, Qwen3's q/k norms, Qwen2's biases, a sliding-window layer) and on
-tiny checkpoints with their linears on the grouped kernel (float32, bfloat16) and the AMX one
-(bfloat16)."""
+"""A decoder layer in one C call (and a model's layers in one, where every layer runs so) gives the
+bits of the Python layer: logits and the KV pool, over a step that holds prompt and decoding rows
+together, on tiny quantized GGUFs (llama with a Python-path layer beside it, Qwen3's q/k norms,
+Qwen2's biases, a sliding-window layer) and on tiny checkpoints with their linears on the grouped
+kernel (float32, bfloat16) and the AMX one (bfloat16)."""
 
 from __future__ import annotations
 
@@ -72,6 +72,7 @@ def assert_same_bits(model, dtype: torch.dtype, monkeypatch, one_call: list[bool
     fast, ctx = steps(model, engine)
     assert ctx.layer_step
     assert [layer.one_call is not None for layer in model.model.layers] == one_call
+    assert (model.model.stack is not None) == all(one_call)  # every layer one call: all in one
     monkeypatch.setenv("FREETOKEN_LAYER_KERNEL", "0")
     python, ctx = steps(model, engine)
     assert ctx.layer_step is False

@@ -7,8 +7,9 @@ per kernel): a row gets the same bits either way. It runs a layer whose rows, no
 share one dtype and whose four projections are on our kernels: float32 rows on the quantized
 kernel (QuantParts) or the grouped one, bfloat16 rows on the AMX one; the rest stays in Python.
 
-`prepare` makes a layer's fixed arguments once; `step` makes a step's once (kept on its
-ForwardContext) and returns None where the step cannot run so: FREETOKEN_LAYER_KERNEL=0 (the
+`prepare` makes a layer's fixed arguments once, `stack` a model's layers' (one call runs them
+all); `step` makes a step's once (kept on its ForwardContext) and returns None where the step
+cannot run so: FREETOKEN_LAYER_KERNEL=0 (the
 Python path, for tests and benchmarks), rows or cache off the CPU or of another dtype, or groups
 without key ranges.
 """
@@ -64,7 +65,8 @@ def load() -> ctypes.CDLL | None:
     if grouped_gemm.load() is None or pool_attention.load() is None:
         return None
     return open_library(SOURCE, "decoder_layer_supported", "nothing more", "layers run in Python",
-                        {"decoder_layer": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR]})
+                        {"decoder_layer": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR],
+                         "decoder_layers": [_PTR, _PTR, _I64, _PTR, _PTR, _PTR]})
 
 
 @cache
@@ -110,6 +112,31 @@ class LayerCall:
                  None if delta is None else delta.data_ptr(), 0 if delta is None else delta.stride(0),
                  kv_cache.data_ptr())
         return step.delta
+
+
+class Stack:
+    """A model's layers (LayerCalls of one shape, each on the KV cache of its index) in one call a
+    step: what the layers' Python loop cost (~10 us a layer) goes."""
+
+    def __init__(self, calls: list[LayerCall], caches: list[int]):
+        self.first, self.count, self.caches = calls[0], len(calls), caches
+        self.layers = (ctypes.c_void_p * len(calls))(*(call.address for call in calls))
+        self.run = load().decoder_layers
+
+    def __call__(self, x: torch.Tensor, step: Step, kv_cache: list[torch.Tensor]) -> torch.Tensor:
+        """x [T, hidden] through every layer, updated in place but for the last layer's MLP
+        output, which it returns (the step's buffer)."""
+        caches = (ctypes.c_void_p * self.count)(*(kv_cache[i].data_ptr() for i in self.caches))
+        self.run(self.first.kernels, self.layers, self.count, step.address, x.data_ptr(), caches)
+        return step.delta
+
+
+def stack(calls: list[LayerCall | None], caches: list[int]) -> Stack | None:
+    """Layers `calls` (None: one that runs in Python), layer i on KV cache caches[i], as one call;
+    None unless every layer has a call and all are of one shape (a step's scratch fits them all)."""
+    if not calls or any(call is None or call.shape != calls[0].shape for call in calls):
+        return None
+    return Stack(calls, caches)
 
 
 def _linear(run, dtype: torch.dtype) -> tuple[LinearArgs, object] | None:

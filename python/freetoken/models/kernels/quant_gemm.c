@@ -15,18 +15,23 @@
  * bits (on one CPU or across CPUs).
  *
  * How it runs. Work items are (group, block of 48-192 rows (block_rows), tile of NT output
- * columns), spread over torch's OpenMP threads (we share its libgomp). An item walks K in ranges
- * of at most KB: it dequantizes its columns' weights for the range into a panel in L1, then runs
- * every row tile of its rows over the panel, the lanes kept in a buffer between ranges (a K of
- * one range keeps them in registers throughout). A decode step's few rows read each weight byte
- * once from memory (the step is bound by that read); a prefill's rows reuse each panel for every
- * row of the item, so the FMA microkernel, not the dequantization, sets the pace. An item of at
- * most FEW rows (AVX-512; a decode step of up to 8 requests) skips the panel: it multiplies each
- * block as it dequantizes it, in registers, the same chains in the same order (few_avx512), the
- * scales read through a table; 1-4 rows four columns at a time, 5-8 rows two at a time, so that
- * every row of the item shares each block's one dequantization (at 8 rows the FMAs, eight per
- * 16 weights of a column, are most of the work; a second pass of 4 rows would dequantize each
- * block again).
+ * columns), spread over torch's OpenMP threads (we share its libgomp) in guided chunks: a thread
+ * takes a run of consecutive items, so it walks a stretch of the weight front to back (which the
+ * hardware prefetcher streams, and where the next tile an item prefetches is its own thread's
+ * next item, not the other core's), and no two threads write one cache line of y; the runs
+ * shrink towards the end, so the threads still finish together. (Items handed out one at a time
+ * alternate between the threads: a batch-1 decode step took 1.7x as long on two threads.) An
+ * item walks K in ranges of at most KB: it dequantizes its columns' weights for the range into a
+ * panel in L1, then runs every row tile of its rows over the panel, the lanes kept in a buffer
+ * between ranges (a K of one range keeps them in registers throughout). A decode step's few
+ * rows read each weight byte once from memory (the step is bound by that read); a prefill's rows
+ * reuse each panel for every row of the item, so the FMA microkernel, not the dequantization,
+ * sets the pace. An item of at most FEW rows (AVX-512; a decode step of up to 8 requests) skips
+ * the panel: it multiplies each block as it dequantizes it, in registers, the same chains in the
+ * same order (few_avx512), the scales read through a table; 1-4 rows four columns at a time,
+ * 5-8 rows two at a time, so that every row of the item shares each block's one dequantization
+ * (at 8 rows the FMAs, eight per 16 weights of a column, are most of the work; a second pass of
+ * 4 rows would dequantize each block again).
  *
  * The AMX level (isa 3: quant_amx.c, included below, run where quant.py is asked for it) has an
  * order of its own, written there: per (row, part of its three-part bfloat16 split), per output
@@ -733,7 +738,7 @@ void quant_gemm_parts(int isa, int64_t P, const int *types, const uint8_t *const
         start[p + 1] = start[p] + blocks * ((n[p] + nt - 1) / nt);
         col[p + 1] = col[p] + n[p];
     }
-    _Pragma("omp parallel for schedule(dynamic, 1) if (start[P] > 1)")
+    _Pragma("omp parallel for schedule(guided) if (start[P] > 1)")
     for (int64_t it = 0; it < start[P]; it++) {
         const int64_t p = owner(start, P, it), local = it - start[p], tiles = (n[p] + nt - 1) / nt;
         const int64_t tile = local % tiles, first = local / tiles * rb;
@@ -759,7 +764,7 @@ void quant_gemm(int isa, int type, const float *x, int64_t ldx, const uint8_t *w
     }
     amx_rows xs = {0};
     if (isa == 3) amx_split_groups(x, ldx, K, groups, G, &xs);
-    _Pragma("omp parallel for schedule(dynamic, 1) if (start[G] > 1)")
+    _Pragma("omp parallel for schedule(guided) if (start[G] > 1)")
     for (int64_t it = 0; it < start[G]; it++) {
         const int64_t g = owner(start, G, it);
         const int64_t local = it - start[g], block = local / tiles, tile = local % tiles;
