@@ -70,9 +70,15 @@ class Linear(nn.Linear):
             if self._subsets is None or len(self._subsets) >= 8:  # a few label sets at a time
                 self._subsets = {}
             self._subsets[key] = subset
-        out = x.new_full((x.shape[0], self.out_features), float("-inf"), dtype=torch.float32)
-        out[:, columns] = subset(x).float()
-        return out
+        return at_columns(subset(x), self.out_features, columns)
+
+
+def at_columns(values: torch.Tensor, out_features: int, columns: list[int]) -> torch.Tensor:
+    """A head's outputs at `columns` ([rows, len(columns)]) as float32 [rows, out_features], -inf
+    at every other column (what the rows' masks would make of them)."""
+    out = values.new_full((values.shape[0], out_features), float("-inf"), dtype=torch.float32)
+    out[:, columns] = values.float()
+    return out
 
 
 @dataclass(frozen=True)
