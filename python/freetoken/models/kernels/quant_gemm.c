@@ -422,6 +422,25 @@ AVX512 INLINE void finish_avx512(__m512 a, __m512 b, __m512 c, __m512 d, float o
     _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), y)));
 }
 
+/* Eight (row, column) pairs' lanes a[0..7] to their sums, in column order: the additions of
+ * finish_avx512 (every lane of the last two steps holding a sum, not half of them), and the
+ * eight stored at once, bias added, in the first `cols` of y. */
+AVX512 INLINE void finish8_avx512(const __m512 a[NT], float *y, const float *bias, int cols) {
+    __m512 t[4]; /* [t(a_2i) | t(a_2i+1)] */
+    for (int i = 0; i < 4; i++)
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    /* 128-bit lane k of u0: u_j = t_j + t_(j+4) of column k; of u1: of column 4 + k */
+    const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(t[0], t[1], 0x88), _mm512_shuffle_f32x4(t[0], t[1], 0xDD));
+    const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(t[2], t[3], 0x88), _mm512_shuffle_f32x4(t[2], t[3], 0xDD));
+    /* lane k: v_0 = u_0 + u_2, v_1 = u_1 + u_3 of column k, then of column 4 + k */
+    const __m512 v = _mm512_add_ps(_mm512_shuffle_ps(u0, u1, 0x44), _mm512_shuffle_ps(u0, u1, 0xEE));
+    const __m512 s = _mm512_add_ps(v, _mm512_permute_ps(v, 0xB1)); /* v_0 + v_1 */
+    __m512 out = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0), s);
+    const __mmask16 m = (__mmask16)((1u << cols) - 1);
+    if (bias) out = _mm512_add_ps(out, _mm512_maskz_loadu_ps(m, bias));
+    _mm512_mask_storeu_ps(y, m, out);
+}
+
 /* AVX-512: up to three rows by the panel's eight columns, a register per (row, column) (24, with
  * three for x and one for a weight: 28 of the 32). A chunk loads each row's x once and each
  * column's weights once, 11 loads to 24 FMAs, and the rows' x stream from L2 evenly (a taller,
@@ -446,10 +465,7 @@ AVX512 INLINE void tile_avx512(const float *x, int64_t ldx, const int rows, cons
             for (int n = 0; n < NT; n++) _mm512_storeu_ps(acc + r * NT * 16 + n * 16, a[r][n]);
             continue;
         }
-        float out[NT];
-        finish_avx512(a[r][0], a[r][1], a[r][2], a[r][3], out);
-        finish_avx512(a[r][4], a[r][5], a[r][6], a[r][7], out + 4);
-        for (int n = 0; n < cols; n++) y[r * ldy + n] = bias ? out[n] + bias[n] : out[n];
+        finish8_avx512(a[r], y + r * ldy, bias, cols);
     }
 }
 
