@@ -22,8 +22,9 @@
  * shrink towards the end, so the threads still finish together. (Items handed out one at a time
  * alternate between the threads: a batch-1 decode step took 1.7x as long on two threads.) An
  * item walks K in ranges of at most KB: it dequantizes its columns' weights for the range into a
- * panel in L1, then runs every row tile of its rows over the panel, the lanes kept in a buffer
- * between ranges (a K of one range keeps them in registers throughout). A decode step's few
+ * panel in L1, then runs every row tile of its rows over the panel (AVX-512: 3 rows by the 8
+ * columns, a row's eight sums finished together), the lanes kept in a buffer between ranges (a K
+ * of one range keeps them in registers throughout). A decode step's few
  * rows read each weight byte once from memory (the step is bound by that read); a prefill's rows
  * reuse each panel for every row of the item, so the FMA microkernel, not the dequantization,
  * sets the pace. An item of at most FEW rows (AVX-512; a decode step of up to 8 requests) skips
