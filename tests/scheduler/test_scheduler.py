@@ -81,6 +81,36 @@ def test_batched_greedy_equals_each_alone_bit_for_bit(kernel, dtype):
             assert a.logprob == b.logprob and a.top_logprobs == b.top_logprobs
 
 
+@pytest.mark.parametrize("kernel,dtype", [("auto", "float32"), ("auto", "bfloat16"), ("amx", "bfloat16")])
+def test_label_scores_are_the_same_from_the_heads_label_columns_or_the_whole_head(kernel, dtype, monkeypatch):
+    """Scoring requests that allow two labels: in a step of such rows alone the LM head computes
+    the labels' columns only (engine.MAX_LOGIT_COLUMNS); beside an unmasked request it computes
+    every column. The same tokens and logprobs, bit for bit (float32: the default GGUF's head on
+    its Q8_0 blocks)."""
+    loaded = _loaded_on(kernel, dtype)
+    head, taken = loaded.model.lm_head, []
+    at = head.logits_at
+    monkeypatch.setattr(head, "logits_at", lambda x, columns: taken.append(at(x, columns)) or taken[-1],
+                        raising=False)
+    labels = [loaded.tokenizer.encode(t, add_special_tokens=False)[0] for t in (" Yes", " No")]
+    scoring = SamplingParams(temperature=0, max_tokens=1, logprobs=2, allowed_token_ids=labels)
+    runs = []
+    for extra in (False, True):
+        scheduler = build_scheduler(loaded, kv_slots=1024, prefix_cache=False)
+        for uid, prompt in enumerate(PROMPTS[:4]):
+            scheduler.add(UserMsg(uid, _ids(prompt), scoring))
+        if extra:
+            scheduler.add(UserMsg(99, _ids(PROMPTS[4]), _greedy(1)))
+        runs.append(_run(scheduler))
+        if not extra:  # the first run took the labels' columns
+            assert taken and all(logits is not None for logits in taken)
+    for uid in range(4):
+        [(token, lp)] = runs[0][uid]
+        [(token_whole, lp_whole)] = runs[1][uid]
+        assert token == token_whole and token in labels
+        assert lp.logprob == lp_whole.logprob and lp.top_logprobs == lp_whole.top_logprobs
+
+
 def test_request_joining_mid_decode_matches_alone():
     loaded = default_model()
     scheduler = build_scheduler(loaded, kv_slots=1024)

@@ -39,6 +39,7 @@ class StepPlan(NamedTuple):
     chunks: list[tuple[int, int, list[int]]]  # prompt chunks: (first row, new tokens, key slots)
     decoding: list[tuple[int, list[int]]]  # decoding requests: (row, key slots)
     hidden_rows: list[int] = []  # rows whose final-norm hidden states pooling requests read
+    logit_columns: list[int] | None = None  # ForwardContext.logit_columns
 
 
 class StepOutput(NamedTuple):
@@ -273,7 +274,8 @@ class Engine:
                                 for p in pooling.positions(req, start, q)]
         for req, n in batch.prompt_rows:
             logit_rows += range(first_row[id(req)], first_row[id(req)] + n)
-        return StepPlan(ids, positions, out_slots, logit_rows, chunks, decoding, hidden_rows)
+        return StepPlan(ids, positions, out_slots, logit_rows, chunks, decoding, hidden_rows,
+                        _allowed_columns(batch))
 
     def context(self, plan: StepPlan) -> ForwardContext:
         dev = self.device
@@ -286,6 +288,7 @@ class Engine:
             logit_rows=long_tensor(plan.logit_rows, device=dev),
             kv_cache=self.kv.kv,
             hidden_rows=long_tensor(plan.hidden_rows, device=dev) if plan.hidden_rows else None,
+            logit_columns=plan.logit_columns,
         )
 
     def _linear_context(self, batch: Batch) -> LinearContext:
@@ -309,6 +312,26 @@ class Engine:
             rounds.append((on_device(members), on_device([rows[i] + j for i in members])))
         return LinearContext(self.states, prefills, on_device(rows) if rows else None,
                              on_device(slots) if slots else None, rounds, decoding)
+
+
+# Allowed ids past which a step's logits are computed whole (the subset's weights are gathered
+# and packed for each new set of ids).
+MAX_LOGIT_COLUMNS = 256
+
+
+def _allowed_columns(batch: Batch) -> list[int] | None:
+    """The ids the LM head need compute (sorted), where every logit row is a request's that
+    allows only some (scoring's labels: the rest of each row is -inf once masked); None where
+    any row needs the whole vocabulary (prompt logprobs, an unmasked request)."""
+    if batch.prompt_rows or not batch.logit_reqs:
+        return None
+    ids: set[int] = set()
+    for req in batch.logit_reqs:
+        allowed = req.params.allowed_token_ids
+        if not allowed:
+            return None
+        ids.update(allowed)
+    return sorted(ids) if len(ids) <= MAX_LOGIT_COLUMNS else None
 
 
 def _decodes(req, q: int) -> bool:

@@ -7,6 +7,7 @@ import os
 import pickle
 import signal
 import sys
+import time
 import traceback
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,16 @@ if TYPE_CHECKING:  # torch: not imported before engine_main has tied us to the s
     from freetoken.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("freetoken.engine")
+
+# A step that finished requests is often answered by their clients' next ones within a few ms (a
+# benchmark's or a batch job's clients, each sending its next request on a reply). Stepping at
+# once runs the few that came in meanwhile as a step of their own, which reads every weight for a
+# handful of rows, the rest as the next one, and the two halves keep alternating. So while no
+# request is mid-generation (no decode to delay), the engine waits for as many arrivals as the
+# last step finished, at most a share of that step's time (GATHER_SHARE, up to GATHER_MAX_S):
+# scoring workload A in docs/performance.md. A lone client's next request ends the wait at once.
+GATHER_SHARE = 0.1
+GATHER_MAX_S = 0.02
 
 
 def _engine_error(uid: int, what: str, exc: BaseException) -> DetokenizeMsg:
@@ -42,6 +53,7 @@ def serve_scheduler(scheduler: Scheduler, in_addr: str, out_addr: str,
     # The frontend's /v1/stats and /metrics have the engine's stats before its first reply.
     outbox.send(pickle.dumps(([], scheduler.stats())))
     try:
+        finished, step_s, arrived = 0, 0.0, 0
         # A server killed without cleanup must not leave us behind (PR_SET_PDEATHSIG does this
         # at once on Linux; this check is the portable fallback, within a second).
         while os.getppid() == parent:
@@ -50,30 +62,51 @@ def serve_scheduler(scheduler: Scheduler, in_addr: str, out_addr: str,
             replies = []
             while inbox.poll(timeout):
                 timeout = 0
-                raw = inbox.recv()
-                try:
-                    msg = pickle.loads(raw)
-                except Exception:  # a bad message must not take the engine down
-                    log.exception("engine: dropped a message that failed to unpickle")
-                    continue
-                if isinstance(msg, ExitMsg):
+                if (got := _receive(inbox, scheduler)) is None:
                     return
-                replies += _guarded(scheduler, msg)
+                replies += got
+                arrived += 1
+            deadline = time.perf_counter() + min(GATHER_MAX_S, GATHER_SHARE * step_s)
+            while (arrived < finished and not scheduler.running
+                   and (left := deadline - time.perf_counter()) > 0
+                   and inbox.poll(max(1, round(left * 1000)))):
+                if (got := _receive(inbox, scheduler)) is None:
+                    return
+                replies += got
+                arrived += 1
+            start = time.perf_counter()
             try:
-                replies += scheduler.step()
+                done = scheduler.step()
             except Exception as exc:
                 # Last line of defence (the scheduler handles per-request faults itself): end
                 # every request it holds with an error and keep serving.
                 log.exception("engine: scheduler step failed")
+                done = []
                 for uid in _held_uids(scheduler):
                     replies.append(_engine_error(uid, "running the batch", exc))
                     _abort_quietly(scheduler, uid)
+            step_s, arrived = time.perf_counter() - start, 0
+            finished = sum(r.finished for r in done)
+            replies += done
             if replies:
                 outbox.send(pickle.dumps((replies, scheduler.stats())))
     finally:
         inbox.close(linger=0)
         outbox.close(linger=100)
         ctx.term()
+
+
+def _receive(inbox: zmq.Socket, scheduler: Scheduler) -> list[DetokenizeMsg] | None:
+    """Hand the scheduler the next message of `inbox`; its replies, or None for ExitMsg."""
+    raw = inbox.recv()
+    try:
+        msg = pickle.loads(raw)
+    except Exception:  # a bad message must not take the engine down
+        log.exception("engine: dropped a message that failed to unpickle")
+        return []
+    if isinstance(msg, ExitMsg):
+        return None
+    return _guarded(scheduler, msg)
 
 
 def _guarded(scheduler: Scheduler, msg) -> list[DetokenizeMsg]:

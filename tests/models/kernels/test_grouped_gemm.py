@@ -99,7 +99,9 @@ def test_amx_rows_match_float64_and_keep_their_bits_at_every_row_count():
     """1-300 rows (one or two row tiles, a padded last block, several row chunks), each row at
     either end of its call, one thread or two: every row's bits as among 300 rows, and those
     within the float32 sum's one rounding to bfloat16 of a float64 matmul."""
-    k, n = 96, 80  # three k steps; the last 32-column strip partial
+    # The last 32-column strip partial; 4096 inputs: 128 k steps, and rows in chunks of 128 (the
+    # rows whose x fills grouped_gemm.c's AMX_CHUNK_BYTES).
+    k, n = 4096, 80
     gen = torch.Generator().manual_seed(4)
     weight, bias = torch.randn(n, k, generator=gen).bfloat16(), torch.randn(n, generator=gen)
     x = torch.randn(300, k, generator=gen).bfloat16()

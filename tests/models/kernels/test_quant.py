@@ -104,7 +104,7 @@ def test_rows_past_one_work_item_match_float64_and_their_rows_alone(qtype, isa_c
     assert torch.equal(y, torch.cat([quant.quant_linear(x[r:r + 1], w, None) for r in range(len(x))]))
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", quant.FORMATS, ids=lambda t: t.name)
 def test_few_rows_over_a_part_tile_match_float64_and_their_rows_alone(qtype, isa_cap):
     # 2-8 rows: a decode step's path (1-4 rows four columns at a time, 5-8 rows two at a time);
     # 45 columns: the last work item's columns end in a part tile of either width.

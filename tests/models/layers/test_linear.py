@@ -63,6 +63,27 @@ def test_each_kernel_matches_a_float64_matmul(kernel, dtype, bias):
     assert (got.double() - expected).abs().max().item() < (0.25 if dtype == torch.bfloat16 else 1e-4)
 
 
+@pytest.mark.parametrize("kernel,dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_outputs_at_some_columns_keep_the_whole_layers_bits(kernel, dtype, bias, monkeypatch):
+    """`logits_at` (an LM head whose rows' masks allow a few ids): those columns as the whole
+    layer computes them, -inf elsewhere, on our kernels; None on a library's (no promise that a
+    column's sum does not depend on the columns beside it)."""
+    layer = _layer(576, 1000, dtype, bias)
+    _on(kernel, layer, monkeypatch)
+    x = torch.randn(5, 576).to(dtype)
+    columns = [0, 15, 16, 31, 32, 500, 999]  # strip edges, the last strip partial
+    with torch.inference_mode():
+        got = layer.logits_at(x, columns)
+        if kernel not in linear.INVARIANT_BY_CONSTRUCTION:
+            assert got is None
+            return
+        expected = torch.full((5, 1000), float("-inf"))
+        expected[:, columns] = layer(x).float()[:, columns]
+        assert torch.equal(got, expected)
+        assert torch.equal(layer.logits_at(x[:1], columns), expected[:1])  # again, cached, one row
+
+
 @pytest.fixture(scope="module")
 def shared_probe_cache(tmp_path_factory):
     """One probe cache for the row-count tests: each shape's candidates probed once (the LM

@@ -153,6 +153,17 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void store8_bf1
     pack_bf16(y, round_bf16(_mm256_mul_ps(w, normed)));
 }
 
+/* 1 / sqrt(mean + eps) of a row of D whose squares `acc` summed in eight lanes (k % 8 each). */
+__attribute__((target("avx2,fma"), always_inline)) static inline float rms_scale(__m256 acc, int64_t D,
+                                                                                 float eps) {
+    __m128 sum = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+    sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
+    const float mean = _mm_cvtss_f32(sum) / (float)D;
+    const float root = _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(mean + eps)));
+    return 1.0f / root;
+}
+
 /* One row x [D] normalised into y [D]. */
 #define DEFINE_RMS_ROW(NAME, T, LOAD, STORE)                                                     \
     __attribute__((target("avx2,fma"), always_inline)) static inline void NAME(                  \
@@ -162,12 +173,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void store8_bf1
             const __m256 v = LOAD(xr + k);                                                       \
             acc = _mm256_fmadd_ps(v, v, acc);                                                    \
         }                                                                                        \
-        __m128 sum = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));     \
-        sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));                                          \
-        sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));                                             \
-        const float mean = _mm_cvtss_f32(sum) / (float)D;                                        \
-        const float root = _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(mean + eps)));                  \
-        const __m256 scale = _mm256_set1_ps(1.0f / root);                                       \
+        const __m256 scale = _mm256_set1_ps(rms_scale(acc, D, eps));                             \
         for (int64_t k = 0; k < D; k += 8) STORE(y + k, LOAD(xr + k), scale, LOAD(w + k));      \
     }
 
@@ -230,9 +236,6 @@ DEFINE_ROTATE_ROW(rotate_row_bf16, uint16_t, load8_bf16, rot8_bf16)
 DEFINE_ROTATE(rotate_f32, float, rotate_row_f32)
 DEFINE_ROTATE(rotate_bf16, uint16_t, rotate_row_bf16)
 
-/* Fused per-layer passes (models/layers/norm.py, rotary.py): the rows above, several in one call,
- * with the bits of the separate calls and torch ops they replace. */
-
 /* Eight sums x + d stored at x: float32 as is, bfloat16 rounded (torch adds two bfloat16 tensors
  * in float32 and rounds the sum). */
 __attribute__((target("avx2,fma"), always_inline)) static inline void add8_f32(float *x, const float *d) {
@@ -242,48 +245,6 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void add8_f32(f
 __attribute__((target("avx2,fma"), always_inline)) static inline void add8_bf16(uint16_t *x, const uint16_t *d) {
     pack_bf16(x, round_bf16(_mm256_add_ps(load8_bf16(x), load8_bf16(d))));
 }
-
-/* The residual stream x [M, D] (rows ldx apart) plus d [M, D] (rows ldd apart) in place, then
- * y [M, D] contiguous = RMSNorm of the new x by w: a layer's `x = x + delta; h = norm(x)`. */
-#define DEFINE_ADD_RMS_NORM(NAME, T, ADD, ROW)                                                   \
-    __attribute__((target("avx2,fma"))) void NAME(T *x, int64_t ldx, const T *d, int64_t ldd,    \
-                                                  const T *w, T *y, int64_t M, int64_t D,        \
-                                                  float eps) {                                   \
-        _Pragma("omp parallel for if (M >= 64)")                                                 \
-        for (int64_t r = 0; r < M; r++) {                                                        \
-            T *xr = x + r * ldx;                                                                 \
-            for (int64_t k = 0; k < D; k += 8) ADD(xr + k, d + r * ldd + k);                     \
-            ROW(xr, w, y + r * D, D, eps);                                                       \
-        }                                                                                        \
-    }
-
-DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, add8_f32, rms_row_f32)
-DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, add8_bf16, rms_row_bf16)
-
-/* q and k heads x [T, H, D] (rows ldt apart, heads ldh apart, D % 16 == 0) in place: each head
- * RMS-normed by wq (heads before `split`) or wk, rounded to the dtype, then rotated by cos and sin
- * [T, D]; wq NULL: rotated only. Attention's `cat(q_norm(q), k_norm(k))` then `rotate`. */
-#define DEFINE_NORM_ROTATE(NAME, T, NORM_ROW, ROTATE_ROW)                                        \
-    __attribute__((target("avx2,fma"))) void NAME(T *x, int64_t ldt, int64_t ldh, int64_t tokens, \
-                                                  int64_t heads, int64_t split, const T *wq,     \
-                                                  const T *wk, float eps, const T *cos,          \
-                                                  const T *sin, int64_t D) {                     \
-        _Pragma("omp parallel for if (tokens * heads >= 512)")                                   \
-        for (int64_t i = 0; i < tokens * heads; i++) {                                           \
-            const int64_t t = i / heads, h = i % heads;                                          \
-            T *row = x + t * ldt + h * ldh;                                                      \
-            if (wq) {                                                                            \
-                T normed[D];                                                                     \
-                NORM_ROW(row, h < split ? wq : wk, normed, D, eps);                              \
-                ROTATE_ROW(normed, cos + t * D, sin + t * D, row, D);                            \
-            } else {                                                                             \
-                ROTATE_ROW(row, cos + t * D, sin + t * D, row, D);                               \
-            }                                                                                    \
-        }                                                                                        \
-    }
-
-DEFINE_NORM_ROTATE(norm_rotate_f32, float, rms_row_f32, rotate_row_f32)
-DEFINE_NORM_ROTATE(norm_rotate_bf16, uint16_t, rms_row_bf16, rotate_row_bf16)
 
 /* e^d as torch's vectorised exp computes it on x86 (SLEEF's expf_u10, FMA variant): the same
  * bits for every float32 input (checked against torch's SiLU over all 2^32). Written once for
@@ -408,6 +369,144 @@ AVX512_INLINE void silu_mul16_bf16(uint16_t *y, const uint16_t *gate, const uint
 DEFINE_SILU_MUL(silu_mul_f32, float, silu_mul8_f32, silu_mul16_f32)
 DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, silu_mul8_bf16, silu_mul16_bf16)
 
+/* The rows of the norms and the rotation above on sixteen lanes: each element the operations of
+ * its 8-lane twin in the same order (the squares still summed in eight lanes, k % 8 each, the
+ * upper eight of sixteen after the lower), so the same bits at either width. */
+AVX512_INLINE __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+
+AVX512_INLINE __m512 widen16_bf16(__m512i lanes) { return _mm512_castsi512_ps(_mm512_slli_epi32(lanes, 16)); }
+
+AVX512_INLINE void pack16_bf16(uint16_t *y, __m512i rounded) {
+    _mm256_storeu_si256((__m256i *)y, _mm512_cvtepi32_epi16(rounded));
+}
+
+AVX512_INLINE void add16_f32(float *x, const float *d) {
+    _mm512_storeu_ps(x, _mm512_add_ps(_mm512_loadu_ps(x), _mm512_loadu_ps(d)));
+}
+
+AVX512_INLINE void add16_bf16(uint16_t *x, const uint16_t *d) {
+    pack16_bf16(x, round16_bf16(_mm512_add_ps(load16_bf16(x), load16_bf16(d))));
+}
+
+AVX512_INLINE void store16_f32(float *y, __m512 x, __m512 scale, __m512 w) {
+    _mm512_storeu_ps(y, _mm512_mul_ps(_mm512_mul_ps(x, scale), w));
+}
+
+AVX512_INLINE void store16_bf16(uint16_t *y, __m512 x, __m512 scale, __m512 w) {
+    const __m512 normed = widen16_bf16(round16_bf16(_mm512_mul_ps(x, scale)));
+    pack16_bf16(y, round16_bf16(_mm512_mul_ps(w, normed)));
+}
+
+AVX512_INLINE void rot16_f32(float *y, __m512 x, __m512 c, __m512 other, __m512 s) {
+    _mm512_storeu_ps(y, _mm512_add_ps(_mm512_mul_ps(x, c), _mm512_mul_ps(other, s)));
+}
+
+AVX512_INLINE void rot16_bf16(uint16_t *y, __m512 x, __m512 c, __m512 other, __m512 s) {
+    const __m512 a = widen16_bf16(round16_bf16(_mm512_mul_ps(x, c)));
+    const __m512 b = widen16_bf16(round16_bf16(_mm512_mul_ps(other, s)));
+    pack16_bf16(y, round16_bf16(_mm512_add_ps(a, b)));
+}
+
+/* rms_row_* and rotate_row_* on sixteen lanes (D % 16 == 0; rotating, D % 32 == 0). */
+#define DEFINE_ROWS16(RMS, ROTATE, T, LOAD, STORE, ROT)                                          \
+    AVX512_INLINE void RMS(const T *xr, const T *w, T *y, int64_t D, float eps) {                \
+        __m256 acc = _mm256_setzero_ps();                                                        \
+        for (int64_t k = 0; k < D; k += 16) {                                                    \
+            const __m512 v = LOAD(xr + k);                                                       \
+            const __m256 lo = _mm512_castps512_ps256(v);                                         \
+            const __m256 hi = _mm256_castsi256_ps(_mm512_extracti64x4_epi64(_mm512_castps_si512(v), 1)); \
+            acc = _mm256_fmadd_ps(hi, hi, _mm256_fmadd_ps(lo, lo, acc));                         \
+        }                                                                                        \
+        const __m512 scale = _mm512_set1_ps(rms_scale(acc, D, eps));                             \
+        for (int64_t k = 0; k < D; k += 16) STORE(y + k, LOAD(xr + k), scale, LOAD(w + k));     \
+    }                                                                                            \
+    AVX512_INLINE void ROTATE(const T *xr, const T *c, const T *s, T *yr, int64_t D) {          \
+        const int64_t half = D / 2;                                                              \
+        const __m512i sign = _mm512_set1_epi32((int)0x80000000);                                 \
+        for (int64_t k = 0; k < half; k += 16) {                                                 \
+            const __m512 x1 = LOAD(xr + k), x2 = LOAD(xr + half + k);                            \
+            const __m512 minus = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x2), sign)); \
+            ROT(yr + k, x1, LOAD(c + k), minus, LOAD(s + k));                                    \
+            ROT(yr + half + k, x2, LOAD(c + half + k), x1, LOAD(s + half + k));                  \
+        }                                                                                        \
+    }
+
+DEFINE_ROWS16(rms_row16_f32, rotate_row16_f32, float, load16_f32, store16_f32, rot16_f32)
+DEFINE_ROWS16(rms_row16_bf16, rotate_row16_bf16, uint16_t, load16_bf16, store16_bf16, rot16_bf16)
+
+/* Fused per-layer passes (models/layers/norm.py, rotary.py): the rows above, several in one call,
+ * with the bits of the separate calls and torch ops they replace; on sixteen lanes where the
+ * call is large enough (WIDE_WORK) and the rows' widths allow. */
+
+/* The residual stream x [M, D] (rows ldx apart) plus d [M, D] (rows ldd apart) in place, then
+ * y [M, D] contiguous = RMSNorm of the new x by w: a layer's `x = x + delta; h = norm(x)`. */
+#define DEFINE_ADD_RMS_NORM(NAME, T, ADD, ROW, ADD16, ROW16)                                     \
+    __attribute__((target("avx512f,avx2,fma"))) static void NAME##_512(                          \
+        T *xr, const T *dr, const T *w, T *y, int64_t D, float eps) {                            \
+        for (int64_t k = 0; k < D; k += 16) ADD16(xr + k, dr + k);                               \
+        ROW16(xr, w, y, D, eps);                                                                 \
+    }                                                                                            \
+    __attribute__((target("avx2,fma"))) void NAME(T *x, int64_t ldx, const T *d, int64_t ldd,    \
+                                                  const T *w, T *y, int64_t M, int64_t D,        \
+                                                  float eps) {                                   \
+        const int wide = D % 16 == 0 && M * D >= WIDE_WORK && __builtin_cpu_supports("avx512f"); \
+        _Pragma("omp parallel for if (M >= 64)")                                                 \
+        for (int64_t r = 0; r < M; r++) {                                                        \
+            T *xr = x + r * ldx;                                                                 \
+            if (wide) {                                                                          \
+                NAME##_512(xr, d + r * ldd, w, y + r * D, D, eps);                               \
+                continue;                                                                        \
+            }                                                                                    \
+            for (int64_t k = 0; k < D; k += 8) ADD(xr + k, d + r * ldd + k);                     \
+            ROW(xr, w, y + r * D, D, eps);                                                       \
+        }                                                                                        \
+    }
+
+DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, add8_f32, rms_row_f32, add16_f32, rms_row16_f32)
+DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, add8_bf16, rms_row_bf16, add16_bf16, rms_row16_bf16)
+
+/* q and k heads x [T, H, D] (rows ldt apart, heads ldh apart, D % 16 == 0) in place: each head
+ * RMS-normed by wq (heads before `split`) or wk, rounded to the dtype, then rotated by cos and sin
+ * [T, D]; wq NULL: rotated only. Attention's `cat(q_norm(q), k_norm(k))` then `rotate`. */
+#define DEFINE_NORM_ROTATE(NAME, T, NORM_ROW, ROTATE_ROW, NORM_ROW16, ROTATE_ROW16)              \
+    __attribute__((target("avx512f,avx2,fma"))) static void NAME##_512(                          \
+        T *row, const T *w, float eps, const T *c, const T *s, int64_t D) {                      \
+        if (w) {                                                                                 \
+            T normed[D];                                                                         \
+            NORM_ROW16(row, w, normed, D, eps);                                                  \
+            ROTATE_ROW16(normed, c, s, row, D);                                                  \
+        } else {                                                                                 \
+            ROTATE_ROW16(row, c, s, row, D);                                                     \
+        }                                                                                        \
+    }                                                                                            \
+    __attribute__((target("avx2,fma"))) void NAME(T *x, int64_t ldt, int64_t ldh, int64_t tokens, \
+                                                  int64_t heads, int64_t split, const T *wq,     \
+                                                  const T *wk, float eps, const T *cos,          \
+                                                  const T *sin, int64_t D) {                     \
+        const int wide = D % 32 == 0 && tokens * heads * D >= WIDE_WORK                          \
+                         && __builtin_cpu_supports("avx512f");                                   \
+        _Pragma("omp parallel for if (tokens * heads >= 512)")                                   \
+        for (int64_t i = 0; i < tokens * heads; i++) {                                           \
+            const int64_t t = i / heads, h = i % heads;                                          \
+            T *row = x + t * ldt + h * ldh;                                                      \
+            if (wide) {                                                                          \
+                NAME##_512(row, wq ? (h < split ? wq : wk) : 0, eps, cos + t * D, sin + t * D, D); \
+                continue;                                                                        \
+            }                                                                                    \
+            if (wq) {                                                                            \
+                T normed[D];                                                                     \
+                NORM_ROW(row, h < split ? wq : wk, normed, D, eps);                              \
+                ROTATE_ROW(normed, cos + t * D, sin + t * D, row, D);                            \
+            } else {                                                                             \
+                ROTATE_ROW(row, cos + t * D, sin + t * D, row, D);                               \
+            }                                                                                    \
+        }                                                                                        \
+    }
+
+DEFINE_NORM_ROTATE(norm_rotate_f32, float, rms_row_f32, rotate_row_f32, rms_row16_f32, rotate_row16_f32)
+DEFINE_NORM_ROTATE(norm_rotate_bf16, uint16_t, rms_row_bf16, rotate_row_bf16, rms_row16_bf16,
+                   rotate_row16_bf16)
+
 /* x [n] float32 (n % 8 == 0) rounded into y [n] bfloat16: torch's `.to(torch.bfloat16)`. */
 __attribute__((target("avx2,fma"))) void round_to_bf16(const float *x, uint16_t *y, int64_t n) {
     for (int64_t k = 0; k < n; k += 8) pack_bf16(y + k, round_bf16(_mm256_loadu_ps(x + k)));
@@ -424,8 +523,9 @@ __attribute__((target("avx2,fma"))) void round_to_bf16(const float *x, uint16_t 
  * rows 33-512 get other bits than 1-32 here), so a call takes any number of rows.
  *
  * Each thread takes a contiguous run of the 32-column strips: its share of the weights, read
- * front to back (what a decode step's few rows are bound by). It passes them over the rows in
- * chunks of AMX_MC, whose x stays in the core's L2 meanwhile; per strip, each 32-row block of
+ * front to back (what a decode step's few rows are bound by), the next strip prefetched while
+ * the tile unit works on this one. It passes them over the rows in chunks of about
+ * AMX_CHUNK_BYTES of x, which stays in the core's L2 meanwhile; per strip, each 32-row block of
  * the chunk runs on a 2x2 block of tiles (four float32 accumulators over all of K, each A and B
  * tile loaded once per k step and used twice); a last block of fewer rows runs on tiles
  * configured to its row count.
@@ -472,7 +572,10 @@ __attribute__((target("avx512f"), always_inline)) static inline void store_bf16(
     _mm512_mask_cvtepi32_storeu_epi16(y, keep, rounded);
 }
 
-#define AMX_MC 128
+/* Bytes of x a chunk of rows holds: the chunk stays in the core's L2 (2 MiB on Sapphire Rapids)
+ * while every strip passes over it. 128-row chunks read the weights again for every 128 rows,
+ * from L3 or memory: a 540-row step of the default model ran its linears 1.25x slower so. */
+#define AMX_CHUNK_BYTES (1 << 20)
 
 /* A block's float32 sums (rows of 32) still to be rounded into y. */
 typedef struct {
@@ -507,17 +610,21 @@ __attribute__((target("amx-tile"), always_inline)) static inline void amx_config
 /* 1-16 or 17-32 rows of A (rows lda apart) times one 32-column strip of B over all K steps, into `out`
  * [32][32] float32: the 2x2 tile block, each A and B tile loaded once per step. The previous
  * block is rounded and stored after this one's tile products are issued, so that the vector
- * units do it while the tile unit works through them. */
+ * units do it while the tile unit works through them; `ahead_lines` cache lines from `ahead`
+ * are prefetched over the steps. */
 __attribute__((target("amx-tile,amx-bf16,avx512f"), always_inline)) static inline void amx_block(
     const uint16_t *a, int64_t lda, const int two, const uint16_t *b, int64_t steps,
-    const amx_pending *previous, float *out) {
+    const amx_pending *previous, float *out, const char *ahead, int64_t ahead_lines) {
     _tile_zero(0);
     _tile_zero(1);
     if (two) {
         _tile_zero(2);
         _tile_zero(3);
     }
+    const int64_t per_step = (ahead_lines + steps - 1) / steps;
     for (int64_t s = 0; s < steps; s++) {
+        for (int64_t l = s * per_step; l < (s + 1) * per_step && l < ahead_lines; l++)
+            _mm_prefetch(ahead + l * 64, _MM_HINT_T1);
         _tile_loadd(6, b + s * 1024, 64);
         _tile_loadd(4, a + s * 32, lda * 2);
         _tile_loadd(7, b + s * 1024 + 512, 64);
@@ -549,8 +656,9 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void amx_linear_bf16(
         amx_pending pending = {0};
         const int threads = omp_get_num_threads(), thread = omp_get_thread_num();
         const int64_t first = strips * thread / threads, end = strips * (thread + 1) / threads;
-        for (int64_t m0 = 0; m0 < M; m0 += AMX_MC) {
-            const int64_t m_end = M - m0 < AMX_MC ? M : m0 + AMX_MC;
+        const int64_t fit = AMX_CHUNK_BYTES / (K * 2) / 32 * 32, chunk = fit > 32 ? fit : 32;
+        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+            const int64_t m_end = M - m0 < chunk ? M : m0 + chunk;
             for (int64_t strip = first; strip < end; strip++) {
                 const uint16_t *b = w + strip * steps * 1024;
                 const int64_t cols = N - strip * 32 < 32 ? N - strip * 32 : 32;
@@ -560,10 +668,17 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void amx_linear_bf16(
                     const int switched = rows < 32 && M > 32;
                     if (switched) amx_configure(tail);
                     float *sums = out[pending.sums == out[0]];
+                    /* This block's share of the thread's next strip, prefetched into L2 while
+                     * the tile unit works: the hardware's prefetchers left the first block of
+                     * each strip waiting on L3 or memory. */
+                    const int64_t blocks = (m_end - m0 + 31) / 32, j = (m - m0) / 32;
+                    const int64_t lines = strip + 1 < end ? steps * 32 : 0;
+                    const char *ahead = (const char *)(b + steps * 1024) + lines * j / blocks * 64;
+                    const int64_t ahead_lines = lines * (j + 1) / blocks - lines * j / blocks;
                     if (rows > 16)
-                        amx_block(x + m * ldx, ldx, 1, b, steps, &pending, sums);
+                        amx_block(x + m * ldx, ldx, 1, b, steps, &pending, sums, ahead, ahead_lines);
                     else
-                        amx_block(x + m * ldx, ldx, 0, b, steps, &pending, sums);
+                        amx_block(x + m * ldx, ldx, 0, b, steps, &pending, sums, ahead, ahead_lines);
                     if (switched) amx_configure(32);
                     pending = (amx_pending){sums, bias ? bias + strip * 32 : 0, y + m * ldy + strip * 32,
                                             ldy, rows, cols};

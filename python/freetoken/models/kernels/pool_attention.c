@@ -178,35 +178,38 @@ static float *thread_scores(int64_t n) {
             s[u] = sums[u];                                                                          \
     }
 
-/* out = sum_j p_j v_j in key order (one FMA chain per lane), times inv, over D in 64-wide parts. */
-#define DEFINE_WEIGHTED_VALUES(NAME, T, LOAD)                                                        \
-    __attribute__((target("avx2,fma"), always_inline)) static inline void NAME(                      \
-        const float *s, const int64_t *keys, int64_t n, const T *v_head, int64_t ld_slot,            \
-        int64_t D, float inv_sum, float *o) {                                                        \
-        const __m256 inv = _mm256_set1_ps(inv_sum);                                                  \
+/* out = sum_j p_j v_j in key order (one FMA chain per lane), times inv, over D in 64-wide parts of
+ * 64 / LANES registers: eight lanes (AVX2), or sixteen (AVX-512, D % 16 == 0: a kv head's odd
+ * query head in a group of 3), the same chains either way. */
+#define DEFINE_WEIGHTED_VALUES_W(NAME, T, LOAD, ATTRS, V, LANES, SET1, FMADD, ZERO, STORE, MUL)         \
+    ATTRS static void NAME(const float *s, const int64_t *keys, int64_t n, const T *v_head, int64_t ld_slot, \
+                           int64_t D, float inv_sum, float *o) {                                     \
         for (int64_t c = 0; c < D; c += 64) {                                                        \
             const int w = D - c < 64 ? (int)(D - c) : 64;                                            \
-            __m256 acc[8];                                                                           \
-            _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();        \
+            V acc[64 / LANES];                                                                       \
+            _Pragma("GCC unroll 8") for (int u = 0; u < 64 / LANES; u++) acc[u] = ZERO();           \
             if (w == 64) {                                                                           \
                 for (int64_t j = 0; j < n; j++) {                                                    \
                     const T *v = v_head + keys[j] * ld_slot + c;                                     \
-                    const __m256 p = _mm256_set1_ps(s[j]);                                           \
-                    _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++)                              \
-                        acc[u] = _mm256_fmadd_ps(p, LOAD(v + 8 * u), acc[u]);                        \
+                    const V p = SET1(s[j]);                                                          \
+                    _Pragma("GCC unroll 8") for (int u = 0; u < 64 / LANES; u++)                     \
+                        acc[u] = FMADD(p, LOAD(v + LANES * u), acc[u]);                              \
                 }                                                                                    \
             } else {                                                                                 \
                 for (int64_t j = 0; j < n; j++) {                                                    \
                     const T *v = v_head + keys[j] * ld_slot + c;                                     \
-                    const __m256 p = _mm256_set1_ps(s[j]);                                           \
-                    for (int u = 0; u < w / 8; u++)                                                  \
-                        acc[u] = _mm256_fmadd_ps(p, LOAD(v + 8 * u), acc[u]);                        \
+                    const V p = SET1(s[j]);                                                          \
+                    for (int u = 0; u < w / LANES; u++)                                              \
+                        acc[u] = FMADD(p, LOAD(v + LANES * u), acc[u]);                              \
                 }                                                                                    \
             }                                                                                        \
-            for (int u = 0; u < w / 8; u++)                                                          \
-                _mm256_storeu_ps(o + c + 8 * u, _mm256_mul_ps(acc[u], inv));                         \
+            for (int u = 0; u < w / LANES; u++)                                                      \
+                STORE(o + c + LANES * u, MUL(acc[u], SET1(inv_sum)));                                \
         }                                                                                            \
     }
+#define DEFINE_WEIGHTED_VALUES(NAME, T, LOAD)                                                        \
+    DEFINE_WEIGHTED_VALUES_W(NAME, T, LOAD, __attribute__((target("avx2,fma"), always_inline)) inline, __m256, 8, \
+                             _mm256_set1_ps, _mm256_fmadd_ps, _mm256_setzero_ps, _mm256_storeu_ps, _mm256_mul_ps)
 
 /* AVX-512: each output lane's chain is the same FMAs in the same order as on AVX2 (lanes are
  * independent along D), so both paths give the same bits; sixteen lanes and two query heads of a
@@ -295,9 +298,13 @@ AVX512 __m512 broadcast8_bf16(const uint16_t *p) {
         }                                                                                            \
     }
 
+#define DEFINE_WEIGHTED_VALUES_512(NAME, T, LOAD)                                                    \
+    DEFINE_WEIGHTED_VALUES_W(NAME, T, LOAD, __attribute__((target("avx512f,avx512dq,avx2,fma"))), __m512, 16, \
+                             _mm512_set1_ps, _mm512_fmadd_ps, _mm512_setzero_ps, _mm512_storeu_ps, _mm512_mul_ps)
+
 /* Work items are (row, kv head): its query heads' scores first (keys read from memory once, from
  * L1 by the other heads), then their outputs, two heads at a time where AVX-512 runs. */
-#define DEFINE_POOL_ATTENTION(NAME, T, SCORES8, SCORES8X2_512, WEIGHTED_VALUES, WEIGHTED_VALUES2_512)              \
+#define DEFINE_POOL_ATTENTION(NAME, T, SCORES8, SCORES8X2_512, WEIGHTED_VALUES, WEIGHTED_VALUES2_512, WEIGHTED_VALUES_512) \
     __attribute__((target("avx2,fma"))) void NAME(                                                   \
         const float *q, const T *cache, const int64_t *slots, const int64_t *ranges,                 \
         const float *sinks, float *out, int64_t rows, int64_t heads, int64_t kv_heads,               \
@@ -338,6 +345,8 @@ AVX512 __m512 broadcast8_bf16(const uint16_t *p) {
             for (; wide && g + 2 <= group; g += 2)                                                   \
                 WEIGHTED_VALUES2_512(s + g * stride, s + (g + 1) * stride, keys, n, v_head, ld_slot, \
                                      D, inv[g], inv[g + 1], o + g * D, o + (g + 1) * D);             \
+            for (; wide && g < group; g++)                                                           \
+                WEIGHTED_VALUES_512(s + g * stride, keys, n, v_head, ld_slot, D, inv[g], o + g * D); \
             for (; g < group; g++)                                                                   \
                 WEIGHTED_VALUES(s + g * stride, keys, n, v_head, ld_slot, D, inv[g], o + g * D);     \
         }                                                                                            \
@@ -349,11 +358,15 @@ DEFINE_WEIGHTED_VALUES(weighted_values_f32, float, load8_f32)
 DEFINE_WEIGHTED_VALUES(weighted_values_bf16, uint16_t, load8_bf16)
 DEFINE_WEIGHTED_VALUES2_512(weighted_values2_512_f32, float, load16_f32)
 DEFINE_WEIGHTED_VALUES2_512(weighted_values2_512_bf16, uint16_t, load16_bf16)
+DEFINE_WEIGHTED_VALUES_512(weighted_values_512_f32, float, load16_f32)
+DEFINE_WEIGHTED_VALUES_512(weighted_values_512_bf16, uint16_t, load16_bf16)
 DEFINE_SCORES8X2_512(scores8x2_512_f32, float, broadcast8_f32)
 DEFINE_SCORES8X2_512(scores8x2_512_bf16, uint16_t, broadcast8_bf16)
 
-DEFINE_POOL_ATTENTION(pool_attention_f32, float, scores8_f32, scores8x2_512_f32, weighted_values_f32, weighted_values2_512_f32)
-DEFINE_POOL_ATTENTION(pool_attention_bf16, uint16_t, scores8_bf16, scores8x2_512_bf16, weighted_values_bf16, weighted_values2_512_bf16)
+DEFINE_POOL_ATTENTION(pool_attention_f32, float, scores8_f32, scores8x2_512_f32, weighted_values_f32,
+                      weighted_values2_512_f32, weighted_values_512_f32)
+DEFINE_POOL_ATTENTION(pool_attention_bf16, uint16_t, scores8_bf16, scores8x2_512_bf16, weighted_values_bf16,
+                      weighted_values2_512_bf16, weighted_values_512_bf16)
 
 #else
 

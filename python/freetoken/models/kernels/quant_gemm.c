@@ -29,7 +29,10 @@
  * reuse each panel for every row of the item, so the FMA microkernel, not the dequantization,
  * sets the pace. An item of at most FEW rows (AVX-512; a decode step of up to 8 requests) skips
  * the panel: it multiplies each block as it dequantizes it, in registers, the same chains in the
- * same order (few_avx512), the scales read through a table.
+ * same order (few_avx512), the scales read through a table; 1-4 rows four columns at a time,
+ * 5-8 rows two at a time, so that every row of the item shares each block's one dequantization
+ * (at 8 rows the FMAs, eight per 16 weights of a column, are most of the work; a second pass of
+ * 4 rows would dequantize each block again).
  *
  * The AMX level (isa 3: quant_amx.c, included below, run where quant.py is asked for it) has an
  * order of its own, written there: per (row, part of its three-part bfloat16 split), per output
@@ -498,9 +501,9 @@ AVX512 static void rows_avx512(const float *x, int64_t ldx, int64_t rows, const 
 #define FEW_I8(Q, SCALE, C) FEW_FMA(C, i8_512(Q, SCALE))
 #define FEW_U8_FMA(Q, D, M, C) FEW_FMA(C, u8_fma_512(Q, D, M))
 
-/* The super-block formats, a block of the few_cols columns at a time, in PARTS parts that go
- * round the columns (so that each column's chains wait on the others' work, not on their own FMAs);
- * PART reads column n's block b, its scales s, and adds values from k = dst on. */
+/* The super-block formats at four columns (1-4 rows), a block of the columns at a time, in PARTS
+ * parts that go round the columns (so that each column's chains wait on the others' work, not on
+ * their own FMAs); PART reads column n's block b, its scales s, and adds values from k = dst on. */
 #define FEW_SUPER(SCALES, PARTS, PART)                                                           \
     for (int64_t blk = 0; blk < K / 256; blk++) {                                                \
         float scales[4][16];                                                                     \
@@ -519,14 +522,62 @@ AVX512 static void rows_avx512(const float *x, int64_t ldx, int64_t rows, const 
     q4_k_group_512(b, s, i, w);                                                                  \
     for (int c = 0; c < 4; c++) FEW_FMA(dst + 64 * i + 16 * c, w[c])
 
+/* x's sixteen values at p in a register that every column's FMA shares: left to itself, the
+ * compiler folds the load into each FMA, loading x once per column, with an indexed address that
+ * splits each FMA in two. */
+AVX512 INLINE __m512 x_shared(const float *p) {
+    __m512 v = _mm512_loadu_ps(p);
+    __asm__("" : "+v"(v));
+    return v;
+}
+
+/* The 32-value formats: a block of every column dequantized, then each row's x loaded once for
+ * all of them (values 0-15 of every (row, column), then 16-31: each chain still in chunk order). */
 #define FEW_PAIRS(PAIR)                                                                          \
-    for (int64_t blk = 0; blk < K / 32; blk++)                                                   \
-        for (int n = 0; n < few_cols; n++) {                                                     \
-            __m512 lo, hi;                                                                       \
-            PAIR(col[n] + blk * size, &lo, &hi);                                                 \
-            FEW_FMA(32 * blk, lo)                                                                \
-            FEW_FMA(32 * blk + 16, hi)                                                           \
-        }
+    for (int64_t blk = 0; blk < K / 32; blk++) {                                                 \
+        __m512 lo[4], hi[4];                                                                     \
+        for (int n = 0; n < few_cols; n++) PAIR(col[n] + blk * size, &lo[n], &hi[n]);           \
+        for (int r = 0; r < few_rows; r++) {                                                     \
+            const __m512 xv = x_shared(x + r * ldx + 32 * blk);                                  \
+            for (int n = 0; n < few_cols; n++) a[r][n] = _mm512_fmadd_ps(xv, lo[n], a[r][n]);    \
+        }                                                                                        \
+        for (int r = 0; r < few_rows; r++) {                                                     \
+            const __m512 xv = x_shared(x + r * ldx + 32 * blk + 16);                             \
+            for (int n = 0; n < few_cols; n++) a[r][n] = _mm512_fmadd_ps(xv, hi[n], a[r][n]);    \
+        }                                                                                        \
+    }
+
+/* Q5_K's and Q6_K's values 32i to 32i + 31 as two registers (as Q5_K_PART and Q6_K_PART make them). */
+AVX512 INLINE void q5_k_part_512(const uint8_t *b, const float *s, int i, __m512 w[2]) {
+    const __m256i codes = q5_codes(b, i);
+    const __m512 d = _mm512_set1_ps(s[i]), m = _mm512_set1_ps(s[8 + i]);
+    w[0] = u8_fma_512(_mm256_castsi256_si128(codes), d, m);
+    w[1] = u8_fma_512(_mm256_extracti128_si256(codes, 1), d, m);
+}
+
+AVX512 INLINE void q6_k_part_512(const uint8_t *b, const float *s, int i, __m512 w[2]) {
+    const __m256i codes = q6_codes(b, i / 4, i % 4);
+    w[0] = i8_512(_mm256_castsi256_si128(codes), _mm512_set1_ps(s[2 * i]));
+    w[1] = i8_512(_mm256_extracti128_si256(codes, 1), _mm512_set1_ps(s[2 * i + 1]));
+}
+
+/* The super-block formats at two columns (5-8 rows): part i of both columns' block, GROUP
+ * filling 256 / PARTS values as registers, then each row's x loaded once for both (four
+ * columns' parts would take the accumulators' registers: those tiles run FEW_SUPER). */
+#define FEW_SUPER_SHARED(SCALES, PARTS, GROUP)                                                   \
+    for (int64_t blk = 0; blk < K / 256; blk++) {                                                \
+        float scales[2][16];                                                                     \
+        for (int n = 0; n < 2; n++) SCALES(col[n] + blk * size, scales[n]);                      \
+        for (int i = 0; i < PARTS; i++) {                                                        \
+            __m512 wp[2][256 / PARTS / 16];                                                      \
+            for (int n = 0; n < 2; n++) GROUP(col[n] + blk * size, scales[n], i, wp[n]);          \
+            for (int c = 0; c < 256 / PARTS / 16; c++)                                           \
+                for (int r = 0; r < few_rows; r++) {                                             \
+                    const __m512 xv = x_shared(x + r * ldx + 256 * blk + 256 / PARTS * i + 16 * c); \
+                    for (int n = 0; n < 2; n++) a[r][n] = _mm512_fmadd_ps(xv, wp[n][c], a[r][n]); \
+                }                                                                                \
+        }                                                                                        \
+    }
 
 /* ROWS rows by COLS (4 or 2) columns. */
 #define FEW_TILE(ROWS, COLS)                                                                     \
@@ -548,9 +599,18 @@ AVX512 static void rows_avx512(const float *x, int64_t ldx, int64_t rows, const 
         case Q4_0: FEW_PAIRS(pair_q4_0_512) break;                                               \
         case Q4_1: FEW_PAIRS(pair_q4_1_512) break;                                               \
         case MXFP4: FEW_PAIRS(pair_mxfp4_512) break;                                             \
-        case Q4_K: FEW_SUPER(k_scales, 4, FEW_Q4_K_PART) break;                                 \
-        case Q5_K: FEW_SUPER(k_scales, 8, Q5_K_PART(FEW_U8_FMA, _mm512_set1_ps, i)) break;      \
-        case Q6_K: FEW_SUPER(q6_scales, 8, Q6_K_PART(FEW_I8, _mm512_set1_ps, i)) break;         \
+        case Q4_K:                                                                               \
+            if (COLS == 2) FEW_SUPER_SHARED(k_scales, 4, q4_k_group_512)                         \
+            else FEW_SUPER(k_scales, 4, FEW_Q4_K_PART)                                           \
+            break;                                                                               \
+        case Q5_K:                                                                               \
+            if (COLS == 2) FEW_SUPER_SHARED(k_scales, 8, q5_k_part_512)                          \
+            else FEW_SUPER(k_scales, 8, Q5_K_PART(FEW_U8_FMA, _mm512_set1_ps, i))                \
+            break;                                                                               \
+        case Q6_K:                                                                               \
+            if (COLS == 2) FEW_SUPER_SHARED(q6_scales, 8, q6_k_part_512)                         \
+            else FEW_SUPER(q6_scales, 8, Q6_K_PART(FEW_I8, _mm512_set1_ps, i))                   \
+            break;                                                                               \
         }                                                                                        \
         for (int r = 0; r < ROWS; r++) { /* (with two columns, each finished twice) */         \
             float out[4];                                                                        \
@@ -568,12 +628,11 @@ FEW_TILE(7, 2)
 FEW_TILE(8, 2)
 
 /* Rows [0, rows), rows <= FEW, against output columns [0, cols) of w: four columns by up to four
- * rows at a time (8 rows dequantize each block twice, still cheaper than the panel's stores);
- * the super-block formats, whose dequantization costs more, run 5-8 rows in one pass, two
- * columns at a time. */
+ * rows at a time, or 5-8 rows in one pass two columns at a time (16 accumulators at 8 rows: the
+ * registers hold no more with the dequantized weights and x), each block dequantized once. */
 static void few_avx512(int type, const float *x, int64_t ldx, int64_t rows, const uint8_t *w, int64_t ldw,
                        int cols, int64_t K, float *y, int64_t ldy, const float *bias) {
-    if (rows > 4 && block_values(type) == 256) {
+    if (rows > 4) {
         for (int n = 0; n < cols; n += 2) {
             const int c2 = cols - n < 2 ? cols - n : 2;
             const uint8_t *wn = w + n * ldw;
@@ -591,15 +650,11 @@ static void few_avx512(int type, const float *x, int64_t ldx, int64_t rows, cons
         const int c4 = cols - n < 4 ? cols - n : 4;
         const uint8_t *wn = w + n * ldw;
         const float *bn = bias ? bias + n : 0;
-        for (int64_t r = 0; r < rows; r += 4) { /* over 4 rows: the columns dequantized again */
-            const float *xr = x + r * ldx;
-            float *yr = y + r * ldy + n;
-            switch (rows - r < 4 ? rows - r : 4) {
-            case 1: few_avx512_1x4(type, xr, ldx, wn, ldw, c4, K, yr, ldy, bn); break;
-            case 2: few_avx512_2x4(type, xr, ldx, wn, ldw, c4, K, yr, ldy, bn); break;
-            case 3: few_avx512_3x4(type, xr, ldx, wn, ldw, c4, K, yr, ldy, bn); break;
-            default: few_avx512_4x4(type, xr, ldx, wn, ldw, c4, K, yr, ldy, bn); break;
-            }
+        switch (rows) {
+        case 1: few_avx512_1x4(type, x, ldx, wn, ldw, c4, K, y + n, ldy, bn); break;
+        case 2: few_avx512_2x4(type, x, ldx, wn, ldw, c4, K, y + n, ldy, bn); break;
+        case 3: few_avx512_3x4(type, x, ldx, wn, ldw, c4, K, y + n, ldy, bn); break;
+        default: few_avx512_4x4(type, x, ldx, wn, ldw, c4, K, y + n, ldy, bn); break;
         }
     }
 }

@@ -43,6 +43,7 @@ class Linear(nn.Linear):
     # Plain attributes, read without nn.Module's parameter lookup.
     run: Run | None = None
     rule: RowRule = RowRule()
+    _subsets: dict[tuple[int, ...], Run] | None = None  # logits_at's kernels, by columns
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.run is None:
@@ -52,6 +53,32 @@ class Linear(nn.Linear):
         if rows < self.rule.minimum:  # a decode step's few rows: the zeros cost less than a GEMV
             flat = F.pad(flat, (0, 0, 0, self.rule.pad(rows)))
         return run_by_rule(self.run, self.rule, flat)[:rows].view(*x.shape[:-1], self.out_features)
+
+    def logits_at(self, x: torch.Tensor, columns: list[int]) -> torch.Tensor | None:
+        """x [rows, in] through the layer at output `columns` only (sorted ids), as float32
+        [rows, out] with -inf elsewhere: each of those outputs with the bits `forward` gives it
+        (an LM head whose rows' masks allow those ids alone). None where the kernel does not
+        promise those bits on a subset of its weights: ours only, whose each output is its own
+        sum, whatever the outputs beside it."""
+        if self.run is None or (self.rule.minimum, self.rule.most) != (1, UNCAPPED):
+            return None
+        key = tuple(columns)
+        subset = self._subsets.get(key) if self._subsets is not None else None
+        if subset is None:
+            if (subset := subset_run(self.run, columns)) is None:
+                return None
+            if self._subsets is None or len(self._subsets) >= 8:  # a few label sets at a time
+                self._subsets = {}
+            self._subsets[key] = subset
+        return at_columns(subset(x), self.out_features, columns)
+
+
+def at_columns(values: torch.Tensor, out_features: int, columns: list[int]) -> torch.Tensor:
+    """A head's outputs at `columns` ([rows, len(columns)]) as float32 [rows, out_features], -inf
+    at every other column (what the rows' masks would make of them)."""
+    out = values.new_full((values.shape[0], out_features), float("-inf"), dtype=torch.float32)
+    out[:, columns] = values.float()
+    return out
 
 
 @dataclass(frozen=True)
@@ -96,6 +123,25 @@ def prepare(kernel: str, layer: Linear) -> Run | None:
         return partial(grouped_gemm, load_kernel(), experts=pack_strips([weight], [bias]))
     return partial(amx_linear, load_kernel(), pack_amx(weight), None if bias is None else bias.float(),
                    layer.out_features)
+
+
+def subset_run(run: Run, columns: list[int]) -> Run | None:
+    """`run` (a layer on our AMX or grouped kernel) on the weights of output `columns` alone,
+    taken back out of its packed layout (the plain weights may be freed); None for another
+    kernel."""
+    func, ids = getattr(run, "func", None), torch.tensor(columns)
+    if func is amx_linear:
+        lib, packed, bias, _ = run.args
+        # pack_amx's [N/32, K/32, 2, 16, 16, 2]: output n at (n // 32, :, n % 32 // 16, :, n % 16, :).
+        weight = packed[ids // 32, :, ids % 32 // 16, :, ids % 16, :].reshape(len(columns), -1)
+        return partial(amx_linear, lib, pack_amx(weight), None if bias is None else bias[ids],
+                       len(columns))
+    if func is grouped_gemm:
+        experts = run.keywords["experts"]
+        weight = experts.weight[0, ids // 16, :, ids % 16]  # pack's [1, N/16, K, 16]
+        bias = None if experts.bias is None else experts.bias[0, ids]
+        return partial(grouped_gemm, run.args[0], experts=pack_strips([weight], [bias]))
+    return None
 
 
 def _f_linear(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from torch import nn
 
 from freetoken.models.kernels.quant import (QuantizedWeight, QuantParts, dequantize_rows, quant_linear,
                                             quant_linear_parts, supported)
-from freetoken.models.layers.linear import LAYER_INDEX, KernelPlan
+from freetoken.models.layers.linear import LAYER_INDEX, KernelPlan, at_columns
 from freetoken.models.layers.moe import Experts
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,17 @@ class QuantizedLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         y = self.fused(flat) if self.fused else quant_linear_parts(flat, self.parts, self.part_bias)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def logits_at(self, x: torch.Tensor, columns: list[int]) -> torch.Tensor | None:
+        """`Linear.logits_at` on the blocks: the kernel computes each output on its own
+        (quant_gemm.c), so the weight's rows at `columns` give those outputs the whole layer's
+        bits. None for a layer of several parts or one dequantized at load (a head has neither)."""
+        if self.fused is None or len(self.parts) != 1:
+            return None
+        weight, ids = self.parts[0], torch.tensor(columns)
+        subset = QuantizedWeight(weight.qtype, weight.data.index_select(0, ids), (len(columns), self.in_features))
+        bias = None if self.bias is None else self.bias.index_select(0, ids)
+        return at_columns(quant_linear(x.reshape(-1, self.in_features), subset, bias), self.out_features, columns)
 
 
 class QuantizedEmbedding(nn.Module):
