@@ -77,7 +77,7 @@ def test_quant_linear_matches_a_float64_product(qtype, isa_cap):
 @pytest.mark.parametrize("qtype", quant.FORMATS, ids=lambda t: t.name)
 def test_every_row_gets_the_bits_it_gets_alone(qtype, isa_cap):
     w = weight(qtype)
-    x = torch.randn(70, w.shape[1], generator=torch.Generator().manual_seed(3))  # row tiles of 6 and a part one
+    x = torch.randn(70, w.shape[1], generator=torch.Generator().manual_seed(3))  # row tiles of 3 and a part one
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -151,7 +151,7 @@ def test_parts_in_one_call_match_each_part_alone_bit_for_bit(isa_cap, threads):
     parts = [weight(T.Q4_1), weight(T.Q8_0, rows=20, seed=1), weight(T.MXFP4, rows=13, seed=2)]
     biases = [torch.randn(N, generator=torch.Generator().manual_seed(3)), None,
               torch.randn(13, generator=torch.Generator().manual_seed(4))]
-    x = torch.randn(70, K_SMALL, generator=torch.Generator().manual_seed(5))  # row tiles of 6 and a part one
+    x = torch.randn(70, K_SMALL, generator=torch.Generator().manual_seed(5))  # row tiles of 3 and a part one
     for rows in (1, 3, 70):
         alone = torch.cat([quant.quant_linear(x[:rows], p, b) for p, b in zip(parts, biases)], dim=1)
         assert torch.equal(quant.quant_linear_parts(x[:rows], parts, biases), alone)

@@ -22,8 +22,9 @@
  * shrink towards the end, so the threads still finish together. (Items handed out one at a time
  * alternate between the threads: a batch-1 decode step took 1.7x as long on two threads.) An
  * item walks K in ranges of at most KB: it dequantizes its columns' weights for the range into a
- * panel in L1, then runs every row tile of its rows over the panel, the lanes kept in a buffer
- * between ranges (a K of one range keeps them in registers throughout). A decode step's few
+ * panel in L1, then runs every row tile of its rows over the panel (AVX-512: 3 rows by the 8
+ * columns, a row's eight sums finished together), the lanes kept in a buffer between ranges (a K
+ * of one range keeps them in registers throughout). A decode step's few
  * rows read each weight byte once from memory (the step is bound by that read); a prefill's rows
  * reuse each panel for every row of the item, so the FMA microkernel, not the dequantization,
  * sets the pace. An item of at most FEW rows (AVX-512; a decode step of up to 8 requests) skips
@@ -425,53 +426,64 @@ AVX512 INLINE void finish_avx512(__m512 a, __m512 b, __m512 c, __m512 d, float o
     _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), y)));
 }
 
-/* AVX-512: up to six rows by four columns, a register per (row, column). The first K range
- * starts the lanes from zero, the last finishes the sums into y (cols of the four, + bias). */
+/* Eight (row, column) pairs' lanes a[0..7] to their sums, in column order: the additions of
+ * finish_avx512 (every lane of the last two steps holding a sum, not half of them), and the
+ * eight stored at once, bias added, in the first `cols` of y. */
+AVX512 INLINE void finish8_avx512(const __m512 a[NT], float *y, const float *bias, int cols) {
+    __m512 t[4]; /* [t(a_2i) | t(a_2i+1)] */
+    for (int i = 0; i < 4; i++)
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    /* 128-bit lane k of u0: u_j = t_j + t_(j+4) of column k; of u1: of column 4 + k */
+    const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(t[0], t[1], 0x88), _mm512_shuffle_f32x4(t[0], t[1], 0xDD));
+    const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(t[2], t[3], 0x88), _mm512_shuffle_f32x4(t[2], t[3], 0xDD));
+    /* lane k: v_0 = u_0 + u_2, v_1 = u_1 + u_3 of column k, then of column 4 + k */
+    const __m512 v = _mm512_add_ps(_mm512_shuffle_ps(u0, u1, 0x44), _mm512_shuffle_ps(u0, u1, 0xEE));
+    const __m512 s = _mm512_add_ps(v, _mm512_permute_ps(v, 0xB1)); /* v_0 + v_1 */
+    __m512 out = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0), s);
+    const __mmask16 m = (__mmask16)((1u << cols) - 1);
+    if (bias) out = _mm512_add_ps(out, _mm512_maskz_loadu_ps(m, bias));
+    _mm512_mask_storeu_ps(y, m, out);
+}
+
+/* AVX-512: up to three rows by the panel's eight columns, a register per (row, column) (24, with
+ * three for x and one for a weight: 28 of the 32). A chunk loads each row's x once and each
+ * column's weights once, 11 loads to 24 FMAs, and the rows' x stream from L2 evenly (a taller,
+ * narrower tile reads them in bursts, then not at all). The first K range starts the lanes from
+ * zero, the last finishes the sums into y (its first `cols` columns, + bias). */
 AVX512 INLINE void tile_avx512(const float *x, int64_t ldx, const int rows, const float *panel, int64_t chunks,
                                float *acc, int first, int last, float *y, int64_t ldy, const float *bias, int cols) {
-    __m512 a[6][4];
+    __m512 a[3][NT];
     for (int r = 0; r < rows; r++)
-        for (int n = 0; n < 4; n++) a[r][n] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + r * NT * 16 + n * 16);
+        for (int n = 0; n < NT; n++) a[r][n] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + r * NT * 16 + n * 16);
     for (int64_t c = 0; c < chunks; c++) {
-        const __m512 w0 = _mm512_load_ps(panel + 16 * c), w1 = _mm512_load_ps(panel + LDP + 16 * c);
-        const __m512 w2 = _mm512_load_ps(panel + 2 * LDP + 16 * c), w3 = _mm512_load_ps(panel + 3 * LDP + 16 * c);
-        for (int r = 0; r < rows; r++) {
-            const __m512 xv = _mm512_loadu_ps(x + r * ldx + 16 * c);
-            a[r][0] = _mm512_fmadd_ps(xv, w0, a[r][0]);
-            a[r][1] = _mm512_fmadd_ps(xv, w1, a[r][1]);
-            a[r][2] = _mm512_fmadd_ps(xv, w2, a[r][2]);
-            a[r][3] = _mm512_fmadd_ps(xv, w3, a[r][3]);
+        __m512 xv[3];
+        for (int r = 0; r < rows; r++) xv[r] = _mm512_loadu_ps(x + r * ldx + 16 * c);
+        for (int n = 0; n < NT; n++) {
+            __m512 w = _mm512_load_ps(panel + n * LDP + 16 * c);
+            __asm__("" : "+v"(w)); /* one load into a register, not one per FMA as a memory operand */
+            for (int r = 0; r < rows; r++) a[r][n] = _mm512_fmadd_ps(xv[r], w, a[r][n]);
         }
     }
     for (int r = 0; r < rows; r++) {
         if (!last) {
-            for (int n = 0; n < 4; n++) _mm512_storeu_ps(acc + r * NT * 16 + n * 16, a[r][n]);
+            for (int n = 0; n < NT; n++) _mm512_storeu_ps(acc + r * NT * 16 + n * 16, a[r][n]);
             continue;
         }
-        float out[4];
-        finish_avx512(a[r][0], a[r][1], a[r][2], a[r][3], out);
-        for (int n = 0; n < cols; n++) y[r * ldy + n] = bias ? out[n] + bias[n] : out[n];
+        finish8_avx512(a[r], y + r * ldy, bias, cols);
     }
 }
 
 AVX512 static void rows_avx512(const float *x, int64_t ldx, int64_t rows, const float *panel, int64_t chunks,
                                float *acc, int first, int last, float *y, int64_t ldy, const float *bias, int cols) {
-    for (int64_t r = 0; r < rows; r += 6)
-        for (int n = 0; n < NT && n < cols; n += 4) {
-            const float *xr = x + r * ldx, *pn = panel + n * LDP, *bn = bias ? bias + n : 0;
-            float *ar = acc + r * NT * 16 + n * 16, *yr = y + r * ldy + n;
-            const int c4 = cols - n < 4 ? cols - n : 4;
-#define TILE(ROWS) tile_avx512(xr, ldx, ROWS, pn, chunks, ar, first, last, yr, ldy, bn, c4)
-            switch (rows - r < 6 ? rows - r : 6) {
-            case 1: TILE(1); break;
-            case 2: TILE(2); break;
-            case 3: TILE(3); break;
-            case 4: TILE(4); break;
-            case 5: TILE(5); break;
-            default: TILE(6); break;
-            }
-#undef TILE
+    for (int64_t r = 0; r < rows; r += 3) {
+        const float *xr = x + r * ldx;
+        float *ar = acc + r * NT * 16, *yr = y + r * ldy;
+        switch (rows - r < 3 ? rows - r : 3) {
+        case 1: tile_avx512(xr, ldx, 1, panel, chunks, ar, first, last, yr, ldy, bias, cols); break;
+        case 2: tile_avx512(xr, ldx, 2, panel, chunks, ar, first, last, yr, ldy, bias, cols); break;
+        default: tile_avx512(xr, ldx, 3, panel, chunks, ar, first, last, yr, ldy, bias, cols); break;
         }
+    }
 }
 
 /* AVX-512, few rows (a decode step's): up to 4 rows by four columns (or 5-8 rows by two) over the
