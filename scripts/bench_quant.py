@@ -9,18 +9,11 @@ heading gives the CPU, the kernel's path (AVX2 or AVX-512) and a plain memory re
 over 512 MiB) to show how far the 1-row figures are from the bandwidth bound. Each figure is the
 fastest of its calls over at least --seconds.
 
---isas avx512,amx instead compares two kernel levels (FREETOKEN_QUANT_ISA) on the default model's
-shapes (Q4_1, the Q8_0 head) and a Qwen3-8B's (Q4_K, Q6_K), in one process, the two levels'
-timings alternating: each figure the median of the repeats' fastest calls.
-
     python scripts/bench_quant.py [--threads 2] [--formats Q4_1,Q8_0] [--quick]
-    python scripts/bench_quant.py --threads 1 --isas avx512,amx [--quick]
 """
 
 from __future__ import annotations
 
-import os
-import statistics
 import time
 
 import numpy as np
@@ -37,10 +30,6 @@ ROWS = (1, 8, 32, 512)
 # SmolLM2-135M's linears per layer (qkv, o, gate_up, down; N x K) x 30 layers, and its head.
 MODEL_LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 MODEL_LAYERS, MODEL_HEAD = 30, (49152, 576)
-# (format, N, K) for --isas: the default model's projections and head, then a Qwen3-8B's.
-ISA_SHAPES = (("Q4_1", 576, 576), ("Q4_1", 192, 576), ("Q4_1", 1536, 576), ("Q4_1", 576, 1536),
-              ("Q8_0", 49152, 576), ("Q4_K", 4096, 4096), ("Q4_K", 12288, 4096), ("Q6_K", 4096, 12288))
-ISA_ROWS = (1, 2, 4, 8, 32, 256)
 
 
 def memory_read_gbs(repeats: int) -> float:
@@ -53,13 +42,10 @@ def main() -> None:
     p.add_argument("--formats", default=",".join(t.name for t in quant.FORMATS),
                    help="comma-separated GGUF types")
     p.add_argument("--seconds", type=float, default=0.3, help="least time spent on each figure")
-    p.add_argument("--isas", default=None, help="two kernel levels to compare (e.g. avx512,amx)")
     args = p.parse_args()
     setup(args)
     if not quant.supported(GGMLQuantizationType.Q4_0):
         raise SystemExit("no quantized-weight kernel on this CPU (see quant.py)")
-    if args.isas:
-        return isa_table(args, args.isas.split(","))
     path = {v: k for k, v in quant.ISAS.items()}[quant.isa()]
     print(f"# cpu: {cpu_name()}; quant kernel path: {path}; "
           f"plain memory read (numpy sum): {memory_read_gbs(args.repeats):.1f} GB/s", flush=True)
@@ -82,30 +68,6 @@ def main() -> None:
                     ["format", "rows", "ours ms", "GFLOP/s", "weight GB/s", "torch f32 ms", "torch / ours"],
                     table)
     model_step(args)
-
-
-def isa_table(args, levels: list[str]) -> None:
-    """quant_linear per shape and row count under each of two levels, their timings alternating."""
-    if any(quant.ISAS[level] > quant._kernel().best_isa for level in levels):
-        raise SystemExit(f"this CPU lacks one of {levels}")
-    table = []
-    for name, n, k in ISA_SHAPES[:5] if args.quick else ISA_SHAPES:
-        weight = quant.random_weight(GGMLQuantizationType[name], (n, k))
-        for rows in ISA_ROWS:
-            x = torch.randn(rows, k)
-            times = {level: [] for level in levels}
-            for _ in range(args.repeats):
-                for level in levels:
-                    os.environ["FREETOKEN_QUANT_ISA"] = level
-                    quant.quant_linear(x, weight, None)  # warm-up
-                    times[level].append(best_time(lambda: quant.quant_linear(x, weight, None), 1, args.seconds))
-            first, second = (statistics.median(times[level]) for level in levels)
-            table.append([name, f"{n}x{k}", rows, f"{first * 1e3:.3f}", f"{second * 1e3:.3f}",
-                          2 * rows * n * k / second / 1e9, ratio(first, second)])
-    os.environ.pop("FREETOKEN_QUANT_ISA")
-    print_table(f"{levels[0]} against {levels[1]}, {args.threads} thread(s), {time.strftime('%Y-%m-%d')}",
-                ["format", "N x K", "rows", f"{levels[0]} ms", f"{levels[1]} ms", f"{levels[1]} GFLOP/s",
-                 f"{levels[0]} / {levels[1]}"], table)
 
 
 def model_step(args) -> None:

@@ -25,7 +25,6 @@ import ctypes
 import hashlib
 import logging
 import os
-import re
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -227,8 +226,6 @@ def build(source_path: Path = SOURCE) -> Path:
     folder (atomic: concurrent first uses each compile to their own file and keep whichever
     lands)."""
     source = source_path.read_bytes()
-    for name in re.findall(rb'^#include "([^"]+)"', source, re.MULTILINE):  # its own parts, in the digest
-        source += (source_path.parent / name.decode()).read_bytes()
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         raise FileNotFoundError("no C compiler (cc/gcc) on PATH")

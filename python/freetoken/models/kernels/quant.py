@@ -8,11 +8,7 @@ the C file) whatever the row count, tile, thread or group, and the AVX2 and AVX-
 same bits: a row's output never depends on its batch. Where the kernel cannot run (no C compiler, a CPU
 without AVX2/FMA/F16C, FREETOKEN_NO_KERNELS set), `supported()` is False and the loader
 dequantizes at load; the functions here still answer, through gguf's numpy dequantizers.
-FREETOKEN_QUANT_ISA=avx2 caps the kernel at AVX2 (tests and benchmarks compare the paths);
-FREETOKEN_QUANT_ISA=amx asks for the AMX level (quant_amx.c: the tile unit's bfloat16 products on
-an exact three-part split of x, its own fixed order, as batch-invariant), which a CPU with AMX runs
-only when asked: it gains from about 32 rows a call but runs one row at about half the AVX-512
-path's speed (docs/performance.md), and a decode step's rows are few.
+FREETOKEN_QUANT_ISA=avx2 caps the kernel at AVX2 (tests and benchmarks compare the paths).
 """
 
 from __future__ import annotations
@@ -36,8 +32,7 @@ SOURCE = Path(__file__).with_name("quant_gemm.c")
 FORMATS = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
            GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
            GGMLQuantizationType.MXFP4)
-ISAS = {"avx2": 1, "avx512": 2, "amx": 3}
-DEFAULT_ISA = ISAS["avx512"]  # the most run unless FREETOKEN_QUANT_ISA asks for more
+ISAS = {"avx2": 1, "avx512": 2}
 # Where each format keeps float16 scales (byte offsets in a block), for `random_weight`.
 _HALF_SCALES = {GGMLQuantizationType.Q8_0: (0,), GGMLQuantizationType.Q4_0: (0,), GGMLQuantizationType.Q4_1: (0, 2),
                 GGMLQuantizationType.Q4_K: (0, 2), GGMLQuantizationType.Q5_K: (0, 2), GGMLQuantizationType.Q6_K: (208,)}
@@ -77,12 +72,11 @@ def _kernel() -> ctypes.CDLL | None:
 
 
 def isa() -> int:
-    """The kernel path this process runs: 3 AMX, 2 AVX-512, 1 AVX2, 0 none: the best this CPU has
-    up to FREETOKEN_QUANT_ISA's level (unset: DEFAULT_ISA)."""
+    """The kernel path this process runs: 2 AVX-512, 1 AVX2, 0 none (FREETOKEN_QUANT_ISA caps it)."""
     lib = _kernel()
     if lib is None:
         return 0
-    return min(lib.best_isa, ISAS.get(os.environ.get("FREETOKEN_QUANT_ISA", ""), DEFAULT_ISA))
+    return min(lib.best_isa, ISAS.get(os.environ.get("FREETOKEN_QUANT_ISA", ""), 2))
 
 
 def supported(qtype: GGMLQuantizationType) -> bool:

@@ -34,10 +34,6 @@
  * (at 8 rows the FMAs, eight per 16 weights of a column, are most of the work; a second pass of
  * 4 rows would dequantize each block again).
  *
- * The AMX level (isa 3: quant_amx.c, included below, run where quant.py is asked for it) has an
- * order of its own, written there: per (row, part of its three-part bfloat16 split), per output
- * column, one FMA per block of the tile unit's exact-product dot into a float32 accumulator.
- *
  * Built at first use by models/kernels/quant.py; x86-64 with AVX2, FMA and F16C, else unsupported.
  */
 #include <stdint.h>
@@ -78,9 +74,7 @@ INLINE float half(const uint8_t *p) {
     return halves[h];
 }
 
-static int amx_supported(void);
-
-/* 0: no kernel, 1: AVX2, 2: AVX-512, 3: AMX (the best this CPU runs). */
+/* 0: no kernel, 1: AVX2, 2: AVX-512 (the best this CPU runs). */
 int quant_isa(void) {
     __builtin_cpu_init();
     if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return 0;
@@ -88,8 +82,7 @@ int quant_isa(void) {
     __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(1), "c"(0));
     if (!((c >> 29) & 1)) return 0; /* F16C */
     fill_halves();
-    if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq"))) return 1;
-    return amx_supported() ? 3 : 2;
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") ? 2 : 1;
 }
 
 
@@ -352,7 +345,7 @@ DEQUANT_BLOCKS(dequant_avx512, AVX512, dq_q8_0_512, dq_q4_0_512, dq_q4_1_512, dq
                dq_q5_k_512, dq_q6_k_512)
 
 static void dequant_blocks(int isa, int type, const uint8_t *row, int64_t b0, int64_t count, float *dst) {
-    if (isa >= 2) dequant_avx512(type, row, b0, count, dst);
+    if (isa == 2) dequant_avx512(type, row, b0, count, dst);
     else dequant_avx2(type, row, b0, count, dst);
 }
 
@@ -659,19 +652,12 @@ static void few_avx512(int type, const float *x, int64_t ldx, int64_t rows, cons
     }
 }
 
-#include "quant_amx.c"
-
 /* ---------------------------------------------------------------- the GEMM */
 
-/* One work item: rows [0, rows) of x (on AMX: region `region` of `xs`) against output columns
- * [n0, n0 + cols) of a weight whose row n starts at w + n * ldw. */
-static void item(int isa, int type, const float *x, int64_t ldx, const amx_rows *xs, int64_t region,
-                 const uint8_t *w, int64_t ldw, const float *bias, float *y, int64_t ldy, int64_t rows, int64_t n0,
-                 int cols, int64_t K) {
-    if (isa == 3) {
-        amx_item(type, xs, region, rows, w + n0 * ldw, ldw, bias ? bias + n0 : 0, y + n0, ldy, cols, K);
-        return;
-    }
+/* One work item: rows [0, rows) of x against output columns [n0, n0 + cols) of a weight whose
+ * row n starts at w + n * ldw. */
+static void item(int isa, int type, const float *x, int64_t ldx, const uint8_t *w, int64_t ldw,
+                 const float *bias, float *y, int64_t ldy, int64_t rows, int64_t n0, int cols, int64_t K) {
     if (isa == 2 && rows <= FEW) {
         few_avx512(type, x, ldx, rows, w + n0 * ldw, ldw, cols, K, y + n0, ldy, bias ? bias + n0 : 0);
         return;
@@ -742,23 +728,19 @@ void quant_gemm_parts(int isa, int64_t P, const int *types, const uint8_t *const
                       int64_t ldy, int64_t R, int64_t K) {
     int64_t start[P + 1], col[P + 1]; /* each part's first item and first column */
     const int64_t rb = block_rows(R, K), blocks = (R + rb - 1) / rb;
-    const int nt = isa == 3 ? AMX_NT : NT; /* columns per item */
     start[0] = col[0] = 0;
-    amx_rows xs = {0};
-    if (isa == 3 && R > 0) amx_split_blocks(x, ldx, K, R, rb, &xs);
     for (int64_t p = 0; p < P; p++) {
-        start[p + 1] = start[p] + blocks * ((n[p] + nt - 1) / nt);
+        start[p + 1] = start[p] + blocks * ((n[p] + NT - 1) / NT);
         col[p + 1] = col[p] + n[p];
     }
     _Pragma("omp parallel for schedule(guided) if (start[P] > 1)")
     for (int64_t it = 0; it < start[P]; it++) {
-        const int64_t p = owner(start, P, it), local = it - start[p], tiles = (n[p] + nt - 1) / nt;
+        const int64_t p = owner(start, P, it), local = it - start[p], tiles = (n[p] + NT - 1) / NT;
         const int64_t tile = local % tiles, first = local / tiles * rb;
-        const int cols = n[p] - tile * nt < nt ? (int)(n[p] - tile * nt) : nt;
-        item(isa, types[p], x + first * ldx, ldx, &xs, local / tiles, w[p], ldw[p], bias[p], y + first * ldy + col[p], ldy,
-             R - first < rb ? R - first : rb, tile * nt, cols, K);
+        const int cols = n[p] - tile * NT < NT ? (int)(n[p] - tile * NT) : NT;
+        item(isa, types[p], x + first * ldx, ldx, w[p], ldw[p], bias[p], y + first * ldy + col[p], ldy,
+             R - first < rb ? R - first : rb, tile * NT, cols, K);
     }
-    if (isa == 3) amx_free(&xs);
 }
 
 /* Experts' rows (dense layers run quant_gemm_parts): x [*, K] float32 (row stride ldx); w uint8
@@ -766,16 +748,13 @@ void quant_gemm_parts(int isa, int64_t P, const int *types, const uint8_t *const
  * expert, first row, rows. */
 void quant_gemm(int isa, int type, const float *x, int64_t ldx, const uint8_t *w, int64_t lde, int64_t ldw,
                 float *y, int64_t ldy, const int64_t *groups, int64_t G, int64_t K, int64_t N) {
-    const int nt = isa == 3 ? AMX_NT : NT; /* columns per item */
-    const int64_t tiles = (N + nt - 1) / nt;
+    const int64_t tiles = (N + NT - 1) / NT;
     int64_t *start = malloc((G + 1) * sizeof(int64_t)); /* first item of each group */
     start[0] = 0;
     for (int64_t g = 0; g < G; g++) {
         const int64_t rows = groups[3 * g + 2], rb = block_rows(rows, K);
         start[g + 1] = start[g] + (rows + rb - 1) / rb * tiles;
     }
-    amx_rows xs = {0};
-    if (isa == 3) amx_split_groups(x, ldx, K, groups, G, &xs);
     _Pragma("omp parallel for schedule(guided) if (start[G] > 1)")
     for (int64_t it = 0; it < start[G]; it++) {
         const int64_t g = owner(start, G, it);
@@ -783,12 +762,11 @@ void quant_gemm(int isa, int type, const float *x, int64_t ldx, const uint8_t *w
         const int64_t rb = block_rows(groups[3 * g + 2], K);
         const int64_t e = groups[3 * g], first = groups[3 * g + 1] + block * rb;
         const int64_t left = groups[3 * g + 1] + groups[3 * g + 2] - first;
-        const int cols = N - tile * nt < nt ? (int)(N - tile * nt) : nt;
-        item(isa, type, x + first * ldx, ldx, &xs, isa == 3 ? xs.group_region[g] + block : 0, w + e * lde, ldw, 0, y + first * ldy, ldy,
-             left < rb ? left : rb, tile * nt, cols, K);
+        const int cols = N - tile * NT < NT ? (int)(N - tile * NT) : NT;
+        item(isa, type, x + first * ldx, ldx, w + e * lde, ldw, 0, y + first * ldy, ldy,
+             left < rb ? left : rb, tile * NT, cols, K);
     }
     free(start);
-    if (isa == 3) amx_free(&xs);
 }
 
 #else
