@@ -203,7 +203,7 @@ class LlamaForCausalLM(CausalLM):
             ctx.hidden = self.model.norm(x.index_select(0, ctx.hidden_rows))
         # Only rows with logits (sampling or prompt logprobs) need the norm and the LM head.
         x = self.model.norm(x.index_select(0, ctx.logit_rows))
-        at = getattr(self.lm_head, "logits_at", None)  # a vocabulary-parallel quantized head has none
+        at = getattr(self.lm_head, "logits_at", None)  # None: a head of another kind
         if ctx.logit_columns is not None and at is not None and (logits := at(x, ctx.logit_columns)) is not None:
             return logits
         return self.lm_head(x).float()

@@ -9,9 +9,8 @@ kernel (QuantParts) or the grouped one, bfloat16 rows on the AMX one; the rest s
 
 `prepare` makes a layer's fixed arguments once, `stack` a model's layers' (one call runs them
 all); `step` makes a step's once (kept on its ForwardContext) and returns None where the step
-cannot run so: FREETOKEN_LAYER_KERNEL=0 (the
-Python path, for tests and benchmarks), rows or cache off the CPU or of another dtype, or groups
-without key ranges.
+cannot run so: FREETOKEN_LAYER_KERNEL=0 (the Python path, for tests and benchmarks), rows or
+cache off the CPU or of another dtype, or groups without key ranges.
 """
 
 from __future__ import annotations
