@@ -620,36 +620,20 @@ FEW_TILE(6, 2)
 FEW_TILE(7, 2)
 FEW_TILE(8, 2)
 
+typedef void (*few_tile)(int type, const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, int cols,
+                         int64_t K, float *y, int64_t ldy, const float *bias);
+static const few_tile few_tiles[FEW + 1] = {0, few_avx512_1x4, few_avx512_2x4, few_avx512_3x4, few_avx512_4x4,
+                                            few_avx512_5x2, few_avx512_6x2, few_avx512_7x2, few_avx512_8x2};
+
 /* Rows [0, rows), rows <= FEW, against output columns [0, cols) of w: four columns by up to four
  * rows at a time, or 5-8 rows in one pass two columns at a time (16 accumulators at 8 rows: the
  * registers hold no more with the dequantized weights and x), each block dequantized once. */
 static void few_avx512(int type, const float *x, int64_t ldx, int64_t rows, const uint8_t *w, int64_t ldw,
                        int cols, int64_t K, float *y, int64_t ldy, const float *bias) {
-    if (rows > 4) {
-        for (int n = 0; n < cols; n += 2) {
-            const int c2 = cols - n < 2 ? cols - n : 2;
-            const uint8_t *wn = w + n * ldw;
-            const float *bn = bias ? bias + n : 0;
-            switch (rows) {
-            case 5: few_avx512_5x2(type, x, ldx, wn, ldw, c2, K, y + n, ldy, bn); break;
-            case 6: few_avx512_6x2(type, x, ldx, wn, ldw, c2, K, y + n, ldy, bn); break;
-            case 7: few_avx512_7x2(type, x, ldx, wn, ldw, c2, K, y + n, ldy, bn); break;
-            default: few_avx512_8x2(type, x, ldx, wn, ldw, c2, K, y + n, ldy, bn); break;
-            }
-        }
-        return;
-    }
-    for (int n = 0; n < cols; n += 4) {
-        const int c4 = cols - n < 4 ? cols - n : 4;
-        const uint8_t *wn = w + n * ldw;
-        const float *bn = bias ? bias + n : 0;
-        switch (rows) {
-        case 1: few_avx512_1x4(type, x, ldx, wn, ldw, c4, K, y + n, ldy, bn); break;
-        case 2: few_avx512_2x4(type, x, ldx, wn, ldw, c4, K, y + n, ldy, bn); break;
-        case 3: few_avx512_3x4(type, x, ldx, wn, ldw, c4, K, y + n, ldy, bn); break;
-        default: few_avx512_4x4(type, x, ldx, wn, ldw, c4, K, y + n, ldy, bn); break;
-        }
-    }
+    const int width = rows > 4 ? 2 : 4; /* the tile's columns */
+    for (int n = 0; n < cols; n += width)
+        few_tiles[rows](type, x, ldx, w + n * ldw, ldw, cols - n < width ? cols - n : width, K, y + n, ldy,
+                        bias ? bias + n : 0);
 }
 
 /* ---------------------------------------------------------------- the GEMM */
