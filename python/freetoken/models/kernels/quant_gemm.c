@@ -485,6 +485,21 @@ AVX512 static void rows_avx512(const float *x, int64_t ldx, int64_t rows, const 
  * order) and end in the same finish_avx512, so a row gets the same bits here as through the
  * panel. Columns past `cols` repeat the last one (their sums are not written). */
 #define FEW 8
+#define AHEAD 4 /* columns: the next 4-column tile (measured on the 8B: 2 ahead 336 ms a step, 4-8 253-256) */
+
+/* Lines from p on, one per 64 bytes of [p, p + bytes). Called block by block along a column,
+ * a line a block straddles is asked for twice, and the last line ahead of time: measured, that
+ * is 5 % faster than asking for each line once. */
+INLINE void prefetch_lines(const uint8_t *p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + o, _MM_HINT_T0);
+}
+
+/* Block blk of the tile's columns AHEAD columns on (the next tile's, usually this thread's own
+ * next work), fetched while this block is multiplied: a decode step is bound by reading the
+ * weight. Asking for the next tile in one burst at a tile's start (as before) read the 8B's
+ * weights at 11.5 GB/s on two threads; spread along the blocks, 17. */
+#define FETCH_AHEAD(COLS, blk)                                                                   \
+    for (int n = 0; n < (COLS); n++) prefetch_lines(col[n] + AHEAD * ldw + (blk) * size, size);
 
 #define FEW_FMA(C, W)                                                                            \
     {                                                                                            \
@@ -501,6 +516,7 @@ AVX512 static void rows_avx512(const float *x, int64_t ldx, int64_t rows, const 
     for (int64_t blk = 0; blk < K / 256; blk++) {                                                \
         float scales[4][16];                                                                     \
         for (int n = 0; n < few_cols; n++) SCALES(col[n] + blk * size, scales[n]);               \
+        FETCH_AHEAD(few_cols, blk)                                                               \
         for (int i = 0; i < PARTS; i++)                                                          \
             for (int n = 0; n < few_cols; n++) {                                                 \
                 const uint8_t *b = col[n] + blk * size;                                          \
@@ -529,6 +545,7 @@ AVX512 INLINE __m512 x_shared(const float *p) {
 #define FEW_PAIRS(PAIR)                                                                          \
     for (int64_t blk = 0; blk < K / 32; blk++) {                                                 \
         __m512 lo[4], hi[4];                                                                     \
+        FETCH_AHEAD(few_cols, blk)                                                               \
         for (int n = 0; n < few_cols; n++) PAIR(col[n] + blk * size, &lo[n], &hi[n]);           \
         for (int r = 0; r < few_rows; r++) {                                                     \
             const __m512 xv = x_shared(x + r * ldx + 32 * blk);                                  \
@@ -561,6 +578,7 @@ AVX512 INLINE void q6_k_part_512(const uint8_t *b, const float *s, int i, __m512
     for (int64_t blk = 0; blk < K / 256; blk++) {                                                \
         float scales[2][16];                                                                     \
         for (int n = 0; n < 2; n++) SCALES(col[n] + blk * size, scales[n]);                      \
+        FETCH_AHEAD(2, blk)                                                                      \
         for (int i = 0; i < PARTS; i++) {                                                        \
             __m512 wp[2][256 / PARTS / 16];                                                      \
             for (int n = 0; n < 2; n++) GROUP(col[n] + blk * size, scales[n], i, wp[n]);          \
@@ -580,10 +598,6 @@ AVX512 INLINE void q6_k_part_512(const uint8_t *b, const float *s, int i, __m512
         const int64_t size = block_bytes(type), few_rows = ROWS, few_cols = COLS;               \
         const uint8_t *col[COLS];                                                                \
         for (int n = 0; n < COLS; n++) col[n] = w + (n < cols ? n : cols - 1) * ldw;             \
-        /* The columns NT on, which the memory system would otherwise fetch only when asked. */   \
-        for (int n = 0; n < COLS; n++)                                                           \
-            for (int64_t b = 0; b < K / block_values(type) * size; b += 64)                      \
-                _mm_prefetch((const char *)w + (n + NT) * ldw + b, _MM_HINT_T0);                 \
         __m512 a[ROWS][COLS];                                                                    \
         for (int r = 0; r < ROWS; r++)                                                           \
             for (int n = 0; n < COLS; n++) a[r][n] = _mm512_setzero_ps();                        \
