@@ -693,6 +693,34 @@ static void item(int isa, int type, const float *x, int64_t ldx, const uint8_t *
         }
 }
 
+/* item over K cut into S parts at cuts[0] = 0 < cuts[1] < ... < cuts[S] = K (values, on block
+ * boundaries; cuts NULL: K whole): each part's sums in THE ORDER over its own K (lanes from zero,
+ * the closing tree), as item computes a weight holding that part alone, then added in part order,
+ * the bias in the first: ((y_0 + bias) + y_1) + ..., the bits of S calls on the parts added
+ * afterwards, which are a tensor-parallel group's ranks' partial products summed in rank order
+ * (models/layers/parts.py). Each later part's sums wait in `later` until added. */
+static void item_parts(int isa, int type, const float *x, int64_t ldx, const uint8_t *w, int64_t ldw,
+                       const float *bias, float *y, int64_t ldy, int64_t rows, int64_t n0, int cols, int64_t K,
+                       int64_t S, const int64_t *cuts) {
+    if (!cuts) {
+        item(isa, type, x, ldx, w, ldw, bias, y, ldy, rows, n0, cols, K);
+        return;
+    }
+    float later[RB_MAX * NT];
+    const uint8_t *tile = w + n0 * ldw;
+    for (int64_t s = 0; s < S; s++) {
+        const int64_t k0 = cuts[s], kp = cuts[s + 1] - k0;
+        const uint8_t *part = tile + k0 / block_values(type) * block_bytes(type);
+        if (s == 0) {
+            item(isa, type, x + k0, ldx, part, ldw, bias ? bias + n0 : 0, y + n0, ldy, rows, 0, cols, kp);
+            continue;
+        }
+        item(isa, type, x + k0, ldx, part, ldw, 0, later, NT, rows, 0, cols, kp);
+        for (int64_t r = 0; r < rows; r++)
+            for (int n = 0; n < cols; n++) y[r * ldy + n0 + n] += later[r * NT + n];
+    }
+}
+
 /* Rows per work item for a group of R rows: as many as keep an item's rows of x near 1 MiB (they
  * stay in L2 while the item's successors, the next column tiles, read them again), between RB and
  * RB_MAX, in equal blocks rounded up to whole row tiles. More rows per item dequantize each weight
@@ -720,10 +748,12 @@ static int64_t owner(const int64_t *start, int64_t G, int64_t it) {
 /* A projection of P parts, each y[:, its columns] = x @ W_p^T (+ bias_p), in one parallel loop over
  * every part's items (q/k/v or gate/up: one fork and join, not one per part). Part p: types[p],
  * w[p] uint8 [n[p]][K's blocks] (row stride ldw[p] bytes), bias[p] float32 [n[p]] or NULL, its
- * columns following part p - 1's; x [R, K] float32 (row stride ldx), y [R, sum n] (row stride ldy). */
+ * columns following part p - 1's; x [R, K] float32 (row stride ldx), y [R, sum n] (row stride ldy).
+ * cuts (NULL: none): K computed in S parts added in order, as item_parts does (a row-parallel
+ * layer computed as a tensor-parallel group's ranks would). */
 void quant_gemm_parts(int isa, int64_t P, const int *types, const uint8_t *const *w, const int64_t *ldw,
-                      const int64_t *n, const float *const *bias, const float *x, int64_t ldx, float *y,
-                      int64_t ldy, int64_t R, int64_t K) {
+                      const int64_t *n, const float *const *bias, int64_t S, const int64_t *cuts, const float *x,
+                      int64_t ldx, float *y, int64_t ldy, int64_t R, int64_t K) {
     int64_t start[P + 1], col[P + 1]; /* each part's first item and first column */
     const int64_t rb = block_rows(R, K), blocks = (R + rb - 1) / rb;
     start[0] = col[0] = 0;
@@ -736,8 +766,8 @@ void quant_gemm_parts(int isa, int64_t P, const int *types, const uint8_t *const
         const int64_t p = owner(start, P, it), local = it - start[p], tiles = (n[p] + NT - 1) / NT;
         const int64_t tile = local % tiles, first = local / tiles * rb;
         const int cols = n[p] - tile * NT < NT ? (int)(n[p] - tile * NT) : NT;
-        item(isa, types[p], x + first * ldx, ldx, w[p], ldw[p], bias[p], y + first * ldy + col[p], ldy,
-             R - first < rb ? R - first : rb, tile * NT, cols, K);
+        item_parts(isa, types[p], x + first * ldx, ldx, w[p], ldw[p], bias[p], y + first * ldy + col[p], ldy,
+                   R - first < rb ? R - first : rb, tile * NT, cols, K, S, cuts);
     }
 }
 

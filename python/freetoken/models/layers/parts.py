@@ -29,7 +29,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from torch import nn
 
-from freetoken.models.kernels.quant import QuantizedWeight, dequantize
+from freetoken.models.kernels.quant import QuantizedWeight, QuantParts, dequantize
 from freetoken.models.layers.kernel_choice import RowRule, probe_rows, probe_weight, probed_once
 from freetoken.models.layers.linear import Linear, candidates, choose
 from freetoken.models.layers.moe import Experts
@@ -124,8 +124,17 @@ class RowParts(nn.Module):
         super().__init__()
         self.cols = cols
         self.parts = nn.ModuleList(k_part(layer, c, p == 0, dtype) for p, c in enumerate(cols))
+        # Every part whole blocks on the quantized kernel: one call computes the parts' sums and
+        # adds them in order (quant_gemm.c's item_parts), x read in place, with these very bits
+        # in float32 (other dtypes round each part's product first: the parts run apart).
+        self.fused = QuantParts(layer.parts, layer.part_bias, cols) if (
+            isinstance(layer, QuantizedLinear) and layer.fused is not None
+            and all(isinstance(part, QuantizedLinear) for part in self.parts)) else None
+        self.out_features = layer.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and x.dtype == torch.float32:
+            return self.fused(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
         # Each part's input contiguous, as a rank's own is.
         out, *rest = [part(x[..., c.start : c.stop].contiguous()) for part, c in zip(self.parts, self.cols)]
         for partial in rest:
