@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from freetoken.models import loader, registry
+from freetoken.models.layers.parts import RowParts
 from freetoken.models.layers.quantized import QuantizedEmbedding, QuantizedLinear
 from freetoken.paths import ModelNotFound
 from tests.fixtures import build_models as bm
@@ -139,7 +140,9 @@ def test_float32_weights_are_the_dequantized_blocks(built, loaded):
     assert set(widened.model.weight_bytes) == {"float32"}
     for name in ("model.layers.0.self_attn.qkv_proj", "model.layers.1.mlp.down_proj", "lm_head"):
         plain, kept = widened.model.get_submodule(name), loaded["qwen3"].model.get_submodule(name)
-        assert not isinstance(plain, QuantizedLinear) and isinstance(kept, QuantizedLinear)
+        # A row-parallel layer runs in the parts of K two ranks hold (by default: parts.free_in_parts).
+        held = kept.parts if isinstance(kept, RowParts) else [kept]
+        assert not isinstance(plain, QuantizedLinear) and all(isinstance(h, QuantizedLinear) for h in held)
         x = torch.randn(5, kept.in_features, generator=torch.Generator().manual_seed(0))
         torch.testing.assert_close(plain(x), kept(x), rtol=0, atol=1e-5)
     with pytest.raises(ModelNotFound, match="FREETOKEN_GGUF_WEIGHTS=int3: not one of quantized, float32"):

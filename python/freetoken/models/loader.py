@@ -28,7 +28,7 @@ import torch
 from freetoken.models.checkpoint import read_weights
 from freetoken.models.layers.linear import pack_linears
 from freetoken.models.layers.moe import stack_experts, take_stacked_experts
-from freetoken.models.layers.parts import compute_in_parts
+from freetoken.models.layers.parts import compute_in_parts, free_in_parts
 from freetoken.models.layers.quantized import QuantizedEmbedding, plan_quantized, take_quantized, weight_bytes
 from freetoken.models.layers.quantized_parallel import (install_quantized, quantized_head, shard_state,
                                                         widen_cut_experts)
@@ -250,7 +250,7 @@ def _assign(module: torch.nn.Module, state: dict[str, torch.Tensor], quantized: 
     module.requires_grad_(False)
     module.weight_bytes = weight_bytes(module)  # before packing frees the plain weights
     stack_experts(module)
-    if in_parts:
+    if in_parts or (in_parts is None and free_in_parts(module)):
         compute_in_parts(module)
     plan = pack_linears(module)
     if quantized:

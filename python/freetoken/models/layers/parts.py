@@ -91,7 +91,7 @@ class ColumnParts(nn.Module):
 
     def __init__(self, layer: Linear, rows: list[list[range]], padded: int = 0):
         super().__init__()
-        self.out_features = layer.out_features
+        self.in_features, self.out_features = layer.in_features, layer.out_features
         parts, self.pieces = [], []  # pieces: (part, first column in it, first column in out, count)
         for p, ranges in enumerate(rows):
             first = 0
@@ -130,7 +130,7 @@ class RowParts(nn.Module):
         self.fused = QuantParts(layer.parts, layer.part_bias, cols) if (
             isinstance(layer, QuantizedLinear) and layer.fused is not None
             and all(isinstance(part, QuantizedLinear) for part in self.parts)) else None
-        self.out_features = layer.out_features
+        self.in_features, self.out_features = layer.in_features, layer.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None and x.dtype == torch.float32:
@@ -211,13 +211,43 @@ def _columns(layer: nn.Module, rows: list[list[range]], padded: int = 0) -> nn.M
     return ColumnParts(layer, rows, padded)
 
 
+def free_in_parts(model: nn.Module, parts: int = EXACT_PARTS) -> bool:
+    """Does computing `model` in parts cost about nothing: float32 rows, no experts, every sliced
+    layer quantized on the kernel (column-parallel ones then stay whole) and each row-parallel
+    one's parts whole blocks (computed in one call: RowParts.fused)? docs/engine.md, "What it
+    costs"."""
+    cfg = model.cfg
+    if (cfg.num_kv_heads < parts or model.model.norm.weight.dtype != torch.float32
+            or not _on_kernel(model.lm_head)):
+        return False
+    q_cols = [scaled(q, cfg.head_dim) for q, _ in _head_splits(cfg, parts)]
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if isinstance(mlp, Experts) or not all(map(_on_kernel, (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                                mlp.down_proj))):
+            return False
+        down_cols = [even_part(mlp.down_proj.in_features, p, parts) for p in range(parts)]
+        for row_parallel, cols in ((attn.o_proj, q_cols), (mlp.down_proj, down_cols)):
+            if any(quantized_columns(row_parallel.parts[0], c) is None for c in cols):
+                return False
+    return True
+
+
+def _on_kernel(layer: nn.Module) -> bool:
+    return type(layer) is QuantizedLinear and layer.fused is not None
+
+
+def _head_splits(cfg, parts: int) -> list[tuple[range, range]]:
+    return [head_split(cfg.num_heads, cfg.num_kv_heads, p, parts) for p in range(parts)]
+
+
 def compute_in_parts(model: nn.Module, parts: int = EXACT_PARTS) -> None:
     """Put the sliced layers of `model` (a models/llama.py decoder or a family built on it,
     loaded whole, its experts stacked or not) in `parts` parts, cut as `parts` ranks are."""
     cfg, d = model.cfg, model.cfg.head_dim
     if cfg.num_kv_heads < parts:
         return  # kv heads replicated over ranks: each rank attends with its own copy, not here
-    splits = [head_split(cfg.num_heads, cfg.num_kv_heads, p, parts) for p in range(parts)]
+    splits = _head_splits(cfg, parts)
     q_rows = [scaled(q, d) for q, _ in splits]
     k_first, v_first = cfg.num_heads * d, (cfg.num_heads + cfg.num_kv_heads) * d
     dtype = model.model.norm.weight.dtype  # a quantized layer's dequantized parts
