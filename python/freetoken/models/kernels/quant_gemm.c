@@ -722,10 +722,8 @@ static void item(int isa, int type, const float *x, int64_t ldx, const uint8_t *
 static void item_parts(int isa, int type, const float *x, int64_t ldx, const uint8_t *w, int64_t ldw,
                        const float *bias, float *y, int64_t ldy, int64_t rows, int64_t n0, int cols, int64_t K,
                        int64_t S, const int64_t *cuts) {
-    if (!cuts) {
-        item(isa, type, x, ldx, w, ldw, bias, y, ldy, rows, n0, cols, K, 0);
-        return;
-    }
+    const int64_t whole[2] = {0, K};
+    if (!cuts) S = 1, cuts = whole;
     for (int64_t s = 0; s < S; s++) {
         const uint8_t *part = w + cuts[s] / block_values(type) * block_bytes(type);
         item(isa, type, x + cuts[s], ldx, part, ldw, s ? 0 : bias, y, ldy, rows, n0, cols, cuts[s + 1] - cuts[s], s > 0);

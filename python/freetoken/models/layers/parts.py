@@ -7,7 +7,7 @@ Tensor parallelism changes two things in a layer's arithmetic. A row-parallel la
 features, added over the ranks in rank order: another order of additions than one GEMM over
 all of them. So a single process computes every such layer in those parts of its K, added in
 part order, as the ranks' are (`RowParts`; a quantized layer's parts are whole blocks of its
-rows, read in place). A column-parallel layer (`qkv_proj`, `gate_up_proj`, the LM head) runs a
+rows, read in place, computed in one kernel call). A column-parallel layer (`qkv_proj`, `gate_up_proj`, the LM head) runs a
 GEMM of fewer columns on a rank, and a kernel may give a column other bits in a GEMM of another
 width. Whether the kernels chosen here do is probed at load (`columns_alike`: the kernel the
 row probe of kernel_choice.py picks for the whole shape against the ones it picks for the
@@ -18,7 +18,9 @@ quantized kernels compute each output on its own (kernels/quant_gemm.c), so quan
 column-parallel layers stay whole. The MoE experts' gate/up projections stay whole: the grouped
 kernel computes each column on its own (grouped_gemm.c), so their width does not matter.
 
-Only on CPU (on CUDA the ranks' sum is NCCL's all-reduce, whose order is its own).
+Only on CPU (on CUDA the ranks' sum is NCCL's all-reduce, whose order is its own). Asked for
+with FREETOKEN_EXACT_TP=1 (models/registry.py); without it, done where it costs about nothing
+(`free_in_parts`: every sliced layer quantized on the kernel).
 """
 
 from __future__ import annotations
