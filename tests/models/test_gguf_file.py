@@ -132,6 +132,20 @@ def test_hybrids_read_the_float32_conversion(caplog):
     assert "transformers' conversion" in caplog.text
 
 
+def test_row_parallel_layers_run_in_the_ranks_parts_by_default_only_where_that_is_free(built, loaded,
+                                                                                      monkeypatch):
+    # qwen3: every sliced layer on the quantized kernel, the parts whole blocks: each row-parallel
+    # layer in the two ranks' parts of K, one kernel call (TP=1 has TP=2's bits).
+    for layer in loaded["qwen3"].model.model.layers:
+        assert all(isinstance(m, RowParts) and m.fused is not None
+                   for m in (layer.self_attn.o_proj, layer.mlp.down_proj))
+    # llama: a layer dequantized at load (a float Linear) would pay for its parts: all whole.
+    assert not any(isinstance(m, RowParts) for m in loaded["llama"].model.modules())
+    monkeypatch.setenv("FREETOKEN_EXACT_TP", "0")
+    off = registry.load_model(built["qwen3"] / "model.gguf", dtype="float32", device="cpu", gguf_weights="quantized")
+    assert not any(isinstance(m, RowParts) for m in off.model.modules())
+
+
 def test_float32_weights_are_the_dequantized_blocks(built, loaded):
     """FREETOKEN_GGUF_WEIGHTS=float32: plain layers on the blocks dequantized at load, the same
     products as the quantized layers (which dequantize the same blocks) up to summation order."""
