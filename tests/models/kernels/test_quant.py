@@ -227,7 +227,7 @@ def test_k_parts_in_one_call_match_the_parts_alone_added_in_order(qtype, isa_cap
     w, block = weight(qtype), GGML_QUANT_SIZES[qtype][0]
     k = w.shape[1]
     cut = k // block * 2 // 5 * block  # uneven: the later part spans more K ranges
-    k_parts = [range(0, cut), range(cut, k)]
+    k_parts = [range(cut), range(cut, k)]
     bias = torch.randn(N, generator=torch.Generator().manual_seed(1))
     x = torch.randn(100, k, generator=torch.Generator().manual_seed(2))
     fused = quant.QuantParts([w], [bias], k_parts)
