@@ -142,7 +142,8 @@ def test_row_parallel_layers_run_in_the_ranks_parts_by_default_only_where_that_i
     # llama: a layer dequantized at load (a float Linear) would pay for its parts: all whole.
     assert not any(isinstance(m, RowParts) for m in loaded["llama"].model.modules())
     monkeypatch.setenv("FREETOKEN_EXACT_TP", "0")
-    off = registry.load_model(built["qwen3"] / "model.gguf", dtype="float32", device="cpu", gguf_weights="quantized")
+    off = registry.load_model(built["qwen3"] / "model.gguf", dtype="float32", device="cpu",
+                              gguf_weights="quantized")
     assert not any(isinstance(m, RowParts) for m in off.model.modules())
 
 

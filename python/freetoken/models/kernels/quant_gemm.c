@@ -726,7 +726,8 @@ static void item_parts(int isa, int type, const float *x, int64_t ldx, const uin
     if (!cuts) S = 1, cuts = whole;
     for (int64_t s = 0; s < S; s++) {
         const uint8_t *part = w + cuts[s] / block_values(type) * block_bytes(type);
-        item(isa, type, x + cuts[s], ldx, part, ldw, s ? 0 : bias, y, ldy, rows, n0, cols, cuts[s + 1] - cuts[s], s > 0);
+        item(isa, type, x + cuts[s], ldx, part, ldw, s ? 0 : bias, y, ldy, rows, n0, cols, cuts[s + 1] - cuts[s],
+             s > 0);
     }
 }
 

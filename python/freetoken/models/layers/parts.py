@@ -7,9 +7,9 @@ Tensor parallelism changes two things in a layer's arithmetic. A row-parallel la
 features, added over the ranks in rank order: another order of additions than one GEMM over
 all of them. So a single process computes every such layer in those parts of its K, added in
 part order, as the ranks' are (`RowParts`; a quantized layer's parts are whole blocks of its
-rows, read in place, computed in one kernel call). A column-parallel layer (`qkv_proj`, `gate_up_proj`, the LM head) runs a
-GEMM of fewer columns on a rank, and a kernel may give a column other bits in a GEMM of another
-width. Whether the kernels chosen here do is probed at load (`columns_alike`: the kernel the
+rows, read in place, computed in one kernel call). A column-parallel layer (`qkv_proj`,
+`gate_up_proj`, the LM head) runs a GEMM of fewer columns on a rank, and a kernel may give a
+column other bits in a GEMM of another width. Whether the kernels chosen here do is probed at load (`columns_alike`: the kernel the
 row probe of kernel_choice.py picks for the whole shape against the ones it picks for the
 ranks' shapes, on weights that expose summation order, bit for bit); where they agree the layer
 stays whole, where not it runs as the ranks' parts (`ColumnParts`), each a `Linear` of a rank's
