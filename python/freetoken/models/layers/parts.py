@@ -4,19 +4,20 @@ bits.
 
 Tensor parallelism changes two things in a layer's arithmetic. A row-parallel layer (`o_proj`,
 `down_proj`, the experts' down projections) becomes partial products over parts of its input
-features, added over the ranks in rank order: another order of additions than one GEMM over
-all of them. So a single process computes every such layer in those parts of its K, added in
-part order, as the ranks' are (`RowParts`; a quantized layer's parts are whole blocks of its
-rows, read in place, computed in one kernel call). A column-parallel layer (`qkv_proj`,
+features, added over the ranks in rank order: another order of additions than one GEMM over all
+of them. So a single process computes every such layer in those parts of its K, added in part
+order, as the ranks' are (`RowParts`; a quantized layer's parts are whole blocks of its rows,
+read in place, computed in one kernel call). A column-parallel layer (`qkv_proj`,
 `gate_up_proj`, the LM head) runs a GEMM of fewer columns on a rank, and a kernel may give a
-column other bits in a GEMM of another width. Whether the kernels chosen here do is probed at load (`columns_alike`: the kernel the
-row probe of kernel_choice.py picks for the whole shape against the ones it picks for the
-ranks' shapes, on weights that expose summation order, bit for bit); where they agree the layer
-stays whole, where not it runs as the ranks' parts (`ColumnParts`), each a `Linear` of a rank's
-very shape, so that the probe picks the same kernel for it with the same row rule. The
-quantized kernels compute each output on its own (kernels/quant_gemm.c), so quantized
-column-parallel layers stay whole. The MoE experts' gate/up projections stay whole: the grouped
-kernel computes each column on its own (grouped_gemm.c), so their width does not matter.
+column other bits in a GEMM of another width. Whether the kernels chosen here do is probed at
+load (`columns_alike`: the kernel the row probe of kernel_choice.py picks for the whole shape
+against the ones it picks for the ranks' shapes, on weights that expose summation order, bit
+for bit); where they agree the layer stays whole, where not it runs as the ranks' parts
+(`ColumnParts`), each a `Linear` of a rank's very shape, so that the probe picks the same
+kernel for it with the same row rule. The quantized kernels compute each output on its own
+(kernels/quant_gemm.c), so quantized column-parallel layers stay whole. The MoE experts'
+gate/up projections stay whole: the grouped kernel computes each column on its own
+(grouped_gemm.c), so their width does not matter.
 
 Only on CPU (on CUDA the ranks' sum is NCCL's all-reduce, whose order is its own). Asked for
 with FREETOKEN_EXACT_TP=1 (models/registry.py); without it, done where it costs about nothing
@@ -93,7 +94,7 @@ class ColumnParts(nn.Module):
 
     def __init__(self, layer: Linear, rows: list[list[range]], padded: int = 0):
         super().__init__()
-        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.out_features = layer.out_features
         parts, self.pieces = [], []  # pieces: (part, first column in it, first column in out, count)
         for p, ranges in enumerate(rows):
             first = 0
