@@ -20,6 +20,7 @@ import torch.distributed as dist
 from freetoken.config import EngineConfig, ParallelConfig
 from freetoken.core import SamplingParams
 from freetoken.engine.parallel import GroupLost, follow, load_rank
+from freetoken.models.layers.parts import RowParts
 from freetoken.models.layers.quantized import QuantizedEmbedding, QuantizedLinear
 from freetoken.models.registry import load_model
 from freetoken.models.layers.tensor_parallel import head_split
@@ -194,9 +195,12 @@ def test_quantized_moe_gguf_tp2_keeps_its_experts_blocks_and_matches_tp1(rank1, 
 @pytest.mark.slow
 def test_default_model_tp2_splits_uneven_heads_and_matches_tp1_then_a_lost_rank_raises(rank1, monkeypatch):
     proc, link = rank1
-    # TP=1 as 2 ranks compute, on the file's Q4_1/Q8_0 blocks as the ranks keep them.
-    monkeypatch.setenv("FREETOKEN_EXACT_TP", "1")
+    # TP=1 as 2 ranks compute, on the file's Q4_1/Q8_0 blocks as the ranks keep them: by default
+    # (no FREETOKEN_EXACT_TP), each row-parallel layer's parts in one kernel call.
+    monkeypatch.delenv("FREETOKEN_EXACT_TP", raising=False)
     tp1 = load_model(None, dtype="float32", device="cpu", gguf_weights="quantized")
+    layer = tp1.model.model.layers[0]
+    assert all(isinstance(m, RowParts) and m.fused is not None for m in (layer.self_attn.o_proj, layer.mlp.down_proj))
     # Two prompts, four steps: 30 layers are slow, and a batch of two already mixes rows.
     tok, requests = tp1.tokenizer, lambda: _greedy_and_seeded(tok, PROMPTS[1:], max_tokens=4)
     expected = _entries(drain(build_scheduler(tp1, kv_slots=1024), requests()))

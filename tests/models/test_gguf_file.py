@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from freetoken.models import loader, registry
+from freetoken.models.layers.parts import RowParts
 from freetoken.models.layers.quantized import QuantizedEmbedding, QuantizedLinear
 from freetoken.paths import ModelNotFound
 from tests.fixtures import build_models as bm
@@ -131,6 +132,21 @@ def test_hybrids_read_the_float32_conversion(caplog):
     assert "transformers' conversion" in caplog.text
 
 
+def test_row_parallel_layers_run_in_the_ranks_parts_by_default_only_where_that_is_free(built, loaded,
+                                                                                      monkeypatch):
+    # qwen3: every sliced layer on the quantized kernel, the parts whole blocks: each row-parallel
+    # layer in the two ranks' parts of K, one kernel call (TP=1 has TP=2's bits).
+    for layer in loaded["qwen3"].model.model.layers:
+        assert all(isinstance(m, RowParts) and m.fused is not None
+                   for m in (layer.self_attn.o_proj, layer.mlp.down_proj))
+    # llama: a layer dequantized at load (a float Linear) would pay for its parts: all whole.
+    assert not any(isinstance(m, RowParts) for m in loaded["llama"].model.modules())
+    monkeypatch.setenv("FREETOKEN_EXACT_TP", "0")
+    off = registry.load_model(built["qwen3"] / "model.gguf", dtype="float32", device="cpu",
+                              gguf_weights="quantized")
+    assert not any(isinstance(m, RowParts) for m in off.model.modules())
+
+
 def test_float32_weights_are_the_dequantized_blocks(built, loaded):
     """FREETOKEN_GGUF_WEIGHTS=float32: plain layers on the blocks dequantized at load, the same
     products as the quantized layers (which dequantize the same blocks) up to summation order."""
@@ -139,7 +155,9 @@ def test_float32_weights_are_the_dequantized_blocks(built, loaded):
     assert set(widened.model.weight_bytes) == {"float32"}
     for name in ("model.layers.0.self_attn.qkv_proj", "model.layers.1.mlp.down_proj", "lm_head"):
         plain, kept = widened.model.get_submodule(name), loaded["qwen3"].model.get_submodule(name)
-        assert not isinstance(plain, QuantizedLinear) and isinstance(kept, QuantizedLinear)
+        # A row-parallel layer runs in the parts of K two ranks hold (by default: parts.free_in_parts).
+        held = kept.parts if isinstance(kept, RowParts) else [kept]
+        assert not isinstance(plain, QuantizedLinear) and all(isinstance(h, QuantizedLinear) for h in held)
         x = torch.randn(5, kept.in_features, generator=torch.Generator().manual_seed(0))
         torch.testing.assert_close(plain(x), kept(x), rtol=0, atol=1e-5)
     with pytest.raises(ModelNotFound, match="FREETOKEN_GGUF_WEIGHTS=int3: not one of quantized, float32"):

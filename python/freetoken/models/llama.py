@@ -24,6 +24,7 @@ from freetoken.models.layers.kernel_choice import UNCAPPED
 from freetoken.models.layers.linear import Linear
 from freetoken.models.layers.mlp import MLP
 from freetoken.models.layers.norm import RMSNorm
+from freetoken.models.layers.parts import RowParts
 from freetoken.models.layers.quantized import QuantizedLinear
 from freetoken.models.layers.rotary import Yarn, cos_sin
 
@@ -119,13 +120,14 @@ class DecoderLayer(nn.Module):
 
     def _prepare_call(self) -> decoder_layer.LayerCall | None:
         """The whole layer as one C call, with the bits of the calls below: a plain attention and
-        MLP (not a family's own) whose linear layers all run on our kernels, whole calls."""
+        MLP (not a family's own) whose linear layers all run on our kernels, whole calls (a
+        row-parallel layer's K parts in one: RowParts.fused)."""
         attn, mlp = self.self_attn, self.mlp
         if type(attn) is not Attention or type(mlp) is not MLP:
             return None
         runs = []
         for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            if type(module) is QuantizedLinear and module.fused is not None:
+            if type(module) in (QuantizedLinear, RowParts) and module.fused is not None:
                 runs.append(module.fused)
             elif (type(module) is Linear and module.run is not None
                   and (module.rule.minimum, module.rule.most) == (1, UNCAPPED)):

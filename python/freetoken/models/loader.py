@@ -28,7 +28,7 @@ import torch
 from freetoken.models.checkpoint import read_weights
 from freetoken.models.layers.linear import pack_linears
 from freetoken.models.layers.moe import stack_experts, take_stacked_experts
-from freetoken.models.layers.parts import compute_in_parts
+from freetoken.models.layers.parts import compute_in_parts, free_in_parts
 from freetoken.models.layers.quantized import QuantizedEmbedding, plan_quantized, take_quantized, weight_bytes
 from freetoken.models.layers.quantized_parallel import (install_quantized, quantized_head, shard_state,
                                                         widen_cut_experts)
@@ -175,7 +175,7 @@ def _gguf_architecture(gguf: Path) -> str:
 
 
 def build(model_class: type, folder: Path, hf_config: dict, tokenizer, dtype: torch.dtype,
-          device: torch.device, group=None, in_parts: bool = False) -> torch.nn.Module:
+          device: torch.device, group=None, in_parts: bool | None = False) -> torch.nn.Module:
     """`model_class` (a models/causal_lm.py CausalLM) with the folder's weights, its linear
     layers packed; with `group`, that tensor-parallel rank's slices only; `in_parts`: its sliced
     layers computed as tensor-parallel ranks compute them (models/layers/parts.py)."""
@@ -188,7 +188,7 @@ def build(model_class: type, folder: Path, hf_config: dict, tokenizer, dtype: to
 
 def build_gguf(model_class: type, gguf: Path, hf_config: dict, tokenizer, dtype: torch.dtype,
                device: torch.device, quantized: bool, kv_slots: int = 0,
-               in_parts: bool = False, group=None) -> torch.nn.Module:
+               in_parts: bool | None = False, group=None) -> torch.nn.Module:
     """`model_class` (models/llama.py's or models/qwen3_moe.py's) with `gguf`'s weights, read
     from the memory-mapped file: with `quantized` (on the CPU) the block formats kept as stored,
     else dequantized at load; refused before any weight is read where the weights and a KV pool
@@ -220,10 +220,11 @@ def build_gguf(model_class: type, gguf: Path, hf_config: dict, tokenizer, dtype:
 
 
 def _assign(module: torch.nn.Module, state: dict[str, torch.Tensor], quantized: dict,
-            tokenizer, dtype: torch.dtype, device: torch.device, in_parts: bool) -> torch.nn.Module:
+            tokenizer, dtype: torch.dtype, device: torch.device, in_parts: bool | None) -> torch.nn.Module:
     """`state` assigned to `module`'s parameters, the `quantized` layers (our module name ->
     weight parts) put in place, the head tied, the linear layers packed (`in_parts`: the sliced
-    ones computed as tensor-parallel ranks compute them, models/layers/parts.py)."""
+    ones computed as tensor-parallel ranks compute them, models/layers/parts.py; None: where
+    that costs about nothing, parts.free_in_parts)."""
     tied = module.ties_head(state)
     if tied:
         state.pop("lm_head.weight", None)
@@ -250,7 +251,7 @@ def _assign(module: torch.nn.Module, state: dict[str, torch.Tensor], quantized: 
     module.requires_grad_(False)
     module.weight_bytes = weight_bytes(module)  # before packing frees the plain weights
     stack_experts(module)
-    if in_parts:
+    if in_parts or (in_parts is None and free_in_parts(module)):
         compute_in_parts(module)
     plan = pack_linears(module)
     if quantized:

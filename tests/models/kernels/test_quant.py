@@ -217,3 +217,25 @@ def test_blocks_not_matching_the_shape_are_refused():
     part = quant.QuantizedWeight(T.Q4_K, k_quant.data[:, :quant.row_bytes(T.Q4_K, 576)], (N, 576))
     with pytest.raises(ValueError, match="Q4_K rows hold whole blocks of 256 values, not 576"):
         quant.quant_linear(torch.randn(40, 576), part, None)
+
+
+@pytest.mark.parametrize("qtype", quant.FORMATS, ids=lambda t: t.name)
+def test_k_parts_in_one_call_match_the_parts_alone_added_in_order(qtype, isa_cap):
+    """A row-parallel layer's K parts (parts.RowParts, tensor parallelism's ranks) in one call:
+    each output the parts' own sums added in part order, the bias in the first, bit for bit, on
+    the few-row tiles and the panel (rows 9 and 100), parts of one K range and of two."""
+    w, block = weight(qtype), GGML_QUANT_SIZES[qtype][0]
+    k = w.shape[1]
+    cut = k // block * 2 // 5 * block  # uneven: the later part spans more K ranges
+    k_parts = [range(cut), range(cut, k)]
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(100, k, generator=torch.Generator().manual_seed(2))
+    fused = quant.QuantParts([w], [bias], k_parts)
+    for rows in (1, 5, 8, 9, 100):
+        expected = None
+        for p, r in enumerate(k_parts):
+            blocks = quant.row_bytes(qtype, r.start), quant.row_bytes(qtype, r.stop)
+            part = quant.QuantizedWeight(qtype, w.data[:, blocks[0]:blocks[1]], (N, len(r)))
+            partial = quant.quant_linear(x[:rows, r.start:r.stop].contiguous(), part, bias if p == 0 else None)
+            expected = partial if expected is None else expected.add_(partial)
+        assert torch.equal(fused(x[:rows]), expected), rows

@@ -29,7 +29,8 @@
 #include <string.h>
 
 typedef void (*quant_parts_fn)(int isa, int64_t P, const int *types, const void *const *w, const int64_t *ldw,
-                               const int64_t *n, const float *const *bias, const void *x, int64_t ldx,
+                               const int64_t *n, const float *const *bias, int64_t S, const int64_t *cuts,
+                               const void *x, int64_t ldx,
                                void *y, int64_t ldy, int64_t R, int64_t K);
 typedef void (*grouped_fn)(const void *x, int64_t ldx, const void *w, const float *bias, void *y, int64_t ldy,
                            const int64_t *groups, int64_t G, int64_t K, int64_t N);
@@ -69,6 +70,8 @@ struct linear {
     const void *const *w;
     const int64_t *ldw, *n;
     const float *const *bias;
+    int64_t k_parts;       /* QUANT: K computed in these parts, added in order (0: whole) */
+    const int64_t *k_cuts; /* their bounds, k_parts + 1 of them */
     const void *weight;
     const float *weight_bias;
     int64_t in, out;
@@ -110,8 +113,8 @@ static void widen(const uint16_t *x, float *y, int64_t n) {
 
 static void linear(const struct kernels *k, const struct linear *l, const struct step *s, const void *x, void *y) {
     if (l->kind == QUANT) {
-        k->quant_parts((int)s->isa, l->parts, l->types, l->w, l->ldw, l->n, l->bias, x, l->in, y, l->out, s->tokens,
-                       l->in);
+        k->quant_parts((int)s->isa, l->parts, l->types, l->w, l->ldw, l->n, l->bias, l->k_parts, l->k_cuts, x, l->in,
+                       y, l->out, s->tokens, l->in);
     } else if (l->kind == GROUPED && s->bf16) {
         widen(x, s->x32, s->tokens * l->in);
         k->grouped_bf16(s->x32, l->in, l->weight, l->weight_bias, s->y32, l->out, s->groups, 1, l->in, l->out);

@@ -40,7 +40,7 @@ class Kernels(ctypes.Structure):
 
 class LinearArgs(ctypes.Structure):
     _fields_ = [("kind", _I64), ("parts", _I64), ("types", _PTR), ("w", _PTR), ("ldw", _PTR), ("n", _PTR),
-                ("bias", _PTR), ("weight", _PTR), ("weight_bias", _PTR), ("in_features", _I64),
+                ("bias", _PTR), ("k_parts", _I64), ("k_cuts", _PTR), ("weight", _PTR), ("weight_bias", _PTR), ("in_features", _I64),
                 ("out_features", _I64)]
 
 
@@ -144,20 +144,21 @@ def _linear(run, dtype: torch.dtype) -> tuple[LinearArgs, object] | None:
     if isinstance(run, quant.QuantParts):
         if dtype != torch.float32:
             return None
-        count, types, blocks, strides, sizes, biases = run.args
+        count, types, blocks, strides, sizes, biases, k_parts, cuts = run.args
         return LinearArgs(QUANT, count, *map(ctypes.addressof, (types, blocks, strides, sizes, biases)),
-                          None, None, run.k, run.n), run
+                          k_parts, None if cuts is None else ctypes.addressof(cuts), None, None,
+                          run.k, run.n), run
     func = getattr(run, "func", None)
     if func is grouped_gemm.grouped_gemm:
         packed = run.keywords["experts"]
         if packed.weight.dtype != dtype:
             return None
         bias = None if packed.bias is None else packed.bias.data_ptr()
-        return LinearArgs(GROUPED, 0, None, None, None, None, None, packed.weight.data_ptr(), bias,
+        return LinearArgs(GROUPED, 0, None, None, None, None, None, 0, None, packed.weight.data_ptr(), bias,
                           packed.in_features, packed.out_features), packed
     if func is grouped_gemm.amx_linear and dtype == torch.bfloat16 and kernels(dtype).amx:
         _, packed, bias, out_features = run.args
-        return LinearArgs(AMX, 0, None, None, None, None, None, packed.data_ptr(),
+        return LinearArgs(AMX, 0, None, None, None, None, None, 0, None, packed.data_ptr(),
                           None if bias is None else bias.data_ptr(), packed.shape[1] * 32, out_features), run
     return None
 

@@ -64,7 +64,7 @@ def _kernel() -> ctypes.CDLL | None:
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib = open_library(SOURCE, "quant_isa", "AVX2/FMA/F16C", "quantized layers are dequantized at load", {
         "quant_gemm": [i32, i32, ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64, i64],
-        "quant_gemm_parts": [i32, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64],
+        "quant_gemm_parts": [i32, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64],
         "quant_dequantize_rows": [i32, i32, ptr, i64, ptr, i64, i64, ptr]})
     if lib is not None:
         lib.best_isa = lib.quant_isa()  # asked once more, then kept: CPUID is slow under a hypervisor
@@ -129,20 +129,31 @@ def dequantize_rows(weight: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
 class QuantParts:
     """Quantized weights [N_p, K] (each in its own format) run as one projection, x @ [W_0; W_1;
     ...]^T + [b_0; b_1; ...], in one kernel call: the arrays the kernel reads are made once here
-    (the weights and biases are fixed from then on)."""
+    (the weights and biases are fixed from then on). `k_parts` (ranges of whole blocks covering K
+    in order): each output the sum over each range on its own (as this class computes a weight of
+    that range alone), added in range order, the bias in the first: the bits of a tensor-parallel
+    group's ranks' partial products summed in rank order (models/layers/parts.py)."""
 
-    def __init__(self, parts: list[QuantizedWeight], biases: list[torch.Tensor | None]):
+    def __init__(self, parts: list[QuantizedWeight], biases: list[torch.Tensor | None],
+                 k_parts: list[range] | None = None):
         self.k = parts[0].shape[-1]
         self.n = sum(p.shape[0] for p in parts)
         # Kept: the kernel reads their memory.
         self.blocks = [_blocks(p.data, p.qtype, self.k) for p in parts]
         self.biases = [None if b is None else b.float().contiguous() for b in biases]
-        count = len(parts)
+        count, cuts = len(parts), None
+        if k_parts is not None:
+            blocks = {GGML_QUANT_SIZES[p.qtype][0] for p in parts}
+            if ([r.start for r in k_parts] + [self.k] != [0] + [r.stop for r in k_parts]
+                    or any(r.start % b or len(r) <= 0 for r in k_parts for b in blocks)):
+                raise ValueError(f"K parts {k_parts} do not cover {self.k} in whole blocks of {blocks}")
+            cuts = (ctypes.c_int64 * (len(k_parts) + 1))(*(r.start for r in k_parts), self.k)
         self.args = (count, (ctypes.c_int * count)(*(int(p.qtype) for p in parts)),
                      (ctypes.c_void_p * count)(*(b.data_ptr() for b in self.blocks)),
                      (ctypes.c_int64 * count)(*(b.stride(0) for b in self.blocks)),
                      (ctypes.c_int64 * count)(*(p.shape[0] for p in parts)),
-                     (ctypes.c_void_p * count)(*(None if b is None else b.data_ptr() for b in self.biases)))
+                     (ctypes.c_void_p * count)(*(None if b is None else b.data_ptr() for b in self.biases)),
+                     0 if k_parts is None else len(k_parts), cuts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [R, K] (float32 or bfloat16): [R, sum N_p] in x's dtype, float32 sums."""

@@ -442,9 +442,11 @@ AVX512 INLINE void finish8_avx512(const __m512 a[NT], float *y, const float *bia
  * three for x and one for a weight: 28 of the 32). A chunk loads each row's x once and each
  * column's weights once, 11 loads to 24 FMAs, and the rows' x stream from L2 evenly (a taller,
  * narrower tile reads them in bursts, then not at all). The first K range starts the lanes from
- * zero, the last finishes the sums into y (its first `cols` columns, + bias). */
+ * zero, the last finishes the sums into y (its first `cols` columns, + bias; `add`: y + the sums,
+ * a later K part's). */
 AVX512 INLINE void tile_avx512(const float *x, int64_t ldx, const int rows, const float *panel, int64_t chunks,
-                               float *acc, int first, int last, float *y, int64_t ldy, const float *bias, int cols) {
+                               float *acc, int first, int last, float *y, int64_t ldy, const float *bias, int cols,
+                               int add) {
     __m512 a[3][NT];
     for (int r = 0; r < rows; r++)
         for (int n = 0; n < NT; n++) a[r][n] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + r * NT * 16 + n * 16);
@@ -462,19 +464,20 @@ AVX512 INLINE void tile_avx512(const float *x, int64_t ldx, const int rows, cons
             for (int n = 0; n < NT; n++) _mm512_storeu_ps(acc + r * NT * 16 + n * 16, a[r][n]);
             continue;
         }
-        finish8_avx512(a[r], y + r * ldy, bias, cols);
+        finish8_avx512(a[r], y + r * ldy, add ? y + r * ldy : bias, cols); /* a + b is b + a, bit for bit */
     }
 }
 
 AVX512 static void rows_avx512(const float *x, int64_t ldx, int64_t rows, const float *panel, int64_t chunks,
-                               float *acc, int first, int last, float *y, int64_t ldy, const float *bias, int cols) {
+                               float *acc, int first, int last, float *y, int64_t ldy, const float *bias, int cols,
+                               int add) {
     for (int64_t r = 0; r < rows; r += 3) {
         const float *xr = x + r * ldx;
         float *ar = acc + r * NT * 16, *yr = y + r * ldy;
         switch (rows - r < 3 ? rows - r : 3) {
-        case 1: tile_avx512(xr, ldx, 1, panel, chunks, ar, first, last, yr, ldy, bias, cols); break;
-        case 2: tile_avx512(xr, ldx, 2, panel, chunks, ar, first, last, yr, ldy, bias, cols); break;
-        default: tile_avx512(xr, ldx, 3, panel, chunks, ar, first, last, yr, ldy, bias, cols); break;
+        case 1: tile_avx512(xr, ldx, 1, panel, chunks, ar, first, last, yr, ldy, bias, cols, add); break;
+        case 2: tile_avx512(xr, ldx, 2, panel, chunks, ar, first, last, yr, ldy, bias, cols, add); break;
+        default: tile_avx512(xr, ldx, 3, panel, chunks, ar, first, last, yr, ldy, bias, cols, add); break;
         }
     }
 }
@@ -652,10 +655,25 @@ static void few_avx512(int type, const float *x, int64_t ldx, int64_t rows, cons
 
 /* ---------------------------------------------------------------- the GEMM */
 
+/* y[:rows, :cols] += later[:rows, :cols] (row stride NT). */
+AVX512 static void add_rows_avx512(const float *later, float *y, int64_t ldy, int64_t rows, int cols) {
+    const __mmask16 m = (__mmask16)((1u << cols) - 1);
+    for (int64_t r = 0; r < rows; r++)
+        _mm512_mask_storeu_ps(y + r * ldy, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, y + r * ldy),
+                                                           _mm512_maskz_loadu_ps(m, later + r * NT)));
+}
+
 /* One work item: rows [0, rows) of x against output columns [n0, n0 + cols) of a weight whose
- * row n starts at w + n * ldw. */
+ * row n starts at w + n * ldw, its sums (+ bias) stored in y, or with `add` (a later K part's,
+ * item_parts) added to what y holds. */
 static void item(int isa, int type, const float *x, int64_t ldx, const uint8_t *w, int64_t ldw,
-                 const float *bias, float *y, int64_t ldy, int64_t rows, int64_t n0, int cols, int64_t K) {
+                 const float *bias, float *y, int64_t ldy, int64_t rows, int64_t n0, int cols, int64_t K, int add) {
+    if (isa == 2 && rows <= FEW && add) {
+        float later[FEW * NT];
+        few_avx512(type, x, ldx, rows, w + n0 * ldw, ldw, cols, K, later, NT, 0);
+        add_rows_avx512(later, y + n0, ldy, rows, cols);
+        return;
+    }
     if (isa == 2 && rows <= FEW) {
         few_avx512(type, x, ldx, rows, w + n0 * ldw, ldw, cols, K, y + n0, ldy, bias ? bias + n0 : 0);
         return;
@@ -680,7 +698,7 @@ static void item(int isa, int type, const float *x, int64_t ldx, const uint8_t *
         }
         if (isa == 2)
             rows_avx512(x + k0, ldx, rows, panel, kb / 16, acc, k0 == 0, k0 + kb == K, y + n0, ldy,
-                        bias ? bias + n0 : 0, cols);
+                        bias ? bias + n0 : 0, cols, add);
         else rows_avx2(x + k0, ldx, rows, panel, kb / 16, acc);
     }
     if (isa == 2) return;
@@ -688,9 +706,29 @@ static void item(int isa, int type, const float *x, int64_t ldx, const uint8_t *
         for (int n = 0; n < cols; n += 4) {
             float out[4];
             finish_scalar(acc + r * NT * 16 + n * 16, out);
-            for (int i = 0; i < 4 && n + i < cols; i++)
-                y[r * ldy + n0 + n + i] = bias ? out[i] + bias[n0 + n + i] : out[i];
+            for (int i = 0; i < 4 && n + i < cols; i++) {
+                float *at = y + r * ldy + n0 + n + i;
+                *at = add ? *at + out[i] : bias ? out[i] + bias[n0 + n + i] : out[i];
+            }
         }
+}
+
+/* item over K cut into S parts at cuts[0] = 0 < cuts[1] < ... < cuts[S] = K (values, on block
+ * boundaries; cuts NULL: K whole): each part's sums in THE ORDER over its own K (lanes from zero,
+ * the closing tree), as item computes a weight holding that part alone, then added in part order,
+ * the bias in the first: ((y_0 + bias) + y_1) + ..., the bits of S calls on the parts added
+ * afterwards, which are a tensor-parallel group's ranks' partial products summed in rank order
+ * (models/layers/parts.py). */
+static void item_parts(int isa, int type, const float *x, int64_t ldx, const uint8_t *w, int64_t ldw,
+                       const float *bias, float *y, int64_t ldy, int64_t rows, int64_t n0, int cols, int64_t K,
+                       int64_t S, const int64_t *cuts) {
+    const int64_t whole[2] = {0, K};
+    if (!cuts) S = 1, cuts = whole;
+    for (int64_t s = 0; s < S; s++) {
+        const uint8_t *part = w + cuts[s] / block_values(type) * block_bytes(type);
+        item(isa, type, x + cuts[s], ldx, part, ldw, s ? 0 : bias, y, ldy, rows, n0, cols, cuts[s + 1] - cuts[s],
+             s > 0);
+    }
 }
 
 /* Rows per work item for a group of R rows: as many as keep an item's rows of x near 1 MiB (they
@@ -720,10 +758,12 @@ static int64_t owner(const int64_t *start, int64_t G, int64_t it) {
 /* A projection of P parts, each y[:, its columns] = x @ W_p^T (+ bias_p), in one parallel loop over
  * every part's items (q/k/v or gate/up: one fork and join, not one per part). Part p: types[p],
  * w[p] uint8 [n[p]][K's blocks] (row stride ldw[p] bytes), bias[p] float32 [n[p]] or NULL, its
- * columns following part p - 1's; x [R, K] float32 (row stride ldx), y [R, sum n] (row stride ldy). */
+ * columns following part p - 1's; x [R, K] float32 (row stride ldx), y [R, sum n] (row stride ldy).
+ * cuts (NULL: none): K computed in S parts added in order, as item_parts does (a row-parallel
+ * layer computed as a tensor-parallel group's ranks would). */
 void quant_gemm_parts(int isa, int64_t P, const int *types, const uint8_t *const *w, const int64_t *ldw,
-                      const int64_t *n, const float *const *bias, const float *x, int64_t ldx, float *y,
-                      int64_t ldy, int64_t R, int64_t K) {
+                      const int64_t *n, const float *const *bias, int64_t S, const int64_t *cuts, const float *x,
+                      int64_t ldx, float *y, int64_t ldy, int64_t R, int64_t K) {
     int64_t start[P + 1], col[P + 1]; /* each part's first item and first column */
     const int64_t rb = block_rows(R, K), blocks = (R + rb - 1) / rb;
     start[0] = col[0] = 0;
@@ -736,8 +776,8 @@ void quant_gemm_parts(int isa, int64_t P, const int *types, const uint8_t *const
         const int64_t p = owner(start, P, it), local = it - start[p], tiles = (n[p] + NT - 1) / NT;
         const int64_t tile = local % tiles, first = local / tiles * rb;
         const int cols = n[p] - tile * NT < NT ? (int)(n[p] - tile * NT) : NT;
-        item(isa, types[p], x + first * ldx, ldx, w[p], ldw[p], bias[p], y + first * ldy + col[p], ldy,
-             R - first < rb ? R - first : rb, tile * NT, cols, K);
+        item_parts(isa, types[p], x + first * ldx, ldx, w[p], ldw[p], bias[p], y + first * ldy + col[p], ldy,
+                   R - first < rb ? R - first : rb, tile * NT, cols, K, S, cuts);
     }
 }
 
@@ -762,7 +802,7 @@ void quant_gemm(int isa, int type, const float *x, int64_t ldx, const uint8_t *w
         const int64_t left = groups[3 * g + 1] + groups[3 * g + 2] - first;
         const int cols = N - tile * NT < NT ? (int)(N - tile * NT) : NT;
         item(isa, type, x + first * ldx, ldx, w + e * lde, ldw, 0, y + first * ldy, ldy,
-             left < rb ? left : rb, tile * NT, cols, K);
+             left < rb ? left : rb, tile * NT, cols, K, 0);
     }
     free(start);
 }

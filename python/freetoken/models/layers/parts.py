@@ -4,21 +4,24 @@ bits.
 
 Tensor parallelism changes two things in a layer's arithmetic. A row-parallel layer (`o_proj`,
 `down_proj`, the experts' down projections) becomes partial products over parts of its input
-features, added over the ranks in rank order: another order of additions than one GEMM over
-all of them. So a single process computes every such layer in those parts of its K, added in
-part order, as the ranks' are (`RowParts`; a quantized layer's parts are whole blocks of its
-rows, read in place). A column-parallel layer (`qkv_proj`, `gate_up_proj`, the LM head) runs a
-GEMM of fewer columns on a rank, and a kernel may give a column other bits in a GEMM of another
-width. Whether the kernels chosen here do is probed at load (`columns_alike`: the kernel the
-row probe of kernel_choice.py picks for the whole shape against the ones it picks for the
-ranks' shapes, on weights that expose summation order, bit for bit); where they agree the layer
-stays whole, where not it runs as the ranks' parts (`ColumnParts`), each a `Linear` of a rank's
-very shape, so that the probe picks the same kernel for it with the same row rule. The
-quantized kernels compute each output on its own (kernels/quant_gemm.c), so quantized
-column-parallel layers stay whole. The MoE experts' gate/up projections stay whole: the grouped
-kernel computes each column on its own (grouped_gemm.c), so their width does not matter.
+features, added over the ranks in rank order: another order of additions than one GEMM over all
+of them. So a single process computes every such layer in those parts of its K, added in part
+order, as the ranks' are (`RowParts`; a quantized layer's parts are whole blocks of its rows,
+read in place, computed in one kernel call). A column-parallel layer (`qkv_proj`,
+`gate_up_proj`, the LM head) runs a GEMM of fewer columns on a rank, and a kernel may give a
+column other bits in a GEMM of another width. Whether the kernels chosen here do is probed at
+load (`columns_alike`: the kernel the row probe of kernel_choice.py picks for the whole shape
+against the ones it picks for the ranks' shapes, on weights that expose summation order, bit
+for bit); where they agree the layer stays whole, where not it runs as the ranks' parts
+(`ColumnParts`), each a `Linear` of a rank's very shape, so that the probe picks the same
+kernel for it with the same row rule. The quantized kernels compute each output on its own
+(kernels/quant_gemm.c), so quantized column-parallel layers stay whole. The MoE experts'
+gate/up projections stay whole: the grouped kernel computes each column on its own
+(grouped_gemm.c), so their width does not matter.
 
-Only on CPU (on CUDA the ranks' sum is NCCL's all-reduce, whose order is its own).
+Only on CPU (on CUDA the ranks' sum is NCCL's all-reduce, whose order is its own). Asked for
+with FREETOKEN_EXACT_TP=1 (models/registry.py); without it, done where it costs about nothing
+(`free_in_parts`: every sliced layer quantized on the kernel).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from torch import nn
 
-from freetoken.models.kernels.quant import QuantizedWeight, dequantize
+from freetoken.models.kernels.quant import QuantizedWeight, QuantParts, dequantize
 from freetoken.models.layers.kernel_choice import RowRule, probe_rows, probe_weight, probed_once
 from freetoken.models.layers.linear import Linear, candidates, choose
 from freetoken.models.layers.moe import Experts
@@ -124,8 +127,17 @@ class RowParts(nn.Module):
         super().__init__()
         self.cols = cols
         self.parts = nn.ModuleList(k_part(layer, c, p == 0, dtype) for p, c in enumerate(cols))
+        # Every part whole blocks on the quantized kernel: one call computes the parts' sums and
+        # adds them in order (quant_gemm.c's item_parts), x read in place, with these very bits
+        # in float32 (other dtypes round each part's product first: the parts run apart).
+        self.fused = QuantParts(layer.parts, layer.part_bias, cols) if (
+            isinstance(layer, QuantizedLinear) and layer.fused is not None
+            and all(isinstance(part, QuantizedLinear) for part in self.parts)) else None
+        self.in_features, self.out_features = layer.in_features, layer.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and x.dtype == torch.float32:
+            return self.fused(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
         # Each part's input contiguous, as a rank's own is.
         out, *rest = [part(x[..., c.start : c.stop].contiguous()) for part, c in zip(self.parts, self.cols)]
         for partial in rest:
@@ -202,13 +214,43 @@ def _columns(layer: nn.Module, rows: list[list[range]], padded: int = 0) -> nn.M
     return ColumnParts(layer, rows, padded)
 
 
+def free_in_parts(model: nn.Module, parts: int = EXACT_PARTS) -> bool:
+    """Does computing `model` in parts cost about nothing: float32 rows, no experts, every sliced
+    layer quantized on the kernel (column-parallel ones then stay whole) and each row-parallel
+    one's parts whole blocks (computed in one call: RowParts.fused)? docs/engine.md, "What it
+    costs"."""
+    cfg = model.cfg
+    if (cfg.num_kv_heads < parts or model.model.norm.weight.dtype != torch.float32
+            or not _on_kernel(model.lm_head)):
+        return False
+    q_cols = [scaled(q, cfg.head_dim) for q, _ in _head_splits(cfg, parts)]
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if isinstance(mlp, Experts) or not all(map(_on_kernel, (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                                mlp.down_proj))):
+            return False
+        down_cols = [even_part(mlp.down_proj.in_features, p, parts) for p in range(parts)]
+        for row_parallel, cols in ((attn.o_proj, q_cols), (mlp.down_proj, down_cols)):
+            if any(quantized_columns(row_parallel.parts[0], c) is None for c in cols):
+                return False
+    return True
+
+
+def _on_kernel(layer: nn.Module) -> bool:
+    return type(layer) is QuantizedLinear and layer.fused is not None
+
+
+def _head_splits(cfg, parts: int) -> list[tuple[range, range]]:
+    return [head_split(cfg.num_heads, cfg.num_kv_heads, p, parts) for p in range(parts)]
+
+
 def compute_in_parts(model: nn.Module, parts: int = EXACT_PARTS) -> None:
     """Put the sliced layers of `model` (a models/llama.py decoder or a family built on it,
     loaded whole, its experts stacked or not) in `parts` parts, cut as `parts` ranks are."""
     cfg, d = model.cfg, model.cfg.head_dim
     if cfg.num_kv_heads < parts:
         return  # kv heads replicated over ranks: each rank attends with its own copy, not here
-    splits = [head_split(cfg.num_heads, cfg.num_kv_heads, p, parts) for p in range(parts)]
+    splits = _head_splits(cfg, parts)
     q_rows = [scaled(q, d) for q, _ in splits]
     k_first, v_first = cfg.num_heads * d, (cfg.num_heads + cfg.num_kv_heads) * d
     dtype = model.model.norm.weight.dtype  # a quantized layer's dequantized parts
