@@ -148,6 +148,21 @@ AVX2 INLINE void k_scales(const uint8_t *b, float s[16]) {
                                           _mm256_set1_ps(-half(b + 2))));
 }
 
+/* k_scales's values in vector registers, no scalar unpacking: bytes 0-11 (the 12) as scale_0-3,
+ * bytes 8-11 (scale_4-7's low nibbles), mins 0-3 and bytes 8-11 again (their high nibbles), then
+ * the top two bits of bytes 0-3 and 4-7 under groups 1 and 3. */
+AVX512 INLINE void k_scales_512(const uint8_t *b, float s[16]) {
+    const __m128i q = _mm_loadu_si128((const __m128i *)(b + 4)); /* bytes 12-15 are the codes' */
+    const __m128i low = _mm_shuffle_epi8(q, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+    const __m128i top = _mm_shuffle_epi8(q, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+    const __m128i six = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0);
+    const __m128i high_nibbles = _mm_and_si128(_mm_srli_epi16(low, 4), _mm_setr_epi32(0, 0, 0, 0x0F0F0F0F));
+    const __m128i bytes = _mm_or_si128(_mm_or_si128(_mm_and_si128(low, six), high_nibbles),
+                                       _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30)));
+    const __m512 d = _mm512_insertf32x8(_mm512_set1_ps(half(b)), _mm256_set1_ps(-half(b + 2)), 1);
+    _mm512_storeu_ps(s, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)), d));
+}
+
 /* Q6_K: 16 sub-blocks of 16, each an int8 scale: s[j] = d * scale_j (exact products). */
 AVX2 INLINE void q6_scales(const uint8_t *b, float s[16]) {
     const __m128i bytes = _mm_loadu_si128((const __m128i *)(b + 192));
@@ -635,15 +650,15 @@ AVX512 INLINE void q4_k_chunk_512(const uint8_t *b, const float *s, int c, __m51
         case Q4_1: FEW_PAIRS(pair_q4_1_512) break;                                               \
         case MXFP4: FEW_PAIRS(pair_mxfp4_512) break;                                             \
         case Q4_K:                                                                               \
-            if (ROWS > 4) FEW_SUPER_SHARED(k_scales, 16, q4_k_chunk_512)                         \
-            else FEW_SUPER(k_scales, 4, FEW_Q4_K_PART)                                           \
+            if (ROWS > 4) FEW_SUPER_SHARED(k_scales_512, 16, q4_k_chunk_512)                     \
+            else FEW_SUPER(k_scales_512, 4, FEW_Q4_K_PART)                                       \
             break;                                                                               \
         case Q5_K:                                                                               \
-            if (ROWS > 4) FEW_SUPER_SHARED(k_scales, 8, q5_k_part_512)                          \
-            else FEW_SUPER(k_scales, 8, Q5_K_PART(FEW_U8_FMA, _mm512_set1_ps, i))                \
+            if (ROWS > 4) FEW_SUPER_SHARED(k_scales_512, 8, q5_k_part_512)                       \
+            else FEW_SUPER(k_scales_512, 8, Q5_K_PART(FEW_U8_FMA, _mm512_set1_ps, i))            \
             break;                                                                               \
         case Q6_K:                                                                               \
-            if (ROWS > 4) FEW_SUPER_SHARED(q6_scales, 8, q6_k_part_512)                         \
+            if (ROWS > 4) FEW_SUPER_SHARED(q6_scales, 8, q6_k_part_512)                          \
             else FEW_SUPER(q6_scales, 8, Q6_K_PART(FEW_I8, _mm512_set1_ps, i))                   \
             break;                                                                               \
         }                                                                                        \
