@@ -148,11 +148,12 @@ AVX2 INLINE void k_scales(const uint8_t *b, float s[16]) {
                                           _mm256_set1_ps(-half(b + 2))));
 }
 
-/* k_scales's values in vector registers, no scalar unpacking: bytes 0-11 (the 12) as scale_0-3,
- * bytes 8-11 (scale_4-7's low nibbles), mins 0-3 and bytes 8-11 again (their high nibbles), then
- * the top two bits of bytes 0-3 and 4-7 under groups 1 and 3. */
+/* k_scales's s from vector registers alone (the few-row tiles, where its scalar unpacking cost
+ * as much as a tenth of the time): the 12 bytes shuffled to [0-3 | 8-11 | 4-7 | 8-11], each group
+ * masked to its part (scale_0-3's 6 bits, scale_4-7's low nibbles, min_0-3's 6 bits, min_4-7's
+ * high nibbles shifted down), bytes 0-3's and 4-7's top two bits shifted under groups 1 and 3. */
 AVX512 INLINE void k_scales_512(const uint8_t *b, float s[16]) {
-    const __m128i q = _mm_loadu_si128((const __m128i *)(b + 4)); /* bytes 12-15 are the codes' */
+    const __m128i q = _mm_loadu_si128((const __m128i *)(b + 4)); /* (its last 4 bytes: codes, unused) */
     const __m128i low = _mm_shuffle_epi8(q, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
     const __m128i top = _mm_shuffle_epi8(q, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
     const __m128i six = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0);
@@ -614,7 +615,7 @@ AVX512 INLINE void q4_k_chunk_512(const uint8_t *b, const float *s, int c, __m51
 /* The super-block formats at 5-8 rows: part i of every column's block (PART filling 256 / PARTS
  * values as registers: Q4_K 16, Q5_K and Q6_K 32), then each row's x loaded once for all the
  * columns. So few registers a column leave room for three or four columns' accumulators (24 at
- * 8 rows by 3: 24 + 6 + x), and each x load (from L2: 8 rows of a K of 4096 overflow L1) feeds
+ * 8 rows by 3, with 3-6 for the weights and one for x), and each x load (from L2: 8 rows of a K of 4096 overflow L1) feeds
  * three or four FMAs rather than two. */
 #define FEW_SUPER_SHARED(SCALES, PARTS, PART)                                                    \
     for (int64_t blk = 0; blk < K / 256; blk++) {                                                \
@@ -687,9 +688,10 @@ static const few_tile few_tiles[FEW + 1] = {0, few_avx512_1x4, few_avx512_2x4, f
 static const few_tile few_pairs[FEW + 1] = {0, 0, 0, 0, 0, 0, few_avx512_6x2, few_avx512_7x2, few_avx512_8x2};
 
 /* Rows [0, rows), rows <= FEW, against output columns [0, cols) of w in one pass, each block
- * dequantized once for all the rows: four columns at a time up to 5 rows, three at 6-8 (the
- * registers hold no more accumulators with the dequantized weights and x), the last two of 8
- * (or fewer) columns by a two-column tile rather than a three-column one that repeats one. */
+ * dequantized once for all the rows: four columns at a time up to 5 rows, three at 6-8 in the
+ * super-block formats (the registers hold no more accumulators with the dequantized weights and
+ * x; the 32-value formats measured no faster at three, and keep two), the last two of 8 (or
+ * fewer) columns by a two-column tile rather than a three-column one that repeats one. */
 static void few_avx512(int type, const float *x, int64_t ldx, int64_t rows, const uint8_t *w, int64_t ldw,
                        int cols, int64_t K, float *y, int64_t ldy, const float *bias) {
     const int width = rows < 6 ? 4 : block_values(type) == 256 ? 3 : 2; /* the tile's columns */
