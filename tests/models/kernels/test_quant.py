@@ -105,7 +105,7 @@ def test_rows_past_one_work_item_match_float64_and_their_rows_alone(qtype, isa_c
 
 @pytest.mark.parametrize("qtype", quant.FORMATS, ids=lambda t: t.name)
 def test_few_rows_over_a_part_tile_match_float64_and_their_rows_alone(qtype, isa_cap):
-    # 2-8 rows: a decode step's path (1-4 rows four columns at a time, 5-8 rows two at a time);
+    # 2-8 rows: a decode step's path (1-5 rows four columns at a time, 6-8 rows three or two);
     # 45 columns: the last work item's columns end in a part tile of either width.
     w = quant.random_weight(qtype, (45, K_SUPER), seed=8)
     x = torch.randn(8, K_SUPER, generator=torch.Generator().manual_seed(9))

@@ -29,10 +29,10 @@
  * reuse each panel for every row of the item, so the FMA microkernel, not the dequantization,
  * sets the pace. An item of at most FEW rows (AVX-512; a decode step of up to 8 requests) skips
  * the panel: it multiplies each block as it dequantizes it, in registers, the same chains in the
- * same order (few_avx512), the scales read through a table; 1-4 rows four columns at a time,
- * 5-8 rows two at a time, so that every row of the item shares each block's one dequantization
- * (at 8 rows the FMAs, eight per 16 weights of a column, are most of the work; a second pass of
- * 4 rows would dequantize each block again).
+ * same order (few_avx512), the scales read through a table; 1-5 rows four columns at a time,
+ * 6-8 rows three (two in the 32-value formats), so that every row of the item shares each
+ * block's one dequantization (at 8 rows the FMAs, eight per 16 weights of a column, are most of
+ * the work; a second pass of 4 rows would dequantize each block again).
  *
  * Built at first use by models/kernels/quant.py; x86-64 with AVX2, FMA and F16C, else unsupported.
  */
@@ -146,6 +146,22 @@ AVX2 INLINE void k_scales(const uint8_t *b, float s[16]) {
     _mm256_storeu_ps(s, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), _mm256_set1_ps(half(b))));
     _mm256_storeu_ps(s + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))),
                                           _mm256_set1_ps(-half(b + 2))));
+}
+
+/* k_scales's s from vector registers alone (the few-row tiles, where its scalar unpacking cost
+ * as much as a tenth of the time): the 12 bytes shuffled to [0-3 | 8-11 | 4-7 | 8-11], each group
+ * masked to its part (scale_0-3's 6 bits, scale_4-7's low nibbles, min_0-3's 6 bits, min_4-7's
+ * high nibbles shifted down), bytes 0-3's and 4-7's top two bits shifted under groups 1 and 3. */
+AVX512 INLINE void k_scales_512(const uint8_t *b, float s[16]) {
+    const __m128i q = _mm_loadu_si128((const __m128i *)(b + 4)); /* (its last 4 bytes: codes, unused) */
+    const __m128i low = _mm_shuffle_epi8(q, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+    const __m128i top = _mm_shuffle_epi8(q, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+    const __m128i six = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0);
+    const __m128i high_nibbles = _mm_and_si128(_mm_srli_epi16(low, 4), _mm_setr_epi32(0, 0, 0, 0x0F0F0F0F));
+    const __m128i bytes = _mm_or_si128(_mm_or_si128(_mm_and_si128(low, six), high_nibbles),
+                                       _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30)));
+    const __m512 d = _mm512_insertf32x8(_mm512_set1_ps(half(b)), _mm256_set1_ps(-half(b + 2)), 1);
+    _mm512_storeu_ps(s, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)), d));
 }
 
 /* Q6_K: 16 sub-blocks of 16, each an int8 scale: s[j] = d * scale_j (exact products). */
@@ -482,8 +498,8 @@ AVX512 static void rows_avx512(const float *x, int64_t ldx, int64_t rows, const 
     }
 }
 
-/* AVX-512, few rows (a decode step's): up to 4 rows by four columns (or 5-8 rows by two) over the
- * whole of K, each block dequantized in registers and multiplied at once: no panel, no lanes
+/* AVX-512, few rows (a decode step's): up to 5 rows by four columns (6-8 rows by three or two)
+ * over the whole of K, each block dequantized in registers and multiplied at once: no panel, no lanes
  * kept in memory. The lanes run the very chains of tile_avx512 (one FMA per chunk, in chunk
  * order) and end in the same finish_avx512, so a row gets the same bits here as through the
  * panel. Columns past `cols` repeat the last one (their sums are not written). */
@@ -543,6 +559,12 @@ AVX512 INLINE __m512 x_shared(const float *p) {
     return v;
 }
 
+/* acc += x * w, one vfmadd231ps on the accumulator's own register: left to itself, GCC picks
+ * forms that overwrite x or w and copies registers about to make up for it. */
+AVX512 INLINE void fma_in_place(__m512 *acc, __m512 x, __m512 w) {
+    __asm__("vfmadd231ps %2, %1, %0" : "+v"(*acc) : "v"(x), "v"(w));
+}
+
 /* The 32-value formats: a block of every column dequantized, then each row's x loaded once for
  * all of them (values 0-15 of every (row, column), then 16-31: each chain still in chunk order). */
 #define FEW_PAIRS(PAIR)                                                                          \
@@ -560,40 +582,62 @@ AVX512 INLINE __m512 x_shared(const float *p) {
         }                                                                                        \
     }
 
+/* p, through a register the compiler cannot see through, so that each part of a block reads its
+ * bytes (or scales) afresh: left to itself, it keeps what later parts read again in registers,
+ * which at 6-8 rows by three columns are the accumulators' (spilled to the stack). */
+INLINE const uint8_t *opaque(const uint8_t *p) {
+    __asm__("" : "+r"(p));
+    return p;
+}
+
 /* Q5_K's and Q6_K's values 32i to 32i + 31 as two registers (as Q5_K_PART and Q6_K_PART make them). */
 AVX512 INLINE void q5_k_part_512(const uint8_t *b, const float *s, int i, __m512 w[2]) {
-    const __m256i codes = q5_codes(b, i);
+    const __m256i codes = q5_codes(opaque(b), i);
     const __m512 d = _mm512_set1_ps(s[i]), m = _mm512_set1_ps(s[8 + i]);
     w[0] = u8_fma_512(_mm256_castsi256_si128(codes), d, m);
     w[1] = u8_fma_512(_mm256_extracti128_si256(codes, 1), d, m);
 }
 
 AVX512 INLINE void q6_k_part_512(const uint8_t *b, const float *s, int i, __m512 w[2]) {
-    const __m256i codes = q6_codes(b, i / 4, i % 4);
+    const __m256i codes = q6_codes(opaque(b), i / 4, i % 4);
     w[0] = i8_512(_mm256_castsi256_si128(codes), _mm512_set1_ps(s[2 * i]));
     w[1] = i8_512(_mm256_extracti128_si256(codes, 1), _mm512_set1_ps(s[2 * i + 1]));
 }
 
-/* The super-block formats at two columns (5-8 rows): part i of both columns' block, GROUP
- * filling 256 / PARTS values as registers, then each row's x loaded once for both (four
- * columns' parts would take the accumulators' registers: those tiles run FEW_SUPER). */
-#define FEW_SUPER_SHARED(SCALES, PARTS, GROUP)                                                   \
+/* Q4_K's values 16c to 16c + 15 (bytes 16 + 32(c / 4) + 16(c % 2) on, their low nibbles for an
+ * even sub-block c / 2, the high for an odd one) in one register, looked up in the sub-block's
+ * table (as q4_k_group_512's, built afresh for each of its two chunks so that no table takes a
+ * register from one chunk to the next). */
+AVX512 INLINE void q4_k_chunk_512(const uint8_t *b, const float *s, int c, __m512 w[1]) {
+    const float *sub = (const float *)opaque((const uint8_t *)(s + c / 2));
+    const __m512 table = _mm512_fmadd_ps(iota_512(), _mm512_set1_ps(sub[0]), _mm512_set1_ps(sub[8]));
+    const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)opaque(b + 16 + 32 * (c / 4) + 16 * (c % 2))));
+    w[0] = _mm512_permutexvar_ps(c / 2 % 2 ? _mm512_srli_epi32(codes, 4) : codes, table);
+}
+
+/* The super-block formats at 5-8 rows: part i of every column's block (PART filling 256 / PARTS
+ * values as registers: Q4_K 16, Q5_K and Q6_K 32), then each row's x loaded once for all the
+ * columns. So few registers a column leave room for three or four columns' accumulators (24 at
+ * 8 rows by 3, with 3-6 for the weights and one for x), and each x load (from L2: 8 rows of a K of 4096 overflow L1) feeds
+ * three or four FMAs rather than two. */
+#define FEW_SUPER_SHARED(SCALES, PARTS, PART)                                                    \
     for (int64_t blk = 0; blk < K / 256; blk++) {                                                \
-        float scales[2][16];                                                                     \
-        for (int n = 0; n < 2; n++) SCALES(col[n] + blk * size, scales[n]);                      \
-        FETCH_AHEAD(2, blk)                                                                      \
+        float scales[4][16];                                                                     \
+        for (int n = 0; n < few_cols; n++) SCALES(col[n] + blk * size, scales[n]);               \
+        FETCH_AHEAD(few_cols, blk)                                                               \
+        _Pragma("GCC unroll 16")                                                                 \
         for (int i = 0; i < PARTS; i++) {                                                        \
-            __m512 wp[2][256 / PARTS / 16];                                                      \
-            for (int n = 0; n < 2; n++) GROUP(col[n] + blk * size, scales[n], i, wp[n]);          \
+            __m512 wp[4][256 / PARTS / 16];                                                      \
+            for (int n = 0; n < few_cols; n++) PART(col[n] + blk * size, scales[n], i, wp[n]);   \
             for (int c = 0; c < 256 / PARTS / 16; c++)                                           \
                 for (int r = 0; r < few_rows; r++) {                                             \
                     const __m512 xv = x_shared(x + r * ldx + 256 * blk + 256 / PARTS * i + 16 * c); \
-                    for (int n = 0; n < 2; n++) a[r][n] = _mm512_fmadd_ps(xv, wp[n][c], a[r][n]); \
+                    for (int n = 0; n < few_cols; n++) fma_in_place(&a[r][n], xv, wp[n][c]);    \
                 }                                                                                \
         }                                                                                        \
     }
 
-/* ROWS rows by COLS (4 or 2) columns. */
+/* ROWS rows by COLS (2 to 4) columns. */
 #define FEW_TILE(ROWS, COLS)                                                                     \
     AVX512 static void few_avx512_##ROWS##x##COLS(int type, const float *x, int64_t ldx, const uint8_t *w, \
                                                   int64_t ldw, int cols, int64_t K, float *y, int64_t ldy, \
@@ -610,19 +654,19 @@ AVX512 INLINE void q6_k_part_512(const uint8_t *b, const float *s, int i, __m512
         case Q4_1: FEW_PAIRS(pair_q4_1_512) break;                                               \
         case MXFP4: FEW_PAIRS(pair_mxfp4_512) break;                                             \
         case Q4_K:                                                                               \
-            if (COLS == 2) FEW_SUPER_SHARED(k_scales, 4, q4_k_group_512)                         \
-            else FEW_SUPER(k_scales, 4, FEW_Q4_K_PART)                                           \
+            if (ROWS > 4) FEW_SUPER_SHARED(k_scales_512, 16, q4_k_chunk_512)                     \
+            else FEW_SUPER(k_scales_512, 4, FEW_Q4_K_PART)                                       \
             break;                                                                               \
         case Q5_K:                                                                               \
-            if (COLS == 2) FEW_SUPER_SHARED(k_scales, 8, q5_k_part_512)                          \
-            else FEW_SUPER(k_scales, 8, Q5_K_PART(FEW_U8_FMA, _mm512_set1_ps, i))                \
+            if (ROWS > 4) FEW_SUPER_SHARED(k_scales_512, 8, q5_k_part_512)                       \
+            else FEW_SUPER(k_scales_512, 8, Q5_K_PART(FEW_U8_FMA, _mm512_set1_ps, i))            \
             break;                                                                               \
         case Q6_K:                                                                               \
-            if (COLS == 2) FEW_SUPER_SHARED(q6_scales, 8, q6_k_part_512)                         \
+            if (ROWS > 4) FEW_SUPER_SHARED(q6_scales, 8, q6_k_part_512)                          \
             else FEW_SUPER(q6_scales, 8, Q6_K_PART(FEW_I8, _mm512_set1_ps, i))                   \
             break;                                                                               \
         }                                                                                        \
-        for (int r = 0; r < ROWS; r++) { /* (with two columns, each finished twice) */         \
+        for (int r = 0; r < ROWS; r++) { /* (with two or three columns, some finished twice) */ \
             float out[4];                                                                        \
             finish_avx512(a[r][0], a[r][1], a[r][2 % COLS], a[r][3 % COLS], out);                \
             for (int n = 0; n < cols; n++) y[r * ldy + n] = bias ? out[n] + bias[n] : out[n];    \
@@ -632,7 +676,10 @@ FEW_TILE(1, 4)
 FEW_TILE(2, 4)
 FEW_TILE(3, 4)
 FEW_TILE(4, 4)
-FEW_TILE(5, 2)
+FEW_TILE(5, 4)
+FEW_TILE(6, 3)
+FEW_TILE(7, 3)
+FEW_TILE(8, 3)
 FEW_TILE(6, 2)
 FEW_TILE(7, 2)
 FEW_TILE(8, 2)
@@ -640,17 +687,22 @@ FEW_TILE(8, 2)
 typedef void (*few_tile)(int type, const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, int cols,
                          int64_t K, float *y, int64_t ldy, const float *bias);
 static const few_tile few_tiles[FEW + 1] = {0, few_avx512_1x4, few_avx512_2x4, few_avx512_3x4, few_avx512_4x4,
-                                            few_avx512_5x2, few_avx512_6x2, few_avx512_7x2, few_avx512_8x2};
+                                            few_avx512_5x4, few_avx512_6x3, few_avx512_7x3, few_avx512_8x3};
+static const few_tile few_pairs[FEW + 1] = {0, 0, 0, 0, 0, 0, few_avx512_6x2, few_avx512_7x2, few_avx512_8x2};
 
-/* Rows [0, rows), rows <= FEW, against output columns [0, cols) of w: four columns by up to four
- * rows at a time, or 5-8 rows in one pass two columns at a time (16 accumulators at 8 rows: the
- * registers hold no more with the dequantized weights and x), each block dequantized once. */
+/* Rows [0, rows), rows <= FEW, against output columns [0, cols) of w in one pass, each block
+ * dequantized once for all the rows: four columns at a time up to 5 rows, three at 6-8 in the
+ * super-block formats (the registers hold no more accumulators with the dequantized weights and
+ * x; the 32-value formats measured no faster at three, and keep two), the last two of 8 (or
+ * fewer) columns by a two-column tile rather than a three-column one that repeats one. */
 static void few_avx512(int type, const float *x, int64_t ldx, int64_t rows, const uint8_t *w, int64_t ldw,
                        int cols, int64_t K, float *y, int64_t ldy, const float *bias) {
-    const int width = rows > 4 ? 2 : 4; /* the tile's columns */
-    for (int n = 0; n < cols; n += width)
-        few_tiles[rows](type, x, ldx, w + n * ldw, ldw, cols - n < width ? cols - n : width, K, y + n, ldy,
-                        bias ? bias + n : 0);
+    const int width = rows < 6 ? 4 : block_values(type) == 256 ? 3 : 2; /* the tile's columns */
+    for (int n = 0; n < cols; n += width) {
+        const int left = cols - n < width ? cols - n : width;
+        const few_tile tile = left <= 2 && few_pairs[rows] ? few_pairs[rows] : few_tiles[rows];
+        tile(type, x, ldx, w + n * ldw, ldw, left, K, y + n, ldy, bias ? bias + n : 0);
+    }
 }
 
 /* ---------------------------------------------------------------- the GEMM */
