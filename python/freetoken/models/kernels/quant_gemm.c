@@ -766,11 +766,13 @@ static void item(int isa, int type, const float *x, int64_t ldx, const uint8_t *
             const int64_t c0 = n0 + t * NT;
             const int tc = cols - t * NT < NT ? cols - t * NT : NT;
             for (int n = 0; n < tc; n++) {
-                /* The weights the next tile (or the next range's first) dequantizes, which the
-                 * memory system would otherwise start fetching only once a thread asks for them
-                 * (prefetches do not fault; past the item's last they are the next item's). */
-                const int64_t next = t + 1 < tiles ? c0 + NT : n0, from = t + 1 < tiles ? k0 : k0 + span;
-                const uint8_t *ahead = w + (next + n) * ldw + from / per_block * size;
+                /* Weights dequantized later, which the memory system would otherwise start
+                 * fetching only once a thread asks for them (prefetches do not fault): the same
+                 * range of the next tile's rows (past the item's last tile, the next item's
+                 * first), or after a wide item's last tile its next range's first. (An item of
+                 * one tile that fetched its own next range instead: 1.03-1.05x the time.) */
+                const int wrap = t + 1 == tiles && tiles > 1;
+                const uint8_t *ahead = w + ((wrap ? n0 : c0 + NT) + n) * ldw + (wrap ? k0 + span : k0) / per_block * size;
                 for (int64_t b = 0; b < kb / per_block * size; b += 64) _mm_prefetch((const char *)ahead + b, _MM_HINT_T0);
                 dequant_blocks(isa, type, w + (c0 + n) * ldw, k0 / per_block, kb / per_block, panel + n * LDP);
             }
