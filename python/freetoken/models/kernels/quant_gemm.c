@@ -15,16 +15,17 @@
  * bits (on one CPU or across CPUs).
  *
  * How it runs. Work items are (group, block of 48-192 rows (block_rows), tile of NT output
- * columns, or WIDE such tiles where the block's x would not stay in L2), spread over torch's OpenMP threads (we share its libgomp) in guided chunks: a thread
- * takes a run of consecutive items, so it walks a stretch of the weight front to back (which the
- * hardware prefetcher streams, and where the next tile an item prefetches is its own thread's
- * next item, not the other core's), and no two threads write one cache line of y; the runs
- * shrink towards the end, so the threads still finish together. (Items handed out one at a time
- * alternate between the threads: a batch-1 decode step took 1.7x as long on two threads.) An
- * item walks K in ranges of at most KB: it dequantizes its columns' weights for the range into a
- * panel in L1 (tile by tile), then runs every row tile of its rows over the panel (AVX-512: 3 rows by the 8
- * columns, a row's eight sums finished together), the lanes kept in a buffer between ranges (a K
- * of one range keeps them in registers throughout). A decode step's few
+ * columns, or WIDE such tiles where the block's x would not stay in L2), spread over torch's
+ * OpenMP threads (we share its libgomp) in guided chunks: a thread takes a run of consecutive
+ * items, so it walks a stretch of the weight front to back (which the hardware prefetcher
+ * streams, and where the next tile an item prefetches is its own thread's next item, not the
+ * other core's), and no two threads write one cache line of y; the runs shrink towards the end,
+ * so the threads still finish together. (Items handed out one at a time alternate between the
+ * threads: a batch-1 decode step took 1.7x as long on two threads.) An item walks K in ranges of
+ * at most KB: it dequantizes a tile's columns' weights for the range into a panel in L1, then
+ * runs every row tile of its rows over the panel (AVX-512: 3 rows by the 8 columns, a row's eight
+ * sums finished together), tile after tile, the lanes kept in a buffer between ranges (a K of one
+ * range keeps them in registers throughout). A decode step's few
  * rows read each weight byte once from memory (the step is bound by that read); a prefill's rows
  * reuse each panel for every row of the item, so the FMA microkernel, not the dequantization,
  * sets the pace. An item of at most FEW rows (AVX-512; a decode step of up to 8 requests) skips
@@ -151,8 +152,8 @@ AVX2 INLINE void k_scales(const uint8_t *b, float s[16]) {
 }
 
 /* k_scales's s from vector registers alone (the few-row tiles, where its scalar unpacking cost
- * as much as a tenth of the time, and the panel's Q4_K, 1-2 % of a 32-row prefill's): the 12 bytes shuffled to [0-3 | 8-11 | 4-7 | 8-11], each group
- * masked to its part (scale_0-3's 6 bits, scale_4-7's low nibbles, min_0-3's 6 bits, min_4-7's
+ * as much as a tenth of the time, and the panel's Q4_K, 1-2 % of a 32-row prefill's): the 12
+ * bytes shuffled to [0-3 | 8-11 | 4-7 | 8-11], each group masked to its part (scale_0-3's 6 bits, scale_4-7's low nibbles, min_0-3's 6 bits, min_4-7's
  * high nibbles shifted down), bytes 0-3's and 4-7's top two bits shifted under groups 1 and 3. */
 AVX512 INLINE void k_scales_512(const uint8_t *b, float s[16]) {
     const __m128i q = _mm_loadu_si128((const __m128i *)(b + 4)); /* (its last 4 bytes: codes, unused) */
@@ -720,8 +721,8 @@ AVX512 static void add_rows_avx512(const float *later, float *y, int64_t ldy, in
 }
 
 /* A thread's buffer for an item's lanes between K ranges, [WIDE][rows][NT][16] at most, made at
- * its first use and kept (allocating it per item mapped fresh pages each time: +15 % on the 8B's
- * gate/up at 256 rows; on the stack it would ask 384 KiB of every thread's stack). */
+ * its first use and kept (allocating it per item mapped fresh pages each time: 1.15-1.20x the
+ * time of 4096-wide layers at 256 rows; on the stack it would ask 384 KiB of every thread). */
 static float *lanes_buffer(void) {
     static __thread float *lanes;
     if (!lanes) lanes = aligned_alloc(64, (size_t)WIDE * RB_MAX * NT * 16 * sizeof(float));
@@ -772,8 +773,10 @@ static void item(int isa, int type, const float *x, int64_t ldx, const uint8_t *
                  * first), or after a wide item's last tile its next range's first. (An item of
                  * one tile that fetched its own next range instead: 1.03-1.05x the time.) */
                 const int wrap = t + 1 == tiles && tiles > 1;
-                const uint8_t *ahead = w + ((wrap ? n0 : c0 + NT) + n) * ldw + (wrap ? k0 + span : k0) / per_block * size;
-                for (int64_t b = 0; b < kb / per_block * size; b += 64) _mm_prefetch((const char *)ahead + b, _MM_HINT_T0);
+                const uint8_t *ahead = w + ((wrap ? n0 : c0 + NT) + n) * ldw
+                                       + (wrap ? k0 + span : k0) / per_block * size;
+                for (int64_t b = 0; b < kb / per_block * size; b += 64)
+                    _mm_prefetch((const char *)ahead + b, _MM_HINT_T0);
                 dequant_blocks(isa, type, w + (c0 + n) * ldw, k0 / per_block, kb / per_block, panel + n * LDP);
             }
             if (isa == 2)
@@ -849,10 +852,10 @@ void quant_gemm_parts(int isa, int64_t P, const int *types, const uint8_t *const
                       const int64_t *n, const float *const *bias, int64_t S, const int64_t *cuts, const float *x,
                       int64_t ldx, float *y, int64_t ldy, int64_t R, int64_t K) {
     int64_t start[P + 1], col[P + 1]; /* each part's first item and first column */
-    /* Items of WIDE tiles where an item's rows of x would not stay in L2 (the 8B's down_proj at 48
-     * rows and more: 0.75x its time at 256 rows, and 0.91x again with 128 rows an item rather than
-     * 48), where they fit of one tile (WIDE ones measured up to 1.15x slower there: the lanes of
-     * four tiles between K ranges leave L1). */
+    /* Items of WIDE tiles where an item's rows of x would not stay in L2 (the 8B's down_proj, K =
+     * 12288, from 22 rows: 0.75x its time at 256 rows, and 0.91x again with 128 rows an item rather
+     * than 48); where they stay, of one tile (WIDE ones measured up to 1.09x slower there: the
+     * lanes of four tiles between K ranges leave L1). */
     const int64_t wide = R > FEW && block_rows(R, K) * K > CAP, rb = block_rows(R, wide ? 0 : K);
     const int64_t blocks = (R + rb - 1) / rb, width = wide ? NT * WIDE : NT;
     start[0] = col[0] = 0;
