@@ -239,3 +239,28 @@ def test_k_parts_in_one_call_match_the_parts_alone_added_in_order(qtype, isa_cap
             partial = quant.quant_linear(x[:rows, r.start:r.stop].contiguous(), part, bias if p == 0 else None)
             expected = partial if expected is None else expected.add_(partial)
         assert torch.equal(fused(x[:rows]), expected), rows
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
+def test_a_long_k_over_items_of_several_tiles_matches_rows_alone_and_k_parts(qtype, isa_cap, threads):
+    """A K whose rows of x outgrow L2 (12288, the 8B's down_proj): items of several column tiles,
+    each K range run for all of them in turn (then 60 rows in one item, 44 columns in two), the
+    same bits as each row alone, and with K parts (row-parallel layers) as the parts added."""
+    k = 12288
+    w = quant.random_weight(qtype, (N, k), seed=8)
+    x = torch.randn(60, k, generator=torch.Generator().manual_seed(9))
+    y = quant.quant_linear(x, w, None)
+    dense = gguf_reference(w).double()
+    exact, scale = x.double() @ dense.T, x.double().abs() @ dense.abs().T
+    assert ((y.double() - exact).abs() <= 1e-5 * scale).all()
+    assert torch.equal(y, torch.cat([quant.quant_linear(x[r:r + 1], w, None) for r in range(len(x))]))
+    cut = 5120
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(1))
+    expected = None
+    for p, r in enumerate([range(cut), range(cut, k)]):
+        blocks = quant.row_bytes(qtype, r.start), quant.row_bytes(qtype, r.stop)
+        part = quant.QuantizedWeight(qtype, w.data[:, blocks[0]:blocks[1]], (N, len(r)))
+        partial = quant.quant_linear(x[:, r.start:r.stop].contiguous(), part, bias if p == 0 else None)
+        expected = partial if expected is None else expected.add_(partial)
+    fused = quant.QuantParts([w], [bias], [range(cut), range(cut, k)])
+    assert torch.equal(fused(x), expected)

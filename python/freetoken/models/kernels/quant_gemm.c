@@ -15,16 +15,17 @@
  * bits (on one CPU or across CPUs).
  *
  * How it runs. Work items are (group, block of 48-192 rows (block_rows), tile of NT output
- * columns), spread over torch's OpenMP threads (we share its libgomp) in guided chunks: a thread
- * takes a run of consecutive items, so it walks a stretch of the weight front to back (which the
- * hardware prefetcher streams, and where the next tile an item prefetches is its own thread's
- * next item, not the other core's), and no two threads write one cache line of y; the runs
- * shrink towards the end, so the threads still finish together. (Items handed out one at a time
- * alternate between the threads: a batch-1 decode step took 1.7x as long on two threads.) An
- * item walks K in ranges of at most KB: it dequantizes its columns' weights for the range into a
- * panel in L1, then runs every row tile of its rows over the panel (AVX-512: 3 rows by the 8
- * columns, a row's eight sums finished together), the lanes kept in a buffer between ranges (a K
- * of one range keeps them in registers throughout). A decode step's few
+ * columns, or WIDE such tiles where the block's x would not stay in L2), spread over torch's
+ * OpenMP threads (we share its libgomp) in guided chunks: a thread takes a run of consecutive
+ * items, so it walks a stretch of the weight front to back (which the hardware prefetcher
+ * streams, and where the next tile an item prefetches is its own thread's next item, not the
+ * other core's), and no two threads write one cache line of y; the runs shrink towards the end,
+ * so the threads still finish together. (Items handed out one at a time alternate between the
+ * threads: a batch-1 decode step took 1.7x as long on two threads.) An item walks K in ranges of
+ * at most KB: it dequantizes a tile's columns' weights for the range into a panel in L1, then
+ * runs every row tile of its rows over the panel (AVX-512: 3 rows by the 8 columns, a row's eight
+ * sums finished together), tile after tile, the lanes kept in a buffer between ranges (a K of one
+ * range keeps them in registers throughout). A decode step's few
  * rows read each weight byte once from memory (the step is bound by that read); a prefill's rows
  * reuse each panel for every row of the item, so the FMA microkernel, not the dequantization,
  * sets the pace. An item of at most FEW rows (AVX-512; a decode step of up to 8 requests) skips
@@ -47,6 +48,8 @@ enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, MXFP4 = 39
 #define LDP (KB + 16) /* panel column stride: off a multiple of 4 KiB */
 #define RB 48  /* fewest rows per work item that block_rows picks (a multiple of both row tiles) */
 #define RB_MAX 192 /* most rows per work item */
+#define CAP ((int64_t)1 << 18) /* x values per work item that stay in L2 between its tiles (1 MiB) */
+#define WIDE 4 /* tiles of NT columns per work item of more than FEW rows (quant_gemm_parts) */
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -149,8 +152,8 @@ AVX2 INLINE void k_scales(const uint8_t *b, float s[16]) {
 }
 
 /* k_scales's s from vector registers alone (the few-row tiles, where its scalar unpacking cost
- * as much as a tenth of the time): the 12 bytes shuffled to [0-3 | 8-11 | 4-7 | 8-11], each group
- * masked to its part (scale_0-3's 6 bits, scale_4-7's low nibbles, min_0-3's 6 bits, min_4-7's
+ * as much as a tenth of the time, and the panel's Q4_K, 1-2 % of a 32-row prefill's): the 12
+ * bytes shuffled to [0-3 | 8-11 | 4-7 | 8-11], each group masked to its part (scale_0-3's 6 bits, scale_4-7's low nibbles, min_0-3's 6 bits, min_4-7's
  * high nibbles shifted down), bytes 0-3's and 4-7's top two bits shifted under groups 1 and 3. */
 AVX512 INLINE void k_scales_512(const uint8_t *b, float s[16]) {
     const __m128i q = _mm_loadu_si128((const __m128i *)(b + 4)); /* (its last 4 bytes: codes, unused) */
@@ -317,7 +320,7 @@ AVX512 INLINE void q4_k_group_512(const uint8_t *b, const float *s, int g, __m51
 
 AVX512 INLINE void dq_q4_k_512(const uint8_t *b, float *dst) {
     float s[16];
-    k_scales(b, s);
+    k_scales_512(b, s);
     for (int g = 0; g < 4; g++) {
         __m512 w[4];
         q4_k_group_512(b, s, g, w);
@@ -466,6 +469,8 @@ AVX512 INLINE void tile_avx512(const float *x, int64_t ldx, const int rows, cons
     __m512 a[3][NT];
     for (int r = 0; r < rows; r++)
         for (int n = 0; n < NT; n++) a[r][n] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + r * NT * 16 + n * 16);
+    /* two chunks a turn: 2-3 % faster on the 8B's layers at 32 rows than one (four: no faster) */
+#pragma GCC unroll 2
     for (int64_t c = 0; c < chunks; c++) {
         __m512 xv[3];
         for (int r = 0; r < rows; r++) xv[r] = _mm512_loadu_ps(x + r * ldx + 16 * c);
@@ -715,15 +720,30 @@ AVX512 static void add_rows_avx512(const float *later, float *y, int64_t ldy, in
                                                            _mm512_maskz_loadu_ps(m, later + r * NT)));
 }
 
+/* A thread's buffer for an item's lanes between K ranges, [WIDE][rows][NT][16] at most, made at
+ * its first use and kept (allocating it per item mapped fresh pages each time: 1.15-1.20x the
+ * time of 4096-wide layers at 256 rows; on the stack it would ask 384 KiB of every thread). */
+static float *lanes_buffer(void) {
+    static __thread float *lanes;
+    if (!lanes) lanes = aligned_alloc(64, (size_t)WIDE * RB_MAX * NT * 16 * sizeof(float));
+    return lanes;
+}
+
 /* One work item: rows [0, rows) of x against output columns [n0, n0 + cols) of a weight whose
  * row n starts at w + n * ldw, its sums (+ bias) stored in y, or with `add` (a later K part's,
- * item_parts) added to what y holds. */
+ * item_parts) added to what y holds. Through the panel, each K range runs every tile of NT of the
+ * item's columns in turn: the range's x rows, read again by each tile, stay in L2 however long K
+ * is (an item of one tile read its rows of x whole once per tile: the 8B's down_proj, K = 12288,
+ * streamed 48 rows' 2.4 MB from L3 for every 8 columns). */
 static void item(int isa, int type, const float *x, int64_t ldx, const uint8_t *w, int64_t ldw,
                  const float *bias, float *y, int64_t ldy, int64_t rows, int64_t n0, int cols, int64_t K, int add) {
     if (isa == 2 && rows <= FEW && add) {
-        float later[FEW * NT];
-        few_avx512(type, x, ldx, rows, w + n0 * ldw, ldw, cols, K, later, NT, 0);
-        add_rows_avx512(later, y + n0, ldy, rows, cols);
+        for (int n = 0; n < cols; n += NT) {
+            const int left = cols - n < NT ? cols - n : NT;
+            float later[FEW * NT];
+            few_avx512(type, x, ldx, rows, w + (n0 + n) * ldw, ldw, left, K, later, NT, 0);
+            add_rows_avx512(later, y + n0 + n, ldy, rows, left);
+        }
         return;
     }
     if (isa == 2 && rows <= FEW) {
@@ -731,38 +751,52 @@ static void item(int isa, int type, const float *x, int64_t ldx, const uint8_t *
         return;
     }
     float panel[NT * LDP] __attribute__((aligned(64)));
-    float acc[RB_MAX * NT * 16] __attribute__((aligned(64)));
+    const int tiles = (cols + NT - 1) / NT;
+    const size_t lanes = (size_t)rows * NT * 16; /* one tile's */
+    float *acc = lanes_buffer();
     /* Even ranges of whole 256-value super-blocks (32-value blocks for a K that has no such), as
      * few as fit the panel: a K of 576 or 640 (small models' width) is one range, whose lanes
      * never leave the registers. */
-    const int64_t per_block = block_values(type), unit = K % 256 ? 32 : 256;
+    const int64_t per_block = block_values(type), size = block_bytes(type), unit = K % 256 ? 32 : 256;
     const int64_t ranges = (K / unit + KB / unit - 1) / (KB / unit), span = (K / unit + ranges - 1) / ranges * unit;
-    if (cols < NT) memset(panel, 0, sizeof panel);
-    if (isa != 2) memset(acc, 0, (size_t)rows * NT * 16 * sizeof(float));
+    if (cols % NT) memset(panel, 0, sizeof panel); /* (a partial tile's other columns: finite values) */
+    if (isa != 2) memset(acc, 0, tiles * lanes * sizeof(float));
     for (int64_t k0 = 0; k0 < K; k0 += span) {
         const int64_t kb = K - k0 < span ? K - k0 : span;
-        for (int n = 0; n < cols; n++) {
-            /* The same range of the next tile's rows, which the memory system would otherwise
-             * start fetching only once a thread asks for them (prefetches do not fault). */
-            const uint8_t *ahead = w + (n0 + n + NT) * ldw + k0 / per_block * block_bytes(type);
-            for (int64_t b = 0; b < kb / per_block * block_bytes(type); b += 64) _mm_prefetch((const char *)ahead + b, _MM_HINT_T0);
-            dequant_blocks(isa, type, w + (n0 + n) * ldw, k0 / per_block, kb / per_block, panel + n * LDP);
-        }
-        if (isa == 2)
-            rows_avx512(x + k0, ldx, rows, panel, kb / 16, acc, k0 == 0, k0 + kb == K, y + n0, ldy,
-                        bias ? bias + n0 : 0, cols, add);
-        else rows_avx2(x + k0, ldx, rows, panel, kb / 16, acc);
-    }
-    if (isa == 2) return;
-    for (int64_t r = 0; r < rows; r++)
-        for (int n = 0; n < cols; n += 4) {
-            float out[4];
-            finish_scalar(acc + r * NT * 16 + n * 16, out);
-            for (int i = 0; i < 4 && n + i < cols; i++) {
-                float *at = y + r * ldy + n0 + n + i;
-                *at = add ? *at + out[i] : bias ? out[i] + bias[n0 + n + i] : out[i];
+        for (int t = 0; t < tiles; t++) {
+            const int64_t c0 = n0 + t * NT;
+            const int tc = cols - t * NT < NT ? cols - t * NT : NT;
+            for (int n = 0; n < tc; n++) {
+                /* Weights dequantized later, which the memory system would otherwise start
+                 * fetching only once a thread asks for them (prefetches do not fault): the same
+                 * range of the next tile's rows (past the item's last tile, the next item's
+                 * first), or after a wide item's last tile its next range's first. (An item of
+                 * one tile that fetched its own next range instead: 1.03-1.05x the time.) */
+                const int wrap = t + 1 == tiles && tiles > 1;
+                const uint8_t *ahead = w + ((wrap ? n0 : c0 + NT) + n) * ldw
+                                       + (wrap ? k0 + span : k0) / per_block * size;
+                for (int64_t b = 0; b < kb / per_block * size; b += 64)
+                    _mm_prefetch((const char *)ahead + b, _MM_HINT_T0);
+                dequant_blocks(isa, type, w + (c0 + n) * ldw, k0 / per_block, kb / per_block, panel + n * LDP);
             }
+            if (isa == 2)
+                rows_avx512(x + k0, ldx, rows, panel, kb / 16, acc + t * lanes, k0 == 0, k0 + kb == K, y + c0, ldy,
+                            bias ? bias + c0 : 0, tc, add);
+            else rows_avx2(x + k0, ldx, rows, panel, kb / 16, acc + t * lanes);
         }
+    }
+    if (isa != 2)
+        for (int t = 0; t < tiles; t++)
+            for (int64_t r = 0; r < rows; r++)
+                for (int n = 0; n < NT && t * NT + n < cols; n += 4) {
+                    float out[4];
+                    finish_scalar(acc + t * lanes + r * NT * 16 + n * 16, out);
+                    for (int i = 0; i < 4 && t * NT + n + i < cols; i++) {
+                        const int64_t c = n0 + t * NT + n + i;
+                        float *at = y + r * ldy + c;
+                        *at = add ? *at + out[i] : bias ? out[i] + bias[c] : out[i];
+                    }
+                }
 }
 
 /* item over K cut into S parts at cuts[0] = 0 < cuts[1] < ... < cuts[S] = K (values, on block
@@ -786,10 +820,11 @@ static void item_parts(int isa, int type, const float *x, int64_t ldx, const uin
 /* Rows per work item for a group of R rows: as many as keep an item's rows of x near 1 MiB (they
  * stay in L2 while the item's successors, the next column tiles, read them again), between RB and
  * RB_MAX, in equal blocks rounded up to whole row tiles. More rows per item dequantize each weight
- * fewer times; which item a row lands in changes none of its bits. */
+ * fewer times; which item a row lands in changes none of its bits. K 0: x need not stay (an item
+ * of WIDE tiles, which reads each K range of its rows for all its tiles at once): RB_MAX. */
 static int64_t block_rows(int64_t R, int64_t K) {
-    if (R < 1 || K < 1) return RB; /* no items either way */
-    int64_t cap = ((int64_t)1 << 18) / K;
+    if (R < 1) return RB; /* no items either way */
+    int64_t cap = K > 0 ? CAP / K : RB_MAX;
     cap = cap < RB ? RB : cap > RB_MAX ? RB_MAX : cap;
     const int64_t blocks = (R + cap - 1) / cap, rows = ((R + blocks - 1) / blocks + 5) / 6 * 6;
     return rows > RB_MAX ? RB_MAX : rows;
@@ -817,19 +852,24 @@ void quant_gemm_parts(int isa, int64_t P, const int *types, const uint8_t *const
                       const int64_t *n, const float *const *bias, int64_t S, const int64_t *cuts, const float *x,
                       int64_t ldx, float *y, int64_t ldy, int64_t R, int64_t K) {
     int64_t start[P + 1], col[P + 1]; /* each part's first item and first column */
-    const int64_t rb = block_rows(R, K), blocks = (R + rb - 1) / rb;
+    /* Items of WIDE tiles where an item's rows of x would not stay in L2 (the 8B's down_proj, K =
+     * 12288, from 22 rows: 0.75x its time at 256 rows, and 0.91x again with 128 rows an item rather
+     * than 48); where they stay, of one tile (WIDE ones measured up to 1.09x slower there: the
+     * lanes of four tiles between K ranges leave L1). */
+    const int64_t wide = R > FEW && block_rows(R, K) * K > CAP, rb = block_rows(R, wide ? 0 : K);
+    const int64_t blocks = (R + rb - 1) / rb, width = wide ? NT * WIDE : NT;
     start[0] = col[0] = 0;
     for (int64_t p = 0; p < P; p++) {
-        start[p + 1] = start[p] + blocks * ((n[p] + NT - 1) / NT);
+        start[p + 1] = start[p] + blocks * ((n[p] + width - 1) / width);
         col[p + 1] = col[p] + n[p];
     }
     _Pragma("omp parallel for schedule(guided) if (start[P] > 1)")
     for (int64_t it = 0; it < start[P]; it++) {
-        const int64_t p = owner(start, P, it), local = it - start[p], tiles = (n[p] + NT - 1) / NT;
+        const int64_t p = owner(start, P, it), local = it - start[p], tiles = (n[p] + width - 1) / width;
         const int64_t tile = local % tiles, first = local / tiles * rb;
-        const int cols = n[p] - tile * NT < NT ? (int)(n[p] - tile * NT) : NT;
+        const int cols = n[p] - tile * width < width ? (int)(n[p] - tile * width) : (int)width;
         item_parts(isa, types[p], x + first * ldx, ldx, w[p], ldw[p], bias[p], y + first * ldy + col[p], ldy,
-                   R - first < rb ? R - first : rb, tile * NT, cols, K, S, cuts);
+                   R - first < rb ? R - first : rb, tile * width, cols, K, S, cuts);
     }
 }
 
