@@ -5,10 +5,11 @@ and every row's bits independent of its batch, its group, the thread count and t
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from freetoken.models.kernels import quant
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
 from gguf import quants as gguf_quants
 
-from freetoken.models.kernels import quant
 from tests.fixtures.build_models import FP4_VALUES
 
 pytestmark = pytest.mark.skipif(not quant.supported(T.Q4_0), reason="no quantized-weight kernel on this CPU")
@@ -232,13 +233,20 @@ def test_k_parts_in_one_call_match_the_parts_alone_added_in_order(qtype, isa_cap
     x = torch.randn(100, k, generator=torch.Generator().manual_seed(2))
     fused = quant.QuantParts([w], [bias], k_parts)
     for rows in (1, 5, 8, 9, 100):
-        expected = None
-        for p, r in enumerate(k_parts):
-            blocks = quant.row_bytes(qtype, r.start), quant.row_bytes(qtype, r.stop)
-            part = quant.QuantizedWeight(qtype, w.data[:, blocks[0]:blocks[1]], (N, len(r)))
-            partial = quant.quant_linear(x[:rows, r.start:r.stop].contiguous(), part, bias if p == 0 else None)
-            expected = partial if expected is None else expected.add_(partial)
-        assert torch.equal(fused(x[:rows]), expected), rows
+        assert torch.equal(fused(x[:rows]), parts_alone_added(w, x[:rows], bias, k_parts)), rows
+
+
+def parts_alone_added(w: quant.QuantizedWeight, x: torch.Tensor, bias: torch.Tensor,
+                      k_parts: list[range]) -> torch.Tensor:
+    """Each K part's blocks as a weight of its own, run alone (the bias in the first), the
+    products added in part order: what tensor-parallel ranks and their sum compute."""
+    total = None
+    for p, r in enumerate(k_parts):
+        blocks = quant.row_bytes(w.qtype, r.start), quant.row_bytes(w.qtype, r.stop)
+        part = quant.QuantizedWeight(w.qtype, w.data[:, blocks[0]:blocks[1]], (w.shape[0], len(r)))
+        partial = quant.quant_linear(x[:, r.start:r.stop].contiguous(), part, bias if p == 0 else None)
+        total = partial if total is None else total.add_(partial)
+    return total
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
@@ -254,13 +262,6 @@ def test_a_long_k_over_items_of_several_tiles_matches_rows_alone_and_k_parts(qty
     exact, scale = x.double() @ dense.T, x.double().abs() @ dense.abs().T
     assert ((y.double() - exact).abs() <= 1e-5 * scale).all()
     assert torch.equal(y, torch.cat([quant.quant_linear(x[r:r + 1], w, None) for r in range(len(x))]))
-    cut = 5120
+    k_parts = [range(5120), range(5120, k)]
     bias = torch.randn(N, generator=torch.Generator().manual_seed(1))
-    expected = None
-    for p, r in enumerate([range(cut), range(cut, k)]):
-        blocks = quant.row_bytes(qtype, r.start), quant.row_bytes(qtype, r.stop)
-        part = quant.QuantizedWeight(qtype, w.data[:, blocks[0]:blocks[1]], (N, len(r)))
-        partial = quant.quant_linear(x[:, r.start:r.stop].contiguous(), part, bias if p == 0 else None)
-        expected = partial if expected is None else expected.add_(partial)
-    fused = quant.QuantParts([w], [bias], [range(cut), range(cut, k)])
-    assert torch.equal(fused(x), expected)
+    assert torch.equal(quant.QuantParts([w], [bias], k_parts)(x), parts_alone_added(w, x, bias, k_parts))
