@@ -331,6 +331,8 @@ class Run:
         agree = sum((o[0] > o[1]) == (h[0] > h[1]) for o, h in zip(ours, hf_lps))
         bc.note(f"check: label logprobs, server (masked, renormalised) vs HF: max |diff| "
                 f"{diff:.2e}, same label {agree}/{n}")
+        bc.note(f"load generator ({bc.http_client}, on this machine): {on.client_cpu_ms:.2f} ms "
+                f"CPU a request")
         self.a_rps = on.rps
         bc.load_note()
 

@@ -228,6 +228,52 @@ def test_masked_rows_sample_allowed_and_renormalise() -> None:
         assert plain.logprob == pytest.approx(raw[plain.token_id], abs=1e-5)
 
 
+def test_masked_row_logprobs_do_not_depend_on_the_batch() -> None:
+    """A row with allowed ids is renormalised over its own ids whatever its neighbours allow
+    (other id sets, none, listed ids) and however many rows share its ids: the same bits."""
+    v = 50_000  # a real vocabulary's width: most of each masked row is -inf
+    ids5 = [40_001, 7, 12_345, 999, 3]
+    target = SamplingParams(temperature=0.0, logprobs=4, allowed_token_ids=ids5)
+    neighbours = [SamplingParams(temperature=0.0, logprobs=2, allowed_token_ids=[10, 20, 30]),
+                  SamplingParams(temperature=0.0, logprobs=3),
+                  SamplingParams(temperature=0.7, logprobs=2, allowed_token_ids=ids5),
+                  SamplingParams(temperature=0.0, logprob_token_ids=[7, 8], allowed_token_ids=ids5)]
+    gen = torch.Generator().manual_seed(0)
+    row = torch.randn(v, generator=gen) * 4
+    others = torch.randn(len(neighbours), v, generator=gen) * 4
+
+    def entry(rows: torch.Tensor, params: list[SamplingParams], at: int):
+        sampler = Sampler(v)
+        args = sampler.prepare(params, [torch.Generator().manual_seed(i) for i in range(len(params))])
+        return sampler.sample(rows, args).logprobs[at]
+
+    alone = entry(row[None], [target], 0)
+    lse = torch.logsumexp(row[ids5].double(), 0)
+    best = sorted(ids5, key=lambda i: -row[i])
+    assert alone.token_id == best[0] and alone.top_ids == best[:4]
+    assert alone.top_logprobs == pytest.approx([float(row[i] - lse) for i in best[:4]], abs=1e-5)
+    for k in range(len(neighbours) + 1):
+        rows = torch.cat([others[:k], row[None], others[k:]])
+        params = neighbours[:k] + [target] + neighbours[k:]
+        assert entry(rows, params, k) == alone, k
+
+
+def test_masked_row_whose_allowed_logits_are_all_banned() -> None:
+    """Every allowed logit -inf (the caller's logits say so): the row still gets an entry, the
+    way the full vocabulary gives it, beside a neighbour computed on its allowed ids."""
+    v = 64
+    dead = torch.randn(v)
+    dead[[5, 9]] = float("-inf")
+    live = torch.randn(v)
+    params = [SamplingParams(temperature=0.0, logprobs=2, allowed_token_ids=[5, 9])] * 2
+    sampler = Sampler(v)
+    out = sampler.sample(torch.stack([dead, live]), sampler.prepare(params, [torch.Generator()] * 2))
+    assert out.logprobs[1].token_id in (5, 9)
+    assert out.logprobs[1].logprob == pytest.approx(
+        float(live[out.logprobs[1].token_id] - torch.logsumexp(live[[5, 9]], 0)), abs=1e-6)
+    assert out.logprobs[0] is not None and out.logprobs[0].token_id == out.token_ids[0]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_any_float_dtype_and_caller_logits_untouched(dtype: torch.dtype) -> None:
     sampler = Sampler(7)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -241,6 +242,8 @@ def launch_server(argv: list[str] | None = None, prog: str = "freetoken serve") 
                  "parser: %s)", host, port, cfg.served_model_name, cfg.reasoning_parser,
                  cfg.tool_call_parser)
         server = _make_server(app, args)
+        gc.collect()  # what start-up built lives as long as the server: collections skip it
+        gc.freeze()
         code = _run(server, _serve(server, sock, frontend, procs, args))
         told_to_exit = True  # _serve ends by sending the engine an ExitMsg
         log.info("FreeToken stopped")
