@@ -304,10 +304,21 @@ class Run:
 
     def scenario_a(self, url: str) -> None:
         args, st, n = self.args, self.st, self.n
-        on = bc.run_load(url, score_payloads(self.a_items, self.labels), args.clients)
-        t_hf, hf_lps = self.hf.score(self.a_items, self.labels, args.hf_batch)
-        # Masks off: other items of the same size (the same ones would now hit the prefix cache).
-        off = bc.run_load(url, score_payloads(items(self.tok, n, "A-off"), None), args.clients)
+        # Each round: ours with the masks, HF on the same items, ours without (on other items of
+        # the same size: the same ones would now hit the prefix cache); a new set each round.
+        on = off = None
+        t_hf, tok_a = math.inf, 0
+        for i in range(args.rounds):
+            round_items = self.a_items if i == 0 else items(self.tok, n, f"A{i}")
+            r_on = bc.run_load(url, score_payloads(round_items, self.labels), args.clients)
+            t, lps = self.hf.score(round_items, self.labels, args.hf_batch)
+            r_off = bc.run_load(url, score_payloads(items(self.tok, n, f"A-off{i}"), None), args.clients)
+            if i == 0:
+                checked, hf_lps = r_on, lps
+            on = r_on if on is None or r_on.rps > on.rps else on
+            off = r_off if off is None or r_off.rps > off.rps else off
+            if t < t_hf:
+                t_hf, tok_a = t, n_tokens(self.tok, round_items)
         hf_rps = n / t_hf
         llama = self.llama.get("A")
         rows = []
@@ -316,7 +327,6 @@ class Run:
             rows.append([label, r.rps, bc.ms(r.p50), bc.ms(r.p99), tokens / r.wall_s,
                          st.pct_roofline(tokens, r.n, r.wall_s), bc.ratio(r.rps, hf_rps),
                          bc.ratio(r.rps, llama.rps) if llama else "-"])
-        tok_a = n_tokens(self.tok, self.a_items)
         rows.append([f"HF transformers, batch {args.hf_batch}", hf_rps, "-", "-", tok_a / t_hf,
                      st.pct_roofline(tok_a, n, t_hf), "1.00x",
                      bc.ratio(hf_rps, llama.rps) if llama else "-"])
@@ -326,14 +336,14 @@ class Run:
                          bc.ratio(llama.rps, hf_rps), "1.00x"])
         bc.print_table(
             f"A: {n} scoring requests (~{tok_a / n:.0f} tokens), {args.clients} clients, "
-            f"{self.dtype}", ["system", "req/s", "p50 ms", "p99 ms", "prompt tok/s",
+            f"{self.dtype}, best of {args.rounds} round(s)", ["system", "req/s", "p50 ms", "p99 ms", "prompt tok/s",
                               "% roofline", "vs HF", "vs llama.cpp"], rows)
-        ours = [label_logprobs(r, self.labels) for r in on.responses]
+        ours = [label_logprobs(r, self.labels) for r in checked.responses]
         diff = max(abs(a - b) for o, h in zip(ours, hf_lps) for a, b in zip(o, h))
         agree = sum((o[0] > o[1]) == (h[0] > h[1]) for o, h in zip(ours, hf_lps))
         bc.note(f"check: label logprobs, server (masked, renormalised) vs HF: max |diff| "
                 f"{diff:.2e}, same label {agree}/{n}")
-        bc.note(f"load generator ({bc.http_client}, on this machine): {on.client_cpu_ms:.2f} ms "
+        bc.note(f"load generator ({bc.http_client}, on this machine): {checked.client_cpu_ms:.2f} ms "
                 f"CPU a request")
         self.a_rps = on.rps
         bc.load_note()
@@ -403,14 +413,18 @@ def main() -> None:
                    help="B without cache and HF recomputing the prefix score only this many "
                         "(default 32, quick 16)")
     p.add_argument("--clients", type=int, default=16, help="concurrent HTTP clients in A and B")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="A's rounds (ours masked, HF, ours unmasked), each side's best kept; "
+                        "default 2, 1 with --quick")
     p.add_argument("--prefix-tokens", type=int, default=400, help="shared prefix length in B")
     p.add_argument("--hf-batch", type=int, default=32, help="batch size of the HF scoring peer")
     p.add_argument("--concurrency", default="1,8,32", help="scenario C client counts")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens per chat request in C")
-    p.add_argument("--kv-cache-tokens", type=int, default=40960,
+    p.add_argument("--kv-cache-tokens", type=int, default=81920,
                    help="servers' KV pool: room for every A and B prompt, so nothing is evicted")
     args = p.parse_args()
     bc.setup(args)
+    args.rounds = args.rounds or (1 if args.quick else 2)
     args.dtypes = bc.parse_dtypes(args.dtype)
     args.scenarios = {s.strip().upper() for s in args.scenarios.split(",")}
     args.levels = [int(c) for c in args.concurrency.split(",")]
