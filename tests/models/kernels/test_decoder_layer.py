@@ -23,16 +23,19 @@ pytestmark = pytest.mark.skipif(decoder_layer.load() is None, reason="no C kerne
 
 PROMPT = list(range(1, 8))  # request A's slots, then its decoded token's
 SECOND = list(range(20, 25))  # request B's prompt slots
+LONG = list(range(30, 100))  # request C's: 70 rows, enough for the layer's row-parallel KV writes
 
 
 def steps(model, engine: Engine) -> tuple[list[torch.Tensor], object]:
-    """A's prompt alone, then A decoding beside B's prompt, from an empty pool: both steps' logits
-    and the pool after them, and the second step's context."""
+    """A's prompt alone, then A decoding beside B's prompt, then C's long prompt alone, from an
+    empty pool: the steps' logits and the pool after them, and the second step's context."""
     for cache in engine.kv.kv:
         cache.zero_()
     plans = [StepPlan([5, 6, 7, 8, 9, 10, 11], list(range(7)), PROMPT, [6], [(0, 7, PROMPT)], []),
              StepPlan([3, 100, 200, 300, 400, 12], [7, 0, 1, 2, 3, 4], [8, *SECOND], [0, 5],
-                      [(1, 5, SECOND)], [(0, [*PROMPT, 8])])]
+                      [(1, 5, SECOND)], [(0, [*PROMPT, 8])]),
+             StepPlan([7 + i % 40 for i in range(len(LONG))], list(range(len(LONG))), LONG,
+                      [len(LONG) - 1], [(0, len(LONG), LONG)], [])]
     with torch.inference_mode():
         contexts = [engine.context(plan) for plan in plans]
         logits = [model(None, ctx) for ctx in contexts]
@@ -68,7 +71,7 @@ def test_a_layer_on_our_dense_kernels_in_one_call_gives_the_python_layers_bits(a
 
 
 def assert_same_bits(model, dtype: torch.dtype, monkeypatch, one_call: list[bool]) -> None:
-    engine = Engine(model, 64, torch.device("cpu"), dtype)
+    engine = Engine(model, 128, torch.device("cpu"), dtype)
     fast, ctx = steps(model, engine)
     assert ctx.layer_step
     assert [layer.one_call is not None for layer in model.model.layers] == one_call

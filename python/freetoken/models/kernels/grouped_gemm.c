@@ -509,6 +509,7 @@ DEFINE_NORM_ROTATE(norm_rotate_bf16, uint16_t, rms_row_bf16, rotate_row_bf16, rm
 
 /* x [n] float32 (n % 8 == 0) rounded into y [n] bfloat16: torch's `.to(torch.bfloat16)`. */
 __attribute__((target("avx2,fma"))) void round_to_bf16(const float *x, uint16_t *y, int64_t n) {
+#pragma omp parallel for if (n >= 65536)
     for (int64_t k = 0; k < n; k += 8) pack_bf16(y + k, round_bf16(_mm256_loadu_ps(x + k)));
 }
 
