@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from freetoken.core import SamplingParams
 from freetoken.scheduler.factory import build_scheduler
 from freetoken.message import UserMsg
 from freetoken.models.registry import load_model
-from tests.model_fixtures import FLOAT32_KERNELS, default_folder, default_model
+from tests.model_fixtures import default_folder, default_model
 
 pytestmark = pytest.mark.slow  # the default model
 
@@ -44,16 +45,17 @@ def _ids(prompt):
     return default_model().tokenizer.encode(prompt)
 
 
-def _loaded_on(kernel: str, dtype: str):
-    """The default model with every linear on `kernel` (the probe still decides its row rule);
-    skips where that kernel keeps no rule on this CPU."""
-    if kernel == "auto" and dtype == "float32":
+def _loaded_on(kernel: str, dtype: str, gguf_weights: str | None = None):
+    """The default model (its blocks dequantized with `gguf_weights="float32"`) with every dense
+    linear on `kernel` (the probe still decides its row rule); skips where that kernel keeps no
+    rule on this CPU."""
+    if (kernel, dtype, gguf_weights) == ("auto", "float32", None):
         loaded = default_model()
     else:
         with pytest.MonkeyPatch.context() as patch:
             if kernel != "auto":
                 patch.setenv("FREETOKEN_LINEAR_KERNEL", kernel)
-            loaded = load_model(default_folder(), dtype=dtype, device="cpu")
+            loaded = load_model(default_folder(), dtype=dtype, device="cpu", gguf_weights=gguf_weights)
     plan = loaded.model.kernel_plan
     forced_elsewhere = kernel != "auto" and not all(v.startswith(kernel) for v in plan.kernels.values())
     if not plan.invariant or forced_elsewhere:
@@ -61,10 +63,15 @@ def _loaded_on(kernel: str, dtype: str):
     return loaded
 
 
-@pytest.mark.parametrize("kernel,dtype", [("auto", "float32"), *((k, "float32") for k in FLOAT32_KERNELS),
-                                          ("auto", "bfloat16"), ("amx", "bfloat16")])
-def test_batched_greedy_equals_each_alone_bit_for_bit(kernel, dtype):
-    loaded = _loaded_on(kernel, dtype)
+# The GGUF's blocks on the quantized kernel, then dense layers as an HF folder's on the kernels
+# the probe picks here (auto), and forced onto AMX.
+LOADS = [("auto", "float32", None), ("auto", "float32", "float32"), ("auto", "bfloat16", None),
+         ("amx", "bfloat16", None)]
+
+
+@pytest.mark.parametrize("kernel,dtype,gguf_weights", LOADS)
+def test_batched_greedy_equals_each_alone_bit_for_bit(kernel, dtype, gguf_weights):
+    loaded = _loaded_on(kernel, dtype, gguf_weights)
     assert 52 <= len(_ids(PROMPTS[-2])) <= 63 and len(_ids(PROMPTS[-1])) > 64
     alone = {}
     for uid, prompt in enumerate(PROMPTS):
@@ -81,7 +88,8 @@ def test_batched_greedy_equals_each_alone_bit_for_bit(kernel, dtype):
             assert a.logprob == b.logprob and a.top_logprobs == b.top_logprobs
 
 
-@pytest.mark.parametrize("kernel,dtype", [("auto", "float32"), ("auto", "bfloat16"), ("amx", "bfloat16")])
+@pytest.mark.parametrize("kernel,dtype", [("auto", "float32"), ("auto", "bfloat16"), ("grouped", "bfloat16"),
+                                          ("amx", "bfloat16")])
 def test_label_scores_are_the_same_from_the_heads_label_columns_or_the_whole_head(kernel, dtype, monkeypatch):
     """Scoring requests that allow two labels: in a step of such rows alone the LM head computes
     the labels' columns only (engine.MAX_LOGIT_COLUMNS); beside an unmasked request it computes
@@ -90,9 +98,11 @@ def test_label_scores_are_the_same_from_the_heads_label_columns_or_the_whole_hea
     loaded = _loaded_on(kernel, dtype)
     head, taken = loaded.model.lm_head, []
     at = head.logits_at
+    labels = [loaded.tokenizer.encode(t, add_special_tokens=False)[0] for t in (" Yes", " No")]
+    if at(torch.zeros(1, head.in_features, dtype=getattr(torch, dtype)), labels) is None:
+        pytest.skip(f"the head's kernel here computes whole heads only ({loaded.model.kernel_plan.kernels})")
     monkeypatch.setattr(head, "logits_at", lambda x, columns: taken.append(at(x, columns)) or taken[-1],
                         raising=False)
-    labels = [loaded.tokenizer.encode(t, add_special_tokens=False)[0] for t in (" Yes", " No")]
     scoring = SamplingParams(temperature=0, max_tokens=1, logprobs=2, allowed_token_ids=labels)
     runs = []
     for extra in (False, True):

@@ -77,14 +77,15 @@ def test_parts_compute_the_layer():
 
 
 def _fake_choose(width_dependent: bool, calls: list):
-    """A kernel whose columns are float64 dot products (the same bits at any width), or, as a
+    """A kernel whose columns are float64 dot products, each its own (the same bits at any width), or, as a
     kernel whose blocking of K follows the GEMM's width would be, one whose bits depend on it."""
     def choose(layer):
         calls.append(layer.out_features)
         weight = layer.weight.detach().double()
 
         def run(x):
-            y = x.double() @ weight.T
+            # A matrix-vector product a column: a float64 GEMM's blocking may follow the width.
+            y = torch.stack([x.double() @ column for column in weight], dim=1)
             return (y * (1 + 1e-6 * layer.out_features) if width_dependent else y).to(x.dtype)
         return Measured("fake", RowRule(), 1.0), True, run
     return choose

@@ -121,17 +121,32 @@ def _pairing(in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.inference_mode()
+def rules_holding(run: Run, in_features: int, dtype: torch.dtype, rules: tuple[RowRule, ...] = RULES,
+                  device: torch.device | str = "cpu") -> list[RowRule]:
+    """The rules of `rules` under which every probed row count gives each row the bits it gets
+    among `rule.most` rows, at either end of its call. `run` holds `probe_weight`'s weights.
+    Rules with one `most` share its reference run and each row count's comparison (a count is
+    run when a rule first asks for it): on a wide layer each call is tens of milliseconds."""
+    references: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    alike: dict[tuple[int, int], bool] = {}
+
+    def alike_at(most: int, n: int) -> bool:
+        if (most, n) not in alike:
+            if most not in references:
+                x = probe_rows(most, in_features, dtype).to(device)
+                references[most] = x, run(x)
+            x, reference = references[most]
+            alike[most, n] = (torch.equal(run(x[:n]), reference[:n])
+                              and torch.equal(run(x[-n:]), reference[-n:]))
+        return alike[most, n]
+
+    return [rule for rule in rules
+            if all(alike_at(rule.most, n) for n in PROBE_ROWS if rule.minimum <= n < rule.most)]
+
+
 def rule_holds(run: Run, in_features: int, dtype: torch.dtype, rule: RowRule,
                device: torch.device | str = "cpu") -> bool:
-    """Does every probed row count `rule` allows give each row the bits it gets among
-    `rule.most` rows, at either end of its call? `run` holds `probe_weight`'s weights."""
-    x = probe_rows(rule.most, in_features, dtype).to(device)
-    reference = run(x)
-    for n in PROBE_ROWS:
-        if rule.minimum <= n < rule.most and not (torch.equal(run(x[:n]), reference[:n])
-                                                   and torch.equal(run(x[-n:]), reference[-n:])):
-            return False
-    return True
+    return bool(rules_holding(run, in_features, dtype, (rule,), device))
 
 
 Plan = tuple[int, ...]  # the sizes of the calls one rule makes of a number of rows
@@ -190,7 +205,7 @@ def measure(runs: dict[str, Run], in_features: int, dtype: torch.dtype,
     holding: dict[str, list[RowRule]] = {}
     for kernel, run in runs.items():
         try:
-            holding[kernel] = [rule for rule in RULES if rule_holds(run, in_features, dtype, rule, device)]
+            holding[kernel] = rules_holding(run, in_features, dtype, RULES, device)
         except RuntimeError:  # a kernel that packed a dtype it then cannot run
             continue
     timed = {kernel: rules or [RowRule()] for kernel, rules in holding.items()}
