@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from freetoken.models.kernels.bf16_linear import UNITS
 from freetoken.models.layers.linear import CANDIDATES
 from freetoken.models.loader import weights_folder
 from freetoken.models.registry import load_model, model_folder
 from freetoken.paths import ModelNotFound, cache_root
 
-# The linear kernels that run float32 (amx runs bfloat16 only), and (kernel, dtype) pairs.
-FLOAT32_KERNELS = tuple(k for k in CANDIDATES if k != "amx")
+# The linear kernels that run float32 (the bfloat16 units' run bfloat16 only), and (kernel, dtype) pairs.
+FLOAT32_KERNELS = tuple(k for k in CANDIDATES if k not in UNITS)
 KERNEL_DTYPES = [*((k, torch.float32) for k in FLOAT32_KERNELS), *((k, torch.bfloat16) for k in CANDIDATES)]
 
 

@@ -113,7 +113,7 @@ def test_kernel_choice_is_reported_and_holds(own_server):
     engine = httpx.get(f"{url}/v1/stats").json()["engine"]
     kernels = engine["linear_kernels"]
     assert "lm_head 576x49152" in kernels and any("mlp.down_proj" in kind for kind in kernels)
-    assert all(v.split()[0] in ("onednn", "torch", "grouped", "amx", "quant_linear") for v in kernels.values())
+    assert all(v.split()[0] in ("onednn", "torch", "grouped", "amx", "avx512_bf16", "quant_linear") for v in kernels.values())
     assert _scrape(url)[("freetoken:batch_invariant", ())] == engine["batch_invariant"]
     if not engine["batch_invariant"]:
         pytest.skip(f"no batch-invariant kernel for every shape on this CPU: {kernels}")

@@ -64,9 +64,9 @@ def _loaded_on(kernel: str, dtype: str, gguf_weights: str | None = None):
 
 
 # The GGUF's blocks on the quantized kernel, then dense layers as an HF folder's on the kernels
-# the probe picks here (auto), and forced onto AMX.
+# the probe picks here (auto), and forced onto each bfloat16 unit.
 LOADS = [("auto", "float32", None), ("auto", "float32", "float32"), ("auto", "bfloat16", None),
-         ("amx", "bfloat16", None)]
+         ("amx", "bfloat16", None), ("avx512_bf16", "bfloat16", None)]
 
 
 @pytest.mark.parametrize("kernel,dtype,gguf_weights", LOADS)
@@ -89,7 +89,7 @@ def test_batched_greedy_equals_each_alone_bit_for_bit(kernel, dtype, gguf_weight
 
 
 @pytest.mark.parametrize("kernel,dtype", [("auto", "float32"), ("auto", "bfloat16"), ("grouped", "bfloat16"),
-                                          ("amx", "bfloat16")])
+                                          ("amx", "bfloat16"), ("avx512_bf16", "bfloat16")])
 def test_label_scores_are_the_same_from_the_heads_label_columns_or_the_whole_head(kernel, dtype, monkeypatch):
     """Scoring requests that allow two labels: in a step of such rows alone the LM head computes
     the labels' columns only (engine.MAX_LOGIT_COLUMNS); beside an unmasked request it computes

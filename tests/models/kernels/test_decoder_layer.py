@@ -2,7 +2,7 @@
 bits of the Python layer: logits and the KV pool, over a step that holds prompt and decoding rows
 together, on tiny quantized GGUFs (llama with a Python-path layer beside it, Qwen3's q/k norms,
 Qwen2's biases, a sliding-window layer) and on tiny checkpoints with their linears on the grouped
-kernel (float32, bfloat16) and the AMX one (bfloat16)."""
+kernel (float32, bfloat16) and the bfloat16 units' (AMX, AVX512-BF16)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from freetoken.engine.engine import Engine, StepPlan
 from freetoken.models import registry
-from freetoken.models.kernels import decoder_layer, grouped_gemm
+from freetoken.models.kernels import bf16_linear, decoder_layer
 from freetoken.models.registry import load_model
 from tests.fixtures import build_models as bm
 from tests.model_fixtures import tiny_random_folder
@@ -59,11 +59,12 @@ def test_a_layer_in_one_call_gives_the_python_layers_bits(arch, window, monkeypa
 
 @pytest.mark.parametrize("arch, dtype, kernel", [("qwen2", torch.float32, "grouped"),
                                                  ("qwen2", torch.bfloat16, "grouped"),
-                                                 ("qwen3", torch.bfloat16, "amx")])
+                                                 ("qwen3", torch.bfloat16, "amx"),
+                                                 ("qwen3", torch.bfloat16, "avx512_bf16")])
 def test_a_layer_on_our_dense_kernels_in_one_call_gives_the_python_layers_bits(arch, dtype, kernel,
                                                                                monkeypatch):
-    if kernel == "amx" and not grouped_gemm.amx_available(grouped_gemm.load()):
-        pytest.skip("no AMX on this CPU")
+    if kernel in bf16_linear.UNITS and not bf16_linear.available(kernel):
+        pytest.skip(f"this CPU has no {kernel} unit")
     monkeypatch.setenv("FREETOKEN_LINEAR_KERNEL", kernel)
     model = load_model(tiny_random_folder(arch), dtype=str(dtype).removeprefix("torch."), device="cpu").model
     monkeypatch.delenv("FREETOKEN_LINEAR_KERNEL")

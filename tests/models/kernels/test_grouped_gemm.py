@@ -90,36 +90,6 @@ def test_a_rows_bits_do_not_depend_on_its_group_or_the_thread_count(dtype):
         assert torch.equal(again[2:], one[first : first + rows])
 
 
-needs_amx = pytest.mark.skipif(KERNEL is None or not gg.amx_available(KERNEL),
-                               reason="no AMX-BF16 tiles on this CPU")
-
-
-@needs_amx
-def test_amx_rows_match_float64_and_keep_their_bits_at_every_row_count():
-    """1-300 rows (one or two row tiles, a padded last block, several row chunks), each row at
-    either end of its call, one thread or two: every row's bits as among 300 rows, and those
-    within the float32 sum's one rounding to bfloat16 of a float64 matmul."""
-    # The last 32-column strip partial; 4096 inputs: 128 k steps, and rows in chunks of 128 (the
-    # rows whose x fills grouped_gemm.c's AMX_CHUNK_BYTES).
-    k, n = 4096, 80
-    gen = torch.Generator().manual_seed(4)
-    weight, bias = torch.randn(n, k, generator=gen).bfloat16(), torch.randn(n, generator=gen)
-    x = torch.randn(300, k, generator=gen).bfloat16()
-    packed = gg.pack_amx(weight)
-    full = gg.amx_linear(KERNEL, packed, bias, n, x)
-    expected = x.double() @ weight.double().T + bias.double()
-    assert ((full.double() - expected).abs() <= expected.abs() * 2**-8 + 1e-3).all()
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(gg.amx_linear(KERNEL, packed, bias, n, x), full)
-    finally:
-        torch.set_num_threads(threads)
-    for rows in range(1, 300):
-        assert torch.equal(gg.amx_linear(KERNEL, packed, bias, n, x[:rows]), full[:rows]), rows
-        assert torch.equal(gg.amx_linear(KERNEL, packed, bias, n, x[-rows:]), full[-rows:]), rows
-
-
 def test_without_a_compiler_the_build_fails_cleanly(monkeypatch):
     monkeypatch.setenv("PATH", "")
     monkeypatch.setenv("CC", "no-such-compiler")
@@ -148,16 +118,19 @@ def test_the_source_ships_as_package_data_and_keys_the_probe_cache(tmp_path, mon
     root = Path(__file__).resolve().parents[3]
     package_data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     shipped = {p for glob in package_data["freetoken"] for p in (root / "python" / "freetoken").glob(glob)}
-    assert gg.SOURCE.is_file() and gg.SOURCE in shipped
-    # A change to the source is a new probe-cache key (its probes said nothing of the new code).
-    edited = tmp_path / "grouped_gemm.c"
-    edited.write_bytes(gg.SOURCE.read_bytes() + b"\n")
+    assert all(source.is_file() and source in shipped for source in kernel_choice.OUR_KERNELS)
+    # A change to a source is a new probe-cache key (its probes said nothing of the new code).
     key = kernel_choice._machine()
-    monkeypatch.setattr(kernel_choice, "OUR_KERNELS", edited)
-    kernel_choice._our_kernels.cache_clear()
-    try:
-        assert kernel_choice._machine() != key
-    finally:
-        monkeypatch.undo()
+    for i, source in enumerate(kernel_choice.OUR_KERNELS):
+        edited = tmp_path / source.name
+        edited.write_bytes(source.read_bytes() + b"\n")
+        sources = list(kernel_choice.OUR_KERNELS)
+        sources[i] = edited
+        monkeypatch.setattr(kernel_choice, "OUR_KERNELS", tuple(sources))
         kernel_choice._our_kernels.cache_clear()
+        try:
+            assert kernel_choice._machine() != key
+        finally:
+            monkeypatch.undo()
+            kernel_choice._our_kernels.cache_clear()
     assert kernel_choice._machine() == key

@@ -17,7 +17,8 @@
  * 6% of a batch-1 step of the default GGUF).
  *
  * The linear layers run on the quantized kernel (float32 rows), the grouped kernel (weights of the
- * rows' dtype) or the AMX kernel (bfloat16), as models/layers/linear.py's probe placed them. The
+ * rows' dtype) or a bfloat16 unit's (bf16_linear.c: AMX or AVX512-BF16), as models/layers/linear.py's
+ * probe placed them. The
  * grouped kernel and attention (pool_attention.c) read and write float32 rows: bfloat16 rows are
  * widened for them and their output rounded back, as the Python layer's casts do.
  *
@@ -34,7 +35,7 @@ typedef void (*quant_parts_fn)(int isa, int64_t P, const int *types, const void 
                                void *y, int64_t ldy, int64_t R, int64_t K);
 typedef void (*grouped_fn)(const void *x, int64_t ldx, const void *w, const float *bias, void *y, int64_t ldy,
                            const int64_t *groups, int64_t G, int64_t K, int64_t N);
-typedef void (*amx_fn)(const void *x, int64_t ldx, const void *w, const float *bias, void *y, int64_t ldy,
+typedef void (*unit_fn)(const void *x, int64_t ldx, const void *w, const float *bias, void *y, int64_t ldy,
                        int64_t M, int64_t K, int64_t N);
 typedef void (*rms_norm_fn)(const void *x, int64_t ldx, const void *w, void *y, int64_t M, int64_t D, float eps);
 typedef void (*add_rms_norm_fn)(void *x, int64_t ldx, const void *d, int64_t ldd, const void *w, void *y,
@@ -51,7 +52,7 @@ typedef void (*round_fn)(const float *x, uint16_t *y, int64_t n);
 struct kernels {
     quant_parts_fn quant_parts; /* quant_gemm_parts */
     grouped_fn grouped_f32, grouped_bf16;
-    amx_fn amx;                 /* amx_linear_bf16, or NULL */
+    unit_fn amx, dot;           /* amx_linear_bf16, dot_linear_bf16, or NULL */
     rms_norm_fn rms_norm;       /* the rest: the model dtype's variants */
     add_rms_norm_fn add_rms_norm;
     norm_rotate_fn norm_rotate;
@@ -60,10 +61,10 @@ struct kernels {
     round_fn round;         /* round_to_bf16 (bfloat16 rows only) */
 };
 
-enum { QUANT = 0, GROUPED = 1, AMX = 2 };
+enum { QUANT = 0, GROUPED = 1, AMX = 2, DOT = 3 };
 
 /* A projection: QUANT, a QuantParts' arguments (models/kernels/quant.py); GROUPED, a weight packed
- * by grouped_gemm.py's `pack` (one expert) and its float32 bias; AMX, one packed by `pack_amx`. */
+ * by grouped_gemm.py's `pack` (one expert) and its float32 bias; AMX and DOT, one packed by `pack_pairs`. */
 struct linear {
     int64_t kind, parts;
     const int *types;
@@ -122,7 +123,8 @@ static void linear(const struct kernels *k, const struct linear *l, const struct
     } else if (l->kind == GROUPED) {
         k->grouped_f32(x, l->in, l->weight, l->weight_bias, y, l->out, s->groups, 1, l->in, l->out);
     } else
-        k->amx(x, l->in, l->weight, l->weight_bias, y, l->out, s->tokens, l->in, l->out);
+        (l->kind == AMX ? k->amx : k->dot)(x, l->in, l->weight, l->weight_bias, y, l->out, s->tokens, l->in,
+                                           l->out);
 }
 
 /* x [T, hidden] (the residual stream, updated in place); delta [T, hidden] (rows ldd apart) or

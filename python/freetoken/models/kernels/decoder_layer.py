@@ -5,7 +5,8 @@ The C file calls the kernels the Python layer calls, in the same order on the sa
 their addresses in the libraries quant.py, grouped_gemm.py and pool_attention.py load (one home
 per kernel): a row gets the same bits either way. It runs a layer whose rows, norms and KV pool
 share one dtype and whose four projections are on our kernels: float32 rows on the quantized
-kernel (QuantParts) or the grouped one, bfloat16 rows on the AMX one; the rest stays in Python.
+kernel (QuantParts) or the grouped one, bfloat16 rows on a bfloat16 unit's (bf16_linear.py); the
+rest stays in Python.
 
 `prepare` makes a layer's fixed arguments once, `stack` a model's layers' (one call runs them
 all); `step` makes a step's once (kept on its ForwardContext) and returns None where the step
@@ -24,17 +25,18 @@ from pathlib import Path
 import torch
 
 from freetoken.engine.forward_context import ForwardContext
-from freetoken.models.kernels import grouped_gemm, pool_attention, quant
+from freetoken.models.kernels import bf16_linear, grouped_gemm, pool_attention, quant
 from freetoken.models.kernels.grouped_gemm import open_library
 
 SOURCE = Path(__file__).with_name("decoder_layer.c")
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-QUANT, GROUPED, AMX = 0, 1, 2  # decoder_layer.c's kinds of linear layer
+QUANT, GROUPED = 0, 1  # decoder_layer.c's kinds of linear layer, then its bfloat16 units
+UNIT_KINDS = {"amx": 2, "avx512_bf16": 3}
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 class Kernels(ctypes.Structure):
-    _fields_ = [(name, _PTR) for name in ("quant_parts", "grouped_f32", "grouped_bf16", "amx", "rms_norm",
+    _fields_ = [(name, _PTR) for name in ("quant_parts", "grouped_f32", "grouped_bf16", "amx", "dot", "rms_norm",
                                            "add_rms_norm", "norm_rotate", "silu_mul", "attention", "round")]
 
 
@@ -79,7 +81,7 @@ def kernels(dtype: torch.dtype) -> Kernels:
 
     return Kernels(address(quantized, "quant_gemm_parts"), address(grouped, "grouped_gemm_f32"),
                    address(grouped, "grouped_gemm_bf16"),
-                   address(grouped, "amx_linear_bf16") if grouped_gemm.amx_available(grouped) else None,
+                   *map(bf16_linear.address, UNIT_KINDS),
                    *(address(grouped, f"{name}_{suffix}") for name in
                      ("rms_norm", "add_rms_norm", "norm_rotate", "silu_mul")),
                    address(attention, f"pool_attention_{suffix}"), address(grouped, "round_to_bf16"))
@@ -140,7 +142,7 @@ def stack(calls: list[LayerCall | None], caches: list[int]) -> Stack | None:
 
 def _linear(run, dtype: torch.dtype) -> tuple[LinearArgs, object] | None:
     """A projection's arguments: `run` a QuantParts (float32 rows), or a Linear's run on the
-    grouped kernel (weights of the rows' dtype) or the AMX one (bfloat16); None: another."""
+    grouped kernel (weights of the rows' dtype) or a bfloat16 unit's (bfloat16); None: another."""
     if isinstance(run, quant.QuantParts):
         if dtype != torch.float32:
             return None
@@ -156,9 +158,9 @@ def _linear(run, dtype: torch.dtype) -> tuple[LinearArgs, object] | None:
         bias = None if packed.bias is None else packed.bias.data_ptr()
         return LinearArgs(GROUPED, 0, None, None, None, None, None, 0, None, packed.weight.data_ptr(), bias,
                           packed.in_features, packed.out_features), packed
-    if func is grouped_gemm.amx_linear and dtype == torch.bfloat16 and kernels(dtype).amx:
-        _, packed, bias, out_features = run.args
-        return LinearArgs(AMX, 0, None, None, None, None, None, 0, None, packed.data_ptr(),
+    if func is bf16_linear.unit_linear and dtype == torch.bfloat16:
+        unit, packed, bias, out_features = run.args
+        return LinearArgs(UNIT_KINDS[unit], 0, None, None, None, None, None, 0, None, packed.data_ptr(),
                           None if bias is None else bias.data_ptr(), packed.shape[1] * 32, out_features), run
     return None
 

@@ -3,9 +3,8 @@ through ctypes. The grouped GEMM runs the MoE experts (models/layers/moe.py: one
 for all of a layer's experts) and, where the load-time probe picks it, the dense layers
 (models/layers/linear.py: one group each); `rms_norm` and `rotate` run models/layers/norm.py's RMSNorm
 and rotary.py's rotation, `add_rms_norm`, `norm_rotate` and `silu_mul` a layer's residual add
-and norm, its q/k norms and rotation, and its SwiGLU, in one call each. The AMX bfloat16 linear (`amx_linear`) is a candidate of
-models/layers/linear.py on CPUs with AMX: invariant to the row count by construction, where oneDNN's
-AMX kernel is not (see the C file).
+and norm, its q/k norms and rotation, and its SwiGLU, in one call each. (bfloat16 linears on the
+CPU's bfloat16 units: bf16_linear.py.)
 
 Why our own kernel: a decode step gives each active expert a few rows, and torch's CPU GEMMs
 (oneDNN and MKL alike) read an expert's weights at about half the memory bandwidth one core
@@ -133,37 +132,8 @@ def load() -> ctypes.CDLL | None:
     """The built kernel, or None where it cannot run here (logged once)."""
     functions = {f"{name}_{suffix}": argtypes for name, argtypes in _PER_DTYPE.items()
                  for suffix in KERNELS.values()}
-    functions["amx_linear_bf16"] = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]
     return open_library(SOURCE, "grouped_gemm_supported", "AVX2/FMA", "layers run on torch kernels",
                         functions)
-
-
-@cache
-def amx_available(lib: ctypes.CDLL) -> bool:
-    """Does this CPU have AMX-BF16, and may this process use its tiles (Linux grants it)?"""
-    return bool(lib.amx_bf16_supported())
-
-
-def pack_amx(weight: torch.Tensor) -> torch.Tensor:
-    """A bfloat16 [N, K] weight (K % 32 == 0) in amx_linear_bf16's tiles: per 32-column strip and
-    32-wide k step, two tiles of 16 rows of k pairs, [N/32, K/32, 2, 16, 16, 2]."""
-    n, k = weight.shape
-    strips = -(-n // 32)
-    padded = weight.new_zeros(strips * 32, k)
-    padded[:n] = weight
-    return padded.view(strips, 2, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
-
-
-def amx_linear(lib: ctypes.CDLL, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-               x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] bfloat16 (any M: a row's bits do not depend on it) through a layer packed by
-    `pack_amx` (bias float32 or None)."""
-    rows = x.contiguous()
-    y = torch.empty(rows.shape[0], out_features, dtype=torch.bfloat16)
-    lib.amx_linear_bf16(rows.data_ptr(), rows.stride(0), packed.data_ptr(),
-                        bias.data_ptr() if bias is not None else None, y.data_ptr(), y.stride(0),
-                        rows.shape[0], rows.shape[1], out_features)
-    return y
 
 
 def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

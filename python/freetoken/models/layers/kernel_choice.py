@@ -40,7 +40,7 @@ from typing import Callable
 import torch
 
 from freetoken.paths import cache_root
-from freetoken.models.kernels.grouped_gemm import SOURCE as OUR_KERNELS
+from freetoken.models.kernels import bf16_linear, grouped_gemm
 
 Run = Callable[[torch.Tensor], torch.Tensor]
 
@@ -52,6 +52,7 @@ PROBE_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 13, 15, 16, 17, 31, 32, 33, 48, 57, 64, 65
 TIMED_ROWS = (1, 8, 64, 256)
 TIMING_REPEATS = 7
 RULE_TIE = 0.05
+OUR_KERNELS = (grouped_gemm.SOURCE, bf16_linear.SOURCE)  # the C sources of the candidates that are ours
 ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR",
             "ATEN_CPU_CAPABILITY", "FREETOKEN_NO_KERNELS")
 
@@ -276,7 +277,7 @@ def _cpuinfo_line(field: str) -> str:
 
 @cache
 def _our_kernels() -> str:
-    return hashlib.sha256(OUR_KERNELS.read_bytes()).hexdigest()
+    return hashlib.sha256(b"".join(source.read_bytes() for source in OUR_KERNELS)).hexdigest()
 
 
 def _machine() -> str:

@@ -4,8 +4,9 @@ The candidates: "onednn", the weight packed once at load into oneDNN's blocked l
 with AMX or AVX512-BF16 its bfloat16 path runs on those units); "torch", `F.linear` as torch
 dispatches it (MKL's sgemm for float32 on CPU, oneDNN for bfloat16, cuBLAS on CUDA); "grouped",
 the grouped kernel of grouped_gemm.c as one group each (float32 sums, bfloat16 weights widened
-as they are read; invariant by construction, and probed like the others all the same); "amx",
-bfloat16 on AMX tiles (grouped_gemm.c's `amx_linear_bf16`, invariant by construction too).
+as they are read; invariant by construction, and probed like the others all the same); "amx" and
+"avx512_bf16", bfloat16 on AMX tiles or AVX512-BF16 dot products (bf16_linear.c, invariant by
+construction too).
 FREETOKEN_LINEAR_KERNEL=<name> restricts the choice to one of them (benchmarks, tests).
 """
 
@@ -21,7 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from freetoken.models.kernels.grouped_gemm import KERNELS, amx_available, amx_linear, grouped_gemm, pack_amx
+from freetoken.models.kernels import bf16_linear
+from freetoken.models.kernels.bf16_linear import pack_pairs, unit_linear, unpack_columns
+from freetoken.models.kernels.grouped_gemm import KERNELS, grouped_gemm
 from freetoken.models.kernels.grouped_gemm import load as load_kernel
 from freetoken.models.kernels.grouped_gemm import pack as pack_strips
 from freetoken.models.layers.kernel_choice import (UNCAPPED, Measured, Run, RowRule, cpu_name, measure,
@@ -29,11 +32,11 @@ from freetoken.models.layers.kernel_choice import (UNCAPPED, Measured, Run, RowR
 
 log = logging.getLogger(__name__)
 
-CANDIDATES = ("onednn", "torch", "grouped", "amx")
+CANDIDATES = ("onednn", "torch", "grouped", *bf16_linear.UNITS)
 # Our kernels give a row the same operations in the same order at any row count (grouped_gemm.c):
 # where the probe confirms it, their calls take a step's rows whole, and a decode step's few rows
 # unpadded (they run short tiles: padding them never pays, whatever a busy machine's timing said).
-INVARIANT_BY_CONSTRUCTION = ("grouped", "amx")
+INVARIANT_BY_CONSTRUCTION = ("grouped", *bf16_linear.UNITS)
 LAYER_INDEX = re.compile(r"\.\d+\.")  # model.layers.3.mlp -> model.layers.*.mlp in the plan
 
 
@@ -102,8 +105,8 @@ def may_run(kernel: str, layer: Linear) -> bool:
         return torch.backends.mkldnn.is_available()
     if kernel == "grouped":
         return weight.dtype in KERNELS and load_kernel() is not None
-    return (kernel == "amx" and weight.dtype == torch.bfloat16 and layer.in_features % 32 == 0
-            and (lib := load_kernel()) is not None and amx_available(lib))
+    return (kernel in bf16_linear.UNITS and weight.dtype == torch.bfloat16 and layer.in_features % 32 == 0
+            and bf16_linear.available(kernel))
 
 
 def prepare(kernel: str, layer: Linear) -> Run | None:
@@ -121,21 +124,19 @@ def prepare(kernel: str, layer: Linear) -> Run | None:
         return partial(_onednn, packed, bias)
     if kernel == "grouped":
         return partial(grouped_gemm, load_kernel(), experts=pack_strips([weight], [bias]))
-    return partial(amx_linear, load_kernel(), pack_amx(weight), None if bias is None else bias.float(),
+    return partial(unit_linear, kernel, pack_pairs(weight), None if bias is None else bias.float(),
                    layer.out_features)
 
 
 def subset_run(run: Run, columns: list[int]) -> Run | None:
-    """`run` (a layer on our AMX or grouped kernel) on the weights of output `columns` alone,
+    """`run` (a layer on one of our kernels) on the weights of output `columns` alone,
     taken back out of its packed layout (the plain weights may be freed); None for another
     kernel."""
     func, ids = getattr(run, "func", None), torch.tensor(columns)
-    if func is amx_linear:
-        lib, packed, bias, _ = run.args
-        # pack_amx's [N/32, K/32, 2, 16, 16, 2]: output n at (n // 32, :, n % 32 // 16, :, n % 16, :).
-        weight = packed[ids // 32, :, ids % 32 // 16, :, ids % 16, :].reshape(len(columns), -1)
-        return partial(amx_linear, lib, pack_amx(weight), None if bias is None else bias[ids],
-                       len(columns))
+    if func is unit_linear:
+        unit, packed, bias, _ = run.args
+        return partial(unit_linear, unit, pack_pairs(unpack_columns(packed, ids)),
+                       None if bias is None else bias[ids], len(columns))
     if func is grouped_gemm:
         experts = run.keywords["experts"]
         weight = experts.weight[0, ids // 16, :, ids % 16]  # pack's [1, N/16, K, 16]
