@@ -13,7 +13,7 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 @pytest.mark.parametrize("name", ["bench_engine.py", "bench_server.py", "bench_scoring.py",
-                                  "bench_load.py", "bench_gguf_load.py"])
+                                  "bench_load.py", "bench_gguf_load.py", "bench_linear.py"])
 def test_script_parses_its_arguments(name):
     done = subprocess.run([sys.executable, str(SCRIPTS / name), "--help"], capture_output=True,
                           text=True, timeout=120)
