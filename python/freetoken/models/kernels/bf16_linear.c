@@ -213,8 +213,8 @@ __attribute__((target("avx512f,avx512bf16"), always_inline)) static inline void 
             _mm_prefetch(ahead + l * 64, _MM_HINT_T1);
         const uint16_t *step = b + s * 1024;
         for (int p = 0; p < 16; p++) {
-            const __m512bh left = (__m512bh)_mm512_load_si512(step + p * 32);
-            const __m512bh right = (__m512bh)_mm512_load_si512(step + 512 + p * 32);
+            const __m512bh left = (__m512bh)_mm512_loadu_si512(step + p * 32);
+            const __m512bh right = (__m512bh)_mm512_loadu_si512(step + 512 + p * 32);
             for (int r = 0; r < rows; r++) {
                 int32_t pair;
                 memcpy(&pair, x + r * ldx + s * 32 + 2 * p, sizeof pair);
