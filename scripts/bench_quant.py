@@ -9,11 +9,17 @@ heading gives the CPU, the kernel's path (AVX2 or AVX-512) and a plain memory re
 over 512 MiB) to show how far the 1-row figures are from the bandwidth bound. Each figure is the
 fastest of its calls over at least --seconds.
 
+Last, which of the two bounds a few-row call meets (--ceilings): per format, the weight bytes a
+second one thread gets through with the weight in its L2 (the kernel's own rate, times the
+threads: what the cores could do), against all threads reading weights from memory (a set of
+them larger than the L3), beside a plain read of the same bytes with torch's threads.
+
     python scripts/bench_quant.py [--threads 2] [--formats Q4_1,Q8_0] [--quick]
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import numpy as np
@@ -42,6 +48,8 @@ def main() -> None:
     p.add_argument("--formats", default=",".join(t.name for t in quant.FORMATS),
                    help="comma-separated GGUF types")
     p.add_argument("--seconds", type=float, default=0.3, help="least time spent on each figure")
+    p.add_argument("--ceilings", action=argparse.BooleanOptionalAction, default=True,
+                   help="the compute-or-memory table at 1 and 8 rows")
     args = p.parse_args()
     setup(args)
     if not quant.supported(GGMLQuantizationType.Q4_0):
@@ -68,6 +76,8 @@ def main() -> None:
                     ["format", "rows", "ours ms", "GFLOP/s", "weight GB/s", "torch f32 ms", "torch / ours"],
                     table)
     model_step(args)
+    if args.ceilings:
+        ceilings(args)
 
 
 def model_step(args) -> None:
@@ -86,6 +96,43 @@ def model_step(args) -> None:
                       f"{torch_s * 1e3:.2f}", ratio(torch_s, ours)])
     print_table(f"SmolLM2-135M Q4_1 linears + Q8_0 head, one decode step, {args.threads} thread(s)",
                 ["rows", "ours ms", "tokens/s bound", "weight GB/s", "torch f32 ms", "torch / ours"], table)
+
+
+# (N, K): small enough for one core's L2 in every format (Q8_0: 870 KB), K a whole super-block.
+IN_L2, FROM_MEMORY_BYTES = (1024, 768), 256 << 20
+
+
+def ceilings(args) -> None:
+    """Few-row calls: the kernel's rate on a weight in L2 against its rate on weights from memory."""
+    plain = torch.ones(FROM_MEMORY_BYTES // 4)
+    read_gbs = plain.nbytes / best_time(plain.sum, args.repeats, args.seconds) / 1e9
+    table = []
+    for name in args.formats.split(","):
+        qtype = GGMLQuantizationType[name]
+        near = quant.random_weight(qtype, IN_L2)
+        # Each call also pays a fixed cost (the Python call, the output, waking threads): a
+        # 16-column weight's call, taken off every call, so that both rates are the kernel's.
+        tiny = quant.random_weight(qtype, (16, IN_L2[1]))
+        copies = FROM_MEMORY_BYTES // near.nbytes
+        far = [quant.random_weight(qtype, IN_L2, seed=i) for i in range(copies)]
+        for rows in (1, 8):
+            x = torch.randn(rows, IN_L2[1])
+            kernel_s = []  # one thread on `near`, every thread on `far`
+            for threads, weights in ((1, [near]), (args.threads, far)):
+                torch.set_num_threads(threads)
+                fixed = best_time(lambda: quant.quant_linear(x, tiny, None), args.repeats, args.seconds)
+                calls = best_time(lambda: [quant.quant_linear(x, w, None) for w in weights], args.repeats,
+                                  args.seconds)
+                kernel_s.append(calls - fixed * len(weights))
+            cores = near.nbytes / kernel_s[0] * args.threads / 1e9
+            got = near.nbytes * copies / kernel_s[1] / 1e9
+            table.append([name, rows, f"{cores:.1f}", f"{got:.1f}", f"{read_gbs:.1f}",
+                          "compute" if cores < read_gbs else "memory"])
+    print_table(f"Few-row calls, weight GB/s: what the cores could compute ({IN_L2[0]}x{IN_L2[1]} in one "
+                f"core's L2, x {args.threads} threads), what they get from memory ({FROM_MEMORY_BYTES >> 20} "
+                f"MiB of such weights, {args.threads} threads), a plain read; each call's fixed cost taken off",
+                ["format", "rows", "cores, weight in L2", "from memory", "plain read", "the lower ceiling"],
+                table)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+from dataclasses import dataclass
 from multiprocessing import connection
 
 from freetoken.config import EngineConfig
@@ -28,9 +29,24 @@ def raise_interrupted(signum, frame) -> None:
 
 
 def start_engine(config: EngineConfig, ipc_dir: str, procs: list) -> tuple[str, str]:
+    """Spawn this node's engine processes and wait until they have loaded (spawn_engine, then
+    wait_engine); returns (in_addr, out_addr) of rank 0's sockets."""
+    return wait_engine(spawn_engine(config, ipc_dir, procs))
+
+
+@dataclass
+class Loading:
+    """Engine processes spawned and loading: each one's ready pipe, and rank 0's addresses."""
+
+    pending: dict
+    in_addr: str
+    out_addr: str
+
+
+def spawn_engine(config: EngineConfig, ipc_dir: str, procs: list) -> Loading:
     """Spawn this node's engine processes, one per tensor-parallel rank (appended to `procs` at
-    once, so that an interrupted start is still cleaned up); returns (in_addr, out_addr) of
-    rank 0's sockets once every rank has loaded its model."""
+    once, so that an interrupted start is still cleaned up), without waiting for them: the caller
+    may do its own loading meanwhile."""
     in_addr, out_addr = f"ipc://{ipc_dir}/in", f"ipc://{ipc_dir}/out"
     ctx = mp.get_context("spawn")
 
@@ -49,6 +65,13 @@ def start_engine(config: EngineConfig, ipc_dir: str, procs: list) -> tuple[str, 
         procs.append(proc)
         ready_send.close()
         pending[ready_recv] = proc
+    return Loading(pending, in_addr, out_addr)
+
+
+def wait_engine(loading: Loading) -> tuple[str, str]:
+    """(in_addr, out_addr) once every rank of `loading` has loaded its model; RuntimeError with
+    the first failure's reason otherwise."""
+    pending = loading.pending
     # Any order: a rank that fails to load is reported at once, not after the others' waits.
     while pending:
         for ready_recv in connection.wait(list(pending)):
@@ -63,7 +86,7 @@ def start_engine(config: EngineConfig, ipc_dir: str, procs: list) -> tuple[str, 
                 ready_recv.close()
             if status != "ok":
                 raise RuntimeError(status.removeprefix("error: "))
-    return in_addr, out_addr
+    return loading.in_addr, loading.out_addr
 
 
 def exit_reason(proc) -> str:
