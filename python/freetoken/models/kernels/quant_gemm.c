@@ -511,19 +511,30 @@ AVX512 static void rows_avx512(const float *x, int64_t ldx, int64_t rows, const 
 #define FEW 8
 #define AHEAD 4 /* columns: the next 4-column tile (measured on the 8B: 2 ahead 336 ms a step, 4-8 253-256) */
 
-/* Lines from p on, one per 64 bytes of [p, p + bytes). Called block by block along a column,
- * a line a block straddles is asked for twice, and the last line ahead of time: measured, that
- * is 5 % faster than asking for each line once. */
-INLINE void prefetch_lines(const uint8_t *p, int64_t bytes) {
-    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + o, _MM_HINT_T0);
+#define FAR_ROWS 2 /* Q8_0 tiles of at most this many rows fetch FAR_BYTES ahead, into L2 */
+#define FAR_BYTES (16 << 10)
+
+/* Lines from p on, one per 64 bytes of [p, p + bytes), into L1 (into L2 with `far`). Called
+ * block by block along a column, a line a block straddles is asked for twice, and the last line
+ * ahead of time: measured, that is 5 % faster than asking for each line once. */
+INLINE void prefetch_lines(const uint8_t *p, int64_t bytes, int far) {
+    for (int64_t o = 0; o < bytes; o += 64) {
+        if (far) _mm_prefetch((const char *)p + o, _MM_HINT_T1);
+        else _mm_prefetch((const char *)p + o, _MM_HINT_T0);
+    }
 }
 
-/* Block blk of the tile's columns AHEAD columns on (the next tile's, usually this thread's own
+/* Block blk of the tile's columns `ahead` columns on (a later tile's, usually this thread's own
  * next work), fetched while this block is multiplied: a decode step is bound by reading the
  * weight. Asking for the next tile in one burst at a tile's start (as before) read the 8B's
- * weights at 11.5 GB/s on two threads; spread along the blocks, 17. */
+ * weights at 11.5 GB/s on two threads; spread along the blocks, 17. Q8_0 at one or two rows is
+ * the one case whose work per byte runs ahead of memory (its dequantization is the cheapest:
+ * scripts/bench_quant.py's ceilings), so it waits on the weight the most: it asks for it at least
+ * FAR_BYTES ahead, into L2. On the Zen 4, 2 threads, one row: the default GGUF's Q8_0 head (K =
+ * 576) read at 26 GB/s rather than 15.5, batch-1 decode 1.12x; the same for Q4_1 layers made them
+ * 1.09x slower, and Q6_K at 8 rows 1.18x: there the next tile into L1 stays. */
 #define FETCH_AHEAD(COLS, blk)                                                                   \
-    for (int n = 0; n < (COLS); n++) prefetch_lines(col[n] + AHEAD * ldw + (blk) * size, size);
+    for (int n = 0; n < (COLS); n++) prefetch_lines(col[n] + ahead * ldw + (blk) * size, size, far);
 
 #define FEW_FMA(C, W)                                                                            \
     {                                                                                            \
@@ -648,6 +659,8 @@ AVX512 INLINE void q4_k_chunk_512(const uint8_t *b, const float *s, int c, __m51
                                                   int64_t ldw, int cols, int64_t K, float *y, int64_t ldy, \
                                                   const float *bias) {                           \
         const int64_t size = block_bytes(type), few_rows = ROWS, few_cols = COLS;               \
+        const int far = ROWS <= FAR_ROWS && type == Q8_0;                                        \
+        const int64_t ahead = far && AHEAD * ldw < FAR_BYTES ? (FAR_BYTES + ldw - 1) / ldw : AHEAD; \
         const uint8_t *col[COLS];                                                                \
         for (int n = 0; n < COLS; n++) col[n] = w + (n < cols ? n : cols - 1) * ldw;             \
         __m512 a[ROWS][COLS];                                                                    \
