@@ -5,9 +5,9 @@ For each format and shape, quant_linear at 1, 8, 32 and 512 rows: milliseconds, 
 weight bytes read (what bounds a decode step), and torch's time over ours; then the default
 model's linear layers (SmolLM2-135M: Q4_1 projections, fused as the engine fuses them, and the
 Q8_0 tied head) for one decode step of 1, 8 and 32 rows, as a bound on decode tokens/s. The
-heading gives the CPU, the kernel's path (AVX2 or AVX-512) and a plain memory read (a numpy sum
-over 512 MiB) to show how far the 1-row figures are from the bandwidth bound. Each figure is the
-fastest of its calls over at least --seconds.
+heading gives the CPU, the kernel's path (AVX2 or AVX-512) and a plain memory read (torch's sum
+over 512 MiB on the same threads) to show how far the 1-row figures are from the bandwidth bound.
+Each figure is the fastest of its calls over at least --seconds.
 
 Last, which of the two bounds a few-row call meets (--ceilings): per format, the weight bytes a
 second one thread gets through with the weight in its L2 (the kernel's own rate, times the
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from _bench_common import base_parser, best_time, print_table, ratio, setup
@@ -38,9 +37,10 @@ MODEL_LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 MODEL_LAYERS, MODEL_HEAD = 30, (49152, 576)
 
 
-def memory_read_gbs(repeats: int) -> float:
-    values = np.ones(128 << 20, dtype=np.float32)
-    return values.nbytes / best_time(values.sum, repeats) / 1e9
+def memory_read_gbs(repeats: int, seconds: float = 0.0) -> float:
+    """A plain read of 512 MiB (torch's sum, on its threads): memory's rate, for comparison."""
+    values = torch.ones(128 << 20)
+    return values.nbytes / best_time(values.sum, repeats, seconds) / 1e9
 
 
 def main() -> None:
@@ -56,7 +56,7 @@ def main() -> None:
         raise SystemExit("no quantized-weight kernel on this CPU (see quant.py)")
     path = {v: k for k, v in quant.ISAS.items()}[quant.isa()]
     print(f"# cpu: {cpu_name()}; quant kernel path: {path}; "
-          f"plain memory read (numpy sum): {memory_read_gbs(args.repeats):.1f} GB/s", flush=True)
+          f"plain memory read (torch sum, {args.threads} threads): {memory_read_gbs(args.repeats, args.seconds):.1f} GB/s", flush=True)
     shapes = SHAPES[1:] if args.quick else SHAPES
     rows_list = ROWS[:3] if args.quick else ROWS
     for n, k in shapes:
@@ -104,8 +104,7 @@ IN_L2, FROM_MEMORY_BYTES = (1024, 768), 256 << 20
 
 def ceilings(args) -> None:
     """Few-row calls: the kernel's rate on a weight in L2 against its rate on weights from memory."""
-    plain = torch.ones(FROM_MEMORY_BYTES // 4)
-    read_gbs = plain.nbytes / best_time(plain.sum, args.repeats, args.seconds) / 1e9
+    read_gbs = memory_read_gbs(args.repeats, args.seconds)
     table = []
     for name in args.formats.split(","):
         qtype = GGMLQuantizationType[name]
