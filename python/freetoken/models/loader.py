@@ -196,6 +196,7 @@ def build_gguf(model_class: type, gguf: Path, hf_config: dict, tokenizer, dtype:
     With `group`, that tensor-parallel rank's slices, quantized ones cut along whole blocks
     (models/layers/tensor_parallel.py)."""
     from freetoken.models.gguf_file import experts_block, open_gguf, planned_bytes, read_tensors, working_bytes
+    from freetoken.models.huge_pages import place_in_huge_pages
     from freetoken.models.llama import FUSED
 
     with torch.device("meta"):
@@ -213,6 +214,7 @@ def build_gguf(model_class: type, gguf: Path, hf_config: dict, tokenizer, dtype:
     elif in_parts:
         _log_widened(gguf.name, "in the parts of K tensor-parallel ranks hold",
                      widen_cut_experts(state, module.experts_block))
+    state = place_in_huge_pages(state, reader.data)
     take_stacked_experts(module, state)
     layers = take_quantized(state, FUSED)
     state = module.convert_hf_weights(state)

@@ -511,8 +511,12 @@ AVX512 static void rows_avx512(const float *x, int64_t ldx, int64_t rows, const 
 #define FEW 8
 #define AHEAD 4 /* columns: the next 4-column tile (measured on the 8B: 2 ahead 336 ms a step, 4-8 253-256) */
 
-#define FAR_ROWS 2 /* Q8_0 tiles of at most this many rows fetch FAR_BYTES ahead, into L2 */
-#define FAR_BYTES (16 << 10)
+/* How far ahead (bytes, into L2) a tile of `rows` rows fetches its weight; 0: the next tile, into
+ * L1 (FETCH_AHEAD says why and what was measured). */
+static int64_t far_bytes(int type, int64_t rows) {
+    if (type == Q8_0) return rows <= 2 ? 16 << 10 : 0;
+    return rows == 1 ? 8 << 10 : 0;
+}
 
 /* Lines from p on, one per 64 bytes of [p, p + bytes), into L1 (into L2 with `far`). Called
  * block by block along a column, a line a block straddles is asked for twice, and the last line
@@ -530,9 +534,14 @@ INLINE void prefetch_lines(const uint8_t *p, int64_t bytes, int far) {
  * weights at 11.5 GB/s on two threads; spread along the blocks, 17. Q8_0 at one or two rows is
  * the one case whose work per byte runs ahead of memory (its dequantization is the cheapest:
  * scripts/bench_quant.py's ceilings), so it waits on the weight the most: it asks for it at least
- * FAR_BYTES ahead, into L2. On the Zen 4, 2 threads, one row: the default GGUF's Q8_0 head (K =
- * 576) read at 26 GB/s rather than 15.5, batch-1 decode 1.12x; the same for Q4_1 layers made them
- * 1.09x slower, and Q6_K at 8 rows 1.18x: there the next tile into L1 stays. */
+ * 16 KiB ahead, into L2. On the Zen 4, 2 threads, one row: the default GGUF's Q8_0 head (K =
+ * 576) read at 26 GB/s rather than 15.5, batch-1 decode 1.12x. Every other format at one row asks
+ * 8 KiB ahead, into L2, once the weights lie in huge pages (models/huge_pages.py; on 4 KiB pages a
+ * fetch that far ahead also walks the page tables, and the 16 KiB of Q8_0 made Q4_1 layers 1.09x
+ * slower): on the Zen 4, 2 threads, weights in huge pages, small models' widths (K = 576-1536),
+ * Q4_0 1.18x, Q4_1 1.12x, Q5_K 1.13x, Q6_K 1.15x, MXFP4 1.07x, Q4_K 1.01x, and 4096-wide Q6_K
+ * 1.07x, Q4_K 1.00x. At two rows it was as often slower as faster (Q4_0 0.89x, Q6_K 1.14x), and at
+ * 8 rows slower (Q6_K 1.18x, Q4_1 1.03x): there the next tile into L1 stays. */
 #define FETCH_AHEAD(COLS, blk)                                                                   \
     for (int n = 0; n < (COLS); n++) prefetch_lines(col[n] + ahead * ldw + (blk) * size, size, far);
 
@@ -659,8 +668,9 @@ AVX512 INLINE void q4_k_chunk_512(const uint8_t *b, const float *s, int c, __m51
                                                   int64_t ldw, int cols, int64_t K, float *y, int64_t ldy, \
                                                   const float *bias) {                           \
         const int64_t size = block_bytes(type), few_rows = ROWS, few_cols = COLS;               \
-        const int far = ROWS <= FAR_ROWS && type == Q8_0;                                        \
-        const int64_t ahead = far && AHEAD * ldw < FAR_BYTES ? (FAR_BYTES + ldw - 1) / ldw : AHEAD; \
+        const int64_t reach = far_bytes(type, ROWS);                                             \
+        const int far = reach > 0;                                                               \
+        const int64_t ahead = far && AHEAD * ldw < reach ? (reach + ldw - 1) / ldw : AHEAD;      \
         const uint8_t *col[COLS];                                                                \
         for (int n = 0; n < COLS; n++) col[n] = w + (n < cols ? n : cols - 1) * ldw;             \
         __m512 a[ROWS][COLS];                                                                    \
