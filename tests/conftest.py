@@ -22,6 +22,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # at OpenMP barriers for a core another one holds. Set before anything imports torch.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# The suite's ~100 loads (most of them the default model's, servers' too) keep a GGUF's blocks
+# on the file's map: copying them into huge pages (models/huge_pages.py) costs each 0.3-1 s on a
+# VM and changes no result; tests/models/test_huge_pages.py turns the copy on for its own tests.
+os.environ.setdefault("FREETOKEN_HUGE_PAGES", "0")
+
 from tests.fixtures import build_models as bm  # noqa: E402
 
 

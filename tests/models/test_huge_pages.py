@@ -30,6 +30,12 @@ def _mapping(address: int) -> dict[str, str]:
     return fields
 
 
+@pytest.fixture(autouse=True)
+def _copies_on(monkeypatch):
+    """The suite turns the copy off (tests/conftest.py); these tests are about it."""
+    monkeypatch.delenv("FREETOKEN_HUGE_PAGES", raising=False)
+
+
 needs_huge_pages = pytest.mark.skipif(not huge_pages.huge_pages_available(),
                                       reason="this kernel gives no transparent huge pages (mode never)")
 
@@ -54,9 +60,8 @@ def test_weights_are_copied_as_stored_into_a_region_eligible_for_huge_pages():
 
 @needs_huge_pages
 def test_a_gguf_loads_its_kept_blocks_into_huge_pages():
-    from tests.models.test_gguf_file import MODELS
-
-    path = bm.cached("tiny-quantized-llama", bm.build_quantized_gguf, MODELS["llama"], "llama")
+    formats = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")  # test_gguf_file.py's llama, cached
+    path = bm.cached("tiny-quantized-llama", bm.build_quantized_gguf, formats, "llama")
     model = registry.load_model(path / "model.gguf", dtype="float32", device="cpu", gguf_weights="quantized")
     parts = [*model.model.model.layers[0].self_attn.qkv_proj.parts, model.model.model.embed_tokens.weight]
     assert {p.qtype.name for p in parts} >= {"Q8_0"} and len(parts) == 4
@@ -91,3 +96,6 @@ def test_without_huge_pages_the_weights_stay_where_they_are(tmp_path, monkeypatc
     assert huge_pages.place_in_huge_pages({"w": weight})["w"] is weight
     mode.write_text("always [madvise] never\n")
     assert huge_pages.huge_pages_available() == hasattr(__import__("mmap"), "MADV_HUGEPAGE")
+    monkeypatch.setenv("FREETOKEN_HUGE_PAGES", "0")  # turned off
+    assert not huge_pages.copies_to_huge_pages()
+    assert huge_pages.place_in_huge_pages({"w": weight})["w"] is weight

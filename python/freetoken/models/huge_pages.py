@@ -9,7 +9,8 @@ same bytes, the same results), into one region asked for huge pages (madvise): r
 cache) where a weight is whole, copied off the map where it is a slice (a tensor-parallel rank's
 part of K), the map's pages then let go; so the load holds about one copy of the weights at any
 time, as reading them in place did. Where the kernel grants no huge pages (the mode `never`,
-or no madvise), the weights stay on the map.
+or no madvise), or where FREETOKEN_HUGE_PAGES=0 asks so (a faster load: the copy's first touch
+costs a VM 0.3-1 s for the default model), the weights stay on the map.
 """
 
 from __future__ import annotations
@@ -43,11 +44,16 @@ def huge_pages_available() -> bool:
     return hasattr(mmap, "MADV_HUGEPAGE") and "[never]" not in mode
 
 
+def copies_to_huge_pages() -> bool:
+    """Will a load copy its weights into huge pages here (available, and not turned off)?"""
+    return os.environ.get("FREETOKEN_HUGE_PAGES") != "0" and huge_pages_available()
+
+
 def place_in_huge_pages(state: dict, source: np.memmap | None = None) -> dict:
     """`state` with each QuantizedWeight's blocks copied into one huge-page region (the others as
     they are); `source`: the file's map, whose pages under each copied weight are released."""
     weights = {name: w for name, w in state.items() if isinstance(w, QuantizedWeight)}
-    if not weights or not huge_pages_available():
+    if not weights or not copies_to_huge_pages():
         return state
     total = sum(_padded(w.nbytes) for w in weights.values())
     # Whole huge pages from a boundary on: room to align the start, and the end a whole page.

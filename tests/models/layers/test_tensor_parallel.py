@@ -108,7 +108,7 @@ def test_mxfp4_experts_split_in_whole_blocks_sum_to_the_whole_layer(tiny_gpt_oss
 def test_a_gguf_rank_keeps_whole_blocks_and_dequantizes_a_cut_block(caplog):
     from gguf import GGML_QUANT_SIZES
 
-    from freetoken.models.huge_pages import huge_pages_available
+    from freetoken.models.huge_pages import copies_to_huge_pages
 
     from freetoken.models.layers.quantized import QuantizedLinear
     from freetoken.models.layers.quantized_parallel import RowParallelQuantized
@@ -126,7 +126,7 @@ def test_a_gguf_rank_keeps_whole_blocks_and_dequantizes_a_cut_block(caplog):
     # Rank 1's half of K (256 of 512): whole blocks of each row, as stored: copied alone into
     # huge pages where the kernel gives them (models/huge_pages.py), else read in place.
     assert weight.shape == (256, 256) and weight.data.shape[1] == 256 // block * size
-    assert weight.data.stride(0) == (256 if huge_pages_available() else 512) // block * size
+    assert weight.data.stride(0) == (256 if copies_to_huge_pages() else 512) // block * size
     # Layer 0's o_proj is Q4_K: half of its K, 2 heads of 64, is half a block of 256.
     assert isinstance(model.model.layers[0].self_attn.o_proj, RowParallelLinear)
     assert "dequantized at load on rank 1, its part of K not whole blocks" in caplog.text
