@@ -109,7 +109,6 @@ def test_a_gguf_rank_keeps_whole_blocks_and_dequantizes_a_cut_block(caplog):
     from gguf import GGML_QUANT_SIZES
 
     from freetoken.models.huge_pages import copies_to_huge_pages
-
     from freetoken.models.layers.quantized import QuantizedLinear
     from freetoken.models.layers.quantized_parallel import RowParallelQuantized
     from freetoken.models.layers.tensor_parallel import RowParallelLinear
