@@ -5,8 +5,10 @@ For each format and shape, quant_linear at 1, 8, 32 and 512 rows: milliseconds, 
 weight bytes read (what bounds a decode step), and torch's time over ours; then the default
 model's linear layers (SmolLM2-135M: Q4_1 projections, fused as the engine fuses them, and the
 Q8_0 tied head) for one decode step of 1, 8 and 32 rows, as a bound on decode tokens/s. The
-heading gives the CPU, the kernel's path (AVX2 or AVX-512) and a plain memory read (torch's sum
-over 512 MiB on the same threads) to show how far the 1-row figures are from the bandwidth bound.
+heading gives the CPU, the kernel's path (AVX2 or AVX-512), a plain memory read (torch's sum
+over 512 MiB on the same threads) to show how far the 1-row figures are from the bandwidth bound,
+and the vector units' peaks on the same threads (unit_peaks.c: float32 FMAs, and AVX512-BF16's dot
+product where the CPU has it), the most an exact float32 kernel, or a bfloat16 one, can reach.
 Each figure is the fastest of its calls over at least --seconds.
 
 Last, which of the two bounds a few-row call meets (--ceilings): per format, the weight bytes a
@@ -20,7 +22,9 @@ them larger than the L3), beside a plain read of the same bytes with torch's thr
 from __future__ import annotations
 
 import argparse
+import ctypes
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +32,7 @@ from _bench_common import base_parser, best_time, print_table, ratio, setup
 from gguf import GGMLQuantizationType
 
 from freetoken.models.kernels import quant
+from freetoken.models.kernels.grouped_gemm import build
 from freetoken.models.layers.kernel_choice import cpu_name
 
 SHAPES = ((4096, 4096), (576, 1536))  # (N, K): a 7B-class projection, the default model's down_proj
@@ -35,6 +40,19 @@ ROWS = (1, 8, 32, 512)
 # SmolLM2-135M's linears per layer (qkv, o, gate_up, down; N x K) x 30 layers, and its head.
 MODEL_LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 MODEL_LAYERS, MODEL_HEAD = 30, (49152, 576)
+UNITS = ((0, "float32 FMA"), (1, "AVX512-BF16 dot"))  # unit_peaks.c's kinds
+
+
+def unit_peaks() -> str:
+    """Each vector unit's peak on torch's threads, GFLOP/s (2 per multiply-add)."""
+    lib = ctypes.CDLL(str(build(Path(__file__).with_name("unit_peaks.c"))))
+    lib.unit_peak.argtypes, lib.unit_peak.restype = [ctypes.c_int, ctypes.c_long], ctypes.c_double
+    peaks = []
+    for kind, name in UNITS:
+        if lib.unit_supported(kind):
+            lib.unit_peak(kind, 10**6)  # warm-up: the clocks and the thread team
+            peaks.append(f"{name} {2 * lib.unit_peak(kind, 10**8) / 1e9:.0f}")
+    return ", ".join(peaks)
 
 
 def memory_read_gbs(repeats: int, seconds: float = 0.0) -> float:
@@ -56,7 +74,8 @@ def main() -> None:
         raise SystemExit("no quantized-weight kernel on this CPU (see quant.py)")
     path = {v: k for k, v in quant.ISAS.items()}[quant.isa()]
     print(f"# cpu: {cpu_name()}; quant kernel path: {path}; "
-          f"plain memory read (torch sum, {args.threads} threads): {memory_read_gbs(args.repeats, args.seconds):.1f} GB/s", flush=True)
+          f"plain memory read (torch sum, {args.threads} threads): {memory_read_gbs(args.repeats, args.seconds):.1f} GB/s; "
+          f"unit peaks (GFLOP/s, {args.threads} threads): {unit_peaks()}", flush=True)
     shapes = SHAPES[1:] if args.quick else SHAPES
     rows_list = ROWS[:3] if args.quick else ROWS
     for n, k in shapes:
