@@ -172,8 +172,13 @@ static float *thread_scores(int64_t n) {
                     acc[u] = _mm256_fmadd_ps(qd, LOAD(kp[u] + d), acc[u]);                           \
             }                                                                                        \
         }                                                                                            \
-        float sums[8];                                                                               \
-        _mm256_storeu_ps(sums, _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale)));                  \
+        const __m256 scores = _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale));                    \
+        if (m == 8) {                                                                                \
+            _mm256_storeu_ps(s, scores);                                                             \
+            return;                                                                                  \
+        }                                                                                            \
+        float sums[8]; /* (a store loop GCC makes a memcpy call: at m == 8, one store instead) */    \
+        _mm256_storeu_ps(sums, scores);                                                              \
         for (int u = 0; u < m; u++)                                                                  \
             s[u] = sums[u];                                                                          \
     }
@@ -252,9 +257,16 @@ AVX512 __m512 broadcast8_bf16(const uint16_t *p) {
             lo[u] = _mm512_castps512_ps256(acc[u]);                                                  \
             hi[u] = _mm512_extractf32x8_ps(acc[u], 1);                                               \
         }                                                                                            \
+        const __m256 scores0 = _mm256_mul_ps(hsum8x8(lo), _mm256_set1_ps(scale));                    \
+        const __m256 scores1 = _mm256_mul_ps(hsum8x8(hi), _mm256_set1_ps(scale));                    \
+        if (m == 8) { /* (as scores8) */                                                             \
+            _mm256_storeu_ps(s0, scores0);                                                           \
+            _mm256_storeu_ps(s1, scores1);                                                           \
+            return;                                                                                  \
+        }                                                                                            \
         float sums[16];                                                                              \
-        _mm256_storeu_ps(sums, _mm256_mul_ps(hsum8x8(lo), _mm256_set1_ps(scale)));                   \
-        _mm256_storeu_ps(sums + 8, _mm256_mul_ps(hsum8x8(hi), _mm256_set1_ps(scale)));               \
+        _mm256_storeu_ps(sums, scores0);                                                             \
+        _mm256_storeu_ps(sums + 8, scores1);                                                         \
         for (int u = 0; u < m; u++) {                                                                \
             s0[u] = sums[u];                                                                         \
             s1[u] = sums[8 + u];                                                                     \
