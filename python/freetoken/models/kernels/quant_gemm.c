@@ -603,8 +603,8 @@ AVX512 INLINE void fma_in_place(__m512 *acc, __m512 x, __m512 w) {
  * all of them (values 0-15 of every (row, column), then 16-31: each chain still in chunk order).
  * The next block is dequantized ahead of this one's multiply-adds, in program order, so that its
  * table loads and lookups run beside them: dequantized just before its own FMAs, a block left
- * them waiting (Zen 4, one thread, 8 rows of a Q4_1 weight in L2: 1.06-1.10x; the default GGUF's
- * decode step at batch 8 1.06x; 1-7 rows 0.98-1.04x). */
+ * them waiting (Zen 4, one thread, 8 rows of a Q4_1 weight in L2: 1.06-1.10x, 1-7 rows
+ * 0.98-1.04x; the default GGUF's decode step at batch 8 1.01x). */
 #define FEW_PAIRS(PAIR)                                                                          \
     {                                                                                            \
         __m512 lo[4], hi[4], next_lo[4], next_hi[4];                                             \
