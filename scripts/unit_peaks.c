@@ -8,59 +8,30 @@
 #include <omp.h>
 
 #define TWELVE(STEP) STEP(0) STEP(1) STEP(2) STEP(3) STEP(4) STEP(5) STEP(6) STEP(7) STEP(8) STEP(9) STEP(10) STEP(11)
-/* Each accumulator through an empty asm every round: kept in a register, never folded away. */
+
+/* NAME(rounds): twelve accumulators of VEC, each through an empty asm every round (kept in a
+ * register, never folded away), each round one OP(a, x, y) on each. */
+#define DEFINE_LOOP(NAME, TARGET, VEC, IN, X, Y, OP, SUM)                                           \
+    __attribute__((target(TARGET))) static float NAME(long rounds) {                             \
+        const IN x = X, y = Y;                                                                   \
+        VEC a[12];                                                                               \
+        for (int i = 0; i < 12; i++) a[i] = (VEC){0};                                            \
+        for (long t = 0; t < rounds; t++) {                                                      \
+            _Pragma("GCC unroll 12") for (int i = 0; i < 12; i++) a[i] = OP(a[i], x, y);         \
+            TWELVE(KEEP)                                                                         \
+        }                                                                                        \
+        float sum = 0;                                                                           \
+        for (int i = 0; i < 12; i++) sum += SUM(a[i]);                                           \
+        return sum;                                                                              \
+    }
 #define KEEP(i) __asm__("" : "+v"(a[i]));
 
-__attribute__((target("avx512f,fma"))) static float fma512(long rounds) {
-    const __m512 x = _mm512_set1_ps(0.999f), y = _mm512_set1_ps(1e-3f);
-    __m512 a[12];
-#define START(i) a[i] = _mm512_setzero_ps();
-#define STEP(i) a[i] = _mm512_fmadd_ps(a[i], x, y);
-#define SUM(i) +_mm512_reduce_add_ps(a[i])
-    TWELVE(START)
-    for (long t = 0; t < rounds; t++) {
-        TWELVE(STEP)
-        TWELVE(KEEP)
-    }
-    return 0 TWELVE(SUM);
-#undef START
-#undef STEP
-#undef SUM
-}
-
-__attribute__((target("avx2,fma"))) static float fma256(long rounds) {
-    const __m256 x = _mm256_set1_ps(0.999f), y = _mm256_set1_ps(1e-3f);
-    __m256 a[12];
-#define START(i) a[i] = _mm256_setzero_ps();
-#define STEP(i) a[i] = _mm256_fmadd_ps(a[i], x, y);
-#define SUM(i) +_mm256_cvtss_f32(a[i])
-    TWELVE(START)
-    for (long t = 0; t < rounds; t++) {
-        TWELVE(STEP)
-        TWELVE(KEEP)
-    }
-    return 0 TWELVE(SUM);
-#undef START
-#undef STEP
-#undef SUM
-}
-
-__attribute__((target("avx512f,avx512bf16"))) static float dot_bf16(long rounds) {
-    const __m512bh x = (__m512bh)_mm512_set1_epi16(0x3f80), y = (__m512bh)_mm512_set1_epi16(0x3a80);
-    __m512 a[12];
-#define START(i) a[i] = _mm512_setzero_ps();
-#define STEP(i) a[i] = _mm512_dpbf16_ps(a[i], x, y);
-#define SUM(i) +_mm512_reduce_add_ps(a[i])
-    TWELVE(START)
-    for (long t = 0; t < rounds; t++) {
-        TWELVE(STEP)
-        TWELVE(KEEP)
-    }
-    return 0 TWELVE(SUM);
-#undef START
-#undef STEP
-#undef SUM
-}
+DEFINE_LOOP(fma512, "avx512f,fma", __m512, __m512, _mm512_set1_ps(0.999f), _mm512_set1_ps(1e-3f), _mm512_fmadd_ps,
+            _mm512_reduce_add_ps)
+DEFINE_LOOP(fma256, "avx2,fma", __m256, __m256, _mm256_set1_ps(0.999f), _mm256_set1_ps(1e-3f), _mm256_fmadd_ps,
+            _mm256_cvtss_f32)
+DEFINE_LOOP(dot_bf16, "avx512f,avx512bf16", __m512, __m512bh, (__m512bh)_mm512_set1_epi16(0x3f80),
+            (__m512bh)_mm512_set1_epi16(0x3a80), _mm512_dpbf16_ps, _mm512_reduce_add_ps)
 
 /* 1: the CPU has the unit `kind` runs on (0 float32 FMA, 512-bit where there is AVX-512, else
  * 256-bit; 1 AVX512-BF16's dot product), else 0. */
