@@ -118,6 +118,22 @@ def test_few_rows_over_a_part_tile_match_float64_and_their_rows_alone(qtype, isa
 
 
 @pytest.mark.parametrize("qtype", quant.FORMATS, ids=lambda t: t.name)
+def test_few_rows_add_the_bias_once_in_every_column(qtype, isa_cap):
+    # 1-8 rows store each tile's sums at once; 45 columns end in part tiles of 1-3 columns, whose
+    # bias is read only for the columns there.
+    w = quant.random_weight(qtype, (45, K_SUPER), seed=10)
+    x = torch.randn(8, K_SUPER, generator=torch.Generator().manual_seed(11))
+    bias = torch.randn(45, generator=torch.Generator().manual_seed(12))
+    dense = gguf_reference(w).double()
+    for rows in range(1, len(x) + 1):
+        y = quant.quant_linear(x[:rows], w, bias)
+        exact = x[:rows].double() @ dense.T + bias.double()
+        scale = x[:rows].double().abs() @ dense.abs().T + bias.double().abs()
+        assert ((y.double() - exact).abs() <= 1e-5 * scale).all(), rows
+        assert torch.equal(y, quant.quant_linear(x[:rows], w, None) + bias), rows
+
+
+@pytest.mark.parametrize("qtype", quant.FORMATS, ids=lambda t: t.name)
 def test_avx2_and_avx512_paths_give_the_same_bits(qtype, monkeypatch):
     if quant._kernel().quant_isa() < quant.ISAS["avx512"]:
         pytest.skip("this CPU lacks AVX-512: one path only")
