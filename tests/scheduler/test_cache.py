@@ -76,7 +76,10 @@ def test_abort_releases_the_requests_references():
     scheduler = build_scheduler(default_model(), kv_slots=1024)
     tok = default_model().tokenizer
     _run(scheduler, [PREFIX + "first."])
-    scheduler.add(UserMsg(7, tok.encode(PREFIX + "second."), SamplingParams(max_tokens=50)))
+    # Greedy and past EOS: sampled at temperature 1 it could end by itself within the two steps
+    # (it did once, in a fresh-clone run), releasing its slots before the abort.
+    scheduler.add(UserMsg(7, tok.encode(PREFIX + "second."),
+                          SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)))
     scheduler.step()
     scheduler.step()
     assert scheduler.engine.kv.num_used > len(tok.encode(PREFIX))  # shared slots included
