@@ -117,6 +117,42 @@ def test_a_tensor_that_does_not_fit_the_config_is_named(built, tmp_path):
         r"tensor blk\.0\.ffn_gate\.weight is \[512, 256\], the config says \[384, 256\]")])
 
 
+@pytest.fixture(scope="module")
+def split_qwen3():
+    """tiny-quantized-qwen3's model split into 3 parts of 10 tensors, its untied head in the last."""
+    folder = bm.cached("tiny-quantized-qwen3-split", bm.build_quantized_gguf, MODELS["qwen3"], "qwen3",
+                       split_tensors=10)
+    return sorted(folder.glob("model-*.gguf"))
+
+
+def test_a_split_file_is_the_whole_file_bit_for_bit(split_qwen3, loaded):
+    from gguf import GGUFReader
+
+    from freetoken.scheduler.factory import build_scheduler
+
+    assert [p.name for p in split_qwen3] == [f"model-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    first = GGUFReader(split_qwen3[0])
+    assert all(t.name != "output.weight" for t in first.tensors)  # transformers' parse would tie it
+    assert "split.count" in first.fields and "qwen3.block_count" not in GGUFReader(split_qwen3[1]).fields
+    model = registry.load_model(split_qwen3[0], dtype="float32", device="cpu", gguf_weights="quantized")
+    assert isinstance(model.model.lm_head, QuantizedLinear) and model.name == "model-00001-of-00003"
+    assert model.model.weight_bytes == loaded["qwen3"].model.weight_bytes
+    split, _ = greedy_run(build_scheduler(model, kv_slots=256), PROMPTS, steps=6)
+    whole, _ = greedy_run(build_scheduler(loaded["qwen3"], kv_slots=256), PROMPTS, steps=6)
+    for uid in PROMPTS:
+        assert_same_run(split[uid], whole[uid], tol=0.0)
+
+
+def test_a_split_file_is_named_by_its_first_part_and_whole(split_qwen3, tmp_path):
+    with pytest.raises(ModelNotFound, match="is part 2 of a split GGUF: pass its first part, "
+                       "model-00001-of-00003.gguf"):
+        registry.load_model(split_qwen3[1], dtype="float32", device="cpu")
+    for part in split_qwen3[:2]:
+        (tmp_path / part.name).symlink_to(part)
+    with pytest.raises(ModelNotFound, match="model-00003-of-00003.gguf not found beside it"):
+        registry.load_model(tmp_path / split_qwen3[0].name, dtype="float32", device="cpu")
+
+
 def test_a_gguf_caches_its_config_and_tokenizer_only(built):
     folder, name = registry.model_folder(built["qwen3"] / "model.gguf")
     assert name == "model" and (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()

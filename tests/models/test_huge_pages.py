@@ -73,18 +73,22 @@ def test_a_gguf_loads_its_kept_blocks_into_huge_pages():
 @needs_huge_pages
 @pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
 def test_the_files_pages_under_a_copied_weight_are_let_go(tmp_path):
-    weight = quant.random_weight(GGMLQuantizationType.Q4_0, (4096, 512), seed=3)  # 1.1 MiB
-    path = tmp_path / "blocks.bin"
-    path.write_bytes(weight.data.numpy().tobytes())
-    source = np.memmap(path, mode="r")
-    view = torch.from_numpy(np.asarray(source)).view(weight.data.shape)
-    mapped = quant.QuantizedWeight(weight.qtype, view, weight.shape)
-    assert int(view.sum()) == int(weight.data.sum())  # every page of the map read in
-    assert int(_mapping(source.ctypes.data)["Rss"].split()[0]) >= 1024
-    state = huge_pages.place_in_huge_pages({"w": mapped}, source)
-    assert int(_mapping(source.ctypes.data)["Rss"].split()[0]) == 0
-    assert torch.equal(state["w"].data, weight.data)
-    assert int(view.sum()) == int(weight.data.sum())  # the map still reads (from the page cache)
+    # Two files, as a split GGUF's parts: each weight is read from, and let go on, its own.
+    weights = [quant.random_weight(GGMLQuantizationType.Q4_0, (4096, 512), seed=s) for s in (3, 4)]  # 1.1 MiB
+    sources, mapped = [], {}
+    for i, weight in enumerate(weights):
+        path = tmp_path / f"blocks-{i}.bin"
+        path.write_bytes(weight.data.numpy().tobytes())
+        sources.append(np.memmap(path, mode="r"))
+        view = torch.from_numpy(np.asarray(sources[-1])).view(weight.data.shape)
+        mapped[f"w{i}"] = quant.QuantizedWeight(weight.qtype, view, weight.shape)
+        assert int(view.sum()) == int(weight.data.sum())  # every page of the map read in
+        assert int(_mapping(sources[-1].ctypes.data)["Rss"].split()[0]) >= 1024
+    state = huge_pages.place_in_huge_pages(dict(mapped), sources)
+    for i, (weight, source) in enumerate(zip(weights, sources)):
+        assert int(_mapping(source.ctypes.data)["Rss"].split()[0]) == 0
+        assert torch.equal(state[f"w{i}"].data, weight.data)
+        assert int(mapped[f"w{i}"].data.sum()) == int(weight.data.sum())  # the map still reads (page cache)
 
 
 def test_without_huge_pages_the_weights_stay_where_they_are(tmp_path, monkeypatch):

@@ -1,5 +1,7 @@
 """A GGUF file read as it is stored: its config and tokenizer (parsed by transformers, cached as
 a folder without weights) and its tensors under our HF names, from the memory-mapped file.
+A split file (llama.cpp's gguf-split: `NAME-00001-of-0000N.gguf`, the metadata in the first
+part, the tensors spread over all) is read as one, named by its first part.
 
 Asked for quantized weights, tensors in a block format models/kernels/quant.py runs on this CPU
 stay as the file stores them (a QuantizedWeight whose data is a view on the map: no copy; pages
@@ -19,10 +21,12 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import struct
 import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -73,6 +77,9 @@ def config_folder(gguf: Path, cache: Path, link: str) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
     config.pop("quantization_config", None)
+    # transformers ties the head where its parse saw no `output.weight`: in the first part's
+    # tensors alone, for a split file.
+    config["tie_word_embeddings"] = all(t.name != "output.weight" for t in reader.tensors)
     config["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config["model_type"], "?")]
     if config["model_type"] == "gpt_oss":
         yarn = {name: _value(reader, YARN_PREFIX + key) for key, name in YARN_KEYS.items()}
@@ -86,7 +93,9 @@ def config_folder(gguf: Path, cache: Path, link: str) -> Path:
     tmp.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(tmp)
     (tmp / "config.json").write_text(json.dumps(config, indent=1))
-    (tmp / link).symlink_to(gguf.resolve())
+    # The path as given, not its target: a Hub cache's file links to a blob named by its hash,
+    # and a split file's parts are found beside the first by name.
+    (tmp / link).symlink_to(os.path.abspath(gguf))
     try:
         tmp.replace(cache)  # atomic: a half-written folder is never picked up
     except OSError:  # another process finished first
@@ -123,7 +132,7 @@ def _hidden(prefix: str):
         gguf.GGUFReader = original
 
 
-def _value(reader: GGUFReader, key: str) -> int | float | None:
+def _value(reader: GGUFModel, key: str) -> int | float | None:
     """A scalar metadata field's value (None where the file has no such field)."""
     field = reader.fields.get(key)
     return None if field is None else field.parts[field.data[0]].tolist()[0]
@@ -222,7 +231,46 @@ class _CheckedReader(GGUFReader):
         super()._build_tensors(start_offs, fields)
 
 
-def open_gguf(path: Path) -> GGUFReader:
+SPLIT_PART = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+
+
+@dataclass
+class GGUFModel:
+    """A model's GGUF as one reader: `fields`, the metadata (a split file's first part's);
+    `tensors`, every part's in order; `maps`, each part's memory map."""
+
+    fields: dict
+    tensors: list
+    maps: list[np.memmap]
+
+
+def gguf_parts(path: Path) -> list[Path]:
+    """The files of the model `path` names: itself, or every part of the split file whose first
+    part it is (a ModelNotFound for a later part, or a part missing)."""
+    match = SPLIT_PART.search(path.name)
+    if match is None or match[2] == "00001":
+        return [path]
+    if match[1] != "00001":
+        raise ModelNotFound(f"{path.name} is part {int(match[1])} of a split GGUF: pass its first part, "
+                            f"{path.name[:match.start()]}-00001-of-{match[2]}.gguf")
+    parts = [path.with_name(f"{path.name[:match.start()]}-{i:05d}-of-{match[2]}.gguf")
+             for i in range(1, int(match[2]) + 1)]
+    if missing := [p.name for p in parts if not p.is_file()]:
+        raise ModelNotFound(f"{path.name}: the split GGUF's {', '.join(missing)} not found beside it")
+    return parts
+
+
+def open_gguf(path: Path) -> GGUFModel:
+    readers = [_open_part(part) for part in gguf_parts(path)]
+    model = GGUFModel(readers[0].fields, [t for r in readers for t in r.tensors], [r.data for r in readers])
+    count, tensors = _value(model, "split.count"), _value(model, "split.tensors.count")
+    if (count or 1) != len(readers) or tensors not in (None, len(model.tensors)):
+        raise ModelNotFound(f"{path.name}: its split.count {count} and split.tensors.count {tensors} do "
+                            f"not match its {len(readers)} parts of {len(model.tensors)} tensors")
+    return model
+
+
+def _open_part(path: Path) -> GGUFReader:
     try:
         return _CheckedReader(path)
     except ModelNotFound as exc:
@@ -231,7 +279,7 @@ def open_gguf(path: Path) -> GGUFReader:
         raise ModelNotFound(f"{path.name}: not a readable GGUF file ({exc})") from None
 
 
-def architecture(reader: GGUFReader) -> str:
+def architecture(reader: GGUFModel) -> str:
     """The file's `general.architecture` ("llama", "qwen3moe", "gpt-oss", ...)."""
     field = reader.fields.get("general.architecture")
     return bytes(field.parts[field.data[0]]).decode() if field else "?"
@@ -243,7 +291,7 @@ def kept_as_stored(qtype: GGMLQuantizationType, quantized: bool) -> bool:
     return quantized and qtype in FORMATS and supported(qtype)
 
 
-def planned_bytes(reader: GGUFReader, dtype: torch.dtype, quantized: bool) -> dict[str, int]:
+def planned_bytes(reader: GGUFModel, dtype: torch.dtype, quantized: bool) -> dict[str, int]:
     """The bytes each tensor format will hold once loaded (by format name): kept blocks as
     stored, the others widened to `dtype`."""
     sizes: dict[str, int] = {}
@@ -253,7 +301,7 @@ def planned_bytes(reader: GGUFReader, dtype: torch.dtype, quantized: bool) -> di
     return sizes
 
 
-def working_bytes(reader: GGUFReader, dtype: torch.dtype, quantized: bool) -> int:
+def working_bytes(reader: GGUFModel, dtype: torch.dtype, quantized: bool) -> int:
     """The memory a load needs for a moment beyond its weights: experts held as `dtype` (not
     kept as stored) are concatenated (gate with up) and repacked for the grouped kernel a layer
     at a time, each a second copy of that layer's experts while it is made."""
@@ -268,7 +316,7 @@ def working_bytes(reader: GGUFReader, dtype: torch.dtype, quantized: bool) -> in
 _EXPERTS = "_exps."  # a sparse layer's stacked experts: ffn_{gate,up,down}_exps
 
 
-def experts_block(reader: GGUFReader, quantized: bool) -> int:
+def experts_block(reader: GGUFModel, quantized: bool) -> int:
     """The block along K of the experts' down projections kept as stored (the largest, if the
     layers differ; 1 if none): tensor parallelism splits the experts' intermediate size in
     whole blocks of it."""
@@ -276,7 +324,7 @@ def experts_block(reader: GGUFReader, quantized: bool) -> int:
                 if kept and "ffn_down_exps." in t.name), default=1)
 
 
-def _kept(reader: GGUFReader, quantized: bool) -> list[tuple[object, bool]]:
+def _kept(reader: GGUFModel, quantized: bool) -> list[tuple[object, bool]]:
     """Each tensor, and whether it is kept as stored: a layer's experts only where all of them
     are (layers/moe.py's take_stacked_experts widens the others with the one that is not)."""
     widened = {t.name.split(".")[1] for t in reader.tensors
@@ -285,7 +333,7 @@ def _kept(reader: GGUFReader, quantized: bool) -> list[tuple[object, bool]]:
              and not (_EXPERTS in t.name and t.name.split(".")[1] in widened)) for t in reader.tensors]
 
 
-def read_tensors(path: Path, reader: GGUFReader, cfg, permuted: bool,
+def read_tensors(path: Path, reader: GGUFModel, cfg, permuted: bool,
                  quantized: bool) -> dict[str, torch.Tensor | QuantizedWeight]:
     """The file's tensors by HF name, each checked against `cfg`'s shapes (a ModelNotFound
     naming the first that does not fit, or is missing); `permuted`: a llama's q/k rows are in

@@ -19,7 +19,8 @@ import ctypes
 import logging
 import mmap
 import os
-from contextlib import nullcontext
+from collections.abc import Sequence
+from contextlib import ExitStack
 from functools import cache
 from pathlib import Path
 
@@ -49,9 +50,10 @@ def copies_to_huge_pages() -> bool:
     return os.environ.get("FREETOKEN_HUGE_PAGES") != "0" and huge_pages_available()
 
 
-def place_in_huge_pages(state: dict, source: np.memmap | None = None) -> dict:
+def place_in_huge_pages(state: dict, sources: Sequence[np.memmap] = ()) -> dict:
     """`state` with each QuantizedWeight's blocks copied into one huge-page region (the others as
-    they are); `source`: the file's map, whose pages under each copied weight are released."""
+    they are); `sources`: the maps of the files (a split GGUF's parts) whose pages under each
+    copied weight are released."""
     weights = {name: w for name, w in state.items() if isinstance(w, QuantizedWeight)}
     if not weights or not copies_to_huge_pages():
         return state
@@ -61,16 +63,18 @@ def place_in_huge_pages(state: dict, source: np.memmap | None = None) -> dict:
     region.madvise(mmap.MADV_HUGEPAGE)
     arena = torch.frombuffer(region, dtype=torch.uint8)  # holds `region` while a weight lives
     at = (-arena.data_ptr()) % HUGE_PAGE
-    with open(source.filename, "rb", buffering=0) if source is not None else nullcontext() as file:
+    with ExitStack() as files:
+        opened = [files.enter_context(open(source.filename, "rb", buffering=0)) for source in sources]
         for name, weight in weights.items():
             blocks = arena[at : at + weight.nbytes].view(weight.data.shape)
-            offset = _file_offset(weight.data, source)
-            if offset is not None and weight.data.is_contiguous():
-                _read(file, offset, memoryview(region)[at : at + weight.nbytes])
+            on = next(((source, file, offset) for source, file in zip(sources, opened)
+                       if (offset := _file_offset(weight.data, source)) is not None), None)
+            if on is not None and weight.data.is_contiguous():
+                _read(on[1], on[2], memoryview(region)[at : at + weight.nbytes])
             else:  # a rank's slice along K (rows apart), or a copy made at load
                 blocks.copy_(weight.data)
-            if offset is not None:
-                _release(weight.data, source)
+            if on is not None:
+                _release(weight.data, on[0])
             state[name] = QuantizedWeight(weight.qtype, blocks, weight.shape)
             at += _padded(weight.nbytes)
     log.info("%d quantized weights (%.0f MiB) copied into huge pages", len(weights), total / 2**20)
@@ -81,11 +85,9 @@ def _padded(nbytes: int, to: int = ALIGN) -> int:
     return -(-nbytes // to) * to
 
 
-def _file_offset(data: torch.Tensor, source: np.memmap | None) -> int | None:
+def _file_offset(data: torch.Tensor, source: np.memmap) -> int | None:
     """Where `data` starts in the file, if it lies on `source`, the file's map from its start
     (not a copy made at load, as a llama's q/k rows are)."""
-    if source is None:
-        return None
     first, base = data.data_ptr(), source.ctypes.data
     return first - base if base <= first < base + source.nbytes else None
 

@@ -80,9 +80,15 @@ def _map_gguf_extras() -> None:
 def gguf_to_folder(gguf: Path, served: tuple[str, ...]) -> Path:
     """Convert a GGUF file once into an HF folder; later loads read the folder (about 1 s).
     `served`: the architectures freetoken serves, named when the conversion fails."""
+    from freetoken.models.gguf_file import gguf_parts
+
     folder = _cache_folder(gguf)
     if (folder / "model.safetensors").is_file():
         return folder
+    if len(gguf_parts(gguf)) > 1:
+        raise ModelNotFound(f"{gguf.name}: a split GGUF of {_gguf_architecture(gguf)}, an architecture "
+                            "read through transformers' conversion, which reads one file: merge the parts "
+                            "(llama.cpp's `llama-gguf-split --merge`) or pass the model's HF folder")
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -139,7 +145,9 @@ def gguf_config_folder(gguf: Path, served: tuple[str, ...]) -> Path:
 def gguf_source(folder: Path) -> Path | None:
     """The GGUF file a folder of gguf_config_folder's reads its weights from; None for an HF folder."""
     link = folder / GGUF_LINK
-    return link.resolve() if link.is_symlink() or link.is_file() else None
+    if link.is_symlink():  # the path as given (gguf_file.config_folder), its parts beside it
+        return Path(os.readlink(link))
+    return link if link.is_file() else None
 
 
 def weights_folder(folder: Path) -> Path:
@@ -151,7 +159,8 @@ def weights_folder(folder: Path) -> Path:
 
 def _cache_folder(gguf: Path, kind: str = "") -> Path:
     stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
+    # The path as given, as the folder's link keeps it (a split file's parts are found beside it).
+    key = hashlib.sha256(f"{os.path.abspath(gguf)}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
     return cache_root() / "gguf" / f"{gguf.stem}-{key[:16]}{'-' + kind if kind else ''}"
 
 
@@ -167,11 +176,9 @@ def _unconvertible(gguf: Path, served: tuple[str, ...], exc: Exception) -> Model
 
 
 def _gguf_architecture(gguf: Path) -> str:
-    from gguf import GGUFReader
+    from freetoken.models.gguf_file import architecture, open_gguf
 
-    from freetoken.models.gguf_file import architecture
-
-    return architecture(GGUFReader(gguf))
+    return architecture(open_gguf(gguf))
 
 
 def build(model_class: type, folder: Path, hf_config: dict, tokenizer, dtype: torch.dtype,
@@ -214,7 +221,7 @@ def build_gguf(model_class: type, gguf: Path, hf_config: dict, tokenizer, dtype:
     elif in_parts:
         _log_widened(gguf.name, "in the parts of K tensor-parallel ranks hold",
                      widen_cut_experts(state, module.experts_block))
-    state = place_in_huge_pages(state, reader.data)
+    state = place_in_huge_pages(state, reader.maps)
     take_stacked_experts(module, state)
     layers = take_quantized(state, FUSED)
     state = module.convert_hf_weights(state)
