@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from freetoken.config import EngineConfig
 from freetoken.core import SamplingParams, TokenLogprob
 from freetoken.message import UserMsg
-from freetoken.models.registry import load_model
+from freetoken.models.registry import find_model, load_model
 from freetoken.scheduler.factory import build_scheduler
 from freetoken.tokenizer.reply import ReplyBuilder
 
@@ -25,8 +25,10 @@ class GenerationOutput:
 
 class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto", **kw):
-        """`kw`: the other fields of `EngineConfig` (kv_slots, max_model_len, ...)."""
-        config = EngineConfig(model_folder=model, dtype=dtype, device=device, **kw)
+        """`model`: a folder, a GGUF file or a Hub name (models/hub.py); `kw`: the other fields
+        of `EngineConfig` (kv_slots, max_model_len, ...)."""
+        folder, _ = find_model(model, dtype=dtype, device=device)
+        config = EngineConfig(model_folder=str(folder), dtype=dtype, device=device, **kw)
         if config.parallel.tp_size > 1:
             raise ValueError("LLM runs in this process: tensor parallelism is `freetoken serve "
                              "--tensor-parallel-size N`")

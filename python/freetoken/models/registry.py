@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from freetoken.config import native_context
+from freetoken.models.hub import HubOptions, resolve_model
 from freetoken.models.loader import (build, build_gguf, default_model_path, eos_ids, gguf_config_folder,
                                      gguf_source, gguf_to_folder)
 from freetoken.paths import ModelNotFound
@@ -94,6 +95,18 @@ def model_class(arch: str) -> type:
     return getattr(importlib.import_module(f"freetoken.models.{family.module}"), family.cls)
 
 
+def find_model(model: str | os.PathLike | None, hub: HubOptions = HubOptions(), dtype: str = "auto",
+               device: str = "auto") -> tuple[Path, str]:
+    """(HF folder, served name) of a local path, a Hub name (its files found in the cache or
+    downloaded, models/hub.py; served under the name as typed) or None (the default model);
+    `dtype` and `device` as the model will load, for the memory check before a download."""
+    dev = resolve_device(device)
+    itemsize = resolve_dtype(dtype, dev).itemsize if dev.type == "cpu" else None
+    local, typed = resolve_model(model, hub, itemsize)
+    folder, name = model_folder(local)
+    return folder, typed or name
+
+
 def model_folder(model: str | os.PathLike | None) -> tuple[Path, str]:
     """(HF folder, model name) of a folder, a GGUF file (its config and tokenizer cached in a
     folder once, which links to the file) or, for None, the default model."""
@@ -101,7 +114,8 @@ def model_folder(model: str | os.PathLike | None) -> tuple[Path, str]:
     if path.is_file() and path.suffix == ".gguf":
         return gguf_config_folder(path, served=tuple(ARCHITECTURES)), path.stem
     if not path.is_dir():
-        raise ModelNotFound(f"Model not found: {path} (pass an HF model folder or a GGUF file)")
+        raise ModelNotFound(f"Model not found: {path} (pass an HF model folder, a GGUF file or a Hub "
+                            "name, ORG/NAME or ORG/NAME:TAG)")
     gguf = gguf_source(path)
     return path, path.name if gguf is None else gguf.stem
 

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from freetoken.config import SpeculativeConfig
+from freetoken.models.hub import HubOptions
 from freetoken.parsing import registry
 from freetoken.serving.pooling_config import parse_overrides
 
@@ -46,6 +47,14 @@ class ServerArgs:
     convert: str = "auto"
     hf_overrides: str | None = None
     chat_template: str | None = None
+    revision: str | None = None
+    download_dir: str | None = None
+    hf_token: str | None = None
+    offline: bool = False
+
+    @property
+    def hub(self) -> HubOptions:
+        return HubOptions(self.revision, self.download_dir, self.hf_token, self.offline)
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -65,7 +74,9 @@ def build_parser(prog: str = "freetoken serve") -> argparse.ArgumentParser:
                                 description="Serve a model over the OpenAI API (/v1/completions, "
                                 "/v1/chat/completions, /v1/models, /health).")
     p.add_argument("model_pos", nargs="?", metavar="MODEL",
-                   help="HF model folder or GGUF file (default: the embedded SmolLM2-135M-Instruct)")
+                   help="HF model folder, GGUF file (the first part of a split one), or a Hugging "
+                   "Face Hub name: ORG/NAME (safetensors) or ORG/NAME:TAG (a GGUF repo's "
+                   "quantization, Q4_K_M by default) (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--model", "--model-path", dest="model", metavar="MODEL",
                    help="the model, as a flag instead of the positional MODEL (default: the "
                    "embedded SmolLM2-135M-Instruct)")
@@ -74,7 +85,7 @@ def build_parser(prog: str = "freetoken serve") -> argparse.ArgumentParser:
                    help="TCP port to listen on (bound before the model loads; 0 picks a free one)")
     p.add_argument("--served-model-name",
                    help="model name reported by /v1/models and accepted in requests (default: "
-                   "the model folder or GGUF file name)")
+                   "a Hub name as typed, else the model folder or GGUF file name)")
     p.add_argument("--max-output-tokens", type=int,
                    help="cap on the max_tokens of any request (default: no cap beyond the "
                    "context length)")
@@ -129,6 +140,18 @@ def build_parser(prog: str = "freetoken serve") -> argparse.ArgumentParser:
                    help="largest request body accepted; larger bodies get 413")
     p.add_argument("--max-prompts-per-request", type=int, default=1024,
                    help="most prompts one /v1/completions request may carry")
+    hub = p.add_argument_group("models by Hub name (huggingface_hub; HF_HOME, HF_HUB_CACHE, HF_TOKEN, "
+                               "HF_HUB_OFFLINE, HF_ENDPOINT honoured)")
+    hub.add_argument("--revision", help="branch, tag or commit of a Hub model (default: main)")
+    hub.add_argument("--download-dir", metavar="DIR",
+                     help="the cache a Hub model is downloaded into and read from (default: "
+                     "huggingface_hub's, $HF_HUB_CACHE or $HF_HOME/hub)")
+    hub.add_argument("--hf-token", metavar="TOKEN",
+                     help="token for a private or gated Hub model (default: $HF_TOKEN or the saved "
+                     "login)")
+    hub.add_argument("--offline", action="store_true",
+                     help="never ask the Hub: a Hub model is served from the cache, as "
+                     "HF_HUB_OFFLINE=1 (default: ask it, the cache where it cannot be reached)")
     pool = p.add_argument_group("pooling models (vLLM's flags; docs/scoring.md)")
     pool.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
                       help="pooling serves /v1/embeddings or /rerank and /score instead of "
@@ -223,6 +246,10 @@ def parse_args(argv: list[str] | None = None, prog: str = "freetoken serve") -> 
         convert=ns.convert,
         hf_overrides=ns.hf_overrides,
         chat_template=ns.chat_template,
+        revision=ns.revision,
+        download_dir=ns.download_dir,
+        hf_token=ns.hf_token,
+        offline=ns.offline,
     )
 
 

@@ -88,14 +88,14 @@ class _Steps:
 def build_frontend(args: ServerArgs, ipc_dir: str, procs: list):
     """Load the model's tokenizer and config, start the engine processes (into `procs`), and
     return the frontend."""
-    from freetoken.models.registry import model_folder, quiet_progress_bars
+    from freetoken.models.registry import find_model, quiet_progress_bars
 
     quiet_progress_bars()
     from freetoken.serving.pooling_config import pooling_config
 
+    folder, name = find_model(args.model, args.hub, args.dtype, args.device)  # (downloads' own bars)
     steps = _Steps(3)
     try:
-        folder, name = model_folder(args.model)
         steps.step(f"found {folder}")
         hf_config = json.loads((folder / "config.json").read_text())
         try:

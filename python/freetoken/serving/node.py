@@ -24,13 +24,13 @@ log = logging.getLogger("freetoken")
 
 def serve_node(args: ServerArgs) -> int:
     # torch and the model code: only once the signal handler is in place (as launch.py's).
-    from freetoken.models.registry import model_folder
+    from freetoken.models.registry import find_model
 
     previous = signal.signal(signal.SIGTERM, raise_interrupted)
     procs: list = []
     try:
         try:
-            folder, _ = model_folder(args.model)
+            folder, _ = find_model(args.model, args.hub, args.dtype, args.device)
             config = engine_config(args, str(folder))
             # No ipc folder: rank 0, whose sockets the addresses name, runs on node 0.
             start_engine(config, "", procs)
