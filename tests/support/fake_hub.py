@@ -1,5 +1,6 @@
 """A Hugging Face Hub on 127.0.0.1 for the real `huggingface_hub` client (HF_ENDPOINT pointed at
-it): the routes a model download uses, answered as the Hub answers them.
+it): the routes a model download uses, answered as the Hub answers them; and `write_cache`, a
+Hub cache laid out by hand as the Hub's clients lay it out.
 
 - `GET /api/models/ORG/NAME/revision/REV`: the model info (commit, files and their sizes); an
   unknown repo is 404 and a private one 401, each with the Hub's `X-Error-Code: RepoNotFound`.
@@ -138,3 +139,22 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 self.wfile.write(content)
 
     return Handler
+
+
+def write_cache(cache: Path, repo: str, files: dict[str, Path], commit: str = "0" * 40) -> Path:
+    """`files` (repo path -> file) as `repo` in the Hub cache `cache` (what HF_HUB_CACHE names):
+    `models--ORG--NAME/blobs/<sha256>`, `snapshots/<commit>/<path>` linking to its blob, and
+    `refs/main` naming the commit; returns the snapshot folder."""
+    storage = cache / f"models--{repo.replace('/', '--')}"
+    snapshot = storage / "snapshots" / commit
+    for name, source in files.items():
+        blob = storage / "blobs" / hashlib.sha256(source.read_bytes()).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        if not blob.exists():
+            blob.symlink_to(source.resolve())  # the bytes themselves: no copy of a model needed
+        link = snapshot / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(Path(*[".."] * (len(Path(name).parts) + 1), "blobs", blob.name))
+    (storage / "refs").mkdir(parents=True, exist_ok=True)
+    (storage / "refs" / "main").write_text(commit)
+    return snapshot

@@ -34,11 +34,12 @@ def die_with_parent() -> None:
 
 
 class Server:
-    def __init__(self, *args: str, new_session: bool = False):
-        # new_session: its own process group, so a test can send the group a terminal's Ctrl-C.
+    def __init__(self, *args: str, new_session: bool = False, env: dict[str, str] | None = None):
+        # new_session: its own process group, so a test can send the group a terminal's Ctrl-C;
+        # env: variables set for it beyond the test's own.
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+        env = dict(os.environ, PYTHONPATH=str(ROOT / "python"), **(env or {}))
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "freetoken", "serve", *args, "--port", str(self.port)],
