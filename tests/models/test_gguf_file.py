@@ -16,19 +16,16 @@ from freetoken.paths import ModelNotFound
 from tests.fixtures import build_models as bm
 from tests.model_fixtures import (assert_config_edit_is_named,
                                   assert_holds_stored_bytes_and_matches_reference, assert_same_run,
-                                  greedy_run)
+                                  greedy_run, stored_bytes)
 
-FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
-# Every format in each: llama with q/k permuted and a tied Q8_0 embedding (as the default model),
-# a Q5_0 layer and an F16 norm; qwen3 with q/k norms, qwen2 with q/k/v biases, untied heads.
-MODELS = {"llama": FORMATS, "qwen3": FORMATS[::-1], "qwen2": FORMATS[2:] + FORMATS[:2]}
+# bm.GGUF_FILES' dense files, every block format in each.
+MODELS = ("llama", "qwen3", "qwen2")
 PROMPTS = {0: [5, 6, 7, 8, 9, 10, 11], 1: [100, 200, 300]}
 
 
 @pytest.fixture(scope="module")
 def built():
-    return {arch: bm.cached(f"tiny-quantized-{arch}", bm.build_quantized_gguf, formats, arch)
-            for arch, formats in MODELS.items()}
+    return {arch: bm.cached_gguf(f"tiny-quantized-{arch}") for arch in MODELS}
 
 
 @pytest.fixture(scope="module")
@@ -40,19 +37,13 @@ def loaded(built):
 
 @pytest.mark.parametrize("arch", list(MODELS))
 def test_block_formats_stay_quantized_and_match_transformers(arch, built, loaded):
-    from gguf import GGUFReader
-
     model = loaded[arch]
     assert isinstance(model.model.model.embed_tokens, QuantizedEmbedding)
     assert isinstance(model.model.lm_head, QuantizedLinear)
     qkv = model.model.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, QuantizedLinear) and len({p.qtype for p in qkv.parts}) == 3
     # Bytes by format as the file stores them (the F16 norm and Q5_0 layer widened to float32).
-    stored: dict[str, int] = {}
-    for t in GGUFReader(built[arch] / "model.gguf").tensors:
-        kept = t.tensor_type.name in FORMATS
-        key = t.tensor_type.name if kept else "float32"
-        stored[key] = stored.get(key, 0) + (int(t.n_bytes) if kept else int(t.n_elements) * 4)
+    stored = stored_bytes(built[arch] / "model.gguf", bm.GGUF_FORMATS)
     assert_holds_stored_bytes_and_matches_reference(model, stored, PROMPTS)
 
 

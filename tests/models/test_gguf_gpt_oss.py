@@ -13,7 +13,7 @@ import pytest
 from freetoken.models import registry
 from freetoken.models.layers.moe import Experts
 from tests.fixtures import build_models as bm
-from tests.model_fixtures import assert_matches_reference, assert_same_run, greedy_run
+from tests.model_fixtures import assert_matches_reference, assert_same_run, greedy_run, stored_bytes
 
 # Longer than the sliding window of 8, so layer 0 attends to a window.
 PROMPTS = {0: [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], 1: [100, 200, 300], 2: list(range(400, 420))}
@@ -21,7 +21,7 @@ PROMPTS = {0: [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], 1: [100, 200, 300], 2: li
 
 @pytest.fixture(scope="module")
 def built():
-    return bm.cached("tiny-gpt-oss-gguf", bm.build_gpt_oss_gguf)
+    return bm.cached_gguf("tiny-gpt-oss-gguf")
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +45,6 @@ def test_config_and_tokenizer_are_the_checkpoints(built, loaded):
 
 
 def test_mxfp4_experts_stay_quantized_match_transformers_and_run_alike_alone(built, loaded):
-    from gguf import GGUFReader
-
     from freetoken.scheduler.factory import build_scheduler
 
     layers = [m for m in loaded.model.modules() if isinstance(m, Experts)]
@@ -54,12 +52,7 @@ def test_mxfp4_experts_stay_quantized_match_transformers_and_run_alike_alone(bui
     held = layers[0].quantized
     assert [(w.qtype.name, tuple(w.shape)) for w in held.weights] == [("MXFP4", (8, 64, 64))] * 3
     assert tuple(held.gate_up_bias.shape) == (8, 128) and tuple(held.down_bias.shape) == (8, 64)
-    stored: dict[str, int] = {}
-    for t in GGUFReader(built / "model.gguf").tensors:
-        mxfp4 = t.tensor_type.name == "MXFP4"
-        key = "MXFP4" if mxfp4 else "float32"
-        stored[key] = stored.get(key, 0) + (int(t.n_bytes) if mxfp4 else int(t.n_elements) * 4)
-    assert loaded.model.weight_bytes == stored
+    assert loaded.model.weight_bytes == stored_bytes(built / "model.gguf", ("MXFP4",))
     together, _ = greedy_run(build_scheduler(loaded, kv_slots=256, prefix_cache=False), PROMPTS, steps=8)
     for uid, ids in PROMPTS.items():
         assert_matches_reference(built / "ref", ids, together[uid])
