@@ -61,6 +61,21 @@ def test_batched_rows_equal_rows_alone_bit_for_bit(arch, loaded):
         assert_same_run(together[uid], alone[uid], tol=0.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(bm.GGUF_FILES))
+def test_the_memory_checks_plan_is_the_bytes_held_once_loaded(name, dtype):
+    """The pre-flight plan, format by format, on every GGUF file the tests build: block formats
+    kept as stored (gpt-oss's MXFP4 experts beside their F32 biases, which stay float32), the rest
+    in the model's dtype."""
+    from freetoken.models import gguf_file
+
+    path = bm.cached_gguf(name) / "model.gguf"
+    planned = gguf_file.planned_bytes(gguf_file.open_gguf(path), dtype, quantized=True)
+    model = registry.load_model(path, dtype=str(dtype).removeprefix("torch."), device="cpu",
+                                gguf_weights="quantized")
+    assert model.model.weight_bytes == planned
+
+
 def test_a_model_that_does_not_fit_is_refused_before_loading(built, monkeypatch):
     monkeypatch.setattr(loader, "available_memory", lambda: 1 << 20)
     monkeypatch.setattr("freetoken.models.gguf_file.read_tensors", _never)

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from freetoken.models import registry
+from freetoken.models import loader, registry
 from freetoken.models.layers.moe import Experts
 from freetoken.models.layers.quantized import QuantizedEmbedding, QuantizedLinear
 from tests.fixtures import build_models as bm
@@ -38,7 +38,12 @@ def built(layout):
 
 @pytest.fixture(scope="module")
 def loaded(built):
-    return registry.load_model(built / "model.gguf", dtype="float32", device="cpu", gguf_weights="quantized")
+    """Loaded with exactly the memory its weights take once loaded available: the memory check
+    must plan the experts kept as MXFP4 beside their F32 biases."""
+    fits = sum(stored_bytes(built / "model.gguf", BLOCKS).values())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loader, "available_memory", lambda: fits)
+        return registry.load_model(built / "model.gguf", dtype="float32", device="cpu", gguf_weights="quantized")
 
 
 def test_config_and_tokenizer_are_the_checkpoints(built, loaded):
