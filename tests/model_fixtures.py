@@ -209,6 +209,19 @@ def assert_config_edit_is_named(gguf: Path, tmp_path: Path, edits: list[tuple[di
             load_model(changed, device="cpu")
 
 
+def stored_bytes(gguf: Path, kept: tuple[str, ...]) -> dict[str, int]:
+    """What loading `gguf` holds by format, counted from the file alone: its tensors in the
+    block formats `kept` as stored, every other one as float32."""
+    from gguf import GGUFReader
+
+    stored: dict[str, int] = {}
+    for t in GGUFReader(gguf).tensors:
+        block = t.tensor_type.name in kept
+        key = t.tensor_type.name if block else "float32"
+        stored[key] = stored.get(key, 0) + (int(t.n_bytes) if block else int(t.n_elements) * 4)
+    return stored
+
+
 def assert_holds_stored_bytes_and_matches_reference(model, stored: dict[str, int],
                                                     prompts: dict[int, list[int]]) -> dict:
     """`model` reports the weight bytes by format `stored` (the file's), itself and through

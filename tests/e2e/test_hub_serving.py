@@ -22,10 +22,7 @@ PROMPT = [5, 6, 7, 8, 9, 10, 11]
 def files(tiny_qwen3_path):
     """Each repo's files: a safetensors model, and a GGUF repo holding a Q8_0 file (a tiny qwen2)
     and a Q4_K_M one split into three parts in a folder (a tiny qwen3), as unsloth's are."""
-    qwen2 = bm.cached("tiny-quantized-qwen2", bm.build_quantized_gguf, ("Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0",
-                                                                        "Q4_0"), "qwen2")
-    split = bm.cached("tiny-quantized-qwen3-split", bm.build_quantized_gguf,
-                      ("Q6_K", "Q5_K", "Q4_K", "Q4_1", "Q4_0", "Q8_0"), "qwen3", split_tensors=10)
+    qwen2, split = bm.cached_gguf("tiny-quantized-qwen2"), bm.cached_split_gguf()
     gguf = {"Tiny-Q8_0.gguf": qwen2 / "model.gguf"}
     gguf |= {f"Q4_K_M/Tiny-Q4_K_M-0000{i}-of-00003.gguf": split / f"model-0000{i}-of-00003.gguf" for i in (1, 2, 3)}
     return {"acme/tiny": {p.name: p for p in tiny_qwen3_path.iterdir()}, "acme/tiny-GGUF": gguf}

@@ -28,7 +28,6 @@ from freetoken.scheduler.factory import build_engine, build_scheduler
 from tests.model_fixtures import (default_folder, default_model, drain,
                                   reference_logprobs, tiny_random_folder)
 from tests.fixtures import build_models as bm
-from tests.models.test_gguf_file import MODELS as GGUF_MODELS
 from tests.support.servers import free_port
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,",
@@ -143,11 +142,11 @@ def test_tiny_tp2_matches_tp1_and_transformers(rank1, fixture, request, monkeypa
             assert abs(row[entry.token_id].item() - entry.logprob) <= 1e-4
 
 
-@pytest.mark.parametrize("arch", list(GGUF_MODELS))
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
 def test_quantized_gguf_tp2_keeps_its_blocks_and_matches_tp1(rank1, arch, monkeypatch):
     # Every block format; llama: a tied Q8_0 head, K-quant o_proj whose half K (128) is not
     # whole blocks of 256 (dequantized on each rank, and in TP=1's parts); qwen2: q/k/v biases.
-    path = bm.cached(f"tiny-quantized-{arch}", bm.build_quantized_gguf, GGUF_MODELS[arch], arch) / "model.gguf"
+    path = bm.cached_gguf(f"tiny-quantized-{arch}") / "model.gguf"
     monkeypatch.setenv("FREETOKEN_EXACT_TP", "1")
     loaded = load_model(path, dtype="float32", device="cpu", gguf_weights="quantized")
     tok, whole = loaded.tokenizer, loaded.model.weight_bytes
@@ -170,8 +169,7 @@ def test_quantized_moe_gguf_tp2_keeps_its_experts_blocks_and_matches_tp1(rank1, 
     # Qwen3-MoE experts of 256: Q8_0's blocks of 32 split 4 and 4 per rank, kept; Q4_K_M's one
     # block of 256 is cut between the ranks, so its experts are dequantized on each rank (and in
     # TP=1's parts). gpt-oss: MXFP4 experts of 64, one block of 32 a rank, and their biases.
-    path = (bm.cached("tiny-gpt-oss-gguf", bm.build_gpt_oss_gguf) if mix == "gpt-oss" else
-            bm.cached(f"tiny-quantized-moe-{mix}", bm.build_quantized_moe_gguf, mix)) / "model.gguf"
+    path = bm.cached_gguf("tiny-gpt-oss-gguf" if mix == "gpt-oss" else f"tiny-quantized-moe-{mix}") / "model.gguf"
     monkeypatch.setenv("FREETOKEN_EXACT_TP", "1")
     loaded = load_model(path, dtype="float32", device="cpu", gguf_weights="quantized")
     tok, whole = loaded.tokenizer, loaded.model.weight_bytes

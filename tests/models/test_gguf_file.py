@@ -16,19 +16,16 @@ from freetoken.paths import ModelNotFound
 from tests.fixtures import build_models as bm
 from tests.model_fixtures import (assert_config_edit_is_named,
                                   assert_holds_stored_bytes_and_matches_reference, assert_same_run,
-                                  greedy_run)
+                                  greedy_run, stored_bytes)
 
-FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
-# Every format in each: llama with q/k permuted and a tied Q8_0 embedding (as the default model),
-# a Q5_0 layer and an F16 norm; qwen3 with q/k norms, qwen2 with q/k/v biases, untied heads.
-MODELS = {"llama": FORMATS, "qwen3": FORMATS[::-1], "qwen2": FORMATS[2:] + FORMATS[:2]}
+# bm.GGUF_FILES' dense files, every block format in each.
+MODELS = ("llama", "qwen3", "qwen2")
 PROMPTS = {0: [5, 6, 7, 8, 9, 10, 11], 1: [100, 200, 300]}
 
 
 @pytest.fixture(scope="module")
 def built():
-    return {arch: bm.cached(f"tiny-quantized-{arch}", bm.build_quantized_gguf, formats, arch)
-            for arch, formats in MODELS.items()}
+    return {arch: bm.cached_gguf(f"tiny-quantized-{arch}") for arch in MODELS}
 
 
 @pytest.fixture(scope="module")
@@ -40,19 +37,13 @@ def loaded(built):
 
 @pytest.mark.parametrize("arch", list(MODELS))
 def test_block_formats_stay_quantized_and_match_transformers(arch, built, loaded):
-    from gguf import GGUFReader
-
     model = loaded[arch]
     assert isinstance(model.model.model.embed_tokens, QuantizedEmbedding)
     assert isinstance(model.model.lm_head, QuantizedLinear)
     qkv = model.model.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, QuantizedLinear) and len({p.qtype for p in qkv.parts}) == 3
     # Bytes by format as the file stores them (the F16 norm and Q5_0 layer widened to float32).
-    stored: dict[str, int] = {}
-    for t in GGUFReader(built[arch] / "model.gguf").tensors:
-        kept = t.tensor_type.name in FORMATS
-        key = t.tensor_type.name if kept else "float32"
-        stored[key] = stored.get(key, 0) + (int(t.n_bytes) if kept else int(t.n_elements) * 4)
+    stored = stored_bytes(built[arch] / "model.gguf", bm.GGUF_FORMATS)
     assert_holds_stored_bytes_and_matches_reference(model, stored, PROMPTS)
 
 
@@ -68,6 +59,21 @@ def test_batched_rows_equal_rows_alone_bit_for_bit(arch, loaded):
     for uid, ids in PROMPTS.items():
         alone, _ = greedy_run(build_scheduler(model, kv_slots=256, prefix_cache=False), {uid: ids}, steps=6)
         assert_same_run(together[uid], alone[uid], tol=0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(bm.GGUF_FILES))
+def test_the_memory_checks_plan_is_the_bytes_held_once_loaded(name, dtype):
+    """The pre-flight plan, format by format, on every GGUF file the tests build: block formats
+    kept as stored (gpt-oss's MXFP4 experts beside their F32 biases, which stay float32), the rest
+    in the model's dtype."""
+    from freetoken.models import gguf_file
+
+    path = bm.cached_gguf(name) / "model.gguf"
+    planned = gguf_file.planned_bytes(gguf_file.open_gguf(path), dtype, quantized=True)
+    model = registry.load_model(path, dtype=str(dtype).removeprefix("torch."), device="cpu",
+                                gguf_weights="quantized")
+    assert model.model.weight_bytes == planned
 
 
 def test_a_model_that_does_not_fit_is_refused_before_loading(built, monkeypatch):
@@ -120,9 +126,7 @@ def test_a_tensor_that_does_not_fit_the_config_is_named(built, tmp_path):
 @pytest.fixture(scope="module")
 def split_qwen3():
     """tiny-quantized-qwen3's model split into 3 parts of 10 tensors, its untied head in the last."""
-    folder = bm.cached("tiny-quantized-qwen3-split", bm.build_quantized_gguf, MODELS["qwen3"], "qwen3",
-                       split_tensors=10)
-    return sorted(folder.glob("model-*.gguf"))
+    return sorted(bm.cached_split_gguf().glob("model-*.gguf"))
 
 
 def test_a_split_file_is_the_whole_file_bit_for_bit(split_qwen3, loaded):

@@ -1,8 +1,9 @@
 """gpt-oss GGUF files as llama.cpp's converter writes them, read as stored: the MXFP4 experts kept
-in their blocks (the quantized grouped kernel), against transformers' float32 run on the file's
-blocks dequantized by the gguf package (the fixture's `ref` folder: transformers' own GGUF
-loader reads neither gpt-oss's split experts nor its sinks), batch invariance, and the config
-and tokenizer (chat template, stop tokens) the file carries."""
+in their blocks (the quantized grouped kernel) beside their F32 biases, the rest F32 or, as
+released, the embedding, attention and head Q8_0; against transformers' float32 run on the
+file's blocks dequantized by the gguf package (the fixture's `ref` folder: transformers' own
+GGUF loader reads neither gpt-oss's split experts nor its sinks), batch invariance, and the
+config and tokenizer (chat template, stop tokens) the file carries."""
 
 from __future__ import annotations
 
@@ -10,23 +11,39 @@ import json
 
 import pytest
 
-from freetoken.models import registry
+from freetoken.models import loader, registry
 from freetoken.models.layers.moe import Experts
+from freetoken.models.layers.quantized import QuantizedEmbedding, QuantizedLinear
 from tests.fixtures import build_models as bm
-from tests.model_fixtures import assert_matches_reference, assert_same_run, greedy_run
+from tests.model_fixtures import assert_matches_reference, assert_same_run, greedy_run, stored_bytes
 
 # Longer than the sliding window of 8, so layer 0 attends to a window.
 PROMPTS = {0: [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], 1: [100, 200, 300], 2: list(range(400, 420))}
 
 
+# bm.GGUF_FILES' gpt-oss files: the rest F32, and as released (Q8_0 embedding, attention, head).
+LAYOUTS = ("tiny-gpt-oss-gguf", "tiny-gpt-oss-gguf-released")
+BLOCKS = ("MXFP4", "Q8_0")  # the formats they hold as stored
+
+
+@pytest.fixture(scope="module", params=LAYOUTS)
+def layout(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def built():
-    return bm.cached("tiny-gpt-oss-gguf", bm.build_gpt_oss_gguf)
+def built(layout):
+    return bm.cached_gguf(layout)
 
 
 @pytest.fixture(scope="module")
 def loaded(built):
-    return registry.load_model(built / "model.gguf", dtype="float32", device="cpu", gguf_weights="quantized")
+    """Loaded with exactly the memory its weights take once loaded available: the memory check
+    must plan the experts kept as MXFP4 beside their F32 biases."""
+    fits = sum(stored_bytes(built / "model.gguf", BLOCKS).values())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loader, "available_memory", lambda: fits)
+        return registry.load_model(built / "model.gguf", dtype="float32", device="cpu", gguf_weights="quantized")
 
 
 def test_config_and_tokenizer_are_the_checkpoints(built, loaded):
@@ -44,9 +61,7 @@ def test_config_and_tokenizer_are_the_checkpoints(built, loaded):
         hf.apply_chat_template(chat, add_generation_prompt=True)
 
 
-def test_mxfp4_experts_stay_quantized_match_transformers_and_run_alike_alone(built, loaded):
-    from gguf import GGUFReader
-
+def test_mxfp4_experts_stay_quantized_match_transformers_and_run_alike_alone(layout, built, loaded):
     from freetoken.scheduler.factory import build_scheduler
 
     layers = [m for m in loaded.model.modules() if isinstance(m, Experts)]
@@ -54,11 +69,12 @@ def test_mxfp4_experts_stay_quantized_match_transformers_and_run_alike_alone(bui
     held = layers[0].quantized
     assert [(w.qtype.name, tuple(w.shape)) for w in held.weights] == [("MXFP4", (8, 64, 64))] * 3
     assert tuple(held.gate_up_bias.shape) == (8, 128) and tuple(held.down_bias.shape) == (8, 64)
-    stored: dict[str, int] = {}
-    for t in GGUFReader(built / "model.gguf").tensors:
-        mxfp4 = t.tensor_type.name == "MXFP4"
-        key = "MXFP4" if mxfp4 else "float32"
-        stored[key] = stored.get(key, 0) + (int(t.n_bytes) if mxfp4 else int(t.n_elements) * 4)
+    released = layout.endswith("-released")
+    # The head too quantized (a layer without a float weight) when released.
+    assert isinstance(loaded.model.lm_head, QuantizedLinear) == released
+    assert isinstance(loaded.model.model.embed_tokens, QuantizedEmbedding) == released
+    stored = stored_bytes(built / "model.gguf", BLOCKS)
+    assert set(stored) == ({"MXFP4", "Q8_0", "float32"} if released else {"MXFP4", "float32"})
     assert loaded.model.weight_bytes == stored
     together, _ = greedy_run(build_scheduler(loaded, kv_slots=256, prefix_cache=False), PROMPTS, steps=8)
     for uid, ids in PROMPTS.items():

@@ -15,18 +15,17 @@ from freetoken.paths import ModelNotFound
 from tests.fixtures import build_models as bm
 from tests.model_fixtures import (assert_config_edit_is_named,
                                   assert_holds_stored_bytes_and_matches_reference,
-                                  assert_matches_reference, assert_same_run, greedy_run)
+                                  assert_matches_reference, assert_same_run, greedy_run, stored_bytes)
 
 MIXES = ("Q8_0", "Q4_K", "Q4_K_M")
-# name -> (mix, arch): Qwen3-MoE in each mix, Qwen2-MoE (a shared expert, q/k/v biases) in Q4_K_M.
-MODELS = {**{mix: (mix, "qwen3moe") for mix in MIXES}, "qwen2moe": ("Q4_K_M", "qwen2moe")}
+# name -> mix: Qwen3-MoE in each mix, Qwen2-MoE (a shared expert, q/k/v biases) in Q4_K_M.
+MODELS = {**{mix: mix for mix in MIXES}, "qwen2moe": "Q4_K_M"}
 PROMPTS = {0: [5, 6, 7, 8, 9, 10, 11], 1: [100, 200, 300]}
 
 
 @pytest.fixture(scope="module")
 def built():
-    return {name: bm.cached(f"tiny-quantized-moe-{name}", bm.build_quantized_moe_gguf, *args)
-            for name, args in MODELS.items()}
+    return {name: bm.cached_gguf(f"tiny-quantized-moe-{name}") for name in MODELS}
 
 
 @pytest.fixture(scope="module")
@@ -35,24 +34,12 @@ def loaded(built):
             for name, path in built.items()}
 
 
-def _stored_bytes(path) -> dict[str, int]:
-    """The file's tensors by format: block formats as stored, float ones as float32."""
-    from gguf import GGUFReader
-
-    stored: dict[str, int] = {}
-    for t in GGUFReader(path).tensors:
-        kept = t.tensor_type.name in MIXES + ("Q6_K",)
-        key = t.tensor_type.name if kept else "float32"
-        stored[key] = stored.get(key, 0) + (int(t.n_bytes) if kept else int(t.n_elements) * 4)
-    return stored
-
-
 @pytest.mark.parametrize("name", list(MODELS))
 def test_experts_stay_quantized_and_match_transformers(name, built, loaded):
     from freetoken.models.layers.quantized import QuantizedLinear
     from freetoken.scheduler.factory import build_scheduler
 
-    model, mix = loaded[name], MODELS[name][0]
+    model, mix = loaded[name], MODELS[name]
     layers = [m for m in model.model.modules() if isinstance(m, Experts)]
     assert len(layers) == 2 and all(m.experts is None and m.stacked is None for m in layers)
     held = layers[0].quantized
@@ -62,7 +49,7 @@ def test_experts_stay_quantized_and_match_transformers(name, built, loaded):
     if name == "qwen2moe":
         shared = model.model.model.layers[0].mlp.shared_expert
         assert isinstance(shared.gate_up_proj, QuantizedLinear) and isinstance(shared.down_proj, QuantizedLinear)
-    stored = _stored_bytes(built[name] / "model.gguf")
+    stored = stored_bytes(built[name] / "model.gguf", MIXES + ("Q6_K",))
     together = assert_holds_stored_bytes_and_matches_reference(model, stored, PROMPTS)
     for uid, ids in PROMPTS.items():
         alone, _ = greedy_run(build_scheduler(model, kv_slots=256, prefix_cache=False), {uid: ids}, steps=6)

@@ -60,8 +60,7 @@ def test_weights_are_copied_as_stored_into_a_region_eligible_for_huge_pages():
 
 @needs_huge_pages
 def test_a_gguf_loads_its_kept_blocks_into_huge_pages():
-    formats = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")  # test_gguf_file.py's llama, cached
-    path = bm.cached("tiny-quantized-llama", bm.build_quantized_gguf, formats, "llama")
+    path = bm.cached_gguf("tiny-quantized-llama")
     model = registry.load_model(path / "model.gguf", dtype="float32", device="cpu", gguf_weights="quantized")
     parts = [*model.model.model.layers[0].self_attn.qkv_proj.parts, model.model.model.embed_tokens.weight]
     assert {p.qtype.name for p in parts} >= {"Q8_0"} and len(parts) == 4

@@ -121,7 +121,7 @@ def test_a_qwen3moe_gguf_loads_as_its_hf_folder():
     from freetoken.scheduler.factory import build_scheduler
     from tests.model_fixtures import assert_matches_reference, assert_same_run, greedy_run
 
-    built = bm.cached("tiny-qwen3-moe-gguf", bm.build_qwen3_moe_gguf)
+    built = bm.cached_gguf("tiny-qwen3-moe-gguf")
     from_gguf = registry.load_model(built / "model.gguf", dtype="float32", device="cpu")
     from_folder = registry.load_model(built / "hf", dtype="float32", device="cpu")
     assert type(from_gguf.model).__name__ == "Qwen3MoeForCausalLM"

@@ -29,5 +29,7 @@ class CausalLM(nn.Module):
         """Does the LM head share the embedding's weight (`state`: the converted checkpoint)?"""
         return False
 
-    def post_load(self, tokenizer, device: torch.device) -> None:
-        """Called once the weights are in: what the module builds from the tokenizer."""
+    def post_load(self, tokenizer, dtype: torch.dtype, device: torch.device) -> None:
+        """Called once the weights are in: what the module builds from the tokenizer; `dtype`
+        and `device` those the loader cast the weights to (a quantized layer has no float weight
+        to read them from)."""

@@ -292,45 +292,66 @@ def kept_as_stored(qtype: GGMLQuantizationType, quantized: bool) -> bool:
 
 
 def planned_bytes(reader: GGUFModel, dtype: torch.dtype, quantized: bool) -> dict[str, int]:
-    """The bytes each tensor format will hold once loaded (by format name): kept blocks as
-    stored, the others widened to `dtype`."""
+    """The bytes each tensor format will hold once loaded (by format name), as `_held` says."""
     sizes: dict[str, int] = {}
-    for t, kept in _kept(reader, quantized):
-        key = t.tensor_type.name if kept else str(dtype).removeprefix("torch.")
-        sizes[key] = sizes.get(key, 0) + (int(t.n_bytes) if kept else int(t.n_elements) * dtype.itemsize)
+    for t, held in _held(reader, dtype, quantized):
+        key = t.tensor_type.name if held is None else str(held).removeprefix("torch.")
+        sizes[key] = sizes.get(key, 0) + (int(t.n_bytes) if held is None else int(t.n_elements) * held.itemsize)
     return sizes
 
 
 def working_bytes(reader: GGUFModel, dtype: torch.dtype, quantized: bool) -> int:
-    """The memory a load needs for a moment beyond its weights: experts held as `dtype` (not
-    kept as stored) are concatenated (gate with up) and repacked for the grouped kernel a layer
-    at a time, each a second copy of that layer's experts while it is made."""
+    """The memory a load needs for a moment beyond its weights: experts dequantized at load are
+    concatenated (gate with up) and repacked for the grouped kernel a layer at a time, each a
+    second copy of that layer's experts (as `dtype`) while it is made."""
+    widened = _widened_experts(reader, quantized)
     layers: dict[str, int] = {}
-    for t, kept in _kept(reader, quantized):
-        if _EXPERTS in t.name and not kept:
-            layer = t.name.split(".")[1]
+    for t in reader.tensors:
+        if _EXPERTS in t.name and (layer := _layer(t.name)) in widened:
             layers[layer] = layers.get(layer, 0) + int(t.n_elements) * dtype.itemsize
     return 2 * max(layers.values(), default=0)
 
 
-_EXPERTS = "_exps."  # a sparse layer's stacked experts: ffn_{gate,up,down}_exps
+_EXPERTS = "_exps."  # a sparse layer's stacked experts: ffn_{gate,up,down}_exps, weights and biases
 
 
 def experts_block(reader: GGUFModel, quantized: bool) -> int:
     """The block along K of the experts' down projections kept as stored (the largest, if the
     layers differ; 1 if none): tensor parallelism splits the experts' intermediate size in
     whole blocks of it."""
-    return max((GGML_QUANT_SIZES[t.tensor_type][0] for t, kept in _kept(reader, quantized)
-                if kept and "ffn_down_exps." in t.name), default=1)
+    widened = _widened_experts(reader, quantized)
+    return max((GGML_QUANT_SIZES[t.tensor_type][0] for t in reader.tensors
+                if "ffn_down_exps.weight" in t.name and _layer(t.name) not in widened), default=1)
 
 
-def _kept(reader: GGUFModel, quantized: bool) -> list[tuple[object, bool]]:
-    """Each tensor, and whether it is kept as stored: a layer's experts only where all of them
-    are (layers/moe.py's take_stacked_experts widens the others with the one that is not)."""
-    widened = {t.name.split(".")[1] for t in reader.tensors
-               if _EXPERTS in t.name and not kept_as_stored(t.tensor_type, quantized)}
-    return [(t, kept_as_stored(t.tensor_type, quantized)
-             and not (_EXPERTS in t.name and t.name.split(".")[1] in widened)) for t in reader.tensors]
+def _held(reader: GGUFModel, dtype: torch.dtype, quantized: bool) -> list[tuple[object, torch.dtype | None]]:
+    """Each tensor, and the dtype the loader holds it as (None: its blocks as stored): a layer's
+    experts kept as stored only where all three weights are (`_widened_experts`), their biases
+    then float32 (Experts.use_quantized adds them to the kernel's float32 sums); any other
+    tensor kept where kept_as_stored says, else cast to `dtype`."""
+    widened = _widened_experts(reader, quantized)
+    held: list[tuple[object, torch.dtype | None]] = []
+    for t in reader.tensors:
+        if _EXPERTS in t.name and _layer(t.name) not in widened:
+            held.append((t, None if t.name.endswith(".weight") else torch.float32))
+        elif _EXPERTS not in t.name and kept_as_stored(t.tensor_type, quantized):
+            held.append((t, None))
+        else:
+            held.append((t, dtype))
+    return held
+
+
+def _widened_experts(reader: GGUFModel, quantized: bool) -> set[str]:
+    """The layers whose experts are dequantized at load: those with an expert weight not kept as
+    stored (layers/moe.py's take_stacked_experts widens its partners with it). Weights only: a
+    gpt-oss layer's F32 expert biases are held beside its kept MXFP4 blocks."""
+    return {_layer(t.name) for t in reader.tensors if _EXPERTS in t.name and t.name.endswith(".weight")
+            and not kept_as_stored(t.tensor_type, quantized)}
+
+
+def _layer(name: str) -> str:
+    """A layer tensor's layer number (`blk.N....`)."""
+    return name.split(".")[1]
 
 
 def read_tensors(path: Path, reader: GGUFModel, cfg, permuted: bool,

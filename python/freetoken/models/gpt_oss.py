@@ -148,9 +148,9 @@ class GptOssForCausalLM(LlamaForCausalLM):
             state = split_stacked_experts(state, stacked, transpose=True)
         return fuse_hf_weights(state)
 
-    def post_load(self, tokenizer, device: torch.device) -> None:
-        super().post_load(tokenizer, device)
-        widen_unsupported_experts(self, self.lm_head.weight.dtype, device)
+    def post_load(self, tokenizer, dtype: torch.dtype, device: torch.device) -> None:
+        super().post_load(tokenizer, dtype, device)
+        widen_unsupported_experts(self, dtype, device)
 
 
 def _keep_mxfp4(experts: Experts, state: dict[str, torch.Tensor], prefix: str) -> None:

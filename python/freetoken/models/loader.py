@@ -256,7 +256,7 @@ def _assign(module: torch.nn.Module, state: dict[str, torch.Tensor], quantized: 
             module.lm_head = quantized_head(embedding, module.lm_head)
         else:
             module.lm_head.weight = embedding.weight
-    module.post_load(tokenizer, device)
+    module.post_load(tokenizer, dtype, device)
     module.requires_grad_(False)
     module.weight_bytes = weight_bytes(module)  # before packing frees the plain weights
     stack_experts(module)

@@ -85,7 +85,7 @@ class ScriptedForCausalLM(CausalLM):
         self.base_logit = float(config.get("base_logit", DEFAULT_BASE_LOGIT))
         self.max_position_embeddings = int(config.get("max_position_embeddings", 8192))
         if tokenizer is not None:
-            self.post_load(tokenizer, torch.device("cpu"))
+            self.post_load(tokenizer, torch.float32, torch.device("cpu"))
 
     @classmethod
     def from_hf(cls, hf_config: dict) -> ScriptedForCausalLM:
@@ -95,7 +95,7 @@ class ScriptedForCausalLM(CausalLM):
     def vocab_size(self) -> int:
         return int(self.config["vocab_size"])
 
-    def post_load(self, tokenizer: ScriptTokenizer, device: torch.device) -> None:
+    def post_load(self, tokenizer: ScriptTokenizer, dtype: torch.dtype, device: torch.device) -> None:
         """Encode the script's texts with the folder's tokenizer (it has no weights to load)."""
         config = self.config
         script = config.get("script") or {}

@@ -17,7 +17,6 @@ from freetoken.models.kernels import bf16_linear, decoder_layer
 from freetoken.models.registry import load_model
 from tests.fixtures import build_models as bm
 from tests.model_fixtures import tiny_random_folder
-from tests.models.test_gguf_file import MODELS
 
 pytestmark = pytest.mark.skipif(decoder_layer.load() is None, reason="no C kernels on this machine")
 
@@ -44,7 +43,7 @@ def steps(model, engine: Engine) -> tuple[list[torch.Tensor], object]:
 
 @pytest.mark.parametrize("arch, window", [("llama", None), ("llama", 3), ("qwen3", None), ("qwen2", None)])
 def test_a_layer_in_one_call_gives_the_python_layers_bits(arch, window, monkeypatch):
-    path = bm.cached(f"tiny-quantized-{arch}", bm.build_quantized_gguf, MODELS[arch], arch)
+    path = bm.cached_gguf(f"tiny-quantized-{arch}")
     # The llama file's layer 1 has a Q5_0 projection (no kernel: dequantized at load), kept on
     # F.linear here (where the probe picks the grouped kernel, that layer runs as one call too).
     monkeypatch.setenv("FREETOKEN_LINEAR_KERNEL", "torch")

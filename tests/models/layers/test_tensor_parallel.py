@@ -113,10 +113,9 @@ def test_a_gguf_rank_keeps_whole_blocks_and_dequantizes_a_cut_block(caplog):
     from freetoken.models.layers.quantized_parallel import RowParallelQuantized
     from freetoken.models.layers.tensor_parallel import RowParallelLinear
     from tests.fixtures import build_models as bm
-    from tests.models.test_gguf_file import MODELS
 
     caplog.set_level("INFO")
-    path = bm.cached("tiny-quantized-llama", bm.build_quantized_gguf, MODELS["llama"], "llama") / "model.gguf"
+    path = bm.cached_gguf("tiny-quantized-llama") / "model.gguf"
     model = load_model(path, dtype="float32", device="cpu", group=OneRank(1, 2), gguf_weights="quantized").model
     down = model.model.layers[0].mlp.down_proj
     assert isinstance(down, RowParallelQuantized)
