@@ -91,7 +91,7 @@ import json, sys
 from freetoken.models.hub import HubOptions, resolve_model
 from freetoken.paths import ModelNotFound
 try:
-    print(json.dumps(resolve_model(sys.argv[1], HubOptions(**json.loads(sys.argv[2])), 4)))
+    print(json.dumps(resolve_model(sys.argv[1], HubOptions(**json.loads(sys.argv[2])), json.loads(sys.argv[3]))))
 except ModelNotFound as exc:
     print(json.dumps({"error": str(exc)}))
 """
@@ -104,12 +104,13 @@ def hub(tmp_path):
     hub.close()
 
 
-def resolve(hub: FakeHub, home, name: str, **options) -> list | dict:
-    """resolve_model(name) in a new process whose huggingface_hub talks to `hub`, caching in `home`."""
+def resolve(hub: FakeHub, home, name: str, itemsize: int | None = 4, **options) -> list | dict:
+    """resolve_model(name) in a new process whose huggingface_hub talks to `hub`, caching in `home`
+    (`itemsize`: as a float32 model on the CPU; None, no memory check, as on CUDA)."""
     env = dict(os.environ, HF_ENDPOINT=hub.url, HF_HOME=str(home), PYTHONPATH=str(ROOT / "python"))
     env.pop("HF_HUB_OFFLINE", None)
     env.pop("HF_TOKEN", None)
-    done = subprocess.run([sys.executable, "-c", RESOLVE, name, json.dumps(options)], env=env,
+    done = subprocess.run([sys.executable, "-c", RESOLVE, name, json.dumps(options), json.dumps(itemsize)], env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -160,6 +161,13 @@ def test_a_model_that_cannot_fit_is_refused_before_its_weights_download(hub, tmp
     # bfloat16 weights held as float32: twice the 16 TiB the listing claims.
     assert error.startswith("o/m: its weights need at least 32768.00 GiB of memory once loaded, but ")
     assert "nothing was downloaded" in error and not any(f.endswith(".safetensors") for f in hub.downloaded("o/m"))
+
+
+def test_a_download_the_disk_cannot_hold_is_refused_before_it_starts(hub, tmp_path):
+    hub.add("o/m-GGUF", {"m-Q4_K_M.gguf": b"GGUF"}, sizes={"m-Q4_K_M.gguf": 1 << 60})
+    error = resolve(hub, tmp_path, "o/m-GGUF", itemsize=None)["error"]
+    assert error.startswith(f"o/m-GGUF: its files take {2**30:.2f} GiB but {tmp_path} has ")
+    assert error.endswith(" GiB free (--download-dir picks another disk)") and not hub.downloaded("o/m-GGUF")
 
 
 def test_refusals_by_the_hub_and_offline_misses_are_one_line_each(hub, tmp_path):
