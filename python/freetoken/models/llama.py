@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from freetoken.config import rope_parameters, rope_type
 from freetoken.core import Batch
 from freetoken.engine.forward_context import ForwardContext
 from freetoken.models.causal_lm import CausalLM
@@ -53,10 +54,7 @@ class ModelConfig:
     def from_hf(cls, cfg: dict, **extra) -> ModelConfig:
         """The fields transformers' config gives; `extra`: a subclass's own fields."""
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "yarn", None):
-            raise ValueError(f"rope_type {rope_type!r} is not supported")
+        rope = rope_parameters(cfg)  # its type one of the family's (registry.check_supported)
         heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
         max_positions = cfg.get("max_position_embeddings", 4096)
         # Qwen configs keep a sliding_window value with use_sliding_window false.
@@ -82,7 +80,7 @@ class ModelConfig:
             attention_bias=bias,
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             o_proj_bias=bias and not qwen2,
-            rope_yarn=Yarn.from_hf(rope, max_positions) if rope_type == "yarn" else None,
+            rope_yarn=Yarn.from_hf(rope, max_positions) if rope_type(rope) == "yarn" else None,
             sliding_window=window,
             sliding_layers=frozenset(i for i, t in enumerate(types) if window and t == "sliding_attention"),
             **extra,
