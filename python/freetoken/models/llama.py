@@ -1,10 +1,10 @@
-"""Llama / Qwen2 / Qwen3 decoder over the engine's KV pool, and the base of the families built on
-it (qwen3_moe.py, gpt_oss.py), which bring only their own MLP and attention softmax.
+"""Llama / Mistral / Qwen2 / Qwen3 decoder over the engine's KV pool, and the base of the families
+built on it (qwen3_moe.py, gpt_oss.py), which bring only their own MLP and attention softmax.
 
 Module names mirror transformers', except that q/k/v and gate/up projections are fused into one
-matmul each (`fuse_hf_weights` maps a transformers state dict). The three families differ only
-in q/k/v bias (Qwen2) and per-head q/k RMSNorm (Qwen3). Sliding-window layers, YaRN and an
-o_proj bias are config fields too. The layers are models/layers/.
+matmul each (`fuse_hf_weights` maps a transformers state dict). The families differ only in q/k/v
+bias (Qwen2) and per-head q/k RMSNorm (Qwen3). Sliding-window layers (Mistral's: all of them),
+YaRN and an o_proj bias are config fields too. The layers are models/layers/.
 """
 
 from __future__ import annotations

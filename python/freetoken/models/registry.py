@@ -44,6 +44,7 @@ _HYBRID = Family("qwen3_5", "Qwen3_5ForCausalLM", tensor_parallel=(
     implements=frozenset({"layer_types", "partial_rotary_factor"}), rope_types=("default",))
 ARCHITECTURES = {
     "LlamaForCausalLM": Family("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": Family("llama", "LlamaForCausalLM", implements=_WINDOWED),
     "Qwen2ForCausalLM": Family("llama", "LlamaForCausalLM", implements=_WINDOWED),
     "Qwen3ForCausalLM": Family("llama", "LlamaForCausalLM", implements=_WINDOWED),
     "Qwen3MoeForCausalLM": Family("qwen3_moe", "Qwen3MoeForCausalLM", implements=_WINDOWED),
