@@ -11,9 +11,9 @@ from freetoken.paths import ModelNotFound
 
 # Each served architecture's transformers config (model_type).
 MODEL_TYPES = {
-    "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe",
-    "GptOssForCausalLM": "gpt_oss",
+    "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "SmolLM3ForCausalLM": "smollm3",
+    "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe", "GptOssForCausalLM": "gpt_oss",
     "Qwen3_5ForCausalLM": "qwen3_5_text", "Qwen3_5ForConditionalGeneration": "qwen3_5",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text", "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
     "Qwen3NextForCausalLM": "qwen3_next",

@@ -36,7 +36,7 @@ class Family:
     test_only: bool = False  # loadable, but not named among the architectures freetoken serves
 
 
-# The attention of Qwen's, Mistral's and gpt-oss's releases honours `sliding_window`;
+# The attention of Qwen's, Mistral's, SmolLM3's and gpt-oss's releases honours `sliding_window`;
 # transformers' Llama ignores it.
 _WINDOWED = frozenset({"sliding_window"})
 _HYBRID = Family("qwen3_5", "Qwen3_5ForCausalLM", tensor_parallel=(
@@ -45,6 +45,7 @@ _HYBRID = Family("qwen3_5", "Qwen3_5ForCausalLM", tensor_parallel=(
 ARCHITECTURES = {
     "LlamaForCausalLM": Family("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": Family("llama", "LlamaForCausalLM", implements=_WINDOWED),
+    "SmolLM3ForCausalLM": Family("llama", "LlamaForCausalLM", implements=_WINDOWED | {"no_rope_layers"}),
     "Qwen2ForCausalLM": Family("llama", "LlamaForCausalLM", implements=_WINDOWED),
     "Qwen3ForCausalLM": Family("llama", "LlamaForCausalLM", implements=_WINDOWED),
     "Qwen3MoeForCausalLM": Family("qwen3_moe", "Qwen3MoeForCausalLM", implements=_WINDOWED),
