@@ -197,6 +197,14 @@ def assert_cache_hit_and_chunks_give_the_cold_result(loaded, base: list[int], st
     return cached
 
 
+def assert_harmony_cache_hit_and_chunks(loaded) -> None:
+    """assert_cache_hit_and_chunks_give_the_cold_result on two HARMONY_TEXTS joined, whose cached
+    prefixes are much longer than the sliding windows of 8 of the tiny gpt-oss and Mistral."""
+    base = loaded.tokenizer.encode(HARMONY_TEXTS[0] + " " + HARMONY_TEXTS[3])
+    cached = assert_cache_hit_and_chunks_give_the_cold_result(loaded, base)
+    assert cached[0] >= len(base) - 1 and cached[1] >= len(base) - 4 > 2 * 8
+
+
 def random_prompt(n: int, seed: int) -> list[int]:
     """n token ids drawn from the middle of the default vocabulary, the same for a seed."""
     r = random.Random(seed)
