@@ -73,6 +73,18 @@ def tiny_qwen2_moe_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_mistral_path() -> Path:
+    """MistralForCausalLM (random, 2 layers, both in a window of 8) on the Harmony tokenizer."""
+    return bm.cached("tiny-mistral", bm.build_tiny_mistral)
+
+
+@pytest.fixture(scope="session")
+def tiny_smollm3_path() -> Path:
+    """SmolLM3ForCausalLM (random, 4 layers, the last without rotary) on the Harmony tokenizer."""
+    return bm.cached("tiny-smollm3", bm.build_tiny_smollm3)
+
+
+@pytest.fixture(scope="session")
 def tiny_gpt_oss_path() -> Path:
     """GptOssForCausalLM (random, 2 layers, window 8, 8 experts) on the Harmony tokenizer."""
     return bm.cached("tiny-gpt-oss", bm.build_tiny_gpt_oss)

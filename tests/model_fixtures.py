@@ -20,6 +20,14 @@ from freetoken.paths import ModelNotFound, cache_root
 # The linear kernels that run float32 (the bfloat16 units' run bfloat16 only), and (kernel, dtype) pairs.
 FLOAT32_KERNELS = tuple(k for k in CANDIDATES if k not in UNITS)
 KERNEL_DTYPES = [*((k, torch.float32) for k in FLOAT32_KERNELS), *((k, torch.bfloat16) for k in CANDIDATES)]
+# A batch of 8 for the tiny checkpoints on the Harmony BPE, each longer than their sliding
+# windows of 8.
+HARMONY_TEXTS = ["What is the capital of France? The capital is Paris.", "def add(a, b):\n    return a + b",
+                 "Write a short poem about the sea, the wind and the stars", "Numbers 0 1 2 3 4 5 6 7 8 9 10 42",
+                 "The user asks about the weather in Paris. It is sunny.",
+                 "Monday, then Tuesday, then Wednesday, then Friday!",
+                 "Tokenizers split text into pieces, then merge the frequent pairs.",
+                 "A tiny model predicts the next word, one step at a time, then stops."]
 
 
 @functools.lru_cache(maxsize=None)
@@ -187,6 +195,14 @@ def assert_cache_hit_and_chunks_give_the_cold_result(loaded, base: list[int], st
         assert_same_run(chunked[uid], cold[uid])
         assert_matches_reference(loaded.folder, prompts[uid], cold[uid])
     return cached
+
+
+def assert_harmony_cache_hit_and_chunks(loaded) -> None:
+    """assert_cache_hit_and_chunks_give_the_cold_result on two HARMONY_TEXTS joined, whose cached
+    prefixes are much longer than the sliding windows of 8 of the tiny gpt-oss and Mistral."""
+    base = loaded.tokenizer.encode(HARMONY_TEXTS[0] + " " + HARMONY_TEXTS[3])
+    cached = assert_cache_hit_and_chunks_give_the_cold_result(loaded, base)
+    assert cached[0] >= len(base) - 1 and cached[1] >= len(base) - 4 > 2 * 8
 
 
 def random_prompt(n: int, seed: int) -> list[int]:

@@ -173,3 +173,15 @@ def text_config(hf_config: dict) -> dict:
 
 def native_context(hf_config: dict) -> int:
     return text_config(hf_config).get("max_position_embeddings", 4096)
+
+
+def rope_parameters(hf_config: dict) -> dict:
+    """The rotary embedding's parameters: transformers 5's `rope_parameters`, or the
+    `rope_scaling` of configs written before it."""
+    cfg = text_config(hf_config)
+    return cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+
+
+def rope_type(rope: dict) -> str:
+    """The schedule `rope_parameters` names ("default", "yarn", "llama3", ...)."""
+    return rope.get("rope_type") or rope.get("type") or "default"

@@ -79,6 +79,29 @@ def test_busy_port_fails_fast_without_loading_the_model(tiny_qwen3_path):
     assert "Loading model" not in r.stdout + r.stderr
 
 
+# `freetoken serve` (launch_server, as the CLI calls it) with the engine's start replaced by an
+# exit that says so: a refusal that comes later than the main process's check shows here.
+SERVE_WITHOUT_ENGINE = ("import sys; from freetoken.serving import launch; "
+                        "launch.spawn_engine = lambda *args: sys.exit('engine started'); "
+                        "sys.exit(launch.launch_server(sys.argv[1:]))")
+
+
+def test_an_unsupported_architecture_is_refused_before_the_engine_starts(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForCausalLM"],
+                                                      "model_type": "gemma3_text"}))
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "-c", SERVE_WITHOUT_ENGINE, "--model", str(tmp_path), "--port", "0"],
+                       env=dict(os.environ, PYTHONPATH=str(ROOT / "python")), capture_output=True,
+                       text=True, timeout=60)
+    elapsed = time.time() - t0
+    output = (r.stdout + r.stderr).strip()
+    assert r.returncode == 1, output
+    assert len(output.splitlines()) == 1 and "Traceback" not in output, output
+    assert output.startswith("freetoken: architecture Gemma3ForCausalLM is not supported; freetoken "
+                             "serves LlamaForCausalLM, "), output
+    assert "Scripted" not in output
+    assert elapsed < 15, elapsed  # the main process's imports only
+
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGINT to the process group"])
 def test_signal_lets_a_request_in_flight_finish(tiny_qwen3_path, how):
     # SIGINT goes to the whole group, as a terminal's Ctrl-C does: the engine must ignore it

@@ -12,15 +12,9 @@ from safetensors.torch import load_file
 from freetoken.models.gpt_oss import GptOssForCausalLM
 from freetoken.models.registry import load_model
 from freetoken.scheduler.factory import build_scheduler
-from tests.model_fixtures import (assert_batch_matches_alone_and_reference,
-                                  assert_cache_hit_and_chunks_give_the_cold_result, greedy_run)
+from tests.model_fixtures import (HARMONY_TEXTS, assert_batch_matches_alone_and_reference,
+                                  assert_harmony_cache_hit_and_chunks, greedy_run)
 
-TEXTS = ["What is the capital of France? The capital is Paris.", "def add(a, b):\n    return a + b",
-         "Write a short poem about the sea, the wind and the stars", "Numbers 0 1 2 3 4 5 6 7 8 9 10 42",
-         "The user asks about the weather in Paris. It is sunny.",
-         "Monday, then Tuesday, then Wednesday, then Friday!",
-         "Tokenizers split text into pieces, then merge the frequent pairs.",
-         "A tiny model predicts the next word, one step at a time, then stops."]
 
 
 @pytest.fixture(scope="module")
@@ -32,18 +26,15 @@ def test_config_has_a_window_shorter_than_the_prompts_and_yarn(loaded):
     cfg = loaded.model.cfg
     assert isinstance(loaded.model, GptOssForCausalLM)
     assert cfg.sliding_layers == {0} and cfg.rope_yarn is not None and cfg.o_proj_bias
-    assert min(len(loaded.tokenizer.encode(t)) for t in TEXTS) > cfg.sliding_window
+    assert min(len(loaded.tokenizer.encode(t)) for t in HARMONY_TEXTS) > cfg.sliding_window
 
 
 def test_batch_of_8_matches_transformers_and_each_alone(loaded):
-    assert_batch_matches_alone_and_reference(loaded, TEXTS)
+    assert_batch_matches_alone_and_reference(loaded, HARMONY_TEXTS)
 
 
 def test_prefix_hit_and_chunked_prefill_give_the_cold_result(loaded):
-    base = loaded.tokenizer.encode(TEXTS[0] + " " + TEXTS[3])
-    cached = assert_cache_hit_and_chunks_give_the_cold_result(loaded, base)
-    # Cached prefixes much longer than the window of 8.
-    assert cached[0] >= len(base) - 1 and cached[1] >= len(base) - 4 > 2 * 8
+    assert_harmony_cache_hit_and_chunks(loaded)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +70,7 @@ def test_mxfp4_experts_stay_mxfp4_and_are_the_values_transformers_dequantises(lo
 
 
 def test_mxfp4_batch_of_8_matches_transformers_on_the_dequantized_weights_and_each_alone(loaded_mxfp4):
-    assert_batch_matches_alone_and_reference(loaded_mxfp4, TEXTS)
+    assert_batch_matches_alone_and_reference(loaded_mxfp4, HARMONY_TEXTS)
 
 
 @pytest.mark.parametrize("fixture", ["loaded", "loaded_mxfp4"])
@@ -87,7 +78,7 @@ def test_batched_is_alone_bit_for_bit(fixture, request):
     """Tokens and logprobs, not only within 1e-5 (the sinks' sigmoid, one value per row and
     head, is where a batch's size once showed)."""
     loaded = request.getfixturevalue(fixture)
-    prompts = {uid: loaded.tokenizer.encode(text) for uid, text in enumerate(TEXTS[:4])}
+    prompts = {uid: loaded.tokenizer.encode(text) for uid, text in enumerate(HARMONY_TEXTS[:4])}
     together, _ = greedy_run(build_scheduler(loaded, kv_slots=1024, prefix_cache=False), prompts)
     for uid, ids in prompts.items():
         alone, _ = greedy_run(build_scheduler(loaded, kv_slots=256, prefix_cache=False), {uid: ids})

@@ -1,11 +1,20 @@
-"""Our forward against transformers on the same weights (an independent implementation)."""
+"""Our forward against transformers on the same weights (an independent implementation): the
+default model, tiny Qwen3 and Qwen2, and tiny Mistral (a sliding window on every layer, shorter
+than the prompts) and SmolLM3 (a layer without rotary embedding), those two also batched, after a
+prefix-cache hit, in prefill chunks, Mistral as the `llama` GGUF llama.cpp makes of it and SmolLM3
+in the decoder layer's C call."""
 
 from __future__ import annotations
 
 import pytest
 
+from freetoken.models.llama import LlamaForCausalLM, ModelConfig
 from freetoken.models.registry import load_model
-from tests.model_fixtures import assert_greedy_matches_hf, default_model, tiny_random_folder
+from freetoken.scheduler.factory import build_scheduler
+from tests.model_fixtures import (HARMONY_TEXTS, assert_batch_matches_alone_and_reference,
+                                  assert_harmony_cache_hit_and_chunks, assert_greedy_matches_hf,
+                                  assert_matches_reference, assert_same_run, default_model, greedy_run,
+                                  tiny_random_folder)
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,",
            # 54 tokens: decoding crosses 64 keys, where a request's padded key block grows
@@ -28,3 +37,77 @@ def test_tiny_random_qwen2_matches_transformers():
     loaded = load_model(tiny_random_folder("qwen2"), dtype="float32", device="cpu")
     assert loaded.model.cfg.attention_bias and not loaded.model.cfg.qk_norm
     assert_greedy_matches_hf(loaded, PROMPTS)
+
+
+@pytest.fixture(scope="module", params=["tiny_mistral_path", "tiny_smollm3_path"])
+def on_harmony(request):
+    """The tiny Mistral, then the tiny SmolLM3 (tests/fixtures/build_models.py)."""
+    return load_model(request.getfixturevalue(request.param), dtype="float32", device="cpu")
+
+
+def test_mistral_slides_every_layer_in_a_window_shorter_than_the_prompts(tiny_mistral_path):
+    loaded = load_model(tiny_mistral_path, dtype="float32", device="cpu")
+    cfg = loaded.model.cfg
+    assert type(loaded.model) is LlamaForCausalLM and not cfg.unrotated_layers
+    assert cfg.sliding_window == 8 and cfg.sliding_layers == {0, 1}
+    assert min(len(loaded.tokenizer.encode(t)) for t in HARMONY_TEXTS) > cfg.sliding_window
+
+
+def test_smollm3s_fourth_layer_has_no_rotary_embedding(tiny_smollm3_path):
+    loaded = load_model(tiny_smollm3_path, dtype="float32", device="cpu")
+    assert type(loaded.model) is LlamaForCausalLM
+    assert loaded.model.cfg.unrotated_layers == {3} and not loaded.model.cfg.sliding_layers
+    assert [layer.self_attn.rotary for layer in loaded.model.model.layers] == [True, True, True, False]
+
+
+def test_smollm3_layers_its_config_does_not_list_follow_transformers_defaults():
+    """Without no_rope_layers and layer_types, every no_rope_layer_interval-th layer is unrotated
+    and, with a window on, slides: as transformers' SmolLM3Config fills them in."""
+    from transformers import SmolLM3Config
+
+    fields = dict(num_hidden_layers=9, no_rope_layer_interval=3, use_sliding_window=True, sliding_window=16,
+                  vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=2)
+    reference = SmolLM3Config(**fields)
+    cfg = ModelConfig.from_hf({**fields, "architectures": ["SmolLM3ForCausalLM"]})
+    assert cfg.unrotated_layers == {i for i, rotary in enumerate(reference.no_rope_layers) if not rotary} == {2, 5, 8}
+    assert cfg.sliding_layers == {i for i, t in enumerate(reference.layer_types) if t == "sliding_attention"}
+
+
+def test_batch_of_8_matches_transformers_and_each_alone(on_harmony):
+    assert_batch_matches_alone_and_reference(on_harmony, HARMONY_TEXTS)
+
+
+def test_prefix_hit_and_chunked_prefill_give_the_cold_result(on_harmony):
+    assert_harmony_cache_hit_and_chunks(on_harmony)
+
+
+def test_mistrals_llama_gguf_loads_as_its_hf_folder():
+    """llama.cpp writes a Mistral as a `llama` GGUF (q/k rows permuted): read in place, it runs
+    as the HF folder does, which matches transformers' Mistral."""
+    from tests.fixtures import build_models as bm
+
+    built = bm.cached("tiny-mistral-gguf", bm.build_mistral_gguf)
+    from_gguf = load_model(built / "model.gguf", dtype="float32", device="cpu")
+    from_folder = load_model(built / "hf", dtype="float32", device="cpu")
+    assert from_gguf.hf_config["architectures"] == ["LlamaForCausalLM"]
+    assert from_folder.hf_config["architectures"] == ["MistralForCausalLM"]
+    prompt = from_folder.tokenizer.encode(HARMONY_TEXTS[0])
+    runs = [greedy_run(build_scheduler(loaded, kv_slots=256), {0: prompt}, steps=8)[0][0]
+            for loaded in (from_gguf, from_folder)]
+    assert_same_run(*runs, tol=1e-6)
+    assert_matches_reference(built / "hf", prompt, runs[1])
+
+
+def test_smollm3_with_every_layer_in_the_c_call_matches_transformers(tiny_smollm3_path, monkeypatch):
+    """On the grouped kernel every layer, the unrotated one too, runs in decoder_layer.c's one
+    call a step (models/kernels/decoder_layer.py), where the machine has the C kernels."""
+    from freetoken.models.kernels import decoder_layer
+
+    if decoder_layer.load() is None:
+        pytest.skip("no C kernels on this machine")
+    monkeypatch.setenv("FREETOKEN_LINEAR_KERNEL", "grouped")
+    on_grouped = load_model(tiny_smollm3_path, dtype="float32", device="cpu")
+    monkeypatch.delenv("FREETOKEN_LINEAR_KERNEL")
+    assert_batch_matches_alone_and_reference(on_grouped, HARMONY_TEXTS[:4])
+    assert all(layer.one_call is not None for layer in on_grouped.model.model.layers)
+    assert on_grouped.model.model.stack is not None

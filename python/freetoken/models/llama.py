@@ -1,10 +1,12 @@
-"""Llama / Qwen2 / Qwen3 decoder over the engine's KV pool, and the base of the families built on
-it (qwen3_moe.py, gpt_oss.py), which bring only their own MLP and attention softmax.
+"""Llama / Mistral / SmolLM3 / Qwen2 / Qwen3 decoder over the engine's KV pool, and the base of the
+families built on it (qwen3_moe.py, gpt_oss.py), which bring only their own MLP and attention
+softmax.
 
 Module names mirror transformers', except that q/k/v and gate/up projections are fused into one
-matmul each (`fuse_hf_weights` maps a transformers state dict). The three families differ only
-in q/k/v bias (Qwen2) and per-head q/k RMSNorm (Qwen3). Sliding-window layers, YaRN and an
-o_proj bias are config fields too. The layers are models/layers/.
+matmul each (`fuse_hf_weights` maps a transformers state dict). The families differ only in q/k/v
+bias (Qwen2) and per-head q/k RMSNorm (Qwen3). Sliding-window layers (Mistral's: all of them),
+layers without rotary embedding (SmolLM3's), YaRN and an o_proj bias are config fields too. The
+layers are models/layers/.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from freetoken.config import rope_parameters, rope_type
 from freetoken.core import Batch
 from freetoken.engine.forward_context import ForwardContext
 from freetoken.models.causal_lm import CausalLM
@@ -48,22 +51,24 @@ class ModelConfig:
     rope_yarn: Yarn | None = None
     sliding_window: int | None = None  # keys a sliding layer's query sees, itself included
     sliding_layers: frozenset[int] = frozenset()
+    unrotated_layers: frozenset[int] = frozenset()  # without rotary embedding (SmolLM3's NoPE layers)
 
     @classmethod
     def from_hf(cls, cfg: dict, **extra) -> ModelConfig:
         """The fields transformers' config gives; `extra`: a subclass's own fields."""
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "yarn", None):
-            raise ValueError(f"rope_type {rope_type!r} is not supported")
+        rope = rope_parameters(cfg)  # its type one of the family's (registry.check_supported)
         heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
         max_positions = cfg.get("max_position_embeddings", 4096)
         # Qwen configs keep a sliding_window value with use_sliding_window false.
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-        # Without layer_types, layers from max_window_layers on slide (transformers' Qwen rule).
-        types = cfg.get("layer_types") or ["full_attention" if i < cfg.get("max_window_layers", 0)
-                                           else "sliding_attention" for i in range(layers)]
+        smollm3, interval = arch == "SmolLM3ForCausalLM", cfg.get("no_rope_layer_interval", 4)
+        # 0: a layer without rotary embedding; unnamed, SmolLM3 has one every interval layers.
+        rotary = cfg.get("no_rope_layers") or [int(not smollm3 or (i + 1) % interval) for i in range(layers)]
+        # Without layer_types, SmolLM3 slides its unrotated layers, Qwen those from
+        # max_window_layers on (transformers' rules).
+        sliding = [not r if smollm3 else i >= cfg.get("max_window_layers", 0) for i, r in enumerate(rotary)]
+        types = cfg.get("layer_types") or ["sliding_attention" if s else "full_attention" for s in sliding]
         # Qwen2 and Qwen2-MoE bias q/k/v only (Qwen2-MoE's config says so as `qkv_bias`).
         qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         bias = cfg.get("attention_bias", cfg.get("qkv_bias", qwen2))
@@ -82,9 +87,10 @@ class ModelConfig:
             attention_bias=bias,
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             o_proj_bias=bias and not qwen2,
-            rope_yarn=Yarn.from_hf(rope, max_positions) if rope_type == "yarn" else None,
+            rope_yarn=Yarn.from_hf(rope, max_positions) if rope_type(rope) == "yarn" else None,
             sliding_window=window,
             sliding_layers=frozenset(i for i, t in enumerate(types) if window and t == "sliding_attention"),
+            unrotated_layers=frozenset(i for i, r in enumerate(rotary) if not r),
             **extra,
         )
 
@@ -138,7 +144,7 @@ class DecoderLayer(nn.Module):
         norms = (self.input_layernorm, self.post_attention_layernorm)
         norms += (attn.q_norm, attn.k_norm) if cfg.qk_norm else ()
         return decoder_layer.prepare(tuple(runs), norms, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                     attn.sliding)
+                                     attn.sliding, attn.rotary)
 
 
 class Backbone(nn.Module):

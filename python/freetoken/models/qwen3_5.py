@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from freetoken.config import rope_parameters
 from freetoken.core import Batch
 from freetoken.engine.forward_context import ForwardContext
 from freetoken.engine.state_pool import StateShape
@@ -84,9 +85,7 @@ class HybridConfig:
             log.warning("%s: serving the language model only; the vision tower is not loaded",
                         (cfg.get("architectures") or ["?"])[0])
         cfg = cfg.get("text_config") or cfg
-        rope = cfg.get("rope_parameters") or {}
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"rope_type {rope['rope_type']!r} is not supported")
+        rope = rope_parameters(cfg)  # the default schedule (registry.check_supported)
         layers = cfg["num_hidden_layers"]
         interval = cfg.get("full_attention_interval", 4)
         types = cfg.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"

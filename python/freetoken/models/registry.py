@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from freetoken.config import native_context
+from freetoken.config import native_context, rope_parameters, rope_type, text_config
 from freetoken.models.hub import HubOptions, resolve_model
 from freetoken.models.loader import (build, build_gguf, default_model_path, eos_ids, gguf_config_folder,
                                      gguf_source, gguf_to_folder)
@@ -32,24 +32,74 @@ class Family:
     module: str  # under freetoken.models
     cls: str
     tensor_parallel: str | None = None  # why tensor parallelism is refused; None: supported
+    implements: frozenset[str] = frozenset()  # the QUIRKS its layers compute as transformers does
+    rope_types: tuple[str, ...] = ("default", "yarn")  # the rotary schedules it computes
+    test_only: bool = False  # loadable, but not named among the architectures freetoken serves
 
 
+# The attention of Qwen's, Mistral's, SmolLM3's and gpt-oss's releases honours `sliding_window`;
+# transformers' Llama ignores it.
+_WINDOWED = frozenset({"sliding_window"})
 _HYBRID = Family("qwen3_5", "Qwen3_5ForCausalLM", tensor_parallel=(
-    "tensor parallelism splits the attention-only decoders, not the hybrid (linear-attention) models"))
+    "tensor parallelism splits the attention-only decoders, not the hybrid (linear-attention) models"),
+    implements=frozenset({"layer_types", "partial_rotary_factor"}), rope_types=("default",))
 ARCHITECTURES = {
     "LlamaForCausalLM": Family("llama", "LlamaForCausalLM"),
-    "Qwen2ForCausalLM": Family("llama", "LlamaForCausalLM"),
-    "Qwen3ForCausalLM": Family("llama", "LlamaForCausalLM"),
-    "Qwen3MoeForCausalLM": Family("qwen3_moe", "Qwen3MoeForCausalLM"),
-    "Qwen2MoeForCausalLM": Family("qwen3_moe", "Qwen2MoeForCausalLM"),
-    "GptOssForCausalLM": Family("gpt_oss", "GptOssForCausalLM"),
+    "MistralForCausalLM": Family("llama", "LlamaForCausalLM", implements=_WINDOWED),
+    "SmolLM3ForCausalLM": Family("llama", "LlamaForCausalLM", implements=_WINDOWED | {"no_rope_layers"}),
+    "Qwen2ForCausalLM": Family("llama", "LlamaForCausalLM", implements=_WINDOWED),
+    "Qwen3ForCausalLM": Family("llama", "LlamaForCausalLM", implements=_WINDOWED),
+    "Qwen3MoeForCausalLM": Family("qwen3_moe", "Qwen3MoeForCausalLM", implements=_WINDOWED),
+    "Qwen2MoeForCausalLM": Family("qwen3_moe", "Qwen2MoeForCausalLM", implements=_WINDOWED),
+    "GptOssForCausalLM": Family("gpt_oss", "GptOssForCausalLM", implements=_WINDOWED),
     "ScriptedForCausalLM": Family("scripted", "ScriptedForCausalLM", tensor_parallel=(
-        "the scripted test model does not support tensor parallelism")),
+        "the scripted test model does not support tensor parallelism"), test_only=True),
     "Qwen3_5ForCausalLM": _HYBRID,
     "Qwen3_5ForConditionalGeneration": _HYBRID,
     "Qwen3_5MoeForCausalLM": _HYBRID,
     "Qwen3_5MoeForConditionalGeneration": _HYBRID,
     "Qwen3NextForCausalLM": _HYBRID,
+}
+# What `freetoken serve` names as served.
+SERVED = tuple(arch for arch, family in ARCHITECTURES.items() if not family.test_only)
+
+
+def _other_than(default):
+    return lambda cfg, field: None if cfg.get(field) in (None, default) else cfg[field]
+
+
+def _window(cfg: dict, field: str) -> int | None:
+    # A window as long as the context never binds.
+    window = cfg.get(field)
+    return window if window and cfg.get("use_sliding_window", True) and window < native_context(cfg) else None
+
+
+def _partial_rotary(cfg: dict, field: str) -> float | None:
+    factor = rope_parameters(cfg).get(field, cfg.get(field))  # where the hybrids read it first
+    return None if factor in (None, 1) else factor
+
+
+# Config fields that change what a model computes, each with the value a config relies on (given
+# the language model's config and the field's name; None: the field is not in effect). A family
+# computes those its row `implements`; a config of another that sets one is refused by name,
+# even where transformers' class of the architecture ignores it too: the checkpoint was trained
+# with it, or relabelled from a family that reads it, and served without it gives other tokens
+# than the model it names.
+QUIRKS = {
+    "sliding_window": _window,  # models/llama.py slides the layers transformers' Qwen rule marks
+    "layer_types": lambda cfg, field: sorted(set(cfg.get(field) or ()) - {"full_attention", "sliding_attention"})
+    or None,
+    "no_rope_layers": lambda cfg, field: None if all(cfg.get(field) or ()) else cfg[field],  # SmolLM3's 0s
+    "partial_rotary_factor": _partial_rotary,
+    "hidden_act": lambda cfg, field: None if cfg.get(field, "silu") in ("silu", "swish") else cfg[field],  # SwiGLU
+    "mlp_bias": lambda cfg, field: cfg.get(field) or None,
+    # Granite's scales (attention_multiplier replaces 1 / sqrt(head_dim)), Gemma's soft caps.
+    "embedding_multiplier": _other_than(1),
+    "residual_multiplier": _other_than(1),
+    "logits_scaling": _other_than(1),
+    "attention_multiplier": _other_than(None),
+    "attn_logit_softcapping": _other_than(None),
+    "final_logit_softcapping": _other_than(None),
 }
 # The architectures whose GGUF weights are read from the file (models/gguf_file.py), by one
 # process or by each tensor-parallel rank (its slices), kept quantized on the CPU where asked;
@@ -87,10 +137,30 @@ def architecture(hf_config: dict) -> str:
     return (hf_config.get("architectures") or ["?"])[0]
 
 
+def check_supported(hf_config: dict) -> None:
+    """Refuse (ModelNotFound, one line) a config freetoken would not compute as transformers does:
+    an architecture of no row of ARCHITECTURES, a rotary schedule its family lacks, or a field of
+    QUIRKS in effect that it does not implement. Light (no family is imported): `freetoken serve`
+    calls it before it starts the engine, load_model before it converts or loads anything."""
+    arch = architecture(hf_config)
+    family = ARCHITECTURES.get(arch)
+    if family is None:
+        raise ModelNotFound(f"architecture {arch} is not supported; freetoken serves {', '.join(SERVED)}")
+    cfg = text_config(hf_config)
+    schedule = rope_type(rope_parameters(cfg))
+    if schedule not in family.rope_types:
+        raise ModelNotFound(f"{arch} with rope_type {schedule!r} is not supported (its family computes "
+                            f"{', '.join(family.rope_types)})")
+    unsupported = [f"{field}={value!r}" for field, relied_on in QUIRKS.items()
+                   if field not in family.implements and (value := relied_on(cfg, field)) is not None]
+    if unsupported:
+        raise ModelNotFound(f"{arch} with {', '.join(unsupported)} is not supported: freetoken's {arch} "
+                            "does not implement it and would compute another model")
+
+
 def model_class(arch: str) -> type:
-    """The module class of an architecture of ARCHITECTURES, its family imported now."""
-    if arch not in ARCHITECTURES:
-        raise ModelNotFound(f"Architecture {arch} is not supported ({', '.join(ARCHITECTURES)})")
+    """The module class of an architecture of ARCHITECTURES (check_supported), its family
+    imported now."""
     family = ARCHITECTURES[arch]
     return getattr(importlib.import_module(f"freetoken.models.{family.module}"), family.cls)
 
@@ -112,7 +182,7 @@ def model_folder(model: str | os.PathLike | None) -> tuple[Path, str]:
     folder once, which links to the file) or, for None, the default model."""
     path = default_model_path() if model is None else Path(model)
     if path.is_file() and path.suffix == ".gguf":
-        return gguf_config_folder(path, served=tuple(ARCHITECTURES)), path.stem
+        return gguf_config_folder(path, served=SERVED), path.stem
     if not path.is_dir():
         raise ModelNotFound(f"Model not found: {path} (pass an HF model folder, a GGUF file or a Hub "
                             "name, ORG/NAME or ORG/NAME:TAG)")
@@ -130,11 +200,12 @@ def load_model(model: str | os.PathLike | None = None, dtype: str = "auto", devi
 
     folder, name = model_folder(model)
     dev = resolve_device(device)
-    hf_config = _config(folder)
+    hf_config = read_config(folder)
+    check_supported(hf_config)
     gguf = gguf_source(folder)
     if gguf is not None and not _reads_gguf(architecture(hf_config)):
-        folder = gguf_to_folder(gguf, served=tuple(ARCHITECTURES))
-        hf_config, gguf = _config(folder), None
+        folder = gguf_to_folder(gguf, served=SERVED)
+        hf_config, gguf = read_config(folder), None
     arch = architecture(hf_config)
     cls = model_class(arch)
     if group is not None and ARCHITECTURES[arch].tensor_parallel:
@@ -166,7 +237,7 @@ def load_model(model: str | os.PathLike | None = None, dtype: str = "auto", devi
     )
 
 
-def _config(folder: Path) -> dict:
+def read_config(folder: Path) -> dict:
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise ModelNotFound(f"{folder} has no config.json: not an HF model folder")

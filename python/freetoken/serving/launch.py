@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import json
 import logging
 import os
 import shutil
@@ -88,16 +87,17 @@ class _Steps:
 def build_frontend(args: ServerArgs, ipc_dir: str, procs: list):
     """Load the model's tokenizer and config, start the engine processes (into `procs`), and
     return the frontend."""
-    from freetoken.models.registry import find_model, quiet_progress_bars
+    from freetoken.models.registry import check_supported, find_model, quiet_progress_bars, read_config
 
     quiet_progress_bars()
     from freetoken.serving.pooling_config import pooling_config
 
     folder, name = find_model(args.model, args.hub, args.dtype, args.device)  # (downloads' own bars)
+    hf_config = read_config(folder)
+    check_supported(hf_config)  # a model the engine would refuse: before it is started
     steps = _Steps(3)
     try:
         steps.step(f"found {folder}")
-        hf_config = json.loads((folder / "config.json").read_text())
         try:
             pooling = pooling_config(args.runner, args.convert, args.hf_overrides,
                                      args.chat_template, hf_config, folder)

@@ -1,7 +1,7 @@
 """A decoder layer in one C call (and a model's layers in one, where every layer runs so) gives the
 bits of the Python layer: logits and the KV pool, over a step that holds prompt and decoding rows
 together, on tiny quantized GGUFs (llama with a Python-path layer beside it, Qwen3's q/k norms,
-Qwen2's biases, a sliding-window layer) and on tiny checkpoints with their linears on the grouped
+Qwen2's biases, a sliding-window layer, a layer without rotary embedding) and on tiny checkpoints with their linears on the grouped
 kernel (float32, bfloat16) and the bfloat16 units' (AMX, AVX512-BF16)."""
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ def steps(model, engine: Engine) -> tuple[list[torch.Tensor], object]:
     return logits + [cache.clone() for cache in engine.kv.kv], contexts[1]
 
 
-@pytest.mark.parametrize("arch, window", [("llama", None), ("llama", 3), ("qwen3", None), ("qwen2", None)])
-def test_a_layer_in_one_call_gives_the_python_layers_bits(arch, window, monkeypatch):
+@pytest.mark.parametrize("arch, layer0", [("llama", None), ("llama", "sliding"), ("llama", "unrotated"),
+                                         ("qwen3", None), ("qwen2", None)])
+def test_a_layer_in_one_call_gives_the_python_layers_bits(arch, layer0, monkeypatch):
     path = bm.cached_gguf(f"tiny-quantized-{arch}")
     # The llama file's layer 1 has a Q5_0 projection (no kernel: dequantized at load), kept on
     # F.linear here (where the probe picks the grouped kernel, that layer runs as one call too).
@@ -50,9 +51,11 @@ def test_a_layer_in_one_call_gives_the_python_layers_bits(arch, window, monkeypa
     model = registry.load_model(path / "model.gguf", dtype="float32", device="cpu",
                                 gguf_weights="quantized").model
     monkeypatch.delenv("FREETOKEN_LINEAR_KERNEL")
-    if window:  # layer 0 slides over its last 3 keys
-        model.cfg = dataclasses.replace(model.cfg, sliding_window=window, sliding_layers=frozenset({0}))
+    if layer0 == "sliding":  # over its last 3 keys
+        model.cfg = dataclasses.replace(model.cfg, sliding_window=3, sliding_layers=frozenset({0}))
         model.model.layers[0].self_attn.sliding = True
+    if layer0 == "unrotated":  # as SmolLM3's NoPE layers
+        model.model.layers[0].self_attn.rotary = False
     assert_same_bits(model, torch.float32, monkeypatch, [True, arch != "llama"])
 
 

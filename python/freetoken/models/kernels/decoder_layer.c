@@ -2,7 +2,8 @@
  * rows in float32 or bfloat16 (the model's dtype: rows, norms and KV pool alike):
  *
  *   x += delta; h = input_norm(x)            (first layer: no delta)
- *   qkv = h @ Wqkv^T (+ bias); q, k = rotate(q_norm(q), k_norm(k)) in place (norms: Qwen3)
+ *   qkv = h @ Wqkv^T (+ bias); q, k = rotate(q_norm(q), k_norm(k)) in place (norms: Qwen3;
+ *                                  a layer without rotary embedding: neither)
  *   cache[out_slots[t]] = (k, v) of row t, for every row
  *   attn = attention of each row over its keys (the step's merged key ranges)
  *   x += attn @ Wo^T; h = post_norm(x)
@@ -83,6 +84,7 @@ struct layer {
     const void *input_norm, *post_norm, *q_norm, *k_norm; /* q_norm, k_norm: NULL without */
     float eps, post_eps, qk_eps, scale;
     int64_t hidden, heads, kv_heads, head_dim, intermediate, sliding;
+    int64_t rotary; /* 0: q and k are not turned (SmolLM3's NoPE layers; none has q/k norms) */
 };
 
 struct step {
@@ -139,7 +141,8 @@ void decoder_layer(const struct kernels *k, const struct layer *l, const struct 
     else
         k->rms_norm(x, hidden, l->input_norm, s->h, T, hidden, l->eps);
     linear(k, &l->qkv, s, s->h, s->qkv);
-    k->norm_rotate(s->qkv, width, D, T, H + KV, H, l->q_norm, l->k_norm, l->qk_eps, s->cos, s->sin, D);
+    if (l->rotary)
+        k->norm_rotate(s->qkv, width, D, T, H + KV, H, l->q_norm, l->k_norm, l->qk_eps, s->cos, s->sin, D);
     /* Every row's keys and values are stored before any row attends: a prompt row reads the
      * keys of the rows before it in the same step. A prompt's rows split over the threads: one
      * thread alone left the other spinning (with the bfloat16 rounding below, 2-3 % of a

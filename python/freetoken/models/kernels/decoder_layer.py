@@ -51,7 +51,7 @@ class LayerArgs(ctypes.Structure):
                 ("input_norm", _PTR), ("post_norm", _PTR), ("q_norm", _PTR), ("k_norm", _PTR),
                 ("eps", _F32), ("post_eps", _F32), ("qk_eps", _F32), ("scale", _F32),
                 ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64),
-                ("intermediate", _I64), ("sliding", _I64)]
+                ("intermediate", _I64), ("sliding", _I64), ("rotary", _I64)]
 
 
 class StepArgs(ctypes.Structure):
@@ -166,15 +166,16 @@ def _linear(run, dtype: torch.dtype) -> tuple[LinearArgs, object] | None:
 
 
 def prepare(linears: tuple, norms: tuple, heads: int, kv_heads: int, head_dim: int,
-            sliding: bool) -> LayerCall | None:
+            sliding: bool, rotary: bool) -> LayerCall | None:
     """A layer with projections `linears` (q/k/v, o, gate/up, down: see `_linear`) and RMSNorms
-    `norms` (input, post-attention, then q's and k's, or not), or None where the C layer cannot
-    run it."""
+    `norms` (input, post-attention, then q's and k's, or not), q and k turned by the rotary
+    embedding or not, or None where the C layer cannot run it."""
     weights = [n.weight for n in norms]
     dtype = weights[0].dtype
     if (dtype not in SUFFIX
             or any(w.dtype != dtype or w.device.type != "cpu" or not w.is_contiguous() for w in weights)
-            or (len(norms) == 4 and norms[2].eps != norms[3].eps)):
+            # norm_rotate norms q and k only on the way to turning them (no family has one without)
+            or (len(norms) == 4 and (norms[2].eps != norms[3].eps or not rotary))):
         return None
     made = [_linear(run, dtype) for run in linears]
     if any(m is None for m in made) or load() is None:
@@ -189,7 +190,8 @@ def prepare(linears: tuple, norms: tuple, heads: int, kv_heads: int, head_dim: i
     args = LayerArgs(qkv, o, gate_up, down, weights[0].data_ptr(), weights[1].data_ptr(),
                      *(None if w is None else w.data_ptr() for w in qk),
                      norms[0].eps, norms[1].eps, norms[2].eps if len(norms) == 4 else 0.0,
-                     1.0 / math.sqrt(head_dim), hidden, heads, kv_heads, head_dim, intermediate, sliding)
+                     1.0 / math.sqrt(head_dim), hidden, heads, kv_heads, head_dim, intermediate, sliding,
+                     rotary)
     return LayerCall(args, dtype, [made, weights])
 
 

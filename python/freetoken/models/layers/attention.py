@@ -1,8 +1,8 @@
 """Attention over the engine's KV pool, in the step's groups (engine/forward_context.py).
 
 q/k/v are one fused projection (`qkv_proj`, rows [q heads | k heads | v heads]); per-head q/k
-RMSNorm (Qwen3), q/k/v biases (Qwen2), an o_proj bias and sliding-window layers are config
-fields. A family changes the softmax by overriding `_sdpa` and `_sink_logits` (gpt-oss's sinks)
+RMSNorm (Qwen3), q/k/v biases (Qwen2), an o_proj bias, sliding-window layers and layers without
+rotary embedding (SmolLM3) are config fields. A family changes the softmax by overriding `_sdpa` and `_sink_logits` (gpt-oss's sinks)
 or the projections by overriding `forward` (the hybrids' gated attention), and reuses `_attend`.
 
 Prompt and decoding rows attend through models/kernels/pool_attention.py where it runs (a CPU
@@ -31,6 +31,7 @@ MIN_QUERY_ROWS = 4
 
 class Attention(nn.Module):
     sliding = False  # a sliding-window layer (subclasses with their own __init__ have none)
+    rotary = True  # q and k turned by the rotary embedding (not in SmolLM3's NoPE layers)
 
     def __init__(self, cfg, layer: int):
         """`cfg`: models/llama.py's ModelConfig, or a family's with its attention fields."""
@@ -40,6 +41,7 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(h, (heads + 2 * kvh) * d, bias=cfg.attention_bias)
         self.o_proj = Linear(heads * d, h, bias=cfg.o_proj_bias)
         self.sliding = layer in cfg.sliding_layers
+        self.rotary = layer not in cfg.unrotated_layers
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -49,7 +51,7 @@ class Attention(nn.Module):
         heads, kvh = cfg.num_heads, cfg.num_kv_heads
         qkv = self.qkv_proj(x).view(t, heads + 2 * kvh, cfg.head_dim)
         norms = (self.q_norm, self.k_norm) if cfg.qk_norm else None
-        qk = norm_rotate(qkv[:, : heads + kvh], heads, norms, cos, sin)
+        qk = norm_rotate(qkv[:, : heads + kvh], heads, norms, *((cos, sin) if self.rotary else (None, None)))
         out = self._attend(qk[:, :heads], qk[:, heads:], qkv[:, heads + kvh :], ctx)
         return self.o_proj(out.reshape(t, -1))
 

@@ -97,13 +97,13 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + rotated * sin
 
 
-def norm_rotate(qk: torch.Tensor, split: int, norms: tuple[RMSNorm, RMSNorm] | None, cos: torch.Tensor,
-                sin: torch.Tensor) -> torch.Tensor:
+def norm_rotate(qk: torch.Tensor, split: int, norms: tuple[RMSNorm, RMSNorm] | None, cos: torch.Tensor | None,
+                sin: torch.Tensor | None) -> torch.Tensor:
     """Attention's query and key heads qk [T, heads, dim] (the first `split` q's), each RMS-normed
-    by its norm of `norms` (q's, k's; None: not normed), then turned by the angles of `cos_sin`:
-    where models/kernels/grouped_gemm.c runs, in place in one pass with the bits of the separate
-    steps; returns the result."""
-    lib = _kernel(qk, cos, sin)
+    by its norm of `norms` (q's, k's; None: not normed), then turned by the angles of `cos_sin`
+    (None: not turned): where models/kernels/grouped_gemm.c runs, in place in one pass with the
+    bits of the separate steps; returns the result."""
+    lib = None if cos is None else _kernel(qk, cos, sin)
     if lib is not None and (norms is None or (
             norms[0].kernel(qk) is not None and norms[0].eps == norms[1].eps
             and norms[0].weight.dtype == norms[1].weight.dtype)):
@@ -112,7 +112,7 @@ def norm_rotate(qk: torch.Tensor, split: int, norms: tuple[RMSNorm, RMSNorm] | N
         return qk
     if norms is not None:
         qk = torch.cat([norms[0](qk[:, :split]), norms[1](qk[:, split:])], dim=1)
-    return rotate(qk, cos, sin)
+    return qk if cos is None else rotate(qk, cos, sin)
 
 
 def _kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> ctypes.CDLL | None:
