@@ -117,9 +117,14 @@ def resolve(hub: FakeHub, home, name: str, itemsize: int | None = 4, **options) 
 
 
 def repo_files() -> dict[str, bytes]:
-    """A safetensors repo whose files are bytes of known content, beside files serving never reads."""
-    return {name: f"{name}:{i}".encode() * (1000 if name.endswith(".safetensors") else 1)
-            for i, name in enumerate(SAFETENSORS)} | {"config.json": json.dumps({"dtype": "bfloat16"}).encode()}
+    """A safetensors repo whose files are bytes of known content, beside files serving never reads
+    (its weights also as Mistral's `consolidated.safetensors`, which the index does not name)."""
+    files = {name: f"{name}:{i}".encode() * (1000 if name.endswith(".safetensors") else 1)
+             for i, name in enumerate(SAFETENSORS)}
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    return files | {"config.json": json.dumps({"dtype": "bfloat16"}).encode(),
+                    "model.safetensors.index.json": json.dumps(index).encode(),
+                    "consolidated.safetensors": b"\0" * 4096}
 
 
 def test_only_the_files_serving_reads_are_downloaded_then_read_from_the_cache(hub, tmp_path):
@@ -127,6 +132,7 @@ def test_only_the_files_serving_reads_are_downloaded_then_read_from_the_cache(hu
     hub.add("o/m", files)
     path, name = resolve(hub, tmp_path, "o/m")
     assert name == "o/m" and hub.downloaded("o/m") == choose_files("o/m", SAFETENSORS, None)
+    assert "consolidated.safetensors" in choose_files("o/m", {**SAFETENSORS, "consolidated.safetensors": 9}, None)
     for f in hub.downloaded("o/m"):
         assert (tmp_path / "hub" / "models--o--m").exists() and open(f"{path}/{f}", "rb").read() == files[f]
     hub.requests.clear()

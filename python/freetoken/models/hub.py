@@ -79,8 +79,8 @@ def resolve_model(model: str | os.PathLike | None, options: HubOptions,
         commit, files = listing
         chosen = choose_files(repo, files, tag)
         small = [f for f in chosen if not _is_weights(f)]
-        weights = [f for f in chosen if _is_weights(f)]
         snapshot = _download(repo, small, options, commit, files) if small else None
+        weights = _indexed(snapshot, [f for f in chosen if _is_weights(f)])
         if weight_itemsize is not None:
             needed = sum(files[f] for f in weights) * _widening(snapshot, weights, weight_itemsize)
             _check_memory(str(model), needed)
@@ -141,6 +141,16 @@ def _served(path: str) -> bool:
 
 def _is_weights(path: str) -> bool:
     return path.endswith((".safetensors", ".gguf"))
+
+
+def _indexed(snapshot: Path | None, weights: list[str]) -> list[str]:
+    """The safetensors files the repo's index names, where it has one: a repo may also hold the
+    same weights in another layout (Mistral's `consolidated.safetensors`), twice the download."""
+    index = None if snapshot is None else snapshot / "model.safetensors.index.json"
+    if index is None or not index.is_file():
+        return weights
+    named = set(json.loads(index.read_text())["weight_map"].values())
+    return [f for f in weights if f in named]
 
 
 def _listing(repo: str, options: HubOptions) -> tuple[str, dict[str, int]] | None:
