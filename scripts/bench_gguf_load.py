@@ -5,8 +5,11 @@ The model is synthetic: Qwen3-8B's shapes (36 layers, hidden 4096, 32 heads / 8 
 intermediate 12288), or with --shape qwen3-30b-a3b Qwen3-30B-A3B's (48 layers, hidden 2048, 32
 heads / 4 KV heads of 128, 128 experts of 768, 8 active), on the default model's tokenizer and
 49152-token vocabulary, in the formats llama.cpp's Q4_K_M gives a model (Q4_K; attn_v and
-ffn_down / ffn_down_exps in Q6_K on the layers its `use_more_bits` picks; the head in Q6_K),
-random blocks with small finite scales (one random draw per tensor shape and format, reused by
+ffn_down / ffn_down_exps in Q6_K on the layers its `use_more_bits` picks; the head in Q6_K);
+or with --shape gpt-oss-20b gpt-oss-20b's as its released GGUF stores it (24 layers, hidden
+2880, 64 heads / 8 KV heads of 64 with sinks and biases, a 128-token window on every other
+layer, 32 experts of 2880, 4 active, MXFP4 with F32 biases; embedding, attention and head in
+Q8_0; the vocabulary padded to its 201088 tokens), random blocks with small finite scales (one random draw per tensor shape and format, reused by
 every layer: the file is written at the disk's speed). It is written once under the cache (or
 --path; streamed, tensor by tensor), then each measurement runs in a fresh process:
 FREETOKEN_GGUF_WEIGHTS=quantized (load seconds, VmRSS / VmHWM after the load and after one
@@ -18,6 +21,7 @@ instead, one chat and one scoring request, the server's start seconds and reside
     python scripts/bench_gguf_load.py --layers 8 --weights quantized   # a smaller one
     python scripts/bench_gguf_load.py --no-forward  # the load alone
     python scripts/bench_gguf_load.py --shape qwen3-30b-a3b --path /tmp/a3b.gguf --serve  # ~17 GB
+    python scripts/bench_gguf_load.py --shape gpt-oss-20b --weights quantized   # ~12 GB
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ import _bench_common as bc  # noqa: E402
 
 SHAPES = {"qwen3-8b": dict(layers=36, hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288),
           "qwen3-30b-a3b": dict(layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128, intermediate=6144,
-                                experts=128, experts_used=8, expert_intermediate=768)}
+                                experts=128, experts_used=8, expert_intermediate=768),
+          "gpt-oss-20b": dict(layers=24, hidden=2880, heads=64, kv_heads=8, head_dim=64, intermediate=2880,
+                              experts=32, experts_used=4, expert_intermediate=2880, vocab=201088, window=128)}
 
 MEASURE = r"""
 import json, sys, time
@@ -72,12 +78,10 @@ def use_more_bits(layer: int, layers: int) -> bool:
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 
 
-def write_model(path: Path, layers: int, shape: dict) -> None:
+def qwen3_tensors(layers: int, shape: dict, vocab: int) -> list[tuple[str, tuple[int, ...], object]]:
+    """(name, dims, format) of a Qwen3 (MoE) model in llama.cpp's Q4_K_M mix."""
     import gguf
-    import numpy as np
 
-    source = gguf.GGUFReader(bc.default_gguf())
-    vocab = len(source.fields["tokenizer.ggml.tokens"].data)
     h, inter, d = shape["hidden"], shape["intermediate"], shape["head_dim"]
     experts, moe = shape.get("experts", 0), shape.get("expert_intermediate", 0)
     q4k, q6k, f32 = (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K,
@@ -100,29 +104,70 @@ def write_model(path: Path, layers: int, shape: dict) -> None:
             tensors += [(f"blk.{i}.ffn_gate.weight", (inter, h), q4k),
                         (f"blk.{i}.ffn_up.weight", (inter, h), q4k),
                         (f"blk.{i}.ffn_down.weight", (h, inter), v_down)]
-    tensors += [("output_norm.weight", (h,), f32), ("output.weight", (vocab, h), q6k)]
+    return tensors + [("output_norm.weight", (h,), f32), ("output.weight", (vocab, h), q6k)]
 
-    writer = gguf.GGUFWriter(str(path), "qwen3moe" if experts else "qwen3")
+
+def gpt_oss_tensors(layers: int, shape: dict, vocab: int) -> list[tuple[str, tuple[int, ...], object]]:
+    """(name, dims, format) of a gpt-oss model as its released GGUF stores one."""
+    import gguf
+
+    h, d, e, inter = shape["hidden"], shape["head_dim"], shape["experts"], shape["expert_intermediate"]
+    q, kv = shape["heads"] * d, shape["kv_heads"] * d
+    q8, mxfp4, f32 = (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.MXFP4,
+                      gguf.GGMLQuantizationType.F32)
+    tensors: list[tuple[str, tuple[int, ...], object]] = [("token_embd.weight", (vocab, h), q8)]
+    for i in range(layers):
+        tensors += [(f"blk.{i}.attn_norm.weight", (h,), f32), (f"blk.{i}.post_attention_norm.weight", (h,), f32),
+                    (f"blk.{i}.attn_sinks.weight", (shape["heads"],), f32)]
+        for name, rows, cols in (("attn_q", q, h), ("attn_k", kv, h), ("attn_v", kv, h), ("attn_output", h, q)):
+            tensors += [(f"blk.{i}.{name}.weight", (rows, cols), q8), (f"blk.{i}.{name}.bias", (rows,), f32)]
+        tensors += [(f"blk.{i}.ffn_gate_inp.weight", (e, h), f32), (f"blk.{i}.ffn_gate_inp.bias", (e,), f32)]
+        for name, rows, cols in (("ffn_gate_exps", inter, h), ("ffn_up_exps", inter, h), ("ffn_down_exps", h, inter)):
+            tensors += [(f"blk.{i}.{name}.weight", (e, rows, cols), mxfp4), (f"blk.{i}.{name}.bias", (e, rows), f32)]
+    return tensors + [("output_norm.weight", (h,), f32), ("output.weight", (vocab, h), q8)]
+
+
+def write_model(path: Path, layers: int, shape: dict) -> None:
+    import gguf
+    import numpy as np
+
+    source = gguf.GGUFReader(bc.default_gguf())
+    vocab = shape.get("vocab") or len(source.fields["tokenizer.ggml.tokens"].data)
+    h, d, experts = shape["hidden"], shape["head_dim"], shape.get("experts", 0)
+    gpt_oss = "window" in shape
+    tensors = (gpt_oss_tensors if gpt_oss else qwen3_tensors)(layers, shape, vocab)
+    writer = gguf.GGUFWriter(str(path), "gpt-oss" if gpt_oss else "qwen3moe" if experts else "qwen3")
     writer.add_block_count(layers)
     writer.add_context_length(4096)
     writer.add_embedding_length(h)
-    writer.add_feed_forward_length(inter)
+    writer.add_feed_forward_length(shape["intermediate"])
     writer.add_head_count(shape["heads"])
     writer.add_head_count_kv(shape["kv_heads"])
     writer.add_key_length(d)
     writer.add_value_length(d)
-    writer.add_rope_freq_base(1e6)
-    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(150000.0 if gpt_oss else 1e6)
+    writer.add_layer_norm_rms_eps(1e-5 if gpt_oss else 1e-6)
     if experts:
         writer.add_expert_count(experts)
         writer.add_expert_used_count(shape["experts_used"])
-        writer.add_expert_feed_forward_length(moe)
+        writer.add_expert_feed_forward_length(shape["expert_intermediate"])
+    if gpt_oss:  # gpt-oss-20b's: YaRN x32 over 4096 positions
+        writer.add_sliding_window(shape["window"])
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(32.0)
+        writer.add_rope_scaling_orig_ctx_len(4096)
     for name, field in source.fields.items():
         if name.startswith("tokenizer."):
             sub = field.types[1] if len(field.types) > 1 else None
-            writer.add_key_value(name, field.contents(), field.types[0], sub)
+            value = field.contents()
+            if name in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type") and len(value) < vocab:
+                # padded as llama.cpp's converter pads a vocabulary to the embedding's rows
+                pad = [f"[PAD{i}]" for i in range(len(value), vocab)] if name.endswith("tokens") else (
+                    [gguf.TokenType.UNUSED] * (vocab - len(value)))
+                value = [*value, *pad]
+            writer.add_key_value(name, value, field.types[0], sub)
     for name, dims, kind in tensors:
-        if kind == f32:
+        if kind == gguf.GGMLQuantizationType.F32:
             writer.add_tensor_info(name, dims, np.dtype(np.float32), int(np.prod(dims)) * 4)
         else:
             block, size = gguf.GGML_QUANT_SIZES[kind]
@@ -146,12 +191,17 @@ def _random_tensor(rng, dims: tuple[int, ...], kind) -> object:
     import gguf
     import numpy as np
 
-    if kind == gguf.GGMLQuantizationType.F32:
+    formats = gguf.GGMLQuantizationType
+    if kind == formats.F32:
         return np.ones(dims, np.float32) if len(dims) == 1 else rng.standard_normal(dims).astype(np.float32)
     block, size = gguf.GGML_QUANT_SIZES[kind]
     data = rng.integers(0, 256, (*dims[:-1], dims[-1] // block, size), dtype=np.uint8)
+    if kind == formats.MXFP4:  # its E8M0 scale byte first: 2^-10
+        data[..., 0] = 127 - 10
+        return data.reshape(*dims[:-1], -1)
     # Small finite fp16 scales: d (and Q4_K's dmin) at the block's start, Q6_K's d at its end.
-    for offset in [0, 2] if kind == gguf.GGMLQuantizationType.Q4_K else [size - 2]:
+    offsets = {formats.Q4_K: [0, 2], formats.Q8_0: [0], formats.Q6_K: [size - 2]}[kind]
+    for offset in offsets:
         data[..., offset:offset + 2] = np.array([1e-4], dtype=np.float16).view(np.uint8)
     return data.reshape(*dims[:-1], -1)
 
@@ -210,7 +260,8 @@ def synthetic_model(shape: str = "qwen3-8b", layers: int | None = None, path: Pa
     from freetoken.paths import cache_root
 
     layers = layers or SHAPES[shape]["layers"]
-    path = path or cache_root() / "bench-models" / f"{shape}-shape-q4_k_m-{layers}l.gguf"
+    mix = "released" if "window" in SHAPES[shape] else "q4_k_m"
+    path = path or cache_root() / "bench-models" / f"{shape}-shape-{mix}-{layers}l.gguf"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()

@@ -142,6 +142,19 @@ def test_only_the_files_serving_reads_are_downloaded_then_read_from_the_cache(hu
     assert resolve(hub, tmp_path, "o/m") == [path, "o/m"]  # the Hub gone: the cache alone
 
 
+def test_a_revision_is_asked_for_and_kept_in_the_cache(hub, tmp_path):
+    hub.add("o/m", repo_files())
+    path, _ = resolve(hub, tmp_path, "o/m", revision="v1.0")
+    assert ("GET", "/api/models/o/m/revision/v1.0") in hub.requests
+    assert {p for m, p in hub.requests if m == "GET" and "/resolve/" in p} == {
+        f"/o/m/resolve/v1.0/{f}" for f in hub.downloaded("o/m")}
+    storage = tmp_path / "hub" / "models--o--m"
+    assert (storage / "refs" / "v1.0").read_text() == hub.commit("o/m") and path.endswith(hub.commit("o/m"))
+    hub.close()
+    assert resolve(hub, tmp_path, "o/m", revision="v1.0")[0] == path  # the cache knows the revision
+    assert "is not in the cache" in resolve(hub, tmp_path, "o/m", revision="v2")["error"]
+
+
 def test_a_dropped_download_resumes_and_one_that_fails_leaves_no_part_behind(hub, tmp_path):
     files = repo_files()
     weights = "model-00002-of-00002.safetensors"

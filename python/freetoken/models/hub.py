@@ -187,7 +187,9 @@ def _listing(repo: str, options: HubOptions) -> tuple[str, dict[str, int]] | Non
 def _not_found(repo: str, status: int, options: HubOptions) -> str:
     if status not in (401, 403):
         return f"Model not found: {repo} is neither a local path nor a model on the Hub"
-    if options.token or os.environ.get("HF_TOKEN"):
+    from huggingface_hub import get_token  # HF_TOKEN, else the saved login
+
+    if options.token or get_token():
         return f"{repo}: the Hub refused the token given (HTTP {status}): a private repo it may not read?"
     return (f"{repo}: the Hub answered HTTP {status}: a private or gated repo, or none of that name; "
             "pass a token that may read it (HF_TOKEN or --hf-token)")
