@@ -104,3 +104,18 @@ def test_engine_and_scheduler_reach_models_through_the_registry_only():
                for target in targets
                if target.startswith("freetoken.models") and target not in MODELS_INTERFACE}
     assert reached == set()
+
+
+def test_no_test_module_imports_another():
+    """tests/README.md's rule: shared helpers live in tests/support, tests/fixtures and
+    tests/model_fixtures.py, so that a test module is never run (its fixtures collected) twice."""
+    tests = PACKAGE.parents[1] / "tests"
+    imports = {}
+    for path in sorted(tests.rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            for name in names:
+                if name.startswith("tests.") and name.rpartition(".")[2].startswith("test_"):
+                    imports.setdefault(path.relative_to(tests).as_posix(), []).append(name)
+    assert imports == {}

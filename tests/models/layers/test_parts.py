@@ -17,7 +17,7 @@ from freetoken.models.layers.parts import ColumnParts, RowParts, compute_in_part
 from freetoken.models.layers.tensor_parallel import shard_model
 from freetoken.models.registry import architecture, model_class
 from tests.model_fixtures import default_folder
-from tests.models.layers.test_tensor_parallel import OneRank
+from tests.support.parallel import OneRank
 
 
 def _meta_model(folder):

@@ -13,18 +13,7 @@ from freetoken.models.layers.moe import Experts
 from freetoken.models.layers.parts import block_part, even_part
 from freetoken.models.registry import load_model
 from tests.model_fixtures import tiny_random_folder
-
-
-class OneRank:
-    """engine.parallel.Group's interface for one rank loaded alone (no forward runs)."""
-
-    def __init__(self, rank: int, world: int):
-        self.rank, self.world = rank, world
-
-    def sum(self, x: torch.Tensor) -> torch.Tensor:
-        raise AssertionError("no collective runs at load")
-
-    gather = sum
+from tests.support.parallel import OneRank
 
 
 def rank_pieces(folder, rank: int, monkeypatch) -> tuple[dict, object]:
