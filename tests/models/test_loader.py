@@ -136,3 +136,16 @@ def test_a_qwen3moe_gguf_loads_as_its_hf_folder():
             for loaded in (from_gguf, from_folder)]
     assert_same_run(*runs, tol=1e-6)
     assert_matches_reference(built / "hf", prompt, runs[1])
+
+
+def test_a_folder_with_its_own_safetensors_is_no_gguf_folder(tmp_path):
+    # A Hub snapshot holding both layouts: every file a link into the blobs, one named model.gguf.
+    (tmp_path / "blobs").mkdir()
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    for name in ("config.json", "model.gguf", "model.safetensors"):
+        (tmp_path / "blobs" / name).write_bytes(b"x")
+        (snapshot / name).symlink_to(f"../blobs/{name}")
+    assert loader.gguf_source(snapshot) is None
+    (snapshot / "model.safetensors").unlink()
+    assert loader.gguf_source(snapshot).resolve() == (tmp_path / "blobs" / "model.gguf")

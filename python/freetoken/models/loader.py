@@ -143,11 +143,13 @@ def gguf_config_folder(gguf: Path, served: tuple[str, ...]) -> Path:
 
 
 def gguf_source(folder: Path) -> Path | None:
-    """The GGUF file a folder of gguf_config_folder's reads its weights from; None for an HF folder."""
+    """The GGUF file a folder of gguf_config_folder's reads its weights from; None for an HF folder
+    (one with safetensors weights of its own, even beside a file of that name: a Hub snapshot)."""
     link = folder / GGUF_LINK
-    if link.is_symlink():  # the path as given (gguf_file.config_folder), its parts beside it
-        return Path(os.readlink(link))
-    return link if link.is_file() else None
+    if not link.is_file() or any(folder.glob("*.safetensors")):
+        return None
+    # The link's target as written (gguf_file.config_folder: the path as given, its parts beside it).
+    return Path(os.path.join(folder, os.readlink(link))) if link.is_symlink() else link
 
 
 def weights_folder(folder: Path) -> Path:
