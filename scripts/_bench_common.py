@@ -481,7 +481,7 @@ def ms(seconds: float | None) -> str:
 
 
 def print_table(title: str, headers: list[str], rows: list[list[Any]]) -> None:
-    """A Markdown table (so it can be pasted into docs/performance.md as printed)."""
+    """A Markdown table (so it can be pasted into benchmarks/results/ as printed)."""
     cells = [[fmt(c) for c in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h)
               for i, h in enumerate(headers)]

@@ -1,16 +1,16 @@
 """Quantized weights moved off the file's map into memory the kernel backs with transparent huge
 pages.
 
-A decode step at batch 1 reads each weight byte once, front to back; on the 4 KiB pages of a
-mapped file that is a page-table walk every 4 KiB, and the quantized kernel's fetches ahead
+A decode step at batch 1 reads each weight byte once, front to back; on the 4 KiB pages of a mapped
+file that is a page-table walk every 4 KiB, and the quantized kernel's fetches ahead
 (quant_gemm.c's FETCH_AHEAD) stall on them. In 2 MiB pages the default GGUF decodes one client
-1.10-1.17x as fast (Zen 4, 2 threads; docs/performance.md). The blocks are copied as stored (the
-same bytes, the same results) into one region asked for huge pages (madvise): read from the file
-(its page cache) where a weight is whole, copied off the map where it is a slice (a
-tensor-parallel rank's part of K), the map's pages then let go; so the load holds about one copy
-of the weights at any time, as reading them in place did. Where the kernel grants no huge pages
-(the mode `never`, or no madvise), or where FREETOKEN_HUGE_PAGES=0 asks so (a faster load: the
-copy's first touch costs a VM 0.3-1 s for the default model), the weights stay on the map.
+1.10-1.17x as fast (Zen 4, 2 threads; benchmarks/results/2026-12-03-zen4.md). The blocks are copied
+as stored (the same bytes, the same results) into one region asked for huge pages (madvise): read
+from the file (its page cache) where a weight is whole, copied off the map where it is a slice (a
+tensor-parallel rank's part of K), the map's pages then let go; so the load holds about one copy of
+the weights at any time, as reading them in place did. Where the kernel grants no huge pages (the
+mode `never`, or no madvise), or where FREETOKEN_HUGE_PAGES=0 asks so (a faster load: the copy's
+first touch costs a VM 0.3-1 s for the default model), the weights stay on the map.
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ log = logging.getLogger("freetoken.engine")
 # handful of rows, the rest as the next one, and the two halves keep alternating. So while no
 # request is mid-generation (no decode to delay), the engine waits for as many arrivals as the
 # last step finished, at most a share of that step's time (GATHER_SHARE, up to GATHER_MAX_S):
-# scoring workload A in docs/performance.md. A lone client's next request ends the wait at once.
+# scoring workload A in docs/performance.md (measured: benchmarks/results/2026-12-02-xeon-amx.md,
+# "bfloat16 scoring A"). A lone client's next request ends the wait at once.
 GATHER_SHARE = 0.1
 GATHER_MAX_S = 0.02
 
