@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from freetoken import envs
 from freetoken.models.kernels.quant import QuantizedWeight
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ def huge_pages_available() -> bool:
 
 def copies_to_huge_pages() -> bool:
     """Will a load copy its weights into huge pages here (available, and not turned off)?"""
-    return os.environ.get("FREETOKEN_HUGE_PAGES") != "0" and huge_pages_available()
+    return envs.HUGE_PAGES.get() != "0" and huge_pages_available()
 
 
 def place_in_huge_pages(state: dict, sources: Sequence[np.memmap] = ()) -> dict:

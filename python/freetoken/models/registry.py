@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from freetoken import envs
 from freetoken.config import native_context, rope_parameters, rope_type, text_config
 from freetoken.models.hub import HubOptions, resolve_model
 from freetoken.models.loader import (build, build_gguf, default_model_path, eos_ids, gguf_config_folder,
@@ -215,7 +216,7 @@ def load_model(model: str | os.PathLike | None = None, dtype: str = "auto", devi
     # One CPU process computes its sliced layers as two tensor-parallel ranks would, so that its
     # results are theirs bit for bit: FREETOKEN_EXACT_TP=1 always, =0 never, unset where that
     # costs about nothing (parts.free_in_parts: a GGUF's quantized layers; docs/engine.md).
-    exact = os.environ.get("FREETOKEN_EXACT_TP")
+    exact = envs.EXACT_TP.get()
     splittable = group is None and dev.type == "cpu" and ARCHITECTURES[arch].tensor_parallel is None
     in_parts = (exact == "1" if exact in ("0", "1") else None) if splittable else False
     if gguf is None:
@@ -255,7 +256,7 @@ def _reads_gguf(arch: str) -> bool:
 
 
 def _gguf_weights(asked: str | None, dtype: torch.dtype) -> str:
-    value = (asked or os.environ.get("FREETOKEN_GGUF_WEIGHTS")
+    value = (asked or envs.GGUF_WEIGHTS.get()
              or ("quantized" if dtype == torch.float32 else "float32"))
     if value not in GGUF_WEIGHTS:
         raise ModelNotFound(f"FREETOKEN_GGUF_WEIGHTS={value}: not one of {', '.join(GGUF_WEIGHTS)}")
@@ -287,7 +288,7 @@ def quiet_progress_bars() -> None:
     """Turn off transformers' and huggingface_hub's tqdm bars when stderr is not a terminal."""
     if progress_bars_wanted():
         return
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read by spawned processes too
+    envs.quiet_hub_progress_bars()
     try:  # both heavy, and optional to this function: imported by the processes that load
         from transformers.utils import logging as hf_logging
 

@@ -79,7 +79,10 @@ def assert_same_bits(model, dtype: torch.dtype, monkeypatch, one_call: list[bool
     assert ctx.layer_step
     assert [layer.one_call is not None for layer in model.model.layers] == one_call
     assert (model.model.stack is not None) == all(one_call)  # every layer one call: all in one
-    monkeypatch.setenv("FREETOKEN_LAYER_KERNEL", "0")
+    monkeypatch.setenv("FREETOKEN_LAYER_KERNEL", "0")  # read as a layer's call is made: made anew
+    for layer in model.model.layers:
+        layer.one_call = NotImplemented
+    model.model.stack = NotImplemented
     python, ctx = steps(model, engine)
-    assert ctx.layer_step is False
+    assert ctx.layer_step is None and all(layer.one_call is None for layer in model.model.layers)
     assert all(torch.equal(a, b) for a, b in zip(fast, python))

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
 from functools import cache
 from pathlib import Path
 
 import torch
 
+from freetoken import envs
 from freetoken.engine.forward_context import ForwardContext
 from freetoken.models.kernels import bf16_linear, grouped_gemm, pool_attention, quant
 from freetoken.models.kernels.grouped_gemm import open_library
@@ -169,10 +169,11 @@ def prepare(linears: tuple, norms: tuple, heads: int, kv_heads: int, head_dim: i
             sliding: bool, rotary: bool) -> LayerCall | None:
     """A layer with projections `linears` (q/k/v, o, gate/up, down: see `_linear`) and RMSNorms
     `norms` (input, post-attention, then q's and k's, or not), q and k turned by the rotary
-    embedding or not, or None where the C layer cannot run it."""
+    embedding or not, or None where the C layer cannot run it (or FREETOKEN_LAYER_KERNEL=0 asks
+    for the Python path: read once, as the layer is prepared, never in a step)."""
     weights = [n.weight for n in norms]
     dtype = weights[0].dtype
-    if (dtype not in SUFFIX
+    if (envs.LAYER_KERNEL.get() == "0" or dtype not in SUFFIX
             or any(w.dtype != dtype or w.device.type != "cpu" or not w.is_contiguous() for w in weights)
             # norm_rotate norms q and k only on the way to turning them (no family has one without)
             or (len(norms) == 4 and (norms[2].eps != norms[3].eps or not rotary))):
@@ -208,7 +209,7 @@ def step(ctx: ForwardContext, x: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
 def _make_step(ctx: ForwardContext, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                layer: LayerCall) -> Step | None:
     kv_cache, dtype = ctx.kv_cache[0], layer.dtype
-    if (os.environ.get("FREETOKEN_LAYER_KERNEL") == "0" or x.dtype != dtype or x.device.type != "cpu"
+    if (x.dtype != dtype or x.device.type != "cpu"
             or x.dim() != 2 or not x.is_contiguous() or cos.dtype != dtype or not cos.is_contiguous()
             or not sin.is_contiguous() or kv_cache.dtype != dtype or not pool_attention.usable(kv_cache)):
         return None

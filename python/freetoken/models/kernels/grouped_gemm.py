@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from freetoken import envs
 from freetoken.paths import cache_root
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ def open_library(source: Path, supported: str, needs: str, instead: str,
     nothing) declared; None where it cannot run here (logged: call it once, from a cached
     loader): FREETOKEN_NO_KERNELS set, no C compiler, or a CPU on which the library's `supported`
     function returns 0 (it lacks `needs`). `instead`: what runs then."""
-    if os.environ.get("FREETOKEN_NO_KERNELS"):
+    if envs.NO_KERNELS.get():
         return None
     try:
         lib = ctypes.CDLL(str(build(source)))
@@ -196,7 +197,7 @@ def build(source_path: Path = SOURCE) -> Path:
     folder (atomic: concurrent first uses each compile to their own file and keep whichever
     lands)."""
     source = source_path.read_bytes()
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    compiler = shutil.which(envs.CC.get() or "cc") or shutil.which("gcc")
     if compiler is None:
         raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
     digest = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]

@@ -14,7 +14,6 @@ FREETOKEN_QUANT_ISA=avx2 caps the kernel at AVX2 (tests and benchmarks compare t
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
+from freetoken import envs
 from freetoken.models.kernels.grouped_gemm import open_library
 
 SOURCE = Path(__file__).with_name("quant_gemm.c")
@@ -76,7 +76,7 @@ def isa() -> int:
     lib = _kernel()
     if lib is None:
         return 0
-    return min(lib.best_isa, ISAS.get(os.environ.get("FREETOKEN_QUANT_ISA", ""), 2))
+    return min(lib.best_isa, ISAS.get(envs.QUANT_ISA.get() or "", 2))
 
 
 def supported(qtype: GGMLQuantizationType) -> bool:

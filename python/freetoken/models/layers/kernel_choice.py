@@ -39,6 +39,7 @@ from typing import Callable
 
 import torch
 
+from freetoken import envs
 from freetoken.paths import cache_root
 from freetoken.models.kernels import bf16_linear, grouped_gemm
 
@@ -53,8 +54,7 @@ TIMED_ROWS = (1, 8, 64, 256)
 TIMING_REPEATS = 7
 RULE_TIE = 0.05
 OUR_KERNELS = (grouped_gemm.SOURCE, bf16_linear.SOURCE)  # the C sources of the candidates that are ours
-ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR",
-            "ATEN_CPU_CAPABILITY", "FREETOKEN_NO_KERNELS")
+ISA_CAPS = (*envs.ISA_CAPS, envs.NO_KERNELS)
 
 
 @dataclass(frozen=True)
@@ -281,7 +281,7 @@ def _our_kernels() -> str:
 
 
 def _machine() -> str:
-    caps = [f"{name}={os.environ.get(name, '')}" for name in ISA_CAPS]
+    caps = [f"{env.name}={env.get() or ''}" for env in ISA_CAPS]
     # The probe's settings and our own kernels' source too: a change to them probes anew.
     text = "|".join([cpu_name(), _cpuinfo_line("flags"), torch.__version__,
                      str(torch.get_num_threads()), *caps,

@@ -13,7 +13,6 @@ FREETOKEN_LINEAR_KERNEL=<name> restricts the choice to one of them (benchmarks, 
 from __future__ import annotations
 
 import logging
-import os
 import re
 from dataclasses import dataclass, replace
 from functools import cache, partial
@@ -22,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from freetoken import envs
 from freetoken.models.kernels import bf16_linear
 from freetoken.models.kernels.bf16_linear import pack_pairs, unit_linear, unpack_columns
 from freetoken.models.kernels.grouped_gemm import KERNELS, grouped_gemm
@@ -154,7 +154,7 @@ def _onednn(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) ->
 
 
 def candidates() -> tuple[str, ...]:
-    forced = os.environ.get("FREETOKEN_LINEAR_KERNEL")
+    forced = envs.LINEAR_KERNEL.get()
     if forced and forced not in CANDIDATES:
         raise ValueError(f"FREETOKEN_LINEAR_KERNEL={forced}: not one of {', '.join(CANDIDATES)}")
     return (forced,) if forced else CANDIDATES
