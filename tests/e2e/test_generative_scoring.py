@@ -34,12 +34,16 @@ def scorer(server, folder):
     return server("--model", str(folder), "--dtype", "float32", "--served-model-name", "tiny")
 
 
-@pytest.fixture(scope="module")
-def prompts(folder) -> list[list[int]]:
+def joined(folder, query: str) -> list[list[int]]:
     """Query then item, tokenized as vLLM joins them (the item without special tokens)."""
     tok = AutoTokenizer.from_pretrained(folder)
-    query = tok.encode(QUERY, add_special_tokens=True)
-    return [query + tok.encode(item, add_special_tokens=False) for item in ITEMS]
+    ids = tok.encode(query, add_special_tokens=True)
+    return [ids + tok.encode(item, add_special_tokens=False) for item in ITEMS]
+
+
+@pytest.fixture(scope="module")
+def prompts(folder) -> list[list[int]]:
+    return joined(folder, QUERY)
 
 
 def post(server, path: str, body: dict) -> httpx.Response:
@@ -74,6 +78,18 @@ def test_each_label_is_its_teacher_forced_total_renormalised_over_the_set(scorer
         assert probs == pytest.approx(softmax(reference), abs=1e-4)
         assert d["score"] == probs[0]
         assert [e["token_ids"] for e in d["labels"]] == LABELS
+
+
+def test_each_prompt_is_prefilled_once_for_all_its_labels(scorer, folder):
+    """A query no other test sends: each prompt's first label computes it, and the others find
+    all of it but the last token (whose logits score their first) in the prefix cache."""
+    query = "Fresh query for the cache count:"
+    r = post(scorer, "/generative_scoring", {"query": query, "items": ITEMS, "labels": LABELS})
+    lengths = [len(p) for p in joined(folder, query)]
+    usage = r.json()["usage"]
+    assert usage["prompt_tokens"] == sum(n + len(label) for n in lengths for label in LABELS)
+    assert usage["prompt_tokens_details"]["cached_tokens"] == sum(
+        (n - 1) * (len(LABELS) - 1) for n in lengths)
 
 
 def test_a_prompt_alone_is_bit_identical_to_it_in_a_batch(scorer):
