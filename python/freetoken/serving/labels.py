@@ -72,7 +72,8 @@ def renormalised(totals: list[float], lengths: list[int], length_normalize: bool
     values = [t / n for t, n in zip(totals, lengths)] if length_normalize else totals
     top = max(values)
     weights = [math.exp(v - top) for v in values]
-    return [w / sum(weights) for w in weights]
+    total = math.fsum(weights)
+    return [w / total for w in weights]
 
 
 async def score(state: EngineClient, prompts: list[list[int]], labels: LabelSet,
