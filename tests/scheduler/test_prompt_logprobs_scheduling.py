@@ -10,7 +10,7 @@ from freetoken.core import SamplingParams
 from freetoken.message import DetokenizeMsg, UserMsg
 from freetoken.models.registry import load_model
 from freetoken.scheduler.factory import build_scheduler
-from tests.model_fixtures import tiny_random_folder
+from tests.model_fixtures import drain, tiny_random_folder
 
 
 @pytest.fixture(scope="module")
@@ -127,17 +127,8 @@ def test_scoring_from_a_label_scores_its_rows_alone_and_reuses_the_cached_prompt
                             prompt_logprobs_from=len(prompt))
     for uid, label in enumerate(labels):
         rows.clear()
-        assert scheduler.add(UserMsg(uid, prompt + label, params)) == []
-        first = drain_steps(scheduler)[uid][0]
+        first = drain(scheduler, {uid: (prompt + label, params)})[uid][0]
         assert first.prompt_logprobs[: len(prompt)] == [None] * len(prompt)
         assert first.prompt_logprobs[len(prompt):] == whole[uid].prompt_logprobs[len(prompt):]
         assert sum(rows) == len(label)
         assert first.cached_tokens == (0 if uid == 0 else len(prompt) - 1)
-
-
-def drain_steps(scheduler) -> dict[int, list[DetokenizeMsg]]:
-    out: dict[int, list[DetokenizeMsg]] = {}
-    while scheduler.has_work:
-        for msg in scheduler.step():
-            out.setdefault(msg.uid, []).append(msg)
-    return out

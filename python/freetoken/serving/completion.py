@@ -97,6 +97,12 @@ async def create_completion(req: CompletionRequest, raw_request, state: EngineCl
         found = req.structured_output
         await structured.check(state, params.structured, found.field if found else None)
         prompts = req.prompts(limits)
+        if req.labels is not None:
+            label_set = await asyncio.to_thread(labels.label_set, state.tokenizer, req.labels,
+                                                limits, "labels")
+            prompt_ids = [p if isinstance(p, list) else await state.tokenize(
+                TokenizeMsg(0, p, None, add_special_tokens=req.add_special_tokens), "prompt")
+                for p in prompts]
         choices, msgs = _completion_choices(state, req, prompts, params)
         # A request's prompts enter the engine a window at a time, so that one request with many
         # prompts does not queue ahead of every request that arrives after it.
@@ -106,12 +112,7 @@ async def create_completion(req: CompletionRequest, raw_request, state: EngineCl
             return await stream_completion_chunks(state, req, params, choices, streams, window)
         work = [_drain(c, replies) for c, replies in zip(choices, streams)]
         if req.labels is not None:
-            label_set = await asyncio.to_thread(labels.label_set, state.tokenizer, req.labels,
-                                                limits, "labels")
-            ids = [p if isinstance(p, list) else await state.tokenize(
-                TokenizeMsg(0, p, None, add_special_tokens=req.add_special_tokens), "prompt")
-                for p in prompts]
-            work.append(labels.score(state, ids, label_set, False, window))
+            work.append(labels.score(state, prompt_ids, label_set, False, window))
         results = await until_disconnected(raw_request, all_or_none(work))
         label_scores = results[-1][0] if req.labels is not None else None  # usage not counted
     except RequestError as exc:
