@@ -120,6 +120,7 @@ class FrontendConfig:
     max_running_requests: int = 64
     max_request_bytes: int = 32 * 1024 * 1024
     max_prompts_per_request: int = 1024
+    max_labels: int = 64
     playground: bool = True
     pooling: PoolingConfig | None = None  # None: a generation model (serving/pooling_config.py)
 
@@ -161,6 +162,7 @@ def frontend_config(args, hf_config: dict, name: str, parsers: tuple[str | None,
         max_running_requests=args.max_running_requests,
         max_request_bytes=args.max_request_bytes,
         max_prompts_per_request=args.max_prompts_per_request,
+        max_labels=args.max_labels,
         playground=not args.no_playground,
         pooling=pooling,
     )

@@ -63,6 +63,9 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # Alternatives per prompt position; None: no prompt logprobs.
     prompt_logprobs: int | None = None
+    # The first prompt token scored (label scoring: the label's first): the positions before
+    # the one that scores it are not, so the prefix cache may supply them.
+    prompt_logprobs_from: int = 1
     # Output text controls (the frontend's detokenizer).
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True

@@ -1,6 +1,7 @@
 """What the openai SDK and LangChain ask of a server without a tool parser: `models.retrieve`,
 `tool_choice` "required" or a named function (forced with the grammar engine and returned as
-tool calls), and `reasoning_effort` (into the chat template, as the template reads it)."""
+tool calls, cut short by `max_tokens` as far as they were generated), and `reasoning_effort`
+(into the chat template, as the template reads it)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 from transformers import AutoTokenizer
+
+from freetoken.parsing.tool_grammar import hermes, token_literal
 
 pytestmark = pytest.mark.slow
 
@@ -45,6 +48,33 @@ def _valid_trip(arguments: str) -> dict:
     return args
 
 
+NAMED = {"type": "function", "function": {"name": "plan_trip"}}
+FORCED = dict(model=None, messages=ASK, tools=TOOLS[:1], tool_choice=NAMED, temperature=0,
+              reasoning_effort="none")
+ARGS_AT = '"arguments": '
+
+
+def chat_prompt_ids(client, tokenizer, **kw) -> list[int]:
+    """The prompt ids chat runs for `kw`, read from its prompt logprobs (whose first position
+    is None: that is the template's opening token)."""
+    out = client.chat.completions.create(**kw, max_tokens=1, extra_body={"prompt_logprobs": 0})
+    rest = [int(next(iter(p))) for p in out.model_extra["prompt_logprobs"][1:]]
+    return [tokenizer.convert_tokens_to_ids("<|im_start|>"), *rest]
+
+
+def streamed(client, **kw) -> tuple[str, dict[int, dict], str]:
+    """(content, calls by index, finish_reason) joined from a chat stream."""
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for part in delta.tool_calls or []:
+            call = calls.setdefault(part.index, {"name": part.function.name, "arguments": ""})
+            call["arguments"] += part.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return content, calls, finish
+
+
 def test_models_retrieve_finds_the_served_model_and_404s_another(no_tool_parser):
     client = no_tool_parser.client()
     name = client.models.list().data[0].id
@@ -56,9 +86,7 @@ def test_models_retrieve_finds_the_served_model_and_404s_another(no_tool_parser)
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_named_function_is_forced_and_returned_as_its_call(no_tool_parser, stream):
     client = no_tool_parser.client()
-    choice = {"type": "function", "function": {"name": "plan_trip"}}
-    kw = dict(model=None, messages=ASK, tools=TOOLS, tool_choice=choice, temperature=0,
-              max_tokens=80, reasoning_effort="none")
+    kw = dict(FORCED, tools=TOOLS, max_tokens=80)
     if not stream:
         out = client.chat.completions.create(**kw).choices[0]
         assert out.finish_reason == "tool_calls" and out.message.content is None
@@ -66,16 +94,9 @@ def test_a_named_function_is_forced_and_returned_as_its_call(no_tool_parser, str
         assert call.function.name == "plan_trip" and call.id
         _valid_trip(call.function.arguments)
         return
-    calls: dict[int, dict] = {}
-    finish = None
-    for chunk in client.chat.completions.create(**kw, stream=True):
-        delta = chunk.choices[0].delta
-        assert not delta.content
-        for part in delta.tool_calls or []:
-            call = calls.setdefault(part.index, {"name": part.function.name, "arguments": ""})
-            call["arguments"] += part.function.arguments or ""
-        finish = chunk.choices[0].finish_reason or finish
-    assert finish == "tool_calls" and [c["name"] for c in calls.values()] == ["plan_trip"]
+    content, calls, finish = streamed(client, **kw)
+    assert (content, finish) == ("", "tool_calls")
+    assert [c["name"] for c in calls.values()] == ["plan_trip"]
     _valid_trip(calls[0]["arguments"])
 
 
@@ -89,6 +110,57 @@ def test_required_gives_one_call_or_more_of_the_tools(no_tool_parser):
     json.loads(call.function.arguments)
 
 
+def test_a_forced_call_cut_by_max_tokens_keeps_its_arguments_as_generated(no_tool_parser,
+                                                                           qwen35_tokenizer):
+    """The reference is the raw output of a completion of the same prompt ids under the same
+    grammar, its token ids decoded by the tokenizer up to each cut: whatever follows
+    '"arguments": ' there, at cuts that fall inside the arguments."""
+    client, tok = no_tool_parser.client(), qwen35_tokenizer
+    ids = chat_prompt_ids(client, tok, **FORCED)
+    grammar = hermes(TOOLS[:1], "plan_trip", False, token_literal(tok))
+    raw = client.completions.create(model=None, prompt=ids, max_tokens=80, temperature=0,
+                                    logprobs=0, extra_body={"structured_outputs": {"grammar": grammar},
+                                                            "return_tokens_as_token_ids": True})
+    out_ids = [int(t.removeprefix("token_id:")) for t in raw.choices[0].logprobs.tokens]
+    partial = {}  # cut -> the arguments as generated up to it
+    for n in range(1, len(out_ids)):
+        _, found, arguments = tok.decode(out_ids[:n]).partition(ARGS_AT)
+        if not found:
+            continue
+        try:
+            json.JSONDecoder().raw_decode(arguments)  # past the arguments
+        except json.JSONDecodeError:
+            partial[n] = arguments
+    cuts = sorted(partial)
+    assert len(cuts) >= 5
+    for n in cuts[:: len(cuts) // 4]:
+        out = client.chat.completions.create(**FORCED, max_tokens=n).choices[0]
+        assert out.finish_reason == "length"
+        assert [(c.function.name, c.function.arguments) for c in out.message.tool_calls] == [
+            ("plan_trip", partial[n])]
+    for n in (cuts[0], cuts[-1]):
+        content, calls, finish = streamed(client, **FORCED, max_tokens=n)
+        assert (content, finish) == ("", "length")
+        assert calls == {0: {"name": "plan_trip", "arguments": partial[n]}}
+
+
+def test_a_json_answer_cut_by_max_tokens_is_its_partial_text(no_tool_parser, qwen35_tokenizer):
+    client, tok = no_tool_parser.client(), qwen35_tokenizer
+    kw = dict(model=None, messages=ASK, temperature=0, reasoning_effort="none",
+              response_format={"type": "json_schema",
+                               "json_schema": {"name": "trip", "schema": TRIP}})
+    ids = chat_prompt_ids(client, tok, **kw)
+    for n in (3, 7):
+        raw = client.completions.create(model=None, prompt=ids, max_tokens=n, temperature=0,
+                                        extra_body={"structured_outputs": {"json": TRIP}})
+        partial = raw.choices[0].text
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(partial)
+        out = client.chat.completions.create(**kw, max_tokens=n).choices[0]
+        assert (out.message.content, out.finish_reason) == (partial, "length")
+        assert streamed(client, **kw, max_tokens=n) == (partial, {}, "length")
+
+
 class Trip(BaseModel):
     """A trip to plan."""
 
@@ -96,13 +168,31 @@ class Trip(BaseModel):
     days: int = Field(ge=1, le=7)
 
 
+def langchain_chat(server, max_tokens: int) -> langchain_openai.ChatOpenAI:
+    return langchain_openai.ChatOpenAI(base_url=f"{server.url}/v1", api_key="x",
+                                       model=server.client().models.list().data[0].id,
+                                       max_tokens=max_tokens, temperature=0, max_retries=0,
+                                       timeout=600, reasoning_effort="none")
+
+
 def test_langchain_function_calling_without_a_tool_parser(no_tool_parser):
-    llm = langchain_openai.ChatOpenAI(base_url=f"{no_tool_parser.url}/v1", api_key="x",
-                                      model=no_tool_parser.client().models.list().data[0].id,
-                                      max_tokens=60, temperature=0, max_retries=0, timeout=600,
-                                      reasoning_effort="none")
+    llm = langchain_chat(no_tool_parser, 60)
     out = llm.with_structured_output(Trip, method="function_calling").invoke("Plan a trip.")
     assert isinstance(out, Trip)
+
+
+def test_langchain_sees_a_cut_call_as_invalid_rather_than_an_empty_object(no_tool_parser):
+    """Cut inside the arguments, the call reaches LangChain as the invalid tool call it is:
+    nothing parsed, the partial arguments and the length finish in the raw message (an empty
+    object would have failed validation against Trip instead)."""
+    llm = langchain_chat(no_tool_parser, 20)
+    out = llm.with_structured_output(Trip, method="function_calling", include_raw=True).invoke(
+        "Plan a trip.")
+    raw = out["raw"]
+    assert out["parsed"] is None and raw.tool_calls == []
+    assert raw.response_metadata["finish_reason"] == "length"
+    [invalid] = raw.invalid_tool_calls
+    assert invalid["name"] == "Trip" and invalid["args"].startswith('{"city": ')
 
 
 @pytest.mark.parametrize("effort", ["low", "high"])

@@ -10,7 +10,7 @@ from freetoken.core import SamplingParams
 from freetoken.message import DetokenizeMsg, UserMsg
 from freetoken.models.registry import load_model
 from freetoken.scheduler.factory import build_scheduler
-from tests.model_fixtures import tiny_random_folder
+from tests.model_fixtures import drain, tiny_random_folder
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +104,31 @@ def test_scored_rows_per_step_are_bounded(tiny, monkeypatch):
     out = _run(scheduler, prompts)
     assert max(rows) == 8 and sum(rows) == 29 + 19
     _assert_as_alone(out, _alone(tiny, prompts), prompts)
+
+
+def test_scoring_from_a_label_scores_its_rows_alone_and_reuses_the_cached_prompt(tiny):
+    """Label scoring's requests (`prompt_logprobs_from` the label's first token): entries from
+    there on only, equal to scoring the whole prompt + label; a second label after the same
+    prompt takes the prompt from the prefix cache and makes no more scored rows than its
+    tokens."""
+    prompt = _prompts()[2]
+    labels = [[3000, 3001, 3002], [3000, 4000, 4001, 4002]]
+    whole = {uid: _run(build_scheduler(tiny, kv_slots=1024), {uid: prompt + label})[uid][0]
+             for uid, label in enumerate(labels)}
+    scheduler = build_scheduler(tiny, kv_slots=1024)
+    forward, rows = scheduler.engine.forward_batch, []
+
+    def counting(batch):
+        rows.append(sum(n for _, n in batch.prompt_rows))
+        return forward(batch)
+
+    scheduler.engine.forward_batch = counting
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2,
+                            prompt_logprobs_from=len(prompt))
+    for uid, label in enumerate(labels):
+        rows.clear()
+        first = drain(scheduler, {uid: (prompt + label, params)})[uid][0]
+        assert first.prompt_logprobs[: len(prompt)] == [None] * len(prompt)
+        assert first.prompt_logprobs[len(prompt):] == whole[uid].prompt_logprobs[len(prompt):]
+        assert sum(rows) == len(label)
+        assert first.cached_tokens == (0 if uid == 0 else len(prompt) - 1)

@@ -144,4 +144,4 @@ class HarmonyDetector(Detector):
         end = json_block_end(text, body_end, obj_end, close_at, close_len, markers, final)
         if end is None:
             return CallScan(PENDING, name, args)
-        return CallScan(DONE, name, args or "{}", end)
+        return CallScan(DONE, name, args or ("" if close_at < 0 else "{}"), end)

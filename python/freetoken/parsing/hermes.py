@@ -39,7 +39,9 @@ class HermesDetector(Detector):
             return CallScan(PENDING, name, args)
         if name is None:
             return CallScan(TEXT, consumed=end)
-        return CallScan(DONE, name, args or "{}", end)
+        # "{}" stands for a closed call's missing arguments; a call cut before them has none yet.
+        cut = close_at < 0 and scan.end is None
+        return CallScan(DONE, name, args or ("" if cut else "{}"), end)
 
     @staticmethod
     def _arguments(body: str, scan: ObjectScan, settled: bool) -> str:

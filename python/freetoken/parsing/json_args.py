@@ -36,6 +36,7 @@ class ObjectScan:
     open_key: str | None = None  # the member whose value is still arriving
     open_at: int = -1
     end: int | None = None  # just past the closing brace
+    after: int = 0  # just past the last complete member's value, or the opening brace
 
 
 def scan_object(text: str, i: int, final: bool) -> ObjectScan:
@@ -45,7 +46,7 @@ def scan_object(text: str, i: int, final: bool) -> ObjectScan:
     streaming ("12" of "123") is never taken early; when ``final`` (the text is all
     there will be) a value running up to the end counts too.
     """
-    scan = ObjectScan([])
+    scan = ObjectScan([], after=i + 1)
     pos = skip_ws(text, i + 1)
     if text.startswith("}", pos):
         scan.end = pos + 1
@@ -64,15 +65,15 @@ def scan_object(text: str, i: int, final: bool) -> ObjectScan:
             value, pos = _DECODER.raw_decode(text, start)
         except json.JSONDecodeError:
             return scan
-        pos = skip_ws(text, pos)
+        value_end, pos = pos, skip_ws(text, pos)
         if pos == len(text) and final:
             scan.members.append((key, value, start))
-            scan.open_key = None
+            scan.open_key, scan.after = None, value_end
             return scan
         if pos == len(text) or text[pos] not in ",}":
             return scan
         scan.members.append((key, value, start))
-        scan.open_key = None
+        scan.open_key, scan.after = None, value_end
         if text[pos] == "}":
             scan.end = pos + 1
             return scan
@@ -82,10 +83,18 @@ def scan_object(text: str, i: int, final: bool) -> ObjectScan:
 
 def args_json(text: str, start: int, final: bool) -> tuple[str, int | None]:
     """Stable prefix of the arguments JSON for the object at ``text[start]``, and
-    where that object ends (None while open)."""
-    scan = scan_object(text, start, final)
+    where that object ends (None while open).
+
+    An object cut short (``final`` and never closed) is left open as generated: its complete
+    members as streamed so far, then the text after them as it stands, so a client sees a
+    truncated call rather than a valid-looking smaller one. Its last value counts as complete
+    only once a ',' follows, as while streaming, so what was streamed stays a prefix.
+    """
+    scan = scan_object(text, start, False)
     members = [(k, v) for k, v, _ in scan.members]
-    return object_json(members, closed=scan.end is not None or final), scan.end
+    if scan.end is None and final:
+        return object_json(members) + text[scan.after :], None
+    return object_json(members, closed=scan.end is not None), scan.end
 
 
 def json_block_end(

@@ -283,21 +283,26 @@ class Scheduler:
             if req.grammar is not None and req.grammar.matcher is None:
                 held.append(self.waiting.popleft())  # still compiling: the next ones go on
                 continue
-            # A prompt scored for prompt logprobs is computed whole: a cached position has no
-            # logits, and recomputing it gives the exact ones (as vLLM). Its KV is still cached.
-            looked_up = self.cache is not None and req.prompt_logprobs is None \
+            # A prompt scored for prompt logprobs is computed from the position that scores its
+            # first scored token: a cached position has no logits, and recomputing it gives the
+            # exact ones (as vLLM). Its KV is still cached. (A match never takes the last id.)
+            scored, first = req.prompt_logprobs is not None, req.params.prompt_logprobs_from
+            reusable = req.all_ids if not scored else req.prompt_ids[:first] if first > 1 else []
+            looked_up = self.cache is not None and bool(reusable) \
                 and not pooling.needs_every_position(req.params)
             if looked_up:
                 # After a preemption the output so far is recomputed too; it may hit the cache.
-                req.slots, hit = self.cache.match(req.all_ids)
+                req.slots, hit = self.cache.match(reusable)
                 if not req.output_ids:  # reported on the first message only
                     req.cached_tokens = hit
+            if scored:  # entries from the first scored token; a readmitted request starts over
+                req.prompt_logprobs = [None] * first
             # +1: the KV of the token it samples, written by its first decode step.
             if not self._fits(need + req.num_pending + 1):
                 self._release(req)
                 break  # stays queued until running requests free their slots
             if looked_up:  # counted once admitted: a request that waits is looked up again
-                self.prefix_queries += len(req.all_ids)
+                self.prefix_queries += len(reusable)
                 self.prefix_hits += hit
             need += req.num_pending + 1
             self.waiting.popleft()
@@ -320,13 +325,19 @@ class Scheduler:
             size = min(left, budget)
             if self.states:
                 size = self.states.chunk_size(req.num_computed, size, left)
-            if req.prompt_logprobs is not None:
+            done = req.num_computed
+            # A chunk's scored rows start at its first token: one that reaches the first scored
+            # row stops before it, and the next starts there.
+            unscored = req.params.prompt_logprobs_from - 1 - done
+            scoring = req.prompt_logprobs is not None and unscored <= 0
+            if scoring:
                 # Each scored token is a vocabulary-wide logit row: bound how many one step makes.
                 if score_budget <= 0:
                     continue
                 size = min(size, score_budget)
                 score_budget -= size
-            done = req.num_computed
+            elif req.prompt_logprobs is not None:
+                size = min(size, unscored)
             chunk = req.all_ids[done : done + size]
             budget -= len(chunk)
             if self.states:
@@ -336,7 +347,7 @@ class Scheduler:
             new_ids.append(chunk)
             if req.num_pending == 0:
                 logit_reqs.append(req)
-            if req.prompt_logprobs is not None:
+            if scoring:
                 # Every chunk token but the prompt's last is followed by a prompt token.
                 scored = min(len(chunk), len(req.prompt_ids) - 1 - done)
                 if scored > 0:

@@ -8,13 +8,28 @@ from typing import Callable
 
 from fastapi import FastAPI, Request, Response
 
-from freetoken.serving import anthropic, chat, completion, embeddings, errors, metrics, rerank, responses
+from freetoken.serving import (
+    anthropic,
+    chat,
+    completion,
+    embeddings,
+    errors,
+    labels,
+    metrics,
+    rerank,
+    responses,
+)
 from freetoken.serving.client import FrontendManager
 from freetoken.serving.errors import AsciiJSONResponse, RequestError
 from freetoken.serving.handling import check_model
 from freetoken.serving.limits import Limits
 from freetoken.serving.playground import Playground
-from freetoken.serving.pooling_protocol import EmbeddingRequest, RerankRequest, ScoreRequest
+from freetoken.serving.pooling_protocol import (
+    EmbeddingRequest,
+    GenerativeScoringRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 from freetoken.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -112,6 +127,10 @@ def create_app(get_state: Callable[[], FrontendManager]):
     @app.post("/v1/score")
     async def score_route(req: ScoreRequest, request: Request):
         return await rerank.create_score(req, request, get_state(), limits.max_running_requests)
+
+    @app.post("/generative_scoring")
+    async def generative_scoring_route(req: GenerativeScoringRequest, request: Request):
+        return await labels.create_generative_scoring(req, request, get_state(), limits)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):

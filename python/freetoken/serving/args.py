@@ -33,6 +33,7 @@ class ServerArgs:
     shutdown_timeout: float = 30.0
     max_request_bytes: int = 32 * 1024 * 1024
     max_prompts_per_request: int = 1024
+    max_labels: int = 64
     state_snapshots: int = 32
     speculative_config: str | None = None
     tensor_parallel_size: int = 1
@@ -140,6 +141,9 @@ def build_parser(prog: str = "freetoken serve") -> argparse.ArgumentParser:
                    help="largest request body accepted; larger bodies get 413")
     p.add_argument("--max-prompts-per-request", type=int, default=1024,
                    help="most prompts one /v1/completions request may carry")
+    p.add_argument("--max-labels", type=int, default=64,
+                   help="most labels one request may score (/generative_scoring, completions' "
+                   "labels)")
     hub = p.add_argument_group("models by Hub name (huggingface_hub; HF_HOME, HF_HUB_CACHE, HF_TOKEN, "
                                "HF_HUB_OFFLINE, HF_ENDPOINT honoured)")
     hub.add_argument("--revision", help="branch, tag or commit of a Hub model (default: main)")
@@ -232,6 +236,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "freetoken serve") -> 
         shutdown_timeout=ns.shutdown_timeout,
         max_request_bytes=ns.max_request_bytes,
         max_prompts_per_request=ns.max_prompts_per_request,
+        max_labels=ns.max_labels,
         state_snapshots=ns.state_snapshots,
         speculative_config=ns.speculative_config,
         tensor_parallel_size=ns.tensor_parallel_size,

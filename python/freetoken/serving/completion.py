@@ -13,7 +13,7 @@ from fastapi.responses import StreamingResponse
 
 from freetoken.core import SamplingParams, TokenLogprob
 from freetoken.message import TokenizeMsg, UserReply
-from freetoken.serving import structured
+from freetoken.serving import labels, structured
 from freetoken.serving.errors import RequestError, error_body, error_from, reply_error
 from freetoken.serving.handling import (
     all_or_none,
@@ -96,15 +96,25 @@ async def create_completion(req: CompletionRequest, raw_request, state: EngineCl
         params = req.to_sampling_params(limits)
         found = req.structured_output
         await structured.check(state, params.structured, found.field if found else None)
-        choices, msgs = _completion_choices(state, req, req.prompts(limits), params)
+        prompts = req.prompts(limits)
+        if req.labels is not None:
+            label_set = await asyncio.to_thread(labels.label_set, state.tokenizer, req.labels,
+                                                limits, "labels")
+            prompt_ids = [p if isinstance(p, list) else await state.tokenize(
+                TokenizeMsg(0, p, None, add_special_tokens=req.add_special_tokens), "prompt")
+                for p in prompts]
+        choices, msgs = _completion_choices(state, req, prompts, params)
         # A request's prompts enter the engine a window at a time, so that one request with many
         # prompts does not queue ahead of every request that arrives after it.
         window = limits.max_running_requests
         streams = _choice_streams(state, msgs, asyncio.Semaphore(window))
         if req.stream:
             return await stream_completion_chunks(state, req, params, choices, streams, window)
-        await until_disconnected(raw_request, all_or_none(
-            [_drain(c, replies) for c, replies in zip(choices, streams)]))
+        work = [_drain(c, replies) for c, replies in zip(choices, streams)]
+        if req.labels is not None:
+            work.append(labels.score(state, prompt_ids, label_set, False, window))
+        results = await until_disconnected(raw_request, all_or_none(work))
+        label_scores = results[-1][0] if req.labels is not None else None  # usage not counted
     except RequestError as exc:
         return error_from(exc)
     texts = token_texts(state)
@@ -117,6 +127,8 @@ async def create_completion(req: CompletionRequest, raw_request, state: EngineCl
                                                   params.return_tokens_as_token_ids)[0]
         if params.prompt_logprobs is not None:
             out["prompt_logprobs"] = vllm_prompt_logprobs(c.prompt_entries or [], texts)
+        if label_scores is not None:
+            out["label_logprobs"] = labels.entries(label_set, label_scores[c.index // req.n])
         return out
 
     return {

@@ -17,6 +17,7 @@ class Limits:
     max_output_tokens: int | None = None
     return_tokens_as_token_ids: bool = False
     max_prompts_per_request: int = 1024
+    max_labels: int = 64
     max_running_requests: int = 64  # also how many prompts of one request run at once
 
     @classmethod

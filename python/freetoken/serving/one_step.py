@@ -1,5 +1,5 @@
-"""Requests that the engine answers in one step each (rerank, score, embeddings): all sent at
-once, a window of them at a time, each read to its end; the first error ends them all."""
+"""Requests that the engine answers in one step each (rerank, score, labels, embeddings): all
+sent at once, a window of them at a time, each read to its end; the first error ends them all."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ if TYPE_CHECKING:
 
 
 async def run_all(state: EngineClient, msgs: list[TokenizeMsg], window: int) -> list[UserReply]:
-    """Each message's replies merged into one: prompt tokens summed, logprobs and embedding
-    kept."""
+    """Each message's replies merged into one: prompt tokens summed, logprobs, prompt logprobs
+    and embedding kept."""
     gate = asyncio.Semaphore(window)
 
     async def one(msg: TokenizeMsg) -> UserReply:
@@ -30,6 +30,7 @@ async def run_all(state: EngineClient, msgs: list[TokenizeMsg], window: int) -> 
                 merged.cached_tokens = max(merged.cached_tokens, reply.cached_tokens)
                 merged.logprobs += [e for e in [*reply.logprobs, reply.stop_logprob] if e is not None]
                 merged.embedding = reply.embedding or merged.embedding
+                merged.prompt_logprobs = reply.prompt_logprobs or merged.prompt_logprobs
             return merged
 
     return await all_or_none([one(m) for m in msgs])

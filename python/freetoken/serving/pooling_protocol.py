@@ -1,14 +1,18 @@
-"""The pooling endpoints' requests: /rerank (Cohere / Jina), /score (vLLM) and /v1/embeddings
-(OpenAI). Pydantic at the edge, as protocol.py's: each request checks itself as it is parsed and
-refuses, naming the field, what it would otherwise have to ignore."""
+"""The scoring and pooling endpoints' requests: /rerank (Cohere / Jina), /score and
+/generative_scoring (vLLM) and /v1/embeddings (OpenAI). Pydantic at the edge, as protocol.py's:
+each request checks itself as it is parsed and refuses, naming the field, what it would
+otherwise have to ignore."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import StrictBool, StrictInt, StrictStr, model_validator
 
 from freetoken.serving.errors import RequestError
+from freetoken.serving.labels import LabelSet, label_set
+from freetoken.serving.limits import Limits
 from freetoken.serving.messages import OpenAIBaseModel
 
 # Fields that cannot change a score or an embedding.
@@ -75,6 +79,65 @@ class ScoreRequest(OpenAIBaseModel):
     def pairs(self) -> list[tuple[str, str]]:
         firsts, seconds = self._lists()
         return list(zip(firsts * len(seconds) if len(firsts) == 1 else firsts, seconds))
+
+
+@dataclass(frozen=True)
+class ScoringJob:
+    """A /generative_scoring request as the engine runs it."""
+
+    prompts: list[list[int]]
+    labels: LabelSet
+    apply_softmax: bool
+    length_normalize: bool
+
+
+class GenerativeScoringRequest(OpenAIBaseModel):
+    """vLLM's /generative_scoring: each item joined to the query (after it, or before it with
+    `item_first`) is a prompt, scored on `label_token_ids`; ours also takes `labels` of any
+    length (strings or id lists) and `length_normalize`."""
+
+    model: str | None = None
+    query: StrictStr | list[StrictInt]
+    items: list[StrictStr] | list[list[StrictInt]]
+    label_token_ids: list[StrictInt] | None = None
+    labels: list[StrictStr] | list[list[StrictInt]] | None = None
+    apply_softmax: StrictBool = True
+    item_first: StrictBool = False
+    add_special_tokens: StrictBool = True  # the query's; items never get them (vLLM's)
+    length_normalize: StrictBool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> GenerativeScoringRequest:
+        _refuse_unknown(self)
+        if not self.items:
+            raise RequestError("items must not be empty", param="items")
+        if (self.label_token_ids is None) == (self.labels is None):
+            raise RequestError("give exactly one of label_token_ids or labels", param="labels")
+        return self
+
+    def to_job(self, tokenizer, limits: Limits) -> ScoringJob:
+        """Tokenized and checked against the server (vocabulary, caps)."""
+        if len(self.items) > limits.max_prompts_per_request:
+            raise RequestError(f"A request may carry at most {limits.max_prompts_per_request} "
+                               f"items; this one has {len(self.items)}.", param="items")
+        query = self.query if isinstance(self.query, list) else tokenizer.encode(
+            self.query, add_special_tokens=self.add_special_tokens)
+        limits.check_ids(query, "query")
+        prompts = []
+        for item in self.items:
+            ids = item if isinstance(item, list) else tokenizer.encode(item,
+                                                                       add_special_tokens=False)
+            limits.check_ids(ids, "items")
+            prompt = ids + query if self.item_first else query + ids
+            if not prompt:
+                raise RequestError("A prompt (query and item) is empty", param="items")
+            prompts.append(prompt)
+        if self.labels is not None:
+            labels = label_set(tokenizer, list(self.labels), limits, "labels")
+        else:
+            labels = label_set(tokenizer, [[t] for t in self.label_token_ids], limits,
+                               "label_token_ids")
+        return ScoringJob(prompts, labels, self.apply_softmax, self.length_normalize)
 
 
 class EmbeddingRequest(OpenAIBaseModel):

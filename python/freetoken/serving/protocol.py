@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Literal
 
-from pydantic import Field, PrivateAttr, StrictBool, StrictInt, model_validator
+from pydantic import Field, PrivateAttr, StrictBool, StrictInt, StrictStr, model_validator
 
 from freetoken.core import SAMPLING_EPS, SamplingParams
 from freetoken.message import TokenizeMsg
@@ -287,6 +287,7 @@ class CompletionRequest(_SamplingRequest):
     echo: StrictBool = False
     suffix: str | None = None
     add_special_tokens: StrictBool = True  # a raw prompt gets the tokenizer's BOS etc.
+    labels: list[StrictStr] | list[TokenIds] | None = None  # ours: whole-label scores (labels.py)
 
     @property
     def echo_only(self) -> bool:
@@ -312,6 +313,8 @@ class CompletionRequest(_SamplingRequest):
             raise _refuse("prompt must be provided and non-empty", "prompt")
         if any(len(p) == 0 for p in self._prompts()):
             raise _refuse("prompt must not contain an empty prompt", "prompt")
+        if self.labels is not None and self.stream:
+            raise _refuse("labels are scored for a non-streamed completion only", "labels")
 
     def prompts(self, limits: Limits) -> list[str | list[int]]:
         """The prompts as strings or id lists, each checked against the vocabulary."""
