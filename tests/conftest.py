@@ -85,6 +85,12 @@ def tiny_smollm3_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama3_path() -> Path:
+    """LlamaForCausalLM (random, 2 layers) with the `llama3` rotary schedule, on the Harmony tokenizer."""
+    return bm.cached("tiny-llama3", bm.build_tiny_llama3)
+
+
+@pytest.fixture(scope="session")
 def tiny_gpt_oss_path() -> Path:
     """GptOssForCausalLM (random, 2 layers, window 8, 8 experts) on the Harmony tokenizer."""
     return bm.cached("tiny-gpt-oss", bm.build_tiny_gpt_oss)

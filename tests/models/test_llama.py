@@ -1,15 +1,17 @@
 """Our forward against transformers on the same weights (an independent implementation): the
 default model, tiny Qwen3 and Qwen2, and tiny Mistral (a sliding window on every layer, shorter
-than the prompts) and SmolLM3 (a layer without rotary embedding), those two also batched, after a
-prefix-cache hit, in prefill chunks, Mistral as the `llama` GGUF llama.cpp makes of it and SmolLM3
-in the decoder layer's C call."""
+than the prompts), SmolLM3 (a layer without rotary embedding) and Llama 3.1-style Llama (the
+`llama3` rotary schedule), those three also batched, after a prefix-cache hit, in prefill chunks,
+Mistral as the `llama` GGUF llama.cpp makes of it and SmolLM3 in the decoder layer's C call."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from freetoken.models.llama import LlamaForCausalLM, ModelConfig
-from freetoken.models.registry import load_model
+from freetoken.models.registry import load_model, model_folder
+from freetoken.paths import ModelNotFound
 from freetoken.scheduler.factory import build_scheduler
 from tests.model_fixtures import (HARMONY_TEXTS, assert_batch_matches_alone_and_reference,
                                   assert_harmony_cache_hit_and_chunks, assert_greedy_matches_hf,
@@ -39,9 +41,9 @@ def test_tiny_random_qwen2_matches_transformers():
     assert_greedy_matches_hf(loaded, PROMPTS)
 
 
-@pytest.fixture(scope="module", params=["tiny_mistral_path", "tiny_smollm3_path"])
+@pytest.fixture(scope="module", params=["tiny_mistral_path", "tiny_smollm3_path", "tiny_llama3_path"])
 def on_harmony(request):
-    """The tiny Mistral, then the tiny SmolLM3 (tests/fixtures/build_models.py)."""
+    """The tiny Mistral, SmolLM3 and Llama 3.1-style Llama (tests/fixtures/build_models.py)."""
     return load_model(request.getfixturevalue(request.param), dtype="float32", device="cpu")
 
 
@@ -73,6 +75,26 @@ def test_smollm3_layers_its_config_does_not_list_follow_transformers_defaults():
     assert cfg.sliding_layers == {i for i, t in enumerate(reference.layer_types) if t == "sliding_attention"}
 
 
+def test_llama31s_config_as_released_scales_the_rotary_frequencies():
+    """Llama 3.1's config.json (transformers 4's layout: `rope_scaling`, `rope_theta` beside it)
+    reads as the tiny Llama 3's (transformers 5's `rope_parameters`), whose frequencies the
+    schedule changes: kept, blended and divided by the factor."""
+    from transformers import LlamaConfig
+
+    from freetoken.models.layers.rotary import rope_frequencies
+
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    fields = dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_hidden_layers=1,
+                  max_position_embeddings=2048)
+    released = ModelConfig.from_hf({**fields, "rope_theta": 10000.0, "rope_scaling": {"rope_type": "llama3", **scaling}})
+    current = LlamaConfig(**fields, rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, **scaling})
+    assert released == ModelConfig.from_hf(current.to_dict())
+    scaled, _ = rope_frequencies(16, 10000.0, released.rope_scaling, torch.device("cpu"))
+    plain, _ = rope_frequencies(16, 10000.0, None, torch.device("cpu"))
+    ratio = (plain / scaled).tolist()
+    assert ratio[0] == 1 and 1 < ratio[1] < ratio[2] < 8 and ratio[3:] == [8] * 5
+
+
 def test_batch_of_8_matches_transformers_and_each_alone(on_harmony):
     assert_batch_matches_alone_and_reference(on_harmony, HARMONY_TEXTS)
 
@@ -96,6 +118,16 @@ def test_mistrals_llama_gguf_loads_as_its_hf_folder():
             for loaded in (from_gguf, from_folder)]
     assert_same_run(*runs, tol=1e-6)
     assert_matches_reference(built / "hf", prompt, runs[1])
+
+
+def test_a_llama3_gguf_is_refused_by_its_schedule():
+    """llama.cpp writes Llama 3.1's schedule as a rope_freqs tensor, which transformers' GGUF parse
+    leaves out of the config: read so, it would turn q and k by the default schedule."""
+    from tests.fixtures import build_models as bm
+
+    gguf = bm.cached("tiny-llama3-gguf", bm.build_llama3_gguf) / "model.gguf"
+    with pytest.raises(ModelNotFound, match="^model.gguf: its rotary frequencies are scaled .*llama3 schedule"):
+        model_folder(gguf)
 
 
 def test_smollm3_with_every_layer_in_the_c_call_matches_transformers(tiny_smollm3_path, monkeypatch):

@@ -46,7 +46,8 @@ def test_an_unknown_architecture_names_the_served_ones_but_not_the_test_model():
 
 
 @pytest.mark.parametrize(("arch", "fields", "named"), [
-    ("LlamaForCausalLM", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "rope_type 'llama3'"),
+    ("LlamaForCausalLM", {"rope_parameters": {"rope_type": "dynamic", "factor": 8.0}}, "rope_type 'dynamic'"),
+    ("Qwen3_5ForCausalLM", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "rope_type 'llama3'"),
     # as transformers 4 wrote it
     ("LlamaForCausalLM", {"rope_parameters": None, "rope_scaling": {"type": "longrope"}}, "rope_type 'longrope'"),
     ("Qwen3_5ForCausalLM", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),

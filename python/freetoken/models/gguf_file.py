@@ -70,6 +70,11 @@ def config_folder(gguf: Path, cache: Path, link: str) -> Path:
     if (cache / "config.json").is_file() and (cache / link).exists():
         return cache
     reader = open_gguf(gguf)
+    # transformers' parse gives such a file the default schedule: served so, it is another model.
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise ModelNotFound(f"{gguf.name}: its rotary frequencies are scaled (llama.cpp's rope_freqs tensor, "
+                            "Llama 3.1-3.3's llama3 schedule), which transformers' GGUF parse drops from the "
+                            "config; load the model's HF folder")
     from transformers import AutoConfig, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 

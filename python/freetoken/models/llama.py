@@ -5,8 +5,8 @@ softmax.
 Module names mirror transformers', except that q/k/v and gate/up projections are fused into one
 matmul each (`fuse_hf_weights` maps a transformers state dict). The families differ only in q/k/v
 bias (Qwen2) and per-head q/k RMSNorm (Qwen3). Sliding-window layers (Mistral's: all of them),
-layers without rotary embedding (SmolLM3's), YaRN and an o_proj bias are config fields too. The
-layers are models/layers/.
+layers without rotary embedding (SmolLM3's), a scaled rotary schedule (YaRN, Llama 3.1's) and an
+o_proj bias are config fields too. The layers are models/layers/.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from freetoken.models.layers.mlp import MLP
 from freetoken.models.layers.norm import RMSNorm
 from freetoken.models.layers.parts import RowParts
 from freetoken.models.layers.quantized import QuantizedLinear
-from freetoken.models.layers.rotary import Yarn, cos_sin
+from freetoken.models.layers.rotary import SCHEDULES, Llama3, Yarn, cos_sin
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class ModelConfig:
     attention_bias: bool
     qk_norm: bool
     o_proj_bias: bool = False
-    rope_yarn: Yarn | None = None
+    rope_scaling: Yarn | Llama3 | None = None  # None: the default schedule
     sliding_window: int | None = None  # keys a sliding layer's query sees, itself included
     sliding_layers: frozenset[int] = frozenset()
     unrotated_layers: frozenset[int] = frozenset()  # without rotary embedding (SmolLM3's NoPE layers)
@@ -58,6 +58,7 @@ class ModelConfig:
         """The fields transformers' config gives; `extra`: a subclass's own fields."""
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         rope = rope_parameters(cfg)  # its type one of the family's (registry.check_supported)
+        schedule = SCHEDULES.get(rope_type(rope))
         heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
         max_positions = cfg.get("max_position_embeddings", 4096)
         # Qwen configs keep a sliding_window value with use_sliding_window false.
@@ -87,7 +88,7 @@ class ModelConfig:
             attention_bias=bias,
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             o_proj_bias=bias and not qwen2,
-            rope_yarn=Yarn.from_hf(rope, max_positions) if rope_type(rope) == "yarn" else None,
+            rope_scaling=schedule and schedule.from_hf(rope, max_positions),
             sliding_window=window,
             sliding_layers=frozenset(i for i, t in enumerate(types) if window and t == "sliding_attention"),
             unrotated_layers=frozenset(i for i, r in enumerate(rotary) if not r),
@@ -204,7 +205,7 @@ class LlamaForCausalLM(CausalLM):
     def forward(self, batch: Batch, ctx: ForwardContext) -> torch.Tensor:
         x = self.model.embed_tokens(ctx.input_ids)
         cfg = self.cfg
-        cos, sin = cos_sin(ctx.positions, cfg.head_dim, cfg.rope_theta, cfg.rope_yarn, x.dtype)
+        cos, sin = cos_sin(ctx.positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, x.dtype)
         x, delta = self.model.run_layers(x, cos, sin, ctx)
         x.add_(delta)
         if ctx.hidden_rows is not None:

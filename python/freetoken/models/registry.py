@@ -33,7 +33,7 @@ class Family:
     cls: str
     tensor_parallel: str | None = None  # why tensor parallelism is refused; None: supported
     implements: frozenset[str] = frozenset()  # the QUIRKS its layers compute as transformers does
-    rope_types: tuple[str, ...] = ("default", "yarn")  # the rotary schedules it computes
+    rope_types: tuple[str, ...] = ("default", "yarn", "llama3")  # the rotary schedules it computes
     test_only: bool = False  # loadable, but not named among the architectures freetoken serves
 
 
