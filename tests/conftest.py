@@ -91,6 +91,12 @@ def tiny_llama3_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_granite_path() -> Path:
+    """GraniteForCausalLM (random, 2 layers, its four scales) on the Harmony tokenizer."""
+    return bm.cached("tiny-granite", bm.build_tiny_granite)
+
+
+@pytest.fixture(scope="session")
 def tiny_gpt_oss_path() -> Path:
     """GptOssForCausalLM (random, 2 layers, window 8, 8 experts) on the Harmony tokenizer."""
     return bm.cached("tiny-gpt-oss", bm.build_tiny_gpt_oss)

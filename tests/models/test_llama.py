@@ -41,9 +41,10 @@ def test_tiny_random_qwen2_matches_transformers():
     assert_greedy_matches_hf(loaded, PROMPTS)
 
 
-@pytest.fixture(scope="module", params=["tiny_mistral_path", "tiny_smollm3_path", "tiny_llama3_path"])
+@pytest.fixture(scope="module", params=["tiny_mistral_path", "tiny_smollm3_path", "tiny_llama3_path",
+                                        "tiny_granite_path"])
 def on_harmony(request):
-    """The tiny Mistral, SmolLM3 and Llama 3.1-style Llama (tests/fixtures/build_models.py)."""
+    """The tiny Mistral, SmolLM3, Llama 3.1-style Llama and Granite (tests/fixtures/build_models.py)."""
     return load_model(request.getfixturevalue(request.param), dtype="float32", device="cpu")
 
 
@@ -127,6 +128,16 @@ def test_a_llama3_gguf_is_refused_by_its_schedule():
 
     gguf = bm.cached("tiny-llama3-gguf", bm.build_llama3_gguf) / "model.gguf"
     with pytest.raises(ModelNotFound, match="^model.gguf: its rotary frequencies are scaled .*llama3 schedule"):
+        model_folder(gguf)
+
+
+def test_a_granite_gguf_is_refused_naming_its_architecture(tmp_path):
+    """transformers' GGUF parse knows no `granite` (llama.cpp's name for Granite 3.x): the file
+    is refused, not read as a llama without its scales."""
+    from tests.fixtures import build_models as bm
+
+    gguf = bm.build_config_only_gguf(tmp_path, "granite") / "model.gguf"
+    with pytest.raises(ModelNotFound, match="could not convert this GGUF architecture 'granite'"):
         model_folder(gguf)
 
 

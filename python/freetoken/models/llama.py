@@ -1,12 +1,13 @@
-"""Llama / Mistral / SmolLM3 / Qwen2 / Qwen3 decoder over the engine's KV pool, and the base of the
+"""Llama / Mistral / SmolLM3 / Granite / Qwen2 / Qwen3 decoder over the engine's KV pool, and the base of the
 families built on it (qwen3_moe.py, gpt_oss.py), which bring only their own MLP and attention
 softmax.
 
 Module names mirror transformers', except that q/k/v and gate/up projections are fused into one
 matmul each (`fuse_hf_weights` maps a transformers state dict). The families differ only in q/k/v
 bias (Qwen2) and per-head q/k RMSNorm (Qwen3). Sliding-window layers (Mistral's: all of them),
-layers without rotary embedding (SmolLM3's), a scaled rotary schedule (YaRN, Llama 3.1's) and an
-o_proj bias are config fields too. The layers are models/layers/.
+layers without rotary embedding (SmolLM3's), a scaled rotary schedule (YaRN, Llama 3.1's),
+Granite's scales (of the embeddings, the residual adds, the attention scores and the logits) and
+an o_proj bias are config fields too. The layers are models/layers/.
 """
 
 from __future__ import annotations
@@ -52,6 +53,12 @@ class ModelConfig:
     sliding_window: int | None = None  # keys a sliding layer's query sees, itself included
     sliding_layers: frozenset[int] = frozenset()
     unrotated_layers: frozenset[int] = frozenset()  # without rotary embedding (SmolLM3's NoPE layers)
+    # Granite's scales: of the embeddings, of what each attention and MLP adds to the residual
+    # stream, of the attention scores (None: 1 / sqrt(head_dim)), and the logits' divisor.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_scale: float | None = None
+    logits_scaling: float = 1.0
 
     @classmethod
     def from_hf(cls, cfg: dict, **extra) -> ModelConfig:
@@ -73,6 +80,7 @@ class ModelConfig:
         # Qwen2 and Qwen2-MoE bias q/k/v only (Qwen2-MoE's config says so as `qkv_bias`).
         qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         bias = cfg.get("attention_bias", cfg.get("qkv_bias", qwen2))
+        granite = arch == "GraniteForCausalLM"  # whose attention_multiplier defaults to 1
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -92,6 +100,10 @@ class ModelConfig:
             sliding_window=window,
             sliding_layers=frozenset(i for i, t in enumerate(types) if window and t == "sliding_attention"),
             unrotated_layers=frozenset(i for i, r in enumerate(rotary) if not r),
+            embedding_multiplier=cfg.get("embedding_multiplier", 1.0),
+            residual_multiplier=cfg.get("residual_multiplier", 1.0),
+            attention_scale=cfg.get("attention_multiplier", 1.0 if granite else None),
+            logits_scaling=cfg.get("logits_scaling", 1.0),
             **extra,
         )
 
@@ -116,8 +128,13 @@ class DecoderLayer(nn.Module):
         if call is not None and (step := decoder_layer.step(ctx, x, cos, sin, call)) is not None:
             return x, call(x, delta, step, ctx.kv_cache[self.self_attn.layer])
         h = self.input_layernorm(x, delta)
-        h = self.post_attention_layernorm(x, self.self_attn(h, cos, sin, ctx))
-        return x, self.mlp(h)
+        h = self.post_attention_layernorm(x, self._residual(self.self_attn(h, cos, sin, ctx)))
+        return x, self._residual(self.mlp(h))
+
+    def _residual(self, delta: torch.Tensor) -> torch.Tensor:
+        """What the attention or the MLP adds to the residual stream (Granite's scaled)."""
+        multiplier = self.self_attn.cfg.residual_multiplier
+        return delta if multiplier == 1 else delta.mul_(multiplier)
 
     def prepared_call(self) -> decoder_layer.LayerCall | None:
         """This layer's one C call (made at the first ask), or None."""
@@ -145,7 +162,7 @@ class DecoderLayer(nn.Module):
         norms = (self.input_layernorm, self.post_attention_layernorm)
         norms += (attn.q_norm, attn.k_norm) if cfg.qk_norm else ()
         return decoder_layer.prepare(tuple(runs), norms, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                     attn.sliding, attn.rotary)
+                                     attn.sliding, attn.rotary, attn.scale, cfg.residual_multiplier)
 
 
 class Backbone(nn.Module):
@@ -205,6 +222,8 @@ class LlamaForCausalLM(CausalLM):
     def forward(self, batch: Batch, ctx: ForwardContext) -> torch.Tensor:
         x = self.model.embed_tokens(ctx.input_ids)
         cfg = self.cfg
+        if cfg.embedding_multiplier != 1:
+            x.mul_(cfg.embedding_multiplier)
         cos, sin = cos_sin(ctx.positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, x.dtype)
         x, delta = self.model.run_layers(x, cos, sin, ctx)
         x.add_(delta)
@@ -213,9 +232,11 @@ class LlamaForCausalLM(CausalLM):
         # Only rows with logits (sampling or prompt logprobs) need the norm and the LM head.
         x = self.model.norm(x.index_select(0, ctx.logit_rows))
         at = getattr(self.lm_head, "logits_at", None)  # None: a head of another kind
-        if ctx.logit_columns is not None and at is not None and (logits := at(x, ctx.logit_columns)) is not None:
-            return logits
-        return self.lm_head(x).float()
+        logits = at(x, ctx.logit_columns) if ctx.logit_columns is not None and at is not None else None
+        if logits is None:
+            logits = self.lm_head(x)
+        # In the head's dtype, as transformers divides them.
+        return (logits if cfg.logits_scaling == 1 else logits / cfg.logits_scaling).float()
 
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

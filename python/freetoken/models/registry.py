@@ -47,6 +47,8 @@ ARCHITECTURES = {
     "LlamaForCausalLM": Family("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": Family("llama", "LlamaForCausalLM", implements=_WINDOWED),
     "SmolLM3ForCausalLM": Family("llama", "LlamaForCausalLM", implements=_WINDOWED | {"no_rope_layers"}),
+    "GraniteForCausalLM": Family("llama", "LlamaForCausalLM", implements=frozenset({
+        "embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"})),
     "Qwen2ForCausalLM": Family("llama", "LlamaForCausalLM", implements=_WINDOWED),
     "Qwen3ForCausalLM": Family("llama", "LlamaForCausalLM", implements=_WINDOWED),
     "Qwen3MoeForCausalLM": Family("qwen3_moe", "Qwen3MoeForCausalLM", implements=_WINDOWED),

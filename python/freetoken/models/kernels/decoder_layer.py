@@ -17,7 +17,6 @@ cache off the CPU or of another dtype, or groups without key ranges.
 from __future__ import annotations
 
 import ctypes
-import math
 import os
 from functools import cache
 from pathlib import Path
@@ -49,7 +48,7 @@ class LinearArgs(ctypes.Structure):
 class LayerArgs(ctypes.Structure):
     _fields_ = [("qkv", LinearArgs), ("o", LinearArgs), ("gate_up", LinearArgs), ("down", LinearArgs),
                 ("input_norm", _PTR), ("post_norm", _PTR), ("q_norm", _PTR), ("k_norm", _PTR),
-                ("eps", _F32), ("post_eps", _F32), ("qk_eps", _F32), ("scale", _F32),
+                ("eps", _F32), ("post_eps", _F32), ("qk_eps", _F32), ("scale", _F32), ("residual", _F32),
                 ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64),
                 ("intermediate", _I64), ("sliding", _I64), ("rotary", _I64)]
 
@@ -166,10 +165,11 @@ def _linear(run, dtype: torch.dtype) -> tuple[LinearArgs, object] | None:
 
 
 def prepare(linears: tuple, norms: tuple, heads: int, kv_heads: int, head_dim: int,
-            sliding: bool, rotary: bool) -> LayerCall | None:
+            sliding: bool, rotary: bool, scale: float | None, residual: float) -> LayerCall | None:
     """A layer with projections `linears` (q/k/v, o, gate/up, down: see `_linear`) and RMSNorms
     `norms` (input, post-attention, then q's and k's, or not), q and k turned by the rotary
-    embedding or not, or None where the C layer cannot run it."""
+    embedding or not, its attention scores scaled by `scale` (pool_attention.softmax_scale), the
+    attention's and MLP's outputs by `residual`, or None where the C layer cannot run it."""
     weights = [n.weight for n in norms]
     dtype = weights[0].dtype
     if (dtype not in SUFFIX
@@ -190,7 +190,7 @@ def prepare(linears: tuple, norms: tuple, heads: int, kv_heads: int, head_dim: i
     args = LayerArgs(qkv, o, gate_up, down, weights[0].data_ptr(), weights[1].data_ptr(),
                      *(None if w is None else w.data_ptr() for w in qk),
                      norms[0].eps, norms[1].eps, norms[2].eps if len(norms) == 4 else 0.0,
-                     1.0 / math.sqrt(head_dim), hidden, heads, kv_heads, head_dim, intermediate, sliding,
+                     pool_attention.softmax_scale(head_dim, scale), residual, hidden, heads, kv_heads, head_dim, intermediate, sliding,
                      rotary)
     return LayerCall(args, dtype, [made, weights])
 
