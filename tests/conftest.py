@@ -97,6 +97,12 @@ def tiny_granite_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_phi3_path() -> Path:
+    """Phi3ForCausalLM (random, 2 layers, fused projections, a window of 8) on the Harmony tokenizer."""
+    return bm.cached("tiny-phi3", bm.build_tiny_phi3)
+
+
+@pytest.fixture(scope="session")
 def tiny_gpt_oss_path() -> Path:
     """GptOssForCausalLM (random, 2 layers, window 8, 8 experts) on the Harmony tokenizer."""
     return bm.cached("tiny-gpt-oss", bm.build_tiny_gpt_oss)

@@ -42,9 +42,10 @@ def test_tiny_random_qwen2_matches_transformers():
 
 
 @pytest.fixture(scope="module", params=["tiny_mistral_path", "tiny_smollm3_path", "tiny_llama3_path",
-                                        "tiny_granite_path"])
+                                        "tiny_granite_path", "tiny_phi3_path"])
 def on_harmony(request):
-    """The tiny Mistral, SmolLM3, Llama 3.1-style Llama and Granite (tests/fixtures/build_models.py)."""
+    """The tiny Mistral, SmolLM3, Llama 3.1-style Llama, Granite and Phi-3
+    (tests/fixtures/build_models.py)."""
     return load_model(request.getfixturevalue(request.param), dtype="float32", device="cpu")
 
 
@@ -104,16 +105,20 @@ def test_prefix_hit_and_chunked_prefill_give_the_cold_result(on_harmony):
     assert_harmony_cache_hit_and_chunks(on_harmony)
 
 
-def test_mistrals_llama_gguf_loads_as_its_hf_folder():
-    """llama.cpp writes a Mistral as a `llama` GGUF (q/k rows permuted): read in place, it runs
-    as the HF folder does, which matches transformers' Mistral."""
+@pytest.mark.parametrize("name, builder, as_arch", [
+    ("tiny-mistral-gguf", "build_mistral_gguf", "LlamaForCausalLM"),
+    ("tiny-phi3-gguf", "build_phi3_gguf", "Phi3ForCausalLM")])
+def test_a_gguf_as_llama_cpp_writes_it_loads_as_its_hf_folder(name, builder, as_arch):
+    """llama.cpp writes a Mistral as a `llama` GGUF (q/k rows permuted; read in place) and a
+    Phi-3 as a `phi3` one (q/k/v and gate/up fused, its window a key transformers' parse leaves
+    out; converted by transformers): each runs as its HF folder does, which matches transformers."""
     from tests.fixtures import build_models as bm
 
-    built = bm.cached("tiny-mistral-gguf", bm.build_mistral_gguf)
+    built = bm.cached(name, getattr(bm, builder))
     from_gguf = load_model(built / "model.gguf", dtype="float32", device="cpu")
     from_folder = load_model(built / "hf", dtype="float32", device="cpu")
-    assert from_gguf.hf_config["architectures"] == ["LlamaForCausalLM"]
-    assert from_folder.hf_config["architectures"] == ["MistralForCausalLM"]
+    assert from_gguf.hf_config["architectures"] == [as_arch]
+    assert from_gguf.model.cfg.sliding_window == from_folder.model.cfg.sliding_window
     prompt = from_folder.tokenizer.encode(HARMONY_TEXTS[0])
     runs = [greedy_run(build_scheduler(loaded, kv_slots=256), {0: prompt}, steps=8)[0][0]
             for loaded in (from_gguf, from_folder)]
@@ -127,7 +132,7 @@ def test_a_llama3_gguf_is_refused_by_its_schedule():
     from tests.fixtures import build_models as bm
 
     gguf = bm.cached("tiny-llama3-gguf", bm.build_llama3_gguf) / "model.gguf"
-    with pytest.raises(ModelNotFound, match="^model.gguf: its rotary frequencies are scaled .*llama3 schedule"):
+    with pytest.raises(ModelNotFound, match="^model.gguf: its rotary frequencies are scaled .rope_freqs.weight: .*llama3 schedule"):
         model_folder(gguf)
 
 

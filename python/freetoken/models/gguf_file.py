@@ -71,9 +71,9 @@ def config_folder(gguf: Path, cache: Path, link: str) -> Path:
         return cache
     reader = open_gguf(gguf)
     # transformers' parse gives such a file the default schedule: served so, it is another model.
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise ModelNotFound(f"{gguf.name}: its rotary frequencies are scaled (llama.cpp's rope_freqs tensor, "
-                            "Llama 3.1-3.3's llama3 schedule), which transformers' GGUF parse drops from the "
+    if scaled := sorted(t.name for t in reader.tensors if t.name in SCALED_ROTARY):
+        raise ModelNotFound(f"{gguf.name}: its rotary frequencies are scaled ({', '.join(scaled)}: "
+                            f"{SCALED_ROTARY[scaled[0]]}), which transformers' GGUF parse drops from the "
                             "config; load the model's HF folder")
     from transformers import AutoConfig, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -108,6 +108,11 @@ def config_folder(gguf: Path, cache: Path, link: str) -> Path:
             raise
         shutil.rmtree(tmp, ignore_errors=True)
     return cache
+
+
+# The tensors llama.cpp writes a scaled rotary schedule as, per frequency, and the schedule.
+SCALED_ROTARY = {"rope_freqs.weight": "Llama 3.1-3.3's llama3 schedule",
+                 "rope_factors_long.weight": "Phi-3's longrope", "rope_factors_short.weight": "Phi-3's longrope"}
 
 
 # transformers (5.24) reads a gpt-oss file's `rope.scaling.*` fields as their key's length (a

@@ -1,9 +1,9 @@
-"""Llama / Mistral / SmolLM3 / Granite / Qwen2 / Qwen3 decoder over the engine's KV pool, and the base of the
+"""Llama / Mistral / SmolLM3 / Granite / Phi-3 / Qwen2 / Qwen3 decoder over the engine's KV pool, and the base of the
 families built on it (qwen3_moe.py, gpt_oss.py), which bring only their own MLP and attention
 softmax.
 
 Module names mirror transformers', except that q/k/v and gate/up projections are fused into one
-matmul each (`fuse_hf_weights` maps a transformers state dict). The families differ only in q/k/v
+matmul each (`fuse_hf_weights` maps a transformers state dict; Phi-3's stores them so). The families differ only in q/k/v
 bias (Qwen2) and per-head q/k RMSNorm (Qwen3). Sliding-window layers (Mistral's: all of them),
 layers without rotary embedding (SmolLM3's), a scaled rotary schedule (YaRN, Llama 3.1's),
 Granite's scales (of the embeddings, the residual adds, the attention scores and the logits) and

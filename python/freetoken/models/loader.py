@@ -60,12 +60,14 @@ def default_model_path() -> Path:
 # unless it happens to match (Qwen3-30B-A3B's 768 does, Qwen3-Coder-480B-A35B's 2560 does not).
 # Added to transformers' own table, which its loader reads while parsing the file once.
 # gpt-oss: transformers' table names its sliding window `sliding_window` (llama.cpp writes
-# `attention.sliding_window`) and leaves out the head width (64 released, not hidden / heads).
+# `attention.sliding_window`) and leaves out the head width (64 released, not hidden / heads);
+# phi3: it leaves out the window, which transformers' Phi-3 honours.
 GGUF_CONFIG_EXTRAS = {
     "qwen3_moe": {"expert_feed_forward_length": "moe_intermediate_size"},
     "qwen2_moe": {"expert_feed_forward_length": "moe_intermediate_size",
                   "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
     "gpt_oss": {"attention.sliding_window": "sliding_window", "attention.key_length": "head_dim"},
+    "phi3": {"attention.sliding_window": "sliding_window"},  # Phi-3-mini-4k's 2047
 }
 
 

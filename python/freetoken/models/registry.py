@@ -49,6 +49,10 @@ ARCHITECTURES = {
     "SmolLM3ForCausalLM": Family("llama", "LlamaForCausalLM", implements=_WINDOWED | {"no_rope_layers"}),
     "GraniteForCausalLM": Family("llama", "LlamaForCausalLM", implements=frozenset({
         "embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"})),
+    # Phi-3's checkpoint holds q/k/v and gate/up fused as our layers do: its names are ours.
+    "Phi3ForCausalLM": Family("llama", "LlamaForCausalLM", implements=_WINDOWED, rope_types=("default",),
+                              tensor_parallel="a tensor-parallel rank reads q/k/v and gate/up as separate "
+                              "tensors; Phi-3 stores them fused"),
     "Qwen2ForCausalLM": Family("llama", "LlamaForCausalLM", implements=_WINDOWED),
     "Qwen3ForCausalLM": Family("llama", "LlamaForCausalLM", implements=_WINDOWED),
     "Qwen3MoeForCausalLM": Family("qwen3_moe", "Qwen3MoeForCausalLM", implements=_WINDOWED),
