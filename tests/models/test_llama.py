@@ -1,10 +1,13 @@
 """Our forward against transformers on the same weights (an independent implementation): the
 default model, tiny Qwen3 and Qwen2, and tiny Mistral (a sliding window on every layer, shorter
-than the prompts), SmolLM3 (a layer without rotary embedding) and Llama 3.1-style Llama (the
-`llama3` rotary schedule), those three also batched, after a prefix-cache hit, in prefill chunks,
-Mistral as the `llama` GGUF llama.cpp makes of it and SmolLM3 in the decoder layer's C call."""
+than the prompts), SmolLM3 (a layer without rotary embedding), Llama 3.1-style Llama (the
+`llama3` rotary schedule), Granite (its four scales) and Phi-3 (fused projections, a window,
+longrope), those also batched, after a prefix-cache hit, in prefill chunks, Mistral and Phi-3 as
+the GGUFs llama.cpp makes of them and SmolLM3 in the decoder layer's C call."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -95,6 +98,27 @@ def test_llama31s_config_as_released_scales_the_rotary_frequencies():
     plain, _ = rope_frequencies(16, 10000.0, None, torch.device("cpu"))
     ratio = (plain / scaled).tolist()
     assert ratio[0] == 1 and 1 < ratio[1] < ratio[2] < 8 and ratio[3:] == [8] * 5
+
+
+def test_phi3s_longrope_is_served_within_its_original_context(tiny_phi3_path):
+    """Past its original context transformers recomputes a sequence on the long factors, which a
+    KV cache cannot: the tiny Phi-3.5's context is its original 128, on the short factors. Phi-3.5
+    mini's config.json as released (`rope_scaling`, the original context beside it) reads so too."""
+    from transformers import Phi3Config
+
+    from freetoken.config import native_context
+    from freetoken.models.layers.rotary import LongRope
+
+    loaded = load_model(tiny_phi3_path, dtype="float32", device="cpu")
+    assert loaded.max_model_len == 128 and loaded.model.cfg.rope_scaling.short_factor[-1] == 9.0
+    factors = {"short_factor": [1.0, 2.0], "long_factor": [3.0, 4.0]}
+    fields = dict(vocab_size=64, hidden_size=8, intermediate_size=16, num_attention_heads=2, num_hidden_layers=1,
+                  max_position_embeddings=131072, original_max_position_embeddings=4096, rms_norm_eps=1e-5)
+    released = {**fields, "rope_theta": 10000.0, "rope_scaling": {"type": "longrope", **factors}}
+    current = Phi3Config(**fields, rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, **factors}).to_dict()
+    assert ModelConfig.from_hf(released) == ModelConfig.from_hf(current)
+    assert ModelConfig.from_hf(released).rope_scaling == LongRope((1.0, 2.0), (1 + math.log(32) / math.log(4096)) ** 0.5)
+    assert native_context(released) == native_context(current) == 4096
 
 
 def test_batch_of_8_matches_transformers_and_each_alone(on_harmony):

@@ -49,9 +49,8 @@ def test_an_unknown_architecture_names_the_served_ones_but_not_the_test_model():
 @pytest.mark.parametrize(("arch", "fields", "named"), [
     ("LlamaForCausalLM", {"rope_parameters": {"rope_type": "dynamic", "factor": 8.0}}, "rope_type 'dynamic'"),
     ("Qwen3_5ForCausalLM", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "rope_type 'llama3'"),
-    # Phi-3.5-mini's; and a llama3 schedule, which its family computes for Llama, not for Phi-3
-    ("Phi3ForCausalLM", {"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0]}}, "rope_type 'longrope'"),
-    ("Phi3ForCausalLM", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "rope_type 'llama3'"),
+    # transformers' Phi-3 reads a yarn schedule as longrope
+    ("Phi3ForCausalLM", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
     # as transformers 4 wrote it
     ("LlamaForCausalLM", {"rope_parameters": None, "rope_scaling": {"type": "longrope"}}, "rope_type 'longrope'"),
     ("Qwen3_5ForCausalLM", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),

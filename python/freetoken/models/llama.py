@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from freetoken.config import rope_parameters, rope_type
+from freetoken.config import original_context, rope_parameters, rope_type
 from freetoken.core import Batch
 from freetoken.engine.forward_context import ForwardContext
 from freetoken.models.causal_lm import CausalLM
@@ -30,7 +30,7 @@ from freetoken.models.layers.mlp import MLP
 from freetoken.models.layers.norm import RMSNorm
 from freetoken.models.layers.parts import RowParts
 from freetoken.models.layers.quantized import QuantizedLinear
-from freetoken.models.layers.rotary import SCHEDULES, Llama3, Yarn, cos_sin
+from freetoken.models.layers.rotary import SCHEDULES, Llama3, LongRope, Yarn, cos_sin
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class ModelConfig:
     attention_bias: bool
     qk_norm: bool
     o_proj_bias: bool = False
-    rope_scaling: Yarn | Llama3 | None = None  # None: the default schedule
+    rope_scaling: Yarn | Llama3 | LongRope | None = None  # None: the default schedule
     sliding_window: int | None = None  # keys a sliding layer's query sees, itself included
     sliding_layers: frozenset[int] = frozenset()
     unrotated_layers: frozenset[int] = frozenset()  # without rotary embedding (SmolLM3's NoPE layers)
@@ -68,6 +68,8 @@ class ModelConfig:
         schedule = SCHEDULES.get(rope_type(rope))
         heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
         max_positions = cfg.get("max_position_embeddings", 4096)
+        if schedule:  # transformers' rule: Phi-3's original context beside the rope's wins
+            rope = {**rope, "original_max_position_embeddings": original_context(cfg)}
         # Qwen configs keep a sliding_window value with use_sliding_window false.
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         smollm3, interval = arch == "SmolLM3ForCausalLM", cfg.get("no_rope_layer_interval", 4)

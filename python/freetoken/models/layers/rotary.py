@@ -1,5 +1,6 @@
 """Rotary embedding: the frequencies (the default schedule, YaRN for gpt-oss and long-context
-Qwen releases, Llama 3.1's `llama3`), the angles' cos and sin, and the rotation of q and k.
+Qwen releases, Llama 3.1's `llama3`, Phi-3's `longrope`), the angles' cos and sin, and the
+rotation of q and k.
 
 YaRN blends, per frequency, the original angle (fast dimensions, extrapolated) with the angle
 divided by `factor` (slow dimensions, interpolated) along a linear ramp between the dimensions
@@ -10,6 +11,12 @@ transformers' `rope_type="yarn"` do.
 `llama3` divides the frequencies whose wavelength exceeds original / low_freq_factor by
 `factor`, keeps those shorter than original / high_freq_factor, and blends the two between, as
 transformers' `rope_type="llama3"` does, op for op (the same bits).
+
+`longrope` divides each frequency by its own factor and scales cos and sin by
+sqrt(1 + ln(factor) / ln(original)), factor the context over the original one. transformers
+takes the short factors while a sequence fits the original context and, once it outgrows it,
+recomputes the whole sequence with the long ones; a KV cache cannot, so the engine serves such
+a model within its original context (config.native_context), on the short factors.
 """
 
 from __future__ import annotations
@@ -90,8 +97,27 @@ class Llama3:
         return torch.where(medium, smoothed, scaled), 1.0
 
 
+@dataclass(frozen=True)
+class LongRope:
+    short_factor: tuple[float, ...]
+    attention_factor: float
+
+    @classmethod
+    def from_hf(cls, rope: dict, max_position_embeddings: int) -> LongRope:
+        original = rope["original_max_position_embeddings"]
+        factor = rope.get("factor") or max_position_embeddings / original
+        scale = rope.get("attention_factor")
+        if scale is None:
+            scale = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+        return cls(short_factor=tuple(rope["short_factor"]), attention_factor=scale)
+
+    def frequencies(self, dim: int, base: float, device: torch.device) -> tuple[torch.Tensor, float]:
+        factors = torch.tensor(self.short_factor, dtype=torch.float32, device=device)
+        return 1.0 / (factors * base ** _exponent(dim, device)), self.attention_factor
+
+
 # The scaled schedules, by the rope_type naming each (none: the default schedule).
-SCHEDULES = {"yarn": Yarn, "llama3": Llama3}
+SCHEDULES = {"yarn": Yarn, "llama3": Llama3, "longrope": LongRope}
 
 
 def _correction_dim(rotations: float, dim: int, base: float, context: int) -> float:
@@ -104,7 +130,7 @@ def _exponent(dim: int, device: torch.device) -> torch.Tensor:
 
 
 @cache  # every step asks for the same few; the tensor is only read
-def rope_frequencies(dim: int, base: float, scaling: Yarn | Llama3 | None,
+def rope_frequencies(dim: int, base: float, scaling: Yarn | Llama3 | LongRope | None,
                      device: torch.device) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [dim / 2] in fp32, and the factor cos and sin are scaled by."""
     if scaling is None:
@@ -112,7 +138,7 @@ def rope_frequencies(dim: int, base: float, scaling: Yarn | Llama3 | None,
     return scaling.frequencies(dim, base, device)
 
 
-def cos_sin(positions: torch.Tensor, dim: int, base: float, scaling: Yarn | Llama3 | None,
+def cos_sin(positions: torch.Tensor, dim: int, base: float, scaling: Yarn | Llama3 | LongRope | None,
             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [T, 1, dim] of the positions' angles (broadcast over heads), computed in fp32
     whatever `dtype`, as transformers computes them."""
