@@ -1,13 +1,14 @@
-"""Llama / Mistral / SmolLM3 / Granite / Phi-3 / Qwen2 / Qwen3 decoder over the engine's KV pool, and the base of the
-families built on it (qwen3_moe.py, gpt_oss.py), which bring only their own MLP and attention
-softmax.
+"""Llama / Mistral / SmolLM3 / Granite / Phi-3 / Qwen2 / Qwen3 decoder over the engine's KV pool,
+and the base of the families built on it (qwen3_moe.py, gpt_oss.py), which bring only their own
+MLP and attention softmax.
 
 Module names mirror transformers', except that q/k/v and gate/up projections are fused into one
-matmul each (`fuse_hf_weights` maps a transformers state dict; Phi-3's stores them so). The families differ only in q/k/v
-bias (Qwen2) and per-head q/k RMSNorm (Qwen3). Sliding-window layers (Mistral's: all of them),
-layers without rotary embedding (SmolLM3's), a scaled rotary schedule (YaRN, Llama 3.1's),
-Granite's scales (of the embeddings, the residual adds, the attention scores and the logits) and
-an o_proj bias are config fields too. The layers are models/layers/.
+matmul each (`fuse_hf_weights` maps a transformers state dict; Phi-3's stores them so). The
+families differ only in q/k/v bias (Qwen2) and per-head q/k RMSNorm (Qwen3). Sliding-window
+layers (Mistral's: all of them), layers without rotary embedding (SmolLM3's), a scaled rotary
+schedule (YaRN, Llama 3.1's, Phi-3's), Granite's scales (of the embeddings, the residual adds,
+the attention scores and the logits) and an o_proj bias are config fields too. The layers are
+models/layers/.
 """
 
 from __future__ import annotations
@@ -237,8 +238,9 @@ class LlamaForCausalLM(CausalLM):
         logits = at(x, ctx.logit_columns) if ctx.logit_columns is not None and at is not None else None
         if logits is None:
             logits = self.lm_head(x)
-        # In the head's dtype, as transformers divides them.
-        return (logits if cfg.logits_scaling == 1 else logits / cfg.logits_scaling).float()
+        if cfg.logits_scaling != 1:  # in the model's dtype, as transformers divides them
+            logits = logits.to(x.dtype) / cfg.logits_scaling
+        return logits.float()
 
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

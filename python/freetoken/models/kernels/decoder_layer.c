@@ -95,7 +95,7 @@ struct step {
     const int64_t *slots;                  /* every group's key slots, one list */
     const int64_t *ranges, *window_ranges; /* [T, 3] into `slots` (pool_attention.c) */
     const int64_t *groups;                 /* [1, 3] = (0, 0, T): the grouped kernel's one group */
-    float *x32, *y32;                      /* a bfloat16 layer's rows around the grouped kernel, and scaled */
+    float *x32, *y32;                      /* a bfloat16 layer's rows around the grouped kernel, or scaled by r */
     /* Scratch, [T, *] each: h, q/k/v, the queries and attention's rows in float32, attention's
      * rows in the model dtype (float32: the same buffer), gate/up, SwiGLU's; `delta` takes
      * o_proj's output (the layer's delta argument is added into x before), then the MLP's,

@@ -190,8 +190,8 @@ def prepare(linears: tuple, norms: tuple, heads: int, kv_heads: int, head_dim: i
     args = LayerArgs(qkv, o, gate_up, down, weights[0].data_ptr(), weights[1].data_ptr(),
                      *(None if w is None else w.data_ptr() for w in qk),
                      norms[0].eps, norms[1].eps, norms[2].eps if len(norms) == 4 else 0.0,
-                     pool_attention.softmax_scale(head_dim, scale), residual, hidden, heads, kv_heads, head_dim, intermediate, sliding,
-                     rotary)
+                     pool_attention.softmax_scale(head_dim, scale), residual, hidden, heads, kv_heads, head_dim,
+                     intermediate, sliding, rotary)
     return LayerCall(args, dtype, [made, weights])
 
 
