@@ -3,7 +3,8 @@ default model, tiny Qwen3 and Qwen2, and tiny Mistral (a sliding window on every
 than the prompts), SmolLM3 (a layer without rotary embedding), Llama 3.1-style Llama (the
 `llama3` rotary schedule), Granite (its four scales) and Phi-3 (fused projections, a window,
 longrope), those also batched, after a prefix-cache hit, in prefill chunks, Mistral and Phi-3 as
-the GGUFs llama.cpp makes of them and SmolLM3 in the decoder layer's C call."""
+the GGUFs llama.cpp makes of them, SmolLM3 and Phi-4-mini on the kernel of the decoder layer's C
+call."""
 
 from __future__ import annotations
 
@@ -102,8 +103,9 @@ def test_llama31s_config_as_released_scales_the_rotary_frequencies():
 
 def test_phi3s_longrope_is_served_within_its_original_context(tiny_phi3_path):
     """Past its original context transformers recomputes a sequence on the long factors, which a
-    KV cache cannot: the tiny Phi-3.5's context is its original 128, on the short factors. Phi-3.5
-    mini's config.json as released (`rope_scaling`, the original context beside it) reads so too."""
+    KV cache cannot: the tiny Phi-4-mini's context is its original 128, on the short factors, 12
+    of its 16 head dims turned. Phi-3.5-mini's config.json as released (`rope_scaling`, the
+    original context beside it) reads so too."""
     from transformers import Phi3Config
 
     from freetoken.config import native_context
@@ -111,6 +113,7 @@ def test_phi3s_longrope_is_served_within_its_original_context(tiny_phi3_path):
 
     loaded = load_model(tiny_phi3_path, dtype="float32", device="cpu")
     assert loaded.max_model_len == 128 and loaded.model.cfg.rope_scaling.short_factor[-1] == 9.0
+    assert loaded.model.cfg.rotary_dim == 12
     factors = {"short_factor": [1.0, 2.0], "long_factor": [3.0, 4.0]}
     fields = dict(vocab_size=64, hidden_size=8, intermediate_size=16, num_attention_heads=2, num_hidden_layers=1,
                   max_position_embeddings=131072, original_max_position_embeddings=4096, rms_norm_eps=1e-5)
@@ -170,15 +173,17 @@ def test_a_granite_gguf_is_refused_naming_its_architecture(tmp_path):
         model_folder(gguf)
 
 
-def test_smollm3_with_every_layer_in_the_c_call_matches_transformers(tiny_smollm3_path, monkeypatch):
-    """On the grouped kernel every layer, the unrotated one too, runs in decoder_layer.c's one
-    call a step (models/kernels/decoder_layer.py), where the machine has the C kernels."""
+@pytest.mark.parametrize("path", ["tiny_smollm3_path", "tiny_phi3_path"])
+def test_on_the_grouped_kernel_smollm3_and_phi4_mini_match_transformers(path, request, monkeypatch):
+    """On the grouped kernel every SmolLM3 layer, the unrotated one too, runs in decoder_layer.c's
+    one call a step (models/kernels/decoder_layer.py), where the machine has the C kernels;
+    Phi-4-mini's rotary on part of each head the C layer does not compute: its steps run in Python."""
     from freetoken.models.kernels import decoder_layer
 
     if decoder_layer.load() is None:
         pytest.skip("no C kernels on this machine")
     monkeypatch.setenv("FREETOKEN_LINEAR_KERNEL", "grouped")
-    on_grouped = load_model(tiny_smollm3_path, dtype="float32", device="cpu")
+    on_grouped = load_model(request.getfixturevalue(path), dtype="float32", device="cpu")
     monkeypatch.delenv("FREETOKEN_LINEAR_KERNEL")
     assert_batch_matches_alone_and_reference(on_grouped, HARMONY_TEXTS[:4])
     assert all(layer.one_call is not None for layer in on_grouped.model.model.layers)

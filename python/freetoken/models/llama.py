@@ -6,7 +6,7 @@ Module names mirror transformers', except that q/k/v and gate/up projections are
 matmul each (`fuse_hf_weights` maps a transformers state dict; Phi-3's stores them so). The
 families differ only in q/k/v bias (Qwen2) and per-head q/k RMSNorm (Qwen3). Sliding-window
 layers (Mistral's: all of them), layers without rotary embedding (SmolLM3's), a scaled rotary
-schedule (YaRN, Llama 3.1's, Phi-3's), Granite's scales (of the embeddings, the residual adds,
+schedule (YaRN, Llama 3.1's, Phi-3's), rotary on part of each head (Phi-4-mini's), Granite's scales (of the embeddings, the residual adds,
 the attention scores and the logits) and an o_proj bias are config fields too. The layers are
 models/layers/.
 """
@@ -43,6 +43,7 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    rotary_dim: int  # of a head's dims, those the rotary embedding turns (Phi-4-mini's: 3/4)
     rms_norm_eps: float
     rope_theta: float
     max_position_embeddings: int
@@ -68,6 +69,7 @@ class ModelConfig:
         rope = rope_parameters(cfg)  # its type one of the family's (registry.check_supported)
         schedule = SCHEDULES.get(rope_type(rope))
         heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         max_positions = cfg.get("max_position_embeddings", 4096)
         if schedule:  # transformers' rule: Phi-3's original context beside the rope's wins
             rope = {**rope, "original_max_position_embeddings": original_context(cfg)}
@@ -91,7 +93,8 @@ class ModelConfig:
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
+            rotary_dim=int(head_dim * rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
             max_position_embeddings=max_positions,
@@ -227,7 +230,7 @@ class LlamaForCausalLM(CausalLM):
         cfg = self.cfg
         if cfg.embedding_multiplier != 1:
             x.mul_(cfg.embedding_multiplier)
-        cos, sin = cos_sin(ctx.positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, x.dtype)
+        cos, sin = cos_sin(ctx.positions, cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, x.dtype)
         x, delta = self.model.run_layers(x, cos, sin, ctx)
         x.add_(delta)
         if ctx.hidden_rows is not None:

@@ -11,7 +11,8 @@ rest stays in Python.
 `prepare` makes a layer's fixed arguments once, `stack` a model's layers' (one call runs them
 all); `step` makes a step's once (kept on its ForwardContext) and returns None where the step
 cannot run so: FREETOKEN_LAYER_KERNEL=0 (the Python path, for tests and benchmarks), rows or
-cache off the CPU or of another dtype, or groups without key ranges.
+cache off the CPU or of another dtype, groups without key ranges, or rotary on part of each head
+(Phi-4-mini's).
 """
 
 from __future__ import annotations
@@ -210,6 +211,7 @@ def _make_step(ctx: ForwardContext, x: torch.Tensor, cos: torch.Tensor, sin: tor
     kv_cache, dtype = ctx.kv_cache[0], layer.dtype
     if (os.environ.get("FREETOKEN_LAYER_KERNEL") == "0" or x.dtype != dtype or x.device.type != "cpu"
             or x.dim() != 2 or not x.is_contiguous() or cos.dtype != dtype or not cos.is_contiguous()
+            or cos.shape[-1] != layer.args.head_dim
             or not sin.is_contiguous() or kv_cache.dtype != dtype or not pool_attention.usable(kv_cache)):
         return None
     tokens = x.shape[0]

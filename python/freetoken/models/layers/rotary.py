@@ -152,8 +152,12 @@ def cos_sin(positions: torch.Tensor, dim: int, base: float, scaling: Yarn | Llam
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., dim] turned by the angles of `cos_sin` (halves rotated, as transformers does): in
-    one pass on CPUs where models/kernels/grouped_gemm.c runs, with torch's bits."""
+    """x [..., dim] turned by the angles of `cos_sin` (halves rotated, as transformers does), its
+    first cos.shape[-1] dims only (partial rotary), the rest as they are: in one pass on CPUs
+    where models/kernels/grouped_gemm.c runs, with torch's bits."""
+    turned = cos.shape[-1]
+    if turned < x.shape[-1]:
+        return torch.cat([rotate(x[..., :turned], cos, sin), x[..., turned:]], dim=-1)
     if (lib := _kernel(x, cos, sin)) is not None:
         return rotate_kernel(lib, x, cos, sin)
     half = x.shape[-1] // 2
