@@ -99,7 +99,7 @@ def tiny_granite_path() -> Path:
 @pytest.fixture(scope="session")
 def tiny_phi3_path() -> Path:
     """Phi3ForCausalLM (random, 2 layers, fused projections, a window of 8, rotary on 3/4 of each
-    head, longrope over an original context of 128: Phi-4-mini's) on the Harmony tokenizer."""
+    head, longrope over an original context of 256: Phi-4-mini's) on the Harmony tokenizer."""
     return bm.cached("tiny-phi3", bm.build_tiny_phi3)
 
 

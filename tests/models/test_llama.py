@@ -103,7 +103,7 @@ def test_llama31s_config_as_released_scales_the_rotary_frequencies():
 
 def test_phi3s_longrope_is_served_within_its_original_context(tiny_phi3_path):
     """Past its original context transformers recomputes a sequence on the long factors, which a
-    KV cache cannot: the tiny Phi-4-mini's context is its original 128, on the short factors, 12
+    KV cache cannot: the tiny Phi-4-mini's context is its original 256, on the short factors, 12
     of its 16 head dims turned. Phi-3.5-mini's config.json as released (`rope_scaling`, the
     original context beside it) reads so too."""
     from transformers import Phi3Config
@@ -112,7 +112,7 @@ def test_phi3s_longrope_is_served_within_its_original_context(tiny_phi3_path):
     from freetoken.models.layers.rotary import LongRope
 
     loaded = load_model(tiny_phi3_path, dtype="float32", device="cpu")
-    assert loaded.max_model_len == 128 and loaded.model.cfg.rope_scaling.short_factor[-1] == 9.0
+    assert loaded.max_model_len == 256 and loaded.model.cfg.rope_scaling.short_factor[-1] == 9.0
     assert loaded.model.cfg.rotary_dim == 12
     factors = {"short_factor": [1.0, 2.0], "long_factor": [3.0, 4.0]}
     fields = dict(vocab_size=64, hidden_size=8, intermediate_size=16, num_attention_heads=2, num_hidden_layers=1,

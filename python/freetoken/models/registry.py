@@ -52,9 +52,7 @@ ARCHITECTURES = {
     # Phi-3's checkpoint holds q/k/v and gate/up fused as our layers do: its names are ours.
     # transformers' Phi-3 reads a `yarn` schedule as longrope: only its own two are computed.
     "Phi3ForCausalLM": Family("llama", "LlamaForCausalLM", implements=_WINDOWED | {"partial_rotary_factor"},
-                              rope_types=("default", "longrope"),
-                              tensor_parallel="a tensor-parallel rank reads q/k/v and gate/up as separate "
-                              "tensors; Phi-3 stores them fused"),
+                              rope_types=("default", "longrope")),
     "Qwen2ForCausalLM": Family("llama", "LlamaForCausalLM", implements=_WINDOWED),
     "Qwen3ForCausalLM": Family("llama", "LlamaForCausalLM", implements=_WINDOWED),
     "Qwen3MoeForCausalLM": Family("qwen3_moe", "Qwen3MoeForCausalLM", implements=_WINDOWED),
