@@ -1,10 +1,10 @@
 """Our forward against transformers on the same weights (an independent implementation): the
 default model, tiny Qwen3 and Qwen2, and tiny Mistral (a sliding window on every layer, shorter
 than the prompts), SmolLM3 (a layer without rotary embedding), Llama 3.1-style Llama (the
-`llama3` rotary schedule), Granite (its four scales) and Phi-3 (fused projections, a window,
-longrope), those also batched, after a prefix-cache hit, in prefill chunks, Mistral and Phi-3 as
-the GGUFs llama.cpp makes of them, SmolLM3 and Phi-4-mini on the kernel of the decoder layer's C
-call."""
+`llama3` rotary schedule), Granite (its four scales) and Phi-4-mini-style Phi-3 (fused
+projections, a window, partial rotary, longrope), those also batched, after a prefix-cache hit,
+in prefill chunks, Mistral and Phi-3 as the GGUFs llama.cpp makes of them, SmolLM3 and
+Phi-4-mini on the kernel of the decoder layer's C call."""
 
 from __future__ import annotations
 
@@ -159,7 +159,8 @@ def test_a_llama3_gguf_is_refused_by_its_schedule():
     from tests.fixtures import build_models as bm
 
     gguf = bm.cached("tiny-llama3-gguf", bm.build_llama3_gguf) / "model.gguf"
-    with pytest.raises(ModelNotFound, match="^model.gguf: its rotary frequencies are scaled .rope_freqs.weight: .*llama3 schedule"):
+    with pytest.raises(ModelNotFound, match=r"^model.gguf: its rotary frequencies are scaled \(rope_freqs.weight: "
+                                            ".*llama3 schedule"):
         model_folder(gguf)
 
 

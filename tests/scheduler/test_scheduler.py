@@ -91,16 +91,14 @@ def test_batched_greedy_equals_each_alone_bit_for_bit(kernel, dtype, gguf_weight
 @pytest.mark.parametrize("kernel,dtype,model", [("auto", "float32", None), ("auto", "bfloat16", None),
                                                 ("grouped", "bfloat16", None), ("amx", "bfloat16", None),
                                                 ("avx512_bf16", "bfloat16", None),
-                                                ("grouped", "bfloat16", "tiny-granite")])
-def test_label_scores_are_the_same_from_the_heads_label_columns_or_the_whole_head(kernel, dtype, model,
+                                                ("grouped", "bfloat16", "tiny_granite_path")])
+def test_label_scores_are_the_same_from_the_heads_label_columns_or_the_whole_head(kernel, dtype, model, request,
                                                                                   monkeypatch):
     """Scoring requests that allow two labels: in a step of such rows alone the LM head computes
     the labels' columns only (engine.MAX_LOGIT_COLUMNS); beside an unmasked request it computes
     every column. The same tokens and logprobs, bit for bit (float32: the default GGUF's head on
     its Q8_0 blocks; the tiny Granite's logits divided by its logits_scaling in bfloat16)."""
-    from tests.fixtures import build_models as bm
-
-    loaded = _loaded_on(kernel, dtype, folder=model and bm.cached(model, bm.build_tiny_granite))
+    loaded = _loaded_on(kernel, dtype, folder=model and request.getfixturevalue(model))
     encode = loaded.tokenizer.encode
     head, taken = loaded.model.lm_head, []
     at = head.logits_at
