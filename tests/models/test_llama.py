@@ -3,7 +3,7 @@ default model, tiny Qwen3 and Qwen2, and tiny Mistral (a sliding window on every
 than the prompts), SmolLM3 (a layer without rotary embedding), Llama 3.1-style Llama (the
 `llama3` rotary schedule), Granite (its four scales) and Phi-4-mini-style Phi-3 (fused
 projections, a window, partial rotary, longrope), those also batched, after a prefix-cache hit,
-in prefill chunks, Mistral and Phi-3 as the GGUFs llama.cpp makes of them, SmolLM3 and
+in prefill chunks, Mistral, Llama 3 and Phi-3 as the GGUFs llama.cpp makes of them, SmolLM3 and
 Phi-4-mini on the kernel of the decoder layer's C call."""
 
 from __future__ import annotations
@@ -134,9 +134,11 @@ def test_prefix_hit_and_chunked_prefill_give_the_cold_result(on_harmony):
 
 @pytest.mark.parametrize("name, builder, as_arch", [
     ("tiny-mistral-gguf", "build_mistral_gguf", "LlamaForCausalLM"),
+    ("tiny-llama3-gguf", "build_llama3_gguf", "LlamaForCausalLM"),
     ("tiny-phi3-gguf", "build_phi3_gguf", "Phi3ForCausalLM")])
 def test_a_gguf_as_llama_cpp_writes_it_loads_as_its_hf_folder(name, builder, as_arch):
-    """llama.cpp writes a Mistral as a `llama` GGUF (q/k rows permuted; read in place) and a
+    """llama.cpp writes a Mistral as a `llama` GGUF (q/k rows permuted; read in place), a Llama
+    3.1 so with its schedule as a `rope_freqs` tensor (which transformers' parse drops) and a
     Phi-3 as a `phi3` one (q/k/v and gate/up fused, its window a key transformers' parse leaves
     out; converted by transformers): each runs as its HF folder does, which matches transformers."""
     from tests.fixtures import build_models as bm
@@ -153,14 +155,13 @@ def test_a_gguf_as_llama_cpp_writes_it_loads_as_its_hf_folder(name, builder, as_
     assert_matches_reference(built / "hf", prompt, runs[1])
 
 
-def test_a_llama3_gguf_is_refused_by_its_schedule():
-    """llama.cpp writes Llama 3.1's schedule as a rope_freqs tensor, which transformers' GGUF parse
-    leaves out of the config: read so, it would turn q and k by the default schedule."""
+def test_a_longrope_phi3_gguf_is_refused_by_its_schedule():
+    """llama.cpp writes longrope's factors as rope_factors_* tensors, which transformers' GGUF
+    parse leaves out of the config: converted so, it would turn q and k by the default schedule."""
     from tests.fixtures import build_models as bm
 
-    gguf = bm.cached("tiny-llama3-gguf", bm.build_llama3_gguf) / "model.gguf"
-    with pytest.raises(ModelNotFound, match=r"^model.gguf: its rotary frequencies are scaled \(rope_freqs.weight: "
-                                            ".*llama3 schedule"):
+    gguf = bm.cached("tiny-phi4-mini-gguf", bm.build_phi3_gguf, phi4_mini=True) / "model.gguf"
+    with pytest.raises(ModelNotFound, match=r"^model.gguf: its rotary frequencies are scaled \(rope_factors_long"):
         model_folder(gguf)
 
 

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -204,8 +205,10 @@ def build_gguf(model_class: type, gguf: Path, hf_config: dict, tokenizer, dtype:
     of `kv_slots` (and what the load copies for a moment) would not fit in the memory available.
     With `group`, that tensor-parallel rank's slices, quantized ones cut along whole blocks
     (models/layers/tensor_parallel.py)."""
-    from freetoken.models.gguf_file import experts_block, open_gguf, planned_bytes, read_tensors, working_bytes
+    from freetoken.models.gguf_file import (ROPE_FREQS, experts_block, open_gguf, planned_bytes, read_tensors,
+                                            working_bytes)
     from freetoken.models.huge_pages import place_in_huge_pages
+    from freetoken.models.layers.rotary import LongRope
     from freetoken.models.llama import FUSED
 
     with torch.device("meta"):
@@ -218,6 +221,10 @@ def build_gguf(model_class: type, gguf: Path, hf_config: dict, tokenizer, dtype:
     check_memory(gguf.name, sum(planned_bytes(reader, dtype, quantized).values()), kv,
                  working_bytes(reader, dtype, quantized))
     state = read_tensors(gguf, reader, cfg, hf_config.get("model_type") == "llama", quantized)
+    if (divisors := state.pop(ROPE_FREQS, None)) is not None:
+        # Llama 3.1's schedule as llama.cpp computes it, which transformers' parse of the config
+        # drops: each frequency divided by its factor, as longrope's are.
+        module.cfg = replace(module.cfg, rope_scaling=LongRope(tuple(divisors.tolist()), 1.0))
     if part is not None:
         state = _rank_state(gguf.name, state, part)
     elif in_parts:
