@@ -85,6 +85,25 @@ def tiny_smollm3_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama3_path() -> Path:
+    """LlamaForCausalLM (random, 2 layers) with the `llama3` rotary schedule, on the Harmony tokenizer."""
+    return bm.cached("tiny-llama3", bm.build_tiny_llama3)
+
+
+@pytest.fixture(scope="session")
+def tiny_granite_path() -> Path:
+    """GraniteForCausalLM (random, 2 layers, its four scales) on the Harmony tokenizer."""
+    return bm.cached("tiny-granite", bm.build_tiny_granite)
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_path() -> Path:
+    """Phi3ForCausalLM (random, 2 layers, fused projections, a window of 8, rotary on 3/4 of each
+    head, longrope over an original context of 256: Phi-4-mini's) on the Harmony tokenizer."""
+    return bm.cached("tiny-phi3", bm.build_tiny_phi3)
+
+
+@pytest.fixture(scope="session")
 def tiny_gpt_oss_path() -> Path:
     """GptOssForCausalLM (random, 2 layers, window 8, 8 experts) on the Harmony tokenizer."""
     return bm.cached("tiny-gpt-oss", bm.build_tiny_gpt_oss)

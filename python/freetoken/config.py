@@ -174,7 +174,21 @@ def text_config(hf_config: dict) -> dict:
 
 
 def native_context(hf_config: dict) -> int:
-    return text_config(hf_config).get("max_position_embeddings", 4096)
+    """The longest sequence served: the config's, or for `longrope` the original context, past
+    which transformers recomputes a sequence on other frequencies (models/layers/rotary.py)."""
+    cfg = text_config(hf_config)
+    if rope_type(rope_parameters(cfg)) == "longrope":
+        return original_context(cfg)
+    return cfg.get("max_position_embeddings", 4096)
+
+
+def original_context(hf_config: dict) -> int:
+    """The context a scaled rotary schedule was trained on, where transformers finds it: beside
+    the rotary parameters (Phi-3's), in them, else the config's context."""
+    cfg = text_config(hf_config)
+    return (cfg.get("original_max_position_embeddings")
+            or rope_parameters(cfg).get("original_max_position_embeddings")
+            or cfg.get("max_position_embeddings", 4096))
 
 
 def rope_parameters(hf_config: dict) -> dict:

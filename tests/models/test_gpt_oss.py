@@ -25,7 +25,7 @@ def loaded(tiny_gpt_oss_path):
 def test_config_has_a_window_shorter_than_the_prompts_and_yarn(loaded):
     cfg = loaded.model.cfg
     assert isinstance(loaded.model, GptOssForCausalLM)
-    assert cfg.sliding_layers == {0} and cfg.rope_yarn is not None and cfg.o_proj_bias
+    assert cfg.sliding_layers == {0} and cfg.rope_scaling is not None and cfg.o_proj_bias
     assert min(len(loaded.tokenizer.encode(t)) for t in HARMONY_TEXTS) > cfg.sliding_window
 
 

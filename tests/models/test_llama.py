@@ -1,15 +1,21 @@
 """Our forward against transformers on the same weights (an independent implementation): the
 default model, tiny Qwen3 and Qwen2, and tiny Mistral (a sliding window on every layer, shorter
-than the prompts) and SmolLM3 (a layer without rotary embedding), those two also batched, after a
-prefix-cache hit, in prefill chunks, Mistral as the `llama` GGUF llama.cpp makes of it and SmolLM3
-in the decoder layer's C call."""
+than the prompts), SmolLM3 (a layer without rotary embedding), Llama 3.1-style Llama (the
+`llama3` rotary schedule), Granite (its four scales) and Phi-4-mini-style Phi-3 (fused
+projections, a window, partial rotary, longrope), those also batched, after a prefix-cache hit,
+in prefill chunks, Mistral, Llama 3 and Phi-3 as the GGUFs llama.cpp makes of them, SmolLM3 and
+Phi-4-mini on the kernel of the decoder layer's C call."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch
 
 from freetoken.models.llama import LlamaForCausalLM, ModelConfig
-from freetoken.models.registry import load_model
+from freetoken.models.registry import load_model, model_folder
+from freetoken.paths import ModelNotFound
 from freetoken.scheduler.factory import build_scheduler
 from tests.model_fixtures import (HARMONY_TEXTS, assert_batch_matches_alone_and_reference,
                                   assert_harmony_cache_hit_and_chunks, assert_greedy_matches_hf,
@@ -39,9 +45,11 @@ def test_tiny_random_qwen2_matches_transformers():
     assert_greedy_matches_hf(loaded, PROMPTS)
 
 
-@pytest.fixture(scope="module", params=["tiny_mistral_path", "tiny_smollm3_path"])
+@pytest.fixture(scope="module", params=["tiny_mistral_path", "tiny_smollm3_path", "tiny_llama3_path",
+                                        "tiny_granite_path", "tiny_phi3_path"])
 def on_harmony(request):
-    """The tiny Mistral, then the tiny SmolLM3 (tests/fixtures/build_models.py)."""
+    """The tiny Mistral, SmolLM3, Llama 3.1-style Llama, Granite and Phi-3
+    (tests/fixtures/build_models.py)."""
     return load_model(request.getfixturevalue(request.param), dtype="float32", device="cpu")
 
 
@@ -73,6 +81,49 @@ def test_smollm3_layers_its_config_does_not_list_follow_transformers_defaults():
     assert cfg.sliding_layers == {i for i, t in enumerate(reference.layer_types) if t == "sliding_attention"}
 
 
+def test_llama31s_config_as_released_scales_the_rotary_frequencies():
+    """Llama 3.1's config.json (transformers 4's layout: `rope_scaling`, `rope_theta` beside it)
+    reads as the tiny Llama 3's (transformers 5's `rope_parameters`), whose frequencies the
+    schedule changes: kept, blended and divided by the factor."""
+    from transformers import LlamaConfig
+
+    from freetoken.models.layers.rotary import rope_frequencies
+
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    fields = dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_hidden_layers=1,
+                  max_position_embeddings=2048)
+    released = ModelConfig.from_hf({**fields, "rope_theta": 10000.0, "rope_scaling": {"rope_type": "llama3", **scaling}})
+    current = LlamaConfig(**fields, rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, **scaling})
+    assert released == ModelConfig.from_hf(current.to_dict())
+    scaled, _ = rope_frequencies(16, 10000.0, released.rope_scaling, torch.device("cpu"))
+    plain, _ = rope_frequencies(16, 10000.0, None, torch.device("cpu"))
+    ratio = (plain / scaled).tolist()
+    assert ratio[0] == 1 and 1 < ratio[1] < ratio[2] < 8 and ratio[3:] == [8] * 5
+
+
+def test_phi3s_longrope_is_served_within_its_original_context(tiny_phi3_path):
+    """Past its original context transformers recomputes a sequence on the long factors, which a
+    KV cache cannot: the tiny Phi-4-mini's context is its original 256, on the short factors, 12
+    of its 16 head dims turned. Phi-3.5-mini's config.json as released (`rope_scaling`, the
+    original context beside it) reads so too."""
+    from transformers import Phi3Config
+
+    from freetoken.config import native_context
+    from freetoken.models.layers.rotary import LongRope
+
+    loaded = load_model(tiny_phi3_path, dtype="float32", device="cpu")
+    assert loaded.max_model_len == 256 and loaded.model.cfg.rope_scaling.short_factor[-1] == 9.0
+    assert loaded.model.cfg.rotary_dim == 12
+    factors = {"short_factor": [1.0, 2.0], "long_factor": [3.0, 4.0]}
+    fields = dict(vocab_size=64, hidden_size=8, intermediate_size=16, num_attention_heads=2, num_hidden_layers=1,
+                  max_position_embeddings=131072, original_max_position_embeddings=4096, rms_norm_eps=1e-5)
+    released = {**fields, "rope_theta": 10000.0, "rope_scaling": {"type": "longrope", **factors}}
+    current = Phi3Config(**fields, rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, **factors}).to_dict()
+    assert ModelConfig.from_hf(released) == ModelConfig.from_hf(current)
+    assert ModelConfig.from_hf(released).rope_scaling == LongRope((1.0, 2.0), (1 + math.log(32) / math.log(4096)) ** 0.5)
+    assert native_context(released) == native_context(current) == 4096
+
+
 def test_batch_of_8_matches_transformers_and_each_alone(on_harmony):
     assert_batch_matches_alone_and_reference(on_harmony, HARMONY_TEXTS)
 
@@ -81,16 +132,22 @@ def test_prefix_hit_and_chunked_prefill_give_the_cold_result(on_harmony):
     assert_harmony_cache_hit_and_chunks(on_harmony)
 
 
-def test_mistrals_llama_gguf_loads_as_its_hf_folder():
-    """llama.cpp writes a Mistral as a `llama` GGUF (q/k rows permuted): read in place, it runs
-    as the HF folder does, which matches transformers' Mistral."""
+@pytest.mark.parametrize("name, builder, as_arch", [
+    ("tiny-mistral-gguf", "build_mistral_gguf", "LlamaForCausalLM"),
+    ("tiny-llama3-gguf", "build_llama3_gguf", "LlamaForCausalLM"),
+    ("tiny-phi3-gguf", "build_phi3_gguf", "Phi3ForCausalLM")])
+def test_a_gguf_as_llama_cpp_writes_it_loads_as_its_hf_folder(name, builder, as_arch):
+    """llama.cpp writes a Mistral as a `llama` GGUF (q/k rows permuted; read in place), a Llama
+    3.1 so with its schedule as a `rope_freqs` tensor (which transformers' parse drops) and a
+    Phi-3 as a `phi3` one (q/k/v and gate/up fused, its window a key transformers' parse leaves
+    out; converted by transformers): each runs as its HF folder does, which matches transformers."""
     from tests.fixtures import build_models as bm
 
-    built = bm.cached("tiny-mistral-gguf", bm.build_mistral_gguf)
+    built = bm.cached(name, getattr(bm, builder))
     from_gguf = load_model(built / "model.gguf", dtype="float32", device="cpu")
     from_folder = load_model(built / "hf", dtype="float32", device="cpu")
-    assert from_gguf.hf_config["architectures"] == ["LlamaForCausalLM"]
-    assert from_folder.hf_config["architectures"] == ["MistralForCausalLM"]
+    assert from_gguf.hf_config["architectures"] == [as_arch]
+    assert from_gguf.model.cfg.sliding_window == from_folder.model.cfg.sliding_window
     prompt = from_folder.tokenizer.encode(HARMONY_TEXTS[0])
     runs = [greedy_run(build_scheduler(loaded, kv_slots=256), {0: prompt}, steps=8)[0][0]
             for loaded in (from_gguf, from_folder)]
@@ -98,15 +155,37 @@ def test_mistrals_llama_gguf_loads_as_its_hf_folder():
     assert_matches_reference(built / "hf", prompt, runs[1])
 
 
-def test_smollm3_with_every_layer_in_the_c_call_matches_transformers(tiny_smollm3_path, monkeypatch):
-    """On the grouped kernel every layer, the unrotated one too, runs in decoder_layer.c's one
-    call a step (models/kernels/decoder_layer.py), where the machine has the C kernels."""
+def test_a_longrope_phi3_gguf_is_refused_by_its_schedule():
+    """llama.cpp writes longrope's factors as rope_factors_* tensors, which transformers' GGUF
+    parse leaves out of the config: converted so, it would turn q and k by the default schedule."""
+    from tests.fixtures import build_models as bm
+
+    gguf = bm.cached("tiny-phi4-mini-gguf", bm.build_phi3_gguf, phi4_mini=True) / "model.gguf"
+    with pytest.raises(ModelNotFound, match=r"^model.gguf: its rotary frequencies are scaled \(rope_factors_long"):
+        model_folder(gguf)
+
+
+def test_a_granite_gguf_is_refused_naming_its_architecture(tmp_path):
+    """transformers' GGUF parse knows no `granite` (llama.cpp's name for Granite 3.x): the file
+    is refused, not read as a llama without its scales."""
+    from tests.fixtures import build_models as bm
+
+    gguf = bm.build_config_only_gguf(tmp_path, "granite") / "model.gguf"
+    with pytest.raises(ModelNotFound, match="could not convert this GGUF architecture 'granite'"):
+        model_folder(gguf)
+
+
+@pytest.mark.parametrize("path", ["tiny_smollm3_path", "tiny_phi3_path"])
+def test_on_the_grouped_kernel_smollm3_and_phi4_mini_match_transformers(path, request, monkeypatch):
+    """On the grouped kernel every SmolLM3 layer, the unrotated one too, runs in decoder_layer.c's
+    one call a step (models/kernels/decoder_layer.py), where the machine has the C kernels;
+    Phi-4-mini's rotary on part of each head the C layer does not compute: its steps run in Python."""
     from freetoken.models.kernels import decoder_layer
 
     if decoder_layer.load() is None:
         pytest.skip("no C kernels on this machine")
     monkeypatch.setenv("FREETOKEN_LINEAR_KERNEL", "grouped")
-    on_grouped = load_model(tiny_smollm3_path, dtype="float32", device="cpu")
+    on_grouped = load_model(request.getfixturevalue(path), dtype="float32", device="cpu")
     monkeypatch.delenv("FREETOKEN_LINEAR_KERNEL")
     assert_batch_matches_alone_and_reference(on_grouped, HARMONY_TEXTS[:4])
     assert all(layer.one_call is not None for layer in on_grouped.model.model.layers)

@@ -12,6 +12,7 @@ from freetoken.paths import ModelNotFound
 # Each served architecture's transformers config (model_type).
 MODEL_TYPES = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "SmolLM3ForCausalLM": "smollm3",
+    "GraniteForCausalLM": "granite", "Phi3ForCausalLM": "phi3",
     "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2MoeForCausalLM": "qwen2_moe", "GptOssForCausalLM": "gpt_oss",
     "Qwen3_5ForCausalLM": "qwen3_5_text", "Qwen3_5ForConditionalGeneration": "qwen3_5",
@@ -46,7 +47,10 @@ def test_an_unknown_architecture_names_the_served_ones_but_not_the_test_model():
 
 
 @pytest.mark.parametrize(("arch", "fields", "named"), [
-    ("LlamaForCausalLM", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "rope_type 'llama3'"),
+    ("LlamaForCausalLM", {"rope_parameters": {"rope_type": "dynamic", "factor": 8.0}}, "rope_type 'dynamic'"),
+    ("Qwen3_5ForCausalLM", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "rope_type 'llama3'"),
+    # transformers' Phi-3 reads a yarn schedule as longrope
+    ("Phi3ForCausalLM", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
     # as transformers 4 wrote it
     ("LlamaForCausalLM", {"rope_parameters": None, "rope_scaling": {"type": "longrope"}}, "rope_type 'longrope'"),
     ("Qwen3_5ForCausalLM", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),

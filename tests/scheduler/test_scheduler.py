@@ -45,17 +45,17 @@ def _ids(prompt):
     return default_model().tokenizer.encode(prompt)
 
 
-def _loaded_on(kernel: str, dtype: str, gguf_weights: str | None = None):
-    """The default model (its blocks dequantized with `gguf_weights="float32"`) with every dense
-    linear on `kernel` (the probe still decides its row rule); skips where that kernel keeps no
-    rule on this CPU."""
-    if (kernel, dtype, gguf_weights) == ("auto", "float32", None):
+def _loaded_on(kernel: str, dtype: str, gguf_weights: str | None = None, folder=None):
+    """The default model (its blocks dequantized with `gguf_weights="float32"`), or `folder`'s,
+    with every dense linear on `kernel` (the probe still decides its row rule); skips where that
+    kernel keeps no rule on this CPU."""
+    if (kernel, dtype, gguf_weights, folder) == ("auto", "float32", None, None):
         loaded = default_model()
     else:
         with pytest.MonkeyPatch.context() as patch:
             if kernel != "auto":
                 patch.setenv("FREETOKEN_LINEAR_KERNEL", kernel)
-            loaded = load_model(default_folder(), dtype=dtype, device="cpu", gguf_weights=gguf_weights)
+            loaded = load_model(folder or default_folder(), dtype=dtype, device="cpu", gguf_weights=gguf_weights)
     plan = loaded.model.kernel_plan
     forced_elsewhere = kernel != "auto" and not all(v.startswith(kernel) for v in plan.kernels.values())
     if not plan.invariant or forced_elsewhere:
@@ -88,17 +88,22 @@ def test_batched_greedy_equals_each_alone_bit_for_bit(kernel, dtype, gguf_weight
             assert a.logprob == b.logprob and a.top_logprobs == b.top_logprobs
 
 
-@pytest.mark.parametrize("kernel,dtype", [("auto", "float32"), ("auto", "bfloat16"), ("grouped", "bfloat16"),
-                                          ("amx", "bfloat16"), ("avx512_bf16", "bfloat16")])
-def test_label_scores_are_the_same_from_the_heads_label_columns_or_the_whole_head(kernel, dtype, monkeypatch):
+@pytest.mark.parametrize("kernel,dtype,model", [("auto", "float32", None), ("auto", "bfloat16", None),
+                                                ("grouped", "bfloat16", None), ("amx", "bfloat16", None),
+                                                ("avx512_bf16", "bfloat16", None),
+                                                ("grouped", "bfloat16", "tiny_granite_path")])
+def test_label_scores_are_the_same_from_the_heads_label_columns_or_the_whole_head(kernel, dtype, model, request,
+                                                                                  monkeypatch):
     """Scoring requests that allow two labels: in a step of such rows alone the LM head computes
     the labels' columns only (engine.MAX_LOGIT_COLUMNS); beside an unmasked request it computes
     every column. The same tokens and logprobs, bit for bit (float32: the default GGUF's head on
-    its Q8_0 blocks)."""
-    loaded = _loaded_on(kernel, dtype)
+    its Q8_0 blocks; the tiny Granite's logits divided by its logits_scaling in bfloat16)."""
+    loaded = _loaded_on(kernel, dtype, folder=model and request.getfixturevalue(model))
+    encode = loaded.tokenizer.encode
     head, taken = loaded.model.lm_head, []
     at = head.logits_at
-    labels = [loaded.tokenizer.encode(t, add_special_tokens=False)[0] for t in (" Yes", " No")]
+    # Each label's last token: one in the default vocabulary, a split word's in the tiny Granite's.
+    labels = [encode(t, add_special_tokens=False)[-1] for t in (" Yes", " No")]
     if at(torch.zeros(1, head.in_features, dtype=getattr(torch, dtype)), labels) is None:
         pytest.skip(f"the head's kernel here computes whole heads only ({loaded.model.kernel_plan.kernels})")
     monkeypatch.setattr(head, "logits_at", lambda x, columns: taken.append(at(x, columns)) or taken[-1],
@@ -108,9 +113,9 @@ def test_label_scores_are_the_same_from_the_heads_label_columns_or_the_whole_hea
     for extra in (False, True):
         scheduler = build_scheduler(loaded, kv_slots=1024, prefix_cache=False)
         for uid, prompt in enumerate(PROMPTS[:4]):
-            scheduler.add(UserMsg(uid, _ids(prompt), scoring))
+            scheduler.add(UserMsg(uid, encode(prompt), scoring))
         if extra:
-            scheduler.add(UserMsg(99, _ids(PROMPTS[4]), _greedy(1)))
+            scheduler.add(UserMsg(99, encode(PROMPTS[4]), _greedy(1)))
         runs.append(_run(scheduler))
         if not extra:  # the first run took the labels' columns
             assert taken and all(logits is not None for logits in taken)

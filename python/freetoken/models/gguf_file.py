@@ -70,6 +70,11 @@ def config_folder(gguf: Path, cache: Path, link: str) -> Path:
     if (cache / "config.json").is_file() and (cache / link).exists():
         return cache
     reader = open_gguf(gguf)
+    # transformers' parse gives such a file the default schedule: served so, it is another model.
+    if scaled := sorted(t.name for t in reader.tensors if t.name in LONGROPE):
+        raise ModelNotFound(f"{gguf.name}: its rotary frequencies are scaled ({', '.join(scaled)}: Phi-3's "
+                            "longrope), which transformers' GGUF parse drops from the config; load the model's "
+                            "HF folder")
     from transformers import AutoConfig, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -103,6 +108,12 @@ def config_folder(gguf: Path, cache: Path, link: str) -> Path:
             raise
         shutil.rmtree(tmp, ignore_errors=True)
     return cache
+
+
+# llama.cpp writes a scaled rotary schedule as tensors of a factor per frequency: longrope's two
+# sets, and Llama 3.1-3.3's llama3 as the divisor of each (ROPE_FREQS, read into the model).
+LONGROPE = ("rope_factors_long.weight", "rope_factors_short.weight")
+ROPE_FREQS = "rope_freqs.weight"
 
 
 # transformers (5.24) reads a gpt-oss file's `rope.scaling.*` fields as their key's length (a
@@ -357,14 +368,18 @@ def _layer(name: str) -> str:
 def read_tensors(path: Path, reader: GGUFModel, cfg, permuted: bool,
                  quantized: bool) -> dict[str, torch.Tensor | QuantizedWeight]:
     """The file's tensors by HF name, each checked against `cfg`'s shapes (a ModelNotFound
-    naming the first that does not fit, or is missing); `permuted`: a llama's q/k rows are in
-    llama.cpp's order; `quantized`: block formats kept as stored where a kernel runs them,
-    else all dequantized (float32, as transformers' conversion gives them)."""
+    naming the first that does not fit, or is missing), and under ROPE_FREQS the frequencies'
+    divisors where the file has them; `permuted`: a llama's q/k rows are in llama.cpp's order;
+    `quantized`: block formats kept as stored where a kernel runs them, else all dequantized
+    (float32, as transformers' conversion gives them)."""
     arch = architecture(reader)
     expected = expected_shapes(cfg, arch)
     state: dict[str, torch.Tensor | QuantizedWeight] = {}
     widened: dict[str, list[str]] = {}
     for t in reader.tensors:
+        if t.name == ROPE_FREQS and t.tensor_type == GGMLQuantizationType.F32 and t.n_elements == cfg.rotary_dim // 2:
+            state[ROPE_FREQS] = _float(t, None)
+            continue
         name = hf_name(t.name, arch)
         shape = tuple(reversed([int(n) for n in t.shape]))
         if name is None or name not in expected:

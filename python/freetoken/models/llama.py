@@ -1,12 +1,14 @@
-"""Llama / Mistral / SmolLM3 / Qwen2 / Qwen3 decoder over the engine's KV pool, and the base of the
-families built on it (qwen3_moe.py, gpt_oss.py), which bring only their own MLP and attention
-softmax.
+"""Llama / Mistral / SmolLM3 / Granite / Phi-3 / Qwen2 / Qwen3 decoder over the engine's KV pool,
+and the base of the families built on it (qwen3_moe.py, gpt_oss.py), which bring only their own
+MLP and attention softmax.
 
 Module names mirror transformers', except that q/k/v and gate/up projections are fused into one
-matmul each (`fuse_hf_weights` maps a transformers state dict). The families differ only in q/k/v
-bias (Qwen2) and per-head q/k RMSNorm (Qwen3). Sliding-window layers (Mistral's: all of them),
-layers without rotary embedding (SmolLM3's), YaRN and an o_proj bias are config fields too. The
-layers are models/layers/.
+matmul each (`fuse_hf_weights` maps a transformers state dict; Phi-3's stores them so). The
+families differ only in q/k/v bias (Qwen2) and per-head q/k RMSNorm (Qwen3). Sliding-window
+layers (Mistral's: all of them), layers without rotary embedding (SmolLM3's), a scaled rotary
+schedule (YaRN, Llama 3.1's, Phi-3's), rotary on part of each head (Phi-4-mini's), Granite's scales (of the embeddings, the residual adds,
+the attention scores and the logits) and an o_proj bias are config fields too. The layers are
+models/layers/.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from freetoken.config import rope_parameters, rope_type
+from freetoken.config import original_context, rope_parameters, rope_type
 from freetoken.core import Batch
 from freetoken.engine.forward_context import ForwardContext
 from freetoken.models.causal_lm import CausalLM
@@ -29,7 +31,7 @@ from freetoken.models.layers.mlp import MLP
 from freetoken.models.layers.norm import RMSNorm
 from freetoken.models.layers.parts import RowParts
 from freetoken.models.layers.quantized import QuantizedLinear
-from freetoken.models.layers.rotary import Yarn, cos_sin
+from freetoken.models.layers.rotary import SCHEDULES, Llama3, LongRope, Yarn, cos_sin
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    rotary_dim: int  # of a head's dims, those the rotary embedding turns (Phi-4-mini's: 3/4)
     rms_norm_eps: float
     rope_theta: float
     max_position_embeddings: int
@@ -48,18 +51,28 @@ class ModelConfig:
     attention_bias: bool
     qk_norm: bool
     o_proj_bias: bool = False
-    rope_yarn: Yarn | None = None
+    rope_scaling: Yarn | Llama3 | LongRope | None = None  # None: the default schedule
     sliding_window: int | None = None  # keys a sliding layer's query sees, itself included
     sliding_layers: frozenset[int] = frozenset()
     unrotated_layers: frozenset[int] = frozenset()  # without rotary embedding (SmolLM3's NoPE layers)
+    # Granite's scales: of the embeddings, of what each attention and MLP adds to the residual
+    # stream, of the attention scores (None: 1 / sqrt(head_dim)), and the logits' divisor.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_scale: float | None = None
+    logits_scaling: float = 1.0
 
     @classmethod
     def from_hf(cls, cfg: dict, **extra) -> ModelConfig:
         """The fields transformers' config gives; `extra`: a subclass's own fields."""
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         rope = rope_parameters(cfg)  # its type one of the family's (registry.check_supported)
+        schedule = SCHEDULES.get(rope_type(rope))
         heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         max_positions = cfg.get("max_position_embeddings", 4096)
+        if schedule:  # transformers' rule: Phi-3's original context beside the rope's wins
+            rope = {**rope, "original_max_position_embeddings": original_context(cfg)}
         # Qwen configs keep a sliding_window value with use_sliding_window false.
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         smollm3, interval = arch == "SmolLM3ForCausalLM", cfg.get("no_rope_layer_interval", 4)
@@ -72,6 +85,7 @@ class ModelConfig:
         # Qwen2 and Qwen2-MoE bias q/k/v only (Qwen2-MoE's config says so as `qkv_bias`).
         qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         bias = cfg.get("attention_bias", cfg.get("qkv_bias", qwen2))
+        granite = arch == "GraniteForCausalLM"  # whose attention_multiplier defaults to 1
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -79,7 +93,8 @@ class ModelConfig:
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
+            rotary_dim=int(head_dim * rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
             max_position_embeddings=max_positions,
@@ -87,10 +102,14 @@ class ModelConfig:
             attention_bias=bias,
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             o_proj_bias=bias and not qwen2,
-            rope_yarn=Yarn.from_hf(rope, max_positions) if rope_type(rope) == "yarn" else None,
+            rope_scaling=schedule and schedule.from_hf(rope, max_positions),
             sliding_window=window,
             sliding_layers=frozenset(i for i, t in enumerate(types) if window and t == "sliding_attention"),
             unrotated_layers=frozenset(i for i, r in enumerate(rotary) if not r),
+            embedding_multiplier=cfg.get("embedding_multiplier", 1.0),
+            residual_multiplier=cfg.get("residual_multiplier", 1.0),
+            attention_scale=cfg.get("attention_multiplier", 1.0 if granite else None),
+            logits_scaling=cfg.get("logits_scaling", 1.0),
             **extra,
         )
 
@@ -115,8 +134,13 @@ class DecoderLayer(nn.Module):
         if call is not None and (step := decoder_layer.step(ctx, x, cos, sin, call)) is not None:
             return x, call(x, delta, step, ctx.kv_cache[self.self_attn.layer])
         h = self.input_layernorm(x, delta)
-        h = self.post_attention_layernorm(x, self.self_attn(h, cos, sin, ctx))
-        return x, self.mlp(h)
+        h = self.post_attention_layernorm(x, self._residual(self.self_attn(h, cos, sin, ctx)))
+        return x, self._residual(self.mlp(h))
+
+    def _residual(self, delta: torch.Tensor) -> torch.Tensor:
+        """What the attention or the MLP adds to the residual stream (Granite's scaled)."""
+        multiplier = self.self_attn.cfg.residual_multiplier
+        return delta if multiplier == 1 else delta.mul_(multiplier)
 
     def prepared_call(self) -> decoder_layer.LayerCall | None:
         """This layer's one C call (made at the first ask), or None."""
@@ -144,7 +168,7 @@ class DecoderLayer(nn.Module):
         norms = (self.input_layernorm, self.post_attention_layernorm)
         norms += (attn.q_norm, attn.k_norm) if cfg.qk_norm else ()
         return decoder_layer.prepare(tuple(runs), norms, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                     attn.sliding, attn.rotary)
+                                     attn.sliding, attn.rotary, attn.scale, cfg.residual_multiplier)
 
 
 class Backbone(nn.Module):
@@ -204,7 +228,9 @@ class LlamaForCausalLM(CausalLM):
     def forward(self, batch: Batch, ctx: ForwardContext) -> torch.Tensor:
         x = self.model.embed_tokens(ctx.input_ids)
         cfg = self.cfg
-        cos, sin = cos_sin(ctx.positions, cfg.head_dim, cfg.rope_theta, cfg.rope_yarn, x.dtype)
+        if cfg.embedding_multiplier != 1:
+            x.mul_(cfg.embedding_multiplier)
+        cos, sin = cos_sin(ctx.positions, cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, x.dtype)
         x, delta = self.model.run_layers(x, cos, sin, ctx)
         x.add_(delta)
         if ctx.hidden_rows is not None:
@@ -212,9 +238,12 @@ class LlamaForCausalLM(CausalLM):
         # Only rows with logits (sampling or prompt logprobs) need the norm and the LM head.
         x = self.model.norm(x.index_select(0, ctx.logit_rows))
         at = getattr(self.lm_head, "logits_at", None)  # None: a head of another kind
-        if ctx.logit_columns is not None and at is not None and (logits := at(x, ctx.logit_columns)) is not None:
-            return logits
-        return self.lm_head(x).float()
+        logits = at(x, ctx.logit_columns) if ctx.logit_columns is not None and at is not None else None
+        if logits is None:
+            logits = self.lm_head(x)
+        if cfg.logits_scaling != 1:  # in the model's dtype, as transformers divides them
+            logits = logits.to(x.dtype) / cfg.logits_scaling
+        return logits.float()
 
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -60,12 +61,14 @@ def default_model_path() -> Path:
 # unless it happens to match (Qwen3-30B-A3B's 768 does, Qwen3-Coder-480B-A35B's 2560 does not).
 # Added to transformers' own table, which its loader reads while parsing the file once.
 # gpt-oss: transformers' table names its sliding window `sliding_window` (llama.cpp writes
-# `attention.sliding_window`) and leaves out the head width (64 released, not hidden / heads).
+# `attention.sliding_window`) and leaves out the head width (64 released, not hidden / heads);
+# phi3: it leaves out the window, which transformers' Phi-3 honours.
 GGUF_CONFIG_EXTRAS = {
     "qwen3_moe": {"expert_feed_forward_length": "moe_intermediate_size"},
     "qwen2_moe": {"expert_feed_forward_length": "moe_intermediate_size",
                   "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
     "gpt_oss": {"attention.sliding_window": "sliding_window", "attention.key_length": "head_dim"},
+    "phi3": {"attention.sliding_window": "sliding_window"},  # Phi-3-mini-4k's 2047
 }
 
 
@@ -204,8 +207,10 @@ def build_gguf(model_class: type, gguf: Path, hf_config: dict, tokenizer, dtype:
     of `kv_slots` (and what the load copies for a moment) would not fit in the memory available.
     With `group`, that tensor-parallel rank's slices, quantized ones cut along whole blocks
     (models/layers/tensor_parallel.py)."""
-    from freetoken.models.gguf_file import experts_block, open_gguf, planned_bytes, read_tensors, working_bytes
+    from freetoken.models.gguf_file import (ROPE_FREQS, experts_block, open_gguf, planned_bytes, read_tensors,
+                                            working_bytes)
     from freetoken.models.huge_pages import place_in_huge_pages
+    from freetoken.models.layers.rotary import LongRope
     from freetoken.models.llama import FUSED
 
     with torch.device("meta"):
@@ -218,6 +223,10 @@ def build_gguf(model_class: type, gguf: Path, hf_config: dict, tokenizer, dtype:
     check_memory(gguf.name, sum(planned_bytes(reader, dtype, quantized).values()), kv,
                  working_bytes(reader, dtype, quantized))
     state = read_tensors(gguf, reader, cfg, hf_config.get("model_type") == "llama", quantized)
+    if (divisors := state.pop(ROPE_FREQS, None)) is not None:
+        # Llama 3.1's schedule as llama.cpp computes it, which transformers' parse of the config
+        # drops: each frequency divided by its factor, as longrope's are.
+        module.cfg = replace(module.cfg, rope_scaling=LongRope(tuple(divisors.tolist()), 1.0))
     if part is not None:
         state = _rank_state(gguf.name, state, part)
     elif in_parts:

@@ -34,7 +34,7 @@ class Family:
     cls: str
     tensor_parallel: str | None = None  # why tensor parallelism is refused; None: supported
     implements: frozenset[str] = frozenset()  # the QUIRKS its layers compute as transformers does
-    rope_types: tuple[str, ...] = ("default", "yarn")  # the rotary schedules it computes
+    rope_types: tuple[str, ...] = ("default", "yarn", "llama3")  # the rotary schedules it computes
     test_only: bool = False  # loadable, but not named among the architectures freetoken serves
 
 
@@ -48,6 +48,12 @@ ARCHITECTURES = {
     "LlamaForCausalLM": Family("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": Family("llama", "LlamaForCausalLM", implements=_WINDOWED),
     "SmolLM3ForCausalLM": Family("llama", "LlamaForCausalLM", implements=_WINDOWED | {"no_rope_layers"}),
+    "GraniteForCausalLM": Family("llama", "LlamaForCausalLM", implements=frozenset({
+        "embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"})),
+    # Phi-3's checkpoint holds q/k/v and gate/up fused as our layers do: its names are ours.
+    # transformers' Phi-3 reads a `yarn` schedule as longrope: only its own two are computed.
+    "Phi3ForCausalLM": Family("llama", "LlamaForCausalLM", implements=_WINDOWED | {"partial_rotary_factor"},
+                              rope_types=("default", "longrope")),
     "Qwen2ForCausalLM": Family("llama", "LlamaForCausalLM", implements=_WINDOWED),
     "Qwen3ForCausalLM": Family("llama", "LlamaForCausalLM", implements=_WINDOWED),
     "Qwen3MoeForCausalLM": Family("qwen3_moe", "Qwen3MoeForCausalLM", implements=_WINDOWED),

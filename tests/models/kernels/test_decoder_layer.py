@@ -2,7 +2,7 @@
 bits of the Python layer: logits and the KV pool, over a step that holds prompt and decoding rows
 together, on tiny quantized GGUFs (llama with a Python-path layer beside it, Qwen3's q/k norms,
 Qwen2's biases, a sliding-window layer, a layer without rotary embedding) and on tiny checkpoints with their linears on the grouped
-kernel (float32, bfloat16) and the bfloat16 units' (AMX, AVX512-BF16)."""
+kernel (float32, bfloat16; Granite's scaled attention and residual adds too) and the bfloat16 units' (AMX, AVX512-BF16)."""
 
 from __future__ import annotations
 
@@ -61,6 +61,8 @@ def test_a_layer_in_one_call_gives_the_python_layers_bits(arch, layer0, monkeypa
 
 @pytest.mark.parametrize("arch, dtype, kernel", [("qwen2", torch.float32, "grouped"),
                                                  ("qwen2", torch.bfloat16, "grouped"),
+                                                 ("granite", torch.float32, "grouped"),
+                                                 ("granite", torch.bfloat16, "grouped"),
                                                  ("qwen3", torch.bfloat16, "amx"),
                                                  ("qwen3", torch.bfloat16, "avx512_bf16")])
 def test_a_layer_on_our_dense_kernels_in_one_call_gives_the_python_layers_bits(arch, dtype, kernel,
@@ -68,7 +70,8 @@ def test_a_layer_on_our_dense_kernels_in_one_call_gives_the_python_layers_bits(a
     if kernel in bf16_linear.UNITS and not bf16_linear.available(kernel):
         pytest.skip(f"this CPU has no {kernel} unit")
     monkeypatch.setenv("FREETOKEN_LINEAR_KERNEL", kernel)
-    model = load_model(tiny_random_folder(arch), dtype=str(dtype).removeprefix("torch."), device="cpu").model
+    folder = bm.cached("tiny-granite", bm.build_tiny_granite) if arch == "granite" else tiny_random_folder(arch)
+    model = load_model(folder, dtype=str(dtype).removeprefix("torch."), device="cpu").model
     monkeypatch.delenv("FREETOKEN_LINEAR_KERNEL")
     assert_same_bits(model, dtype, monkeypatch, [True, True])
 

@@ -6,8 +6,8 @@
  *                                  a layer without rotary embedding: neither)
  *   cache[out_slots[t]] = (k, v) of row t, for every row
  *   attn = attention of each row over its keys (the step's merged key ranges)
- *   x += attn @ Wo^T; h = post_norm(x)
- *   delta = silu_mul(h @ Wgate_up^T) @ Wdown^T
+ *   x += r * (attn @ Wo^T); h = post_norm(x)     (r: Granite's residual multiplier, else 1)
+ *   delta = r * (silu_mul(h @ Wgate_up^T) @ Wdown^T)
  *
  * This file holds no kernel of its own: it runs the ones models/kernels/quant_gemm.c,
  * grouped_gemm.c and pool_attention.c export, through pointers models/kernels/decoder_layer.py
@@ -83,6 +83,7 @@ struct layer {
     struct linear qkv, o, gate_up, down;
     const void *input_norm, *post_norm, *q_norm, *k_norm; /* q_norm, k_norm: NULL without */
     float eps, post_eps, qk_eps, scale;
+    float residual; /* r above: 1 leaves the outputs as the projections give them */
     int64_t hidden, heads, kv_heads, head_dim, intermediate, sliding;
     int64_t rotary; /* 0: q and k are not turned (SmolLM3's NoPE layers; none has q/k norms) */
 };
@@ -94,7 +95,7 @@ struct step {
     const int64_t *slots;                  /* every group's key slots, one list */
     const int64_t *ranges, *window_ranges; /* [T, 3] into `slots` (pool_attention.c) */
     const int64_t *groups;                 /* [1, 3] = (0, 0, T): the grouped kernel's one group */
-    float *x32, *y32;                      /* a bfloat16 layer's rows around the grouped kernel */
+    float *x32, *y32;                      /* a bfloat16 layer's rows around the grouped kernel, or scaled by r */
     /* Scratch, [T, *] each: h, q/k/v, the queries and attention's rows in float32, attention's
      * rows in the model dtype (float32: the same buffer), gate/up, SwiGLU's; `delta` takes
      * o_proj's output (the layer's delta argument is added into x before), then the MLP's,
@@ -112,6 +113,19 @@ static void widen(const uint16_t *x, float *y, int64_t n) {
         const uint32_t bits = (uint32_t)x[i] << 16;
         memcpy(y + i, &bits, sizeof bits);
     }
+}
+
+/* y [n] of the model's dtype times r, as torch multiplies by a Python float: in float32 (a
+ * bfloat16 row widened into the step's x32 and rounded back). */
+static void scale(const struct kernels *k, const struct step *s, void *y, int64_t n, float r) {
+    if (s->bf16) {
+        widen(y, s->x32, n);
+        for (int64_t i = 0; i < n; i++)
+            s->x32[i] *= r;
+        k->round(s->x32, y, n);
+    } else
+        for (int64_t i = 0; i < n; i++)
+            ((float *)y)[i] *= r;
 }
 
 static void linear(const struct kernels *k, const struct linear *l, const struct step *s, const void *x, void *y) {
@@ -161,10 +175,14 @@ void decoder_layer(const struct kernels *k, const struct layer *l, const struct 
     if (s->bf16)
         k->round(s->attn32, s->attn, T * H * D);
     linear(k, &l->o, s, s->attn, s->delta);
+    if (l->residual != 1.0f)
+        scale(k, s, s->delta, T * hidden, l->residual);
     k->add_rms_norm(x, hidden, s->delta, hidden, l->post_norm, s->h, T, hidden, l->post_eps);
     linear(k, &l->gate_up, s, s->h, s->gate_up);
     k->silu_mul(s->gate_up, 2 * l->intermediate, s->act, T, l->intermediate);
     linear(k, &l->down, s, s->act, s->delta);
+    if (l->residual != 1.0f)
+        scale(k, s, s->delta, T * hidden, l->residual);
 }
 
 /* A step through layers[0..n) (each on its cache, caches[i]), one after the other: the call above,

@@ -11,13 +11,13 @@ rest stays in Python.
 `prepare` makes a layer's fixed arguments once, `stack` a model's layers' (one call runs them
 all); `step` makes a step's once (kept on its ForwardContext) and returns None where the step
 cannot run so: FREETOKEN_LAYER_KERNEL=0 (the Python path, for tests and benchmarks), rows or
-cache off the CPU or of another dtype, or groups without key ranges.
+cache off the CPU or of another dtype, groups without key ranges, or rotary on part of each head
+(Phi-4-mini's).
 """
 
 from __future__ import annotations
 
 import ctypes
-import math
 from functools import cache
 from pathlib import Path
 
@@ -49,7 +49,7 @@ class LinearArgs(ctypes.Structure):
 class LayerArgs(ctypes.Structure):
     _fields_ = [("qkv", LinearArgs), ("o", LinearArgs), ("gate_up", LinearArgs), ("down", LinearArgs),
                 ("input_norm", _PTR), ("post_norm", _PTR), ("q_norm", _PTR), ("k_norm", _PTR),
-                ("eps", _F32), ("post_eps", _F32), ("qk_eps", _F32), ("scale", _F32),
+                ("eps", _F32), ("post_eps", _F32), ("qk_eps", _F32), ("scale", _F32), ("residual", _F32),
                 ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64),
                 ("intermediate", _I64), ("sliding", _I64), ("rotary", _I64)]
 
@@ -166,11 +166,12 @@ def _linear(run, dtype: torch.dtype) -> tuple[LinearArgs, object] | None:
 
 
 def prepare(linears: tuple, norms: tuple, heads: int, kv_heads: int, head_dim: int,
-            sliding: bool, rotary: bool) -> LayerCall | None:
+            sliding: bool, rotary: bool, scale: float | None, residual: float) -> LayerCall | None:
     """A layer with projections `linears` (q/k/v, o, gate/up, down: see `_linear`) and RMSNorms
     `norms` (input, post-attention, then q's and k's, or not), q and k turned by the rotary
-    embedding or not, or None where the C layer cannot run it (or FREETOKEN_LAYER_KERNEL=0 asks
-    for the Python path: read once, as the layer is prepared, never in a step)."""
+    embedding or not, its attention scores scaled by `scale` (pool_attention.softmax_scale), the
+    attention's and MLP's outputs by `residual`, or None where the C layer cannot run it (or
+    FREETOKEN_LAYER_KERNEL=0 asks for the Python path: read once, as the layer is prepared)."""
     weights = [n.weight for n in norms]
     dtype = weights[0].dtype
     if (envs.LAYER_KERNEL.get() == "0" or dtype not in SUFFIX
@@ -191,8 +192,8 @@ def prepare(linears: tuple, norms: tuple, heads: int, kv_heads: int, head_dim: i
     args = LayerArgs(qkv, o, gate_up, down, weights[0].data_ptr(), weights[1].data_ptr(),
                      *(None if w is None else w.data_ptr() for w in qk),
                      norms[0].eps, norms[1].eps, norms[2].eps if len(norms) == 4 else 0.0,
-                     1.0 / math.sqrt(head_dim), hidden, heads, kv_heads, head_dim, intermediate, sliding,
-                     rotary)
+                     pool_attention.softmax_scale(head_dim, scale), residual, hidden, heads, kv_heads, head_dim,
+                     intermediate, sliding, rotary)
     return LayerCall(args, dtype, [made, weights])
 
 
@@ -211,6 +212,7 @@ def _make_step(ctx: ForwardContext, x: torch.Tensor, cos: torch.Tensor, sin: tor
     kv_cache, dtype = ctx.kv_cache[0], layer.dtype
     if (x.dtype != dtype or x.device.type != "cpu"
             or x.dim() != 2 or not x.is_contiguous() or cos.dtype != dtype or not cos.is_contiguous()
+            or cos.shape[-1] != layer.args.head_dim
             or not sin.is_contiguous() or kv_cache.dtype != dtype or not pool_attention.usable(kv_cache)):
         return None
     tokens = x.shape[0]

@@ -44,11 +44,17 @@ def usable(kv_cache: torch.Tensor) -> bool:
             and kv_cache.shape[-1] % 8 == 0 and kv_cache.is_contiguous() and load() is not None)
 
 
+def softmax_scale(dim: int, scale: float | None) -> float:
+    """The factor of the scores: `scale`, or 1 / sqrt(dim) where None (SDPA's default)."""
+    return 1.0 / math.sqrt(dim) if scale is None else scale
+
+
 def attend(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, ranges: torch.Tensor,
-           sinks: torch.Tensor | None = None) -> torch.Tensor:
+           sinks: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """Queries q [R, heads, D] over the cache (see `usable`): row r's keys are
     slots[first + j] for j in [lo, hi), ranges [R, 3] int64 = (first, lo, hi), slots int64.
-    `sinks`: float32 [heads] logits the softmax counts with no value, or None. Returns q's dtype."""
+    `sinks`: float32 [heads] logits the softmax counts with no value, or None; `scale`: see
+    `softmax_scale`. Returns q's dtype."""
     rows, heads, dim = q.shape
     q32 = q.float().contiguous()
     out = torch.empty(rows, heads, dim, dtype=torch.float32)
@@ -56,5 +62,5 @@ def attend(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, ranges:
     kernel = getattr(load(), f"pool_attention_{KERNELS[kv_cache.dtype]}")
     kernel(q32.data_ptr(), kv_cache.data_ptr(), slots.data_ptr(), ranges.data_ptr(),
            sinks.data_ptr() if sinks is not None else None, out.data_ptr(), rows, heads,
-           kv_cache.shape[1] // 2, dim, 1.0 / math.sqrt(dim))
+           kv_cache.shape[1] // 2, dim, softmax_scale(dim, scale))
     return out.to(q.dtype)

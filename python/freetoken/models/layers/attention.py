@@ -32,6 +32,7 @@ MIN_QUERY_ROWS = 4
 class Attention(nn.Module):
     sliding = False  # a sliding-window layer (subclasses with their own __init__ have none)
     rotary = True  # q and k turned by the rotary embedding (not in SmolLM3's NoPE layers)
+    scale: float | None = None  # of the scores; None: 1 / sqrt(head_dim) (Granite's is its own)
 
     def __init__(self, cfg, layer: int):
         """`cfg`: models/llama.py's ModelConfig, or a family's with its attention fields."""
@@ -42,6 +43,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(heads * d, h, bias=cfg.o_proj_bias)
         self.sliding = layer in cfg.sliding_layers
         self.rotary = layer not in cfg.unrotated_layers
+        self.scale = cfg.attention_scale
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -76,7 +78,7 @@ class Attention(nn.Module):
         if group.key_ranges is not None and pool_attention.usable(kv_cache):
             ranges = group.window_key_ranges if self.sliding else group.key_ranges
             return pool_attention.attend(q.index_select(0, group.out_rows), kv_cache, group.kv_slots,
-                                         ranges, self._sink_logits())
+                                         ranges, self._sink_logits(), self.scale)
         cfg, kvh = self.cfg, self.cfg.num_kv_heads
         b, _, length = group.shape
         # index_select, not kv_cache[slots]: advanced indexing copies several times slower.
@@ -90,7 +92,7 @@ class Attention(nn.Module):
     def _decode(self, q, kv_cache, group: DecodeGroup) -> torch.Tensor:
         if group.key_ranges is not None and pool_attention.usable(kv_cache):
             ranges = group.window_key_ranges if self.sliding else group.key_ranges
-            return pool_attention.attend(q, kv_cache, group.kv_slots, ranges, self._sink_logits())
+            return pool_attention.attend(q, kv_cache, group.kv_slots, ranges, self._sink_logits(), self.scale)
         cfg, b, kvh = self.cfg, q.shape[0], self.cfg.num_kv_heads
         per_kv_head = cfg.num_heads // cfg.num_kv_heads
         q = q.view(b, cfg.num_kv_heads, per_kv_head, cfg.head_dim)
@@ -111,4 +113,4 @@ class Attention(nn.Module):
         None. `folded`: a decode call, whose q is [B, kv heads, rows, d] with each kv head's
         query heads as rows (padded by repeating the last)."""
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                              enable_gqa=not folded)
+                                              enable_gqa=not folded, scale=self.scale)

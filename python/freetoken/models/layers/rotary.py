@@ -1,11 +1,22 @@
-"""Rotary embedding: the frequencies (the default schedule, and YaRN for gpt-oss and
-long-context Qwen releases), the angles' cos and sin, and the rotation of q and k.
+"""Rotary embedding: the frequencies (the default schedule, YaRN for gpt-oss and long-context
+Qwen releases, Llama 3.1's `llama3`, Phi-3's `longrope`), the angles' cos and sin, and the
+rotation of q and k.
 
 YaRN blends, per frequency, the original angle (fast dimensions, extrapolated) with the angle
 divided by `factor` (slow dimensions, interpolated) along a linear ramp between the dimensions
 that turn `beta_fast` and `beta_slow` times over the original context, and scales cos and sin
 by an attention factor (0.1 ln(factor) + 1 unless the config gives one), as the YaRN paper and
 transformers' `rope_type="yarn"` do.
+
+`llama3` divides the frequencies whose wavelength exceeds original / low_freq_factor by
+`factor`, keeps those shorter than original / high_freq_factor, and blends the two between, as
+transformers' `rope_type="llama3"` does, op for op (the same bits).
+
+`longrope` divides each frequency by its own factor and scales cos and sin by
+sqrt(1 + ln(factor) / ln(original)), factor the context over the original one. transformers
+takes the short factors while a sequence fits the original context and, once it outgrows it,
+recomputes the whole sequence with the long ones; a KV cache cannot, so the engine serves such
+a model within its original context (config.native_context), on the short factors.
 """
 
 from __future__ import annotations
@@ -43,42 +54,95 @@ class Yarn:
                    beta_fast=rope.get("beta_fast") or 32.0, beta_slow=rope.get("beta_slow") or 1.0,
                    truncate=rope.get("truncate", True), attention_factor=rope.get("attention_factor"))
 
+    def frequencies(self, dim: int, base: float, device: torch.device) -> tuple[torch.Tensor, float]:
+        pos_freqs = base ** _exponent(dim, device)
+        extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (self.factor * pos_freqs)
+        low = _correction_dim(self.beta_fast, dim, base, self.original_max_position_embeddings)
+        high = _correction_dim(self.beta_slow, dim, base, self.original_max_position_embeddings)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001  # a one-point ramp would divide by zero
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+        keep = 1 - ramp  # 1: the original angle, 0: the interpolated one
+        inv_freq = interpolated * (1 - keep) + extrapolated * keep
+        scale = self.attention_factor
+        if scale is None:
+            scale = 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+        return inv_freq, scale
+
+
+@dataclass(frozen=True)
+class Llama3:
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    @classmethod
+    def from_hf(cls, rope: dict, max_position_embeddings: int) -> Llama3:
+        return cls(factor=rope["factor"], low_freq_factor=rope["low_freq_factor"],
+                   high_freq_factor=rope["high_freq_factor"],
+                   original_max_position_embeddings=rope["original_max_position_embeddings"])
+
+    def frequencies(self, dim: int, base: float, device: torch.device) -> tuple[torch.Tensor, float]:
+        inv_freq = 1.0 / (base ** _exponent(dim, device))
+        original, low, high = self.original_max_position_embeddings, self.low_freq_factor, self.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > original / low, inv_freq / self.factor, inv_freq)
+        smooth = (original / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+        medium = ~(wavelen < original / high) * ~(wavelen > original / low)
+        return torch.where(medium, smoothed, scaled), 1.0
+
+
+@dataclass(frozen=True)
+class LongRope:
+    short_factor: tuple[float, ...]
+    attention_factor: float
+
+    @classmethod
+    def from_hf(cls, rope: dict, max_position_embeddings: int) -> LongRope:
+        original = rope["original_max_position_embeddings"]
+        factor = rope.get("factor") or max_position_embeddings / original
+        scale = rope.get("attention_factor")
+        if scale is None:
+            scale = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+        return cls(short_factor=tuple(rope["short_factor"]), attention_factor=scale)
+
+    def frequencies(self, dim: int, base: float, device: torch.device) -> tuple[torch.Tensor, float]:
+        factors = torch.tensor(self.short_factor, dtype=torch.float32, device=device)
+        return 1.0 / (factors * base ** _exponent(dim, device)), self.attention_factor
+
+
+# The scaled schedules, by the rope_type naming each (none: the default schedule).
+SCHEDULES = {"yarn": Yarn, "llama3": Llama3, "longrope": LongRope}
+
 
 def _correction_dim(rotations: float, dim: int, base: float, context: int) -> float:
     """The dimension whose angle turns `rotations` times over `context` positions."""
     return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
 
+def _exponent(dim: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
+
+
 @cache  # every step asks for the same few; the tensor is only read
-def rope_frequencies(dim: int, base: float, yarn: Yarn | None,
+def rope_frequencies(dim: int, base: float, scaling: Yarn | Llama3 | LongRope | None,
                      device: torch.device) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [dim / 2] in fp32, and the factor cos and sin are scaled by."""
-    exponent = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
-    if yarn is None:
-        return 1.0 / (base**exponent), 1.0
-    pos_freqs = base**exponent
-    extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (yarn.factor * pos_freqs)
-    low = _correction_dim(yarn.beta_fast, dim, base, yarn.original_max_position_embeddings)
-    high = _correction_dim(yarn.beta_slow, dim, base, yarn.original_max_position_embeddings)
-    if yarn.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # a one-point ramp would divide by zero
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
-    keep = 1 - ramp  # 1: the original angle, 0: the interpolated one
-    inv_freq = interpolated * (1 - keep) + extrapolated * keep
-    scale = yarn.attention_factor
-    if scale is None:
-        scale = 0.1 * math.log(yarn.factor) + 1.0 if yarn.factor > 1 else 1.0
-    return inv_freq, scale
+    if scaling is None:
+        return 1.0 / (base ** _exponent(dim, device)), 1.0
+    return scaling.frequencies(dim, base, device)
 
 
-def cos_sin(positions: torch.Tensor, dim: int, base: float, yarn: Yarn | None,
+def cos_sin(positions: torch.Tensor, dim: int, base: float, scaling: Yarn | Llama3 | LongRope | None,
             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [T, 1, dim] of the positions' angles (broadcast over heads), computed in fp32
     whatever `dtype`, as transformers computes them."""
-    inv_freq, scale = rope_frequencies(dim, base, yarn, positions.device)
+    inv_freq, scale = rope_frequencies(dim, base, scaling, positions.device)
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
     cos, sin = emb.cos(), emb.sin()
@@ -88,8 +152,12 @@ def cos_sin(positions: torch.Tensor, dim: int, base: float, yarn: Yarn | None,
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., dim] turned by the angles of `cos_sin` (halves rotated, as transformers does): in
-    one pass on CPUs where models/kernels/grouped_gemm.c runs, with torch's bits."""
+    """x [..., dim] turned by the angles of `cos_sin` (halves rotated, as transformers does), its
+    first cos.shape[-1] dims only (partial rotary), the rest as they are: in one pass on CPUs
+    where models/kernels/grouped_gemm.c runs, with torch's bits."""
+    turned = cos.shape[-1]
+    if turned < x.shape[-1]:
+        return torch.cat([rotate(x[..., :turned], cos, sin), x[..., turned:]], dim=-1)
     if (lib := _kernel(x, cos, sin)) is not None:
         return rotate_kernel(lib, x, cos, sin)
     half = x.shape[-1] // 2

@@ -131,7 +131,7 @@ def shard_model(model: nn.Module, group) -> RankPart:
         else:
             _shard_feed_forward(mlp, group, summed=True)
     vocab_rows, vocab_part = _shard_vocabulary(model, group)
-    return RankPart(rank, world, q, kv, d, vocab_rows, vocab_part,
+    return RankPart(rank, world, q, kv, d, vocab_rows, vocab_part, cfg.num_heads, cfg.num_kv_heads,
                     experts_in_out=model.experts_in_out, experts_block=model.experts_block)
 
 
@@ -160,7 +160,8 @@ def _shard_vocabulary(model: nn.Module, group) -> tuple[range, int]:
 @dataclass(frozen=True)
 class RankPart:
     """What one rank reads of each checkpoint tensor (transformers' names, before the family's
-    conversion: q/k/v, gate/up are still separate, experts per expert or stacked)."""
+    conversion: q/k/v, gate/up are separate, or fused as Phi-3 stores them; experts per expert or
+    stacked)."""
 
     rank: int
     world: int
@@ -169,6 +170,8 @@ class RankPart:
     head_dim: int
     vocab_rows: range
     vocab_part: int  # rows per rank, the last part padded with zeros
+    heads: int  # the model's, of which q and kv are this rank's
+    kv_heads: int
     # Stacked experts ([E, ...]) come [E, out, in] with gate then up (Qwen), or [E, in, out] with
     # gate and up interleaved (gpt-oss, whose MXFP4 blocks are [E, out, in / 32, 16]); a GGUF's
     # as three tensors [E, out, in] (`experts.{gate,up,down}_proj.weight`).
@@ -189,6 +192,10 @@ class RankPart:
                 return stored.read(0, [scaled(self.q, d)])
             if module in ("k_proj", "v_proj"):
                 return stored.read(0, [scaled(self.kv, d)])
+            if module == "qkv_proj":  # [q heads | k heads | v heads]
+                k, v = self.heads, self.heads + self.kv_heads
+                return stored.read(0, [scaled(self.q, d), scaled(range(k + self.kv.start, k + self.kv.stop), d),
+                                       scaled(range(v + self.kv.start, v + self.kv.stop), d)])
             if module == "o_proj":
                 return stored.read(1, [scaled(self.q, d)]) if leaf == "weight" else self._rank0(stored)
             if leaf == "sinks":
@@ -200,6 +207,10 @@ class RankPart:
         stacked = name.rpartition(".")[0].rpartition(".")[0].endswith(".experts")
         if module in ("gate_proj", "up_proj"):
             return stored.read(1 if stacked else 0, [(self._expert_part if stacked else self._part)(shape[int(stacked)])])
+        if module == "gate_up_proj" and not stacked:  # [gate | up]
+            half = shape[0] // 2
+            part = self._part(half)
+            return stored.read(0, [part, range(half + part.start, half + part.stop)])
         if module == "down_proj":
             if leaf != "weight":
                 return self._rank0(stored)
