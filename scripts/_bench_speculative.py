@@ -7,8 +7,8 @@ Workloads, each at 1 and 8 clients:
   copy: the chat template around "copy this text" and a passage (code, prose), greedy, until the
         model stops or max tokens: the output repeats the prompt, as a rewrite or a code edit does;
   free: free generation from a story opening, sampled (temperature 0.8, seeded), ignore_eos.
-Outputs are checked equal (they must be: docs/engine.md, "Speculative decoding"). Each run builds
-its own scheduler, so the speculative side's measured choice of drafting or plain steps
+Outputs are checked equal (they must be: docs/engine/speculative.md, "Speculative decoding").
+Each run builds its own scheduler, so the speculative side's measured choice of drafting or plain steps
 (scheduler/speculation.py, `ModeChoice`) starts over each run: its warm-up weighs more on these
 48- or 96-token runs than on a server, which keeps it across requests.
 """

@@ -1,7 +1,8 @@
 """Every linear-kernel candidate (models/layers/linear.py) that runs the dtype here, on the default
 model's projection shapes, at decode's and scoring's row counts: GFLOP/s and the ratio to a
 baseline candidate, each call timed in turn with the others (best of --repeats), one process.
-Called in one piece, no row rule: the kernels as the probe times them (docs/engine.md, "Kernels").
+Called in one piece, no row rule: the kernels as the probe times them (docs/engine/kernels.md,
+"Kernels").
 
     python scripts/bench_linear.py --dtype bfloat16             # ~20 s
     python scripts/bench_linear.py --dtype float32 --baseline torch

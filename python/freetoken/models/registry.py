@@ -221,7 +221,8 @@ def load_model(model: str | os.PathLike | None = None, dtype: str = "auto", devi
     weights_dtype = resolve_dtype(dtype, dev)
     # One CPU process computes its sliced layers as two tensor-parallel ranks would, so that its
     # results are theirs bit for bit: FREETOKEN_EXACT_TP=1 always, =0 never, unset where that
-    # costs about nothing (parts.free_in_parts: a GGUF's quantized layers; docs/engine.md).
+    # costs about nothing (parts.free_in_parts: a GGUF's quantized layers;
+    # docs/engine/tensor-parallel.md).
     exact = envs.EXACT_TP.get()
     splittable = group is None and dev.type == "cpu" and ARCHITECTURES[arch].tensor_parallel is None
     in_parts = (exact == "1" if exact in ("0", "1") else None) if splittable else False

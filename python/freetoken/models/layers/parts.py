@@ -217,8 +217,8 @@ def _columns(layer: nn.Module, rows: list[list[range]], padded: int = 0) -> nn.M
 def free_in_parts(model: nn.Module, parts: int = EXACT_PARTS) -> bool:
     """Does computing `model` in parts cost about nothing: float32 rows, no experts, every sliced
     layer quantized on the kernel (column-parallel ones then stay whole) and each row-parallel
-    one's parts whole blocks (computed in one call: RowParts.fused)? docs/engine.md, "What it
-    costs"."""
+    one's parts whole blocks (computed in one call: RowParts.fused)?
+    docs/engine/tensor-parallel.md, "What it costs"."""
     cfg = model.cfg
     if (cfg.num_kv_heads < parts or model.model.norm.weight.dtype != torch.float32
             or not _on_kernel(model.lm_head)):
