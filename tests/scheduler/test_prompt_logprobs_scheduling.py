@@ -86,6 +86,18 @@ def test_failed_step_rerun_alone_scores_each_prompt_once(tiny):
     _assert_as_alone(out, _alone(tiny, prompts), prompts)
 
 
+def _scored_rows(scheduler) -> list[int]:
+    """The scored prompt rows of each forward `scheduler` runs from now on (a list it appends to)."""
+    forward, rows = scheduler.engine.forward_batch, []
+
+    def counting(batch):
+        rows.append(sum(n for _, n in batch.prompt_rows))
+        return forward(batch)
+
+    scheduler.engine.forward_batch = counting
+    return rows
+
+
 def test_scored_rows_per_step_are_bounded(tiny, monkeypatch):
     """Each scored prompt token is a vocabulary-wide logit row: a step makes at most
     PROMPT_LOGPROB_ROWS of them, and a long prompt is scored over several steps, exactly."""
@@ -94,13 +106,7 @@ def test_scored_rows_per_step_are_bounded(tiny, monkeypatch):
     monkeypatch.setattr(scheduler_module, "PROMPT_LOGPROB_ROWS", 8)
     prompts = {1: _prompts()[3], 2: _prompts()[2]}  # 30 and 20 tokens
     scheduler = build_scheduler(tiny, kv_slots=1024)
-    forward, rows = scheduler.engine.forward_batch, []
-
-    def counting(batch):
-        rows.append(sum(n for _, n in batch.prompt_rows))
-        return forward(batch)
-
-    scheduler.engine.forward_batch = counting
+    rows = _scored_rows(scheduler)
     out = _run(scheduler, prompts)
     assert max(rows) == 8 and sum(rows) == 29 + 19
     _assert_as_alone(out, _alone(tiny, prompts), prompts)
@@ -116,13 +122,7 @@ def test_scoring_from_a_label_scores_its_rows_alone_and_reuses_the_cached_prompt
     whole = {uid: _run(build_scheduler(tiny, kv_slots=1024), {uid: prompt + label})[uid][0]
              for uid, label in enumerate(labels)}
     scheduler = build_scheduler(tiny, kv_slots=1024)
-    forward, rows = scheduler.engine.forward_batch, []
-
-    def counting(batch):
-        rows.append(sum(n for _, n in batch.prompt_rows))
-        return forward(batch)
-
-    scheduler.engine.forward_batch = counting
+    rows = _scored_rows(scheduler)
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2,
                             prompt_logprobs_from=len(prompt))
     for uid, label in enumerate(labels):
