@@ -28,6 +28,7 @@ from pathlib import Path
 import _bench_common as bc
 from _llama_cpp_child import rss_mb
 from bench_gguf_load import synthetic_model
+from freetoken.config import WeightsConfig
 from freetoken.models.gguf_file import open_gguf, planned_bytes
 from freetoken.models.registry import load_model
 from freetoken.paths import ModelNotFound
@@ -72,7 +73,7 @@ def model_table(ours_class, path: Path, batches: list[int], prefill_len: int, ne
         before = rss_mb()
         try:
             loaded = load_model(path, dtype=dtype, device="cpu", kv_slots=kv_slots,
-                                gguf_weights="quantized" if weights == "quantized" else "float32")
+                                weights=WeightsConfig(gguf_weights="quantized" if weights == "quantized" else "float32"))
         except ModelNotFound as exc:
             bc.note(f"{label}: not run: the loader refused it ({exc})")
             continue

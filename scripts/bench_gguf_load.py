@@ -45,13 +45,14 @@ SHAPES = {"qwen3-8b": dict(layers=36, hidden=4096, heads=32, kv_heads=8, head_di
 MEASURE = r"""
 import json, sys, time
 t0 = time.perf_counter()
+from freetoken.config import WeightsConfig
 from freetoken.models.registry import load_model
 from freetoken.paths import ModelNotFound
 def status():
     fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
     return {k: int(fields[k].split()[0]) / 2**20 for k in ("VmRSS", "VmHWM")}
 try:
-    loaded = load_model(sys.argv[1], dtype="float32", device="cpu", kv_slots=4096, gguf_weights=sys.argv[2])
+    loaded = load_model(sys.argv[1], dtype="float32", device="cpu", kv_slots=4096, weights=WeightsConfig(gguf_weights=sys.argv[2]))
 except ModelNotFound as exc:
     print(json.dumps({"refused": str(exc)}))
     sys.exit()

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from freetoken.config import engine_config, frontend_config
+from freetoken.config import WeightsConfig, engine_config, frontend_config
 from freetoken.models.registry import load_model
 from freetoken.scheduler.factory import build_scheduler
 from freetoken.serving.args import parse_args
@@ -30,3 +30,29 @@ def test_frontend_and_engine_see_the_same_context_length(tiny, flags, expected):
     scheduler = build_scheduler(loaded, engine_config(args, str(folder)))
     assert front.max_model_len == scheduler.config.max_model_len == (expected or native)
     assert scheduler.engine.kv.num_slots == 256
+
+
+def test_the_weights_flags_reach_the_load_and_win_over_their_variables(tiny, monkeypatch):
+    folder, _ = tiny
+    args = parse_args([str(folder), "--gguf-weights", "float32", "--linear-kernel", "torch",
+                       "--exact-tp", "off", "--huge-pages", "off"])
+    weights = engine_config(args, str(folder)).weights
+    assert weights == WeightsConfig(gguf_weights="float32", linear_kernel="torch", exact_tp=False,
+                                    huge_pages=False)
+    monkeypatch.setenv("FREETOKEN_LINEAR_KERNEL", "grouped")
+    monkeypatch.setenv("FREETOKEN_EXACT_TP", "1")
+    monkeypatch.setenv("FREETOKEN_HUGE_PAGES", "0")
+    assert weights.resolved() == weights
+    assert WeightsConfig().resolved() == WeightsConfig(linear_kernel="grouped", exact_tp=True, huge_pages=False)
+    loaded = load_model(folder, dtype="float32", device="cpu", weights=weights)
+    assert all(kernel.startswith("torch") for kernel in loaded.model.kernel_plan.kernels.values())
+
+
+def test_a_weights_value_outside_its_choices_is_refused_by_name(monkeypatch):
+    with pytest.raises(SystemExit):
+        parse_args(["--linear-kernel", "cublas"])
+    with pytest.raises(ValueError, match="linear_kernel=cublas: not one of onednn, torch"):
+        WeightsConfig(linear_kernel="cublas")
+    monkeypatch.setenv("FREETOKEN_LINEAR_KERNEL", "cublas")
+    with pytest.raises(ValueError, match="FREETOKEN_LINEAR_KERNEL=cublas"):
+        WeightsConfig().resolved()

@@ -8,6 +8,8 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from freetoken import envs
+
 if TYPE_CHECKING:
     from freetoken.serving.pooling_config import PoolingConfig
 
@@ -90,6 +92,54 @@ class SpeculativeConfig:
         return config
 
 
+# What a GGUF's block formats become: "quantized" keeps them as stored, "float32" dequantizes them
+# at load (the weights HF transformers computes with, at 5x the memory; cast to the dtype asked
+# for). Unset: quantized for float32; dequantized for bfloat16 and float16, which the quantized
+# kernels would compute in float32 (a bfloat16 model then runs on the CPU's bfloat16 units, AMX
+# where it has them, at 2.5-3x the memory of a 4-bit file).
+GGUF_WEIGHTS = ("quantized", "float32")
+# The kernels a linear layer's load-time probe chooses among (models/layers/linear.py; the last
+# two are the bfloat16 units of models/kernels/bf16_linear.py).
+LINEAR_KERNELS = ("onednn", "torch", "grouped", "amx", "avx512_bf16")
+
+
+@dataclass(frozen=True)
+class WeightsConfig:
+    """How a model's weights are held and multiplied: `--gguf-weights`, `--linear-kernel`,
+    `--exact-tp`, `--huge-pages`. None: the envs.py variable of the same name where set
+    (`resolved`), else automatic."""
+
+    gguf_weights: str | None = None  # one of GGUF_WEIGHTS; automatic: by the dtype
+    linear_kernel: str | None = None  # the one LINEAR_KERNELS member the probe may choose
+    # One process computes its sliced layers as two tensor-parallel ranks would (results equal to
+    # theirs bit for bit); automatic: where that costs about nothing (parts.free_in_parts).
+    exact_tp: bool | None = None
+    huge_pages: bool | None = None  # a GGUF's blocks copied into huge pages; automatic: where given
+
+    def __post_init__(self):
+        _check("gguf_weights", self.gguf_weights, GGUF_WEIGHTS)
+        _check("linear_kernel", self.linear_kernel, LINEAR_KERNELS)
+
+    def resolved(self) -> WeightsConfig:
+        """Each unset field from its variable (checked, naming it)."""
+        gguf_weights = self.gguf_weights or envs.GGUF_WEIGHTS.get()
+        linear_kernel = self.linear_kernel or envs.LINEAR_KERNEL.get()
+        _check(envs.GGUF_WEIGHTS.name, gguf_weights, GGUF_WEIGHTS)
+        _check(envs.LINEAR_KERNEL.name, linear_kernel, LINEAR_KERNELS)
+        exact, huge = envs.EXACT_TP.get(), envs.HUGE_PAGES.get()
+        return WeightsConfig(
+            gguf_weights=gguf_weights,
+            linear_kernel=linear_kernel,
+            exact_tp=self.exact_tp if self.exact_tp is not None else {"1": True, "0": False}.get(exact or ""),
+            huge_pages=self.huge_pages if self.huge_pages is not None else (False if huge == "0" else None),
+        )
+
+
+def _check(name: str, value: str | None, allowed: tuple[str, ...]) -> None:
+    if value is not None and value not in allowed:
+        raise ValueError(f"{name}={value}: not one of {', '.join(allowed)}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_folder: str | None = None  # an HF folder; None: the default model
@@ -104,6 +154,7 @@ class EngineConfig:
     state_snapshots: int = 32
     parallel: ParallelConfig = ParallelConfig()
     speculative: SpeculativeConfig | None = None  # None: plain decoding
+    weights: WeightsConfig = WeightsConfig()
 
 
 @dataclass(frozen=True)
@@ -142,6 +193,7 @@ def engine_config(args, model_folder: str) -> EngineConfig:
             tp_size=args.tensor_parallel_size, nnodes=args.nnodes, node_rank=args.node_rank,
             master_addr=args.master_addr, master_port=args.master_port,
             backend=args.distributed_backend, timeout_s=args.distributed_timeout),
+        weights=args.weights,
     )
 
 

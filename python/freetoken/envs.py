@@ -1,7 +1,8 @@
 """Every environment variable freetoken reads, declared once: its name, the values it takes and
 why it exists. Nothing else in the package reads the environment.
 
-They are escape hatches and test switches, read when a model loads (never in a step): a spawned
+They are escape hatches and test switches, read when a model loads (never in a step; four are the
+defaults of flags, config.WeightsConfig.resolved): a spawned
 engine process inherits them, and the suite sets some for every load (tests/conftest.py). Other
 programs' variables that change what a kernel computes (oneDNN's, MKL's, torch's ISA caps) are
 named here too: the kernel probe keys its cache on them. A leaf: it imports nothing of

@@ -33,7 +33,7 @@ class LLM:
             raise ValueError("LLM runs in this process: tensor parallelism is `freetoken serve "
                              "--tensor-parallel-size N`")
         self.loaded = load_model(config.model_folder, dtype=config.dtype, device=config.device,
-                                 kv_slots=config.kv_slots)
+                                 kv_slots=config.kv_slots, weights=config.weights)
         self.tokenizer = self.loaded.tokenizer
         self.scheduler = build_scheduler(self.loaded, config)
         self._uids = itertools.count()

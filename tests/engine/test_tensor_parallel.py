@@ -17,7 +17,7 @@ from dataclasses import replace
 import pytest
 import torch.distributed as dist
 
-from freetoken.config import EngineConfig, ParallelConfig
+from freetoken.config import EngineConfig, ParallelConfig, WeightsConfig
 from freetoken.core import SamplingParams
 from freetoken.engine.parallel import GroupLost, follow, load_rank
 from freetoken.models.layers.parts import RowParts
@@ -25,7 +25,7 @@ from freetoken.models.layers.quantized import QuantizedEmbedding, QuantizedLinea
 from freetoken.models.registry import load_model
 from freetoken.models.layers.tensor_parallel import head_split
 from freetoken.scheduler.factory import build_engine, build_scheduler
-from tests.model_fixtures import (default_folder, default_model, drain,
+from tests.model_fixtures import (default_folder, drain,
                                   reference_logprobs, tiny_random_folder)
 from tests.fixtures import build_models as bm
 from tests.support.servers import free_port
@@ -149,7 +149,7 @@ def test_quantized_gguf_tp2_keeps_its_blocks_and_matches_tp1(rank1, arch, monkey
     # whole blocks of 256 (dequantized on each rank, and in TP=1's parts); qwen2: q/k/v biases.
     path = bm.cached_gguf(f"tiny-quantized-{arch}") / "model.gguf"
     monkeypatch.setenv("FREETOKEN_EXACT_TP", "1")
-    loaded = load_model(path, dtype="float32", device="cpu", gguf_weights="quantized")
+    loaded = load_model(path, dtype="float32", device="cpu", weights=WeightsConfig(gguf_weights="quantized"))
     tok, whole = loaded.tokenizer, loaded.model.weight_bytes
     expected = _entries(drain(build_scheduler(loaded, kv_slots=1024), _greedy_and_seeded(tok)))
     with rank0(path, rank1[1]) as tp2:
@@ -172,7 +172,7 @@ def test_quantized_moe_gguf_tp2_keeps_its_experts_blocks_and_matches_tp1(rank1, 
     # TP=1's parts). gpt-oss: MXFP4 experts of 64, one block of 32 a rank, and their biases.
     path = bm.cached_gguf("tiny-gpt-oss-gguf" if mix == "gpt-oss" else f"tiny-quantized-moe-{mix}") / "model.gguf"
     monkeypatch.setenv("FREETOKEN_EXACT_TP", "1")
-    loaded = load_model(path, dtype="float32", device="cpu", gguf_weights="quantized")
+    loaded = load_model(path, dtype="float32", device="cpu", weights=WeightsConfig(gguf_weights="quantized"))
     tok, whole = loaded.tokenizer, loaded.model.weight_bytes
     expected = _entries(drain(build_scheduler(loaded, kv_slots=1024), _greedy_and_seeded(tok)))
     with caplog.at_level("INFO"), rank0(path, rank1[1]) as tp2:
@@ -197,7 +197,7 @@ def test_default_model_tp2_splits_uneven_heads_and_matches_tp1_then_a_lost_rank_
     # TP=1 as 2 ranks compute, on the file's Q4_1/Q8_0 blocks as the ranks keep them: by default
     # (no FREETOKEN_EXACT_TP), each row-parallel layer's parts in one kernel call.
     monkeypatch.delenv("FREETOKEN_EXACT_TP", raising=False)
-    tp1 = load_model(None, dtype="float32", device="cpu", gguf_weights="quantized")
+    tp1 = load_model(None, dtype="float32", device="cpu", weights=WeightsConfig(gguf_weights="quantized"))
     layer = tp1.model.model.layers[0]
     assert all(isinstance(m, RowParts) and m.fused is not None for m in (layer.self_attn.o_proj, layer.mlp.down_proj))
     # Two prompts, four steps: 30 layers are slow, and a batch of two already mixes rows.

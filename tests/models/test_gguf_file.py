@@ -9,6 +9,7 @@ import struct
 import pytest
 import torch
 
+from freetoken.config import WeightsConfig
 from freetoken.models import loader, registry
 from freetoken.models.layers.parts import RowParts
 from freetoken.models.layers.quantized import QuantizedEmbedding, QuantizedLinear
@@ -31,7 +32,7 @@ def built():
 @pytest.fixture(scope="module")
 def loaded(built):
     return {arch: registry.load_model(path / "model.gguf", dtype="float32", device="cpu",
-                                      gguf_weights="quantized")
+                                      weights=WeightsConfig(gguf_weights="quantized"))
             for arch, path in built.items()}
 
 
@@ -72,7 +73,7 @@ def test_the_memory_checks_plan_is_the_bytes_held_once_loaded(name, dtype):
     path = bm.cached_gguf(name) / "model.gguf"
     planned = gguf_file.planned_bytes(gguf_file.open_gguf(path), dtype, quantized=True)
     model = registry.load_model(path, dtype=str(dtype).removeprefix("torch."), device="cpu",
-                                gguf_weights="quantized")
+                                weights=WeightsConfig(gguf_weights="quantized"))
     assert model.model.weight_bytes == planned
 
 
@@ -83,7 +84,7 @@ def test_a_model_that_does_not_fit_is_refused_before_loading(built, monkeypatch)
                                             r"but 0\.00 GiB of memory is available"):
         # 2 layers x 2 KV heads x 64 x (K and V) x 4 bytes = 2 KiB per slot
         registry.load_model(built["llama"] / "model.gguf", dtype="float32", device="cpu", kv_slots=1 << 18,
-                            gguf_weights="quantized")
+                            weights=WeightsConfig(gguf_weights="quantized"))
 
 
 def _never(*args, **kwargs):
@@ -138,7 +139,7 @@ def test_a_split_file_is_the_whole_file_bit_for_bit(split_qwen3, loaded):
     first = GGUFReader(split_qwen3[0])
     assert all(t.name != "output.weight" for t in first.tensors)  # transformers' parse would tie it
     assert "split.count" in first.fields and "qwen3.block_count" not in GGUFReader(split_qwen3[1]).fields
-    model = registry.load_model(split_qwen3[0], dtype="float32", device="cpu", gguf_weights="quantized")
+    model = registry.load_model(split_qwen3[0], dtype="float32", device="cpu", weights=WeightsConfig(gguf_weights="quantized"))
     assert isinstance(model.model.lm_head, QuantizedLinear) and model.name == "model-00001-of-00003"
     assert model.model.weight_bytes == loaded["qwen3"].model.weight_bytes
     split, _ = greedy_run(build_scheduler(model, kv_slots=256), PROMPTS, steps=6)
@@ -183,15 +184,15 @@ def test_row_parallel_layers_run_in_the_ranks_parts_by_default_only_where_that_i
     assert not any(isinstance(m, RowParts) for m in loaded["llama"].model.modules())
     monkeypatch.setenv("FREETOKEN_EXACT_TP", "0")
     off = registry.load_model(built["qwen3"] / "model.gguf", dtype="float32", device="cpu",
-                              gguf_weights="quantized")
+                              weights=WeightsConfig(gguf_weights="quantized"))
     assert not any(isinstance(m, RowParts) for m in off.model.modules())
 
 
-def test_float32_weights_are_the_dequantized_blocks(built, loaded):
+def test_float32_weights_are_the_dequantized_blocks(built, loaded, monkeypatch):
     """FREETOKEN_GGUF_WEIGHTS=float32: plain layers on the blocks dequantized at load, the same
     products as the quantized layers (which dequantize the same blocks) up to summation order."""
     widened = registry.load_model(built["qwen3"] / "model.gguf", dtype="float32", device="cpu",
-                                  gguf_weights="float32")
+                                  weights=WeightsConfig(gguf_weights="float32"))
     assert set(widened.model.weight_bytes) == {"float32"}
     for name in ("model.layers.0.self_attn.qkv_proj", "model.layers.1.mlp.down_proj", "lm_head"):
         plain, kept = widened.model.get_submodule(name), loaded["qwen3"].model.get_submodule(name)
@@ -200,8 +201,9 @@ def test_float32_weights_are_the_dequantized_blocks(built, loaded):
         assert not isinstance(plain, QuantizedLinear) and all(isinstance(h, QuantizedLinear) for h in held)
         x = torch.randn(5, kept.in_features, generator=torch.Generator().manual_seed(0))
         torch.testing.assert_close(plain(x), kept(x), rtol=0, atol=1e-5)
-    with pytest.raises(ModelNotFound, match="FREETOKEN_GGUF_WEIGHTS=int3: not one of quantized, float32"):
-        registry.load_model(built["qwen3"] / "model.gguf", device="cpu", gguf_weights="int3")
+    monkeypatch.setenv("FREETOKEN_GGUF_WEIGHTS", "int3")
+    with pytest.raises(ValueError, match="FREETOKEN_GGUF_WEIGHTS=int3: not one of quantized, float32"):
+        registry.load_model(built["qwen3"] / "model.gguf", device="cpu")
 
 
 def test_bfloat16_dequantizes_unless_asked_to_keep_the_blocks(built, monkeypatch):

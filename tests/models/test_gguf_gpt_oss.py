@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from freetoken.config import WeightsConfig
 from freetoken.models import loader, registry
 from freetoken.models.layers.moe import Experts
 from freetoken.models.layers.quantized import QuantizedEmbedding, QuantizedLinear
@@ -43,7 +44,7 @@ def loaded(built):
     fits = sum(stored_bytes(built / "model.gguf", BLOCKS).values())
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(loader, "available_memory", lambda: fits)
-        return registry.load_model(built / "model.gguf", dtype="float32", device="cpu", gguf_weights="quantized")
+        return registry.load_model(built / "model.gguf", dtype="float32", device="cpu", weights=WeightsConfig(gguf_weights="quantized"))
 
 
 def test_config_and_tokenizer_are_the_checkpoints(built, loaded):

@@ -9,6 +9,7 @@ import logging
 import pytest
 import torch
 
+from freetoken.config import WeightsConfig
 from freetoken.models import registry
 from freetoken.models.layers.moe import Experts
 from freetoken.paths import ModelNotFound
@@ -30,7 +31,7 @@ def built():
 
 @pytest.fixture(scope="module")
 def loaded(built):
-    return {name: registry.load_model(path / "model.gguf", dtype="float32", device="cpu", gguf_weights="quantized")
+    return {name: registry.load_model(path / "model.gguf", dtype="float32", device="cpu", weights=WeightsConfig(gguf_weights="quantized"))
             for name, path in built.items()}
 
 
@@ -64,7 +65,7 @@ def test_experts_without_a_kernel_are_dequantized_at_load_with_a_log_line(built,
     monkeypatch.setattr(gguf_file, "supported", lambda qtype: qtype.name != "Q6_K")
     with caplog.at_level(logging.INFO):
         model = registry.load_model(built["Q4_K_M"] / "model.gguf", dtype="float32", device="cpu",
-                                    gguf_weights="quantized")
+                                    weights=WeightsConfig(gguf_weights="quantized"))
     first, second = (model.model.model.layers[i].mlp for i in (0, 1))
     assert first.quantized is None and second.quantized is not None
     # Layer 0's Q4_K gate and up are widened with its Q6_K down, and planned so.
@@ -95,9 +96,9 @@ def test_float32_experts_are_the_dequantized_blocks_refused_where_their_load_doe
     kv = 2 * 2 * 2 * 64 * 256 * 4  # layers x KV heads x head_dim x slots x (K and V) x 4 bytes
     monkeypatch.setattr(loader, "available_memory", lambda: weights + kv + 1)
     with pytest.raises(ModelNotFound, match=r"of KV pool \+ 0\.01 GiB while loading, but"):
-        registry.load_model(path, dtype="float32", device="cpu", kv_slots=256, gguf_weights="float32")
+        registry.load_model(path, dtype="float32", device="cpu", kv_slots=256, weights=WeightsConfig(gguf_weights="float32"))
     monkeypatch.setattr(loader, "available_memory", lambda: None)
-    model = registry.load_model(path, dtype="float32", device="cpu", kv_slots=256, gguf_weights="float32")
+    model = registry.load_model(path, dtype="float32", device="cpu", kv_slots=256, weights=WeightsConfig(gguf_weights="float32"))
     assert model.model.weight_bytes == {"float32": weights}
     assert all(m.quantized is None for m in model.model.modules() if isinstance(m, Experts))
     together, _ = greedy_run(build_scheduler(model, kv_slots=256, prefix_cache=False), PROMPTS, steps=6)

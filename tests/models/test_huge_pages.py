@@ -8,6 +8,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
+from freetoken.config import WeightsConfig
 from freetoken.models import huge_pages, registry
 from freetoken.models.kernels import quant
 from tests.fixtures import build_models as bm
@@ -61,7 +62,7 @@ def test_weights_are_copied_as_stored_into_a_region_eligible_for_huge_pages():
 @needs_huge_pages
 def test_a_gguf_loads_its_kept_blocks_into_huge_pages():
     path = bm.cached_gguf("tiny-quantized-llama")
-    model = registry.load_model(path / "model.gguf", dtype="float32", device="cpu", gguf_weights="quantized")
+    model = registry.load_model(path / "model.gguf", dtype="float32", device="cpu", weights=WeightsConfig(gguf_weights="quantized"))
     parts = [*model.model.model.layers[0].self_attn.qkv_proj.parts, model.model.model.embed_tokens.weight]
     assert {p.qtype.name for p in parts} >= {"Q8_0"} and len(parts) == 4
     for part in parts:  # q and k (rows permuted at load), v, and the tied Q8_0 embedding
@@ -99,6 +100,7 @@ def test_without_huge_pages_the_weights_stay_where_they_are(tmp_path, monkeypatc
     assert huge_pages.place_in_huge_pages({"w": weight})["w"] is weight
     mode.write_text("always [madvise] never\n")
     assert huge_pages.huge_pages_available() == hasattr(__import__("mmap"), "MADV_HUGEPAGE")
-    monkeypatch.setenv("FREETOKEN_HUGE_PAGES", "0")  # turned off
-    assert not huge_pages.copies_to_huge_pages()
-    assert huge_pages.place_in_huge_pages({"w": weight})["w"] is weight
+    monkeypatch.setenv("FREETOKEN_HUGE_PAGES", "0")  # turned off, as `--huge-pages off` does
+    asked = WeightsConfig().resolved().huge_pages
+    assert asked is False and not huge_pages.copies_to_huge_pages(asked)
+    assert huge_pages.place_in_huge_pages({"w": weight}, asked=asked)["w"] is weight

@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+from freetoken.config import WeightsConfig
 from freetoken.models.llama import LlamaForCausalLM, ModelConfig
 from freetoken.models.registry import load_model, model_folder
 from freetoken.paths import ModelNotFound
@@ -184,9 +185,8 @@ def test_on_the_grouped_kernel_smollm3_and_phi4_mini_match_transformers(path, re
 
     if decoder_layer.load() is None:
         pytest.skip("no C kernels on this machine")
-    monkeypatch.setenv("FREETOKEN_LINEAR_KERNEL", "grouped")
-    on_grouped = load_model(request.getfixturevalue(path), dtype="float32", device="cpu")
-    monkeypatch.delenv("FREETOKEN_LINEAR_KERNEL")
+    on_grouped = load_model(request.getfixturevalue(path), dtype="float32", device="cpu",
+                            weights=WeightsConfig(linear_kernel="grouped"))
     assert_batch_matches_alone_and_reference(on_grouped, HARMONY_TEXTS[:4])
     assert all(layer.one_call is not None for layer in on_grouped.model.model.layers)
     assert on_grouped.model.model.stack is not None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from freetoken.config import WeightsConfig
 from freetoken.core import SamplingParams
 from freetoken.scheduler.factory import build_scheduler
 from freetoken.message import UserMsg
@@ -52,10 +53,8 @@ def _loaded_on(kernel: str, dtype: str, gguf_weights: str | None = None, folder=
     if (kernel, dtype, gguf_weights, folder) == ("auto", "float32", None, None):
         loaded = default_model()
     else:
-        with pytest.MonkeyPatch.context() as patch:
-            if kernel != "auto":
-                patch.setenv("FREETOKEN_LINEAR_KERNEL", kernel)
-            loaded = load_model(folder or default_folder(), dtype=dtype, device="cpu", gguf_weights=gguf_weights)
+        weights = WeightsConfig(gguf_weights=gguf_weights, linear_kernel=None if kernel == "auto" else kernel)
+        loaded = load_model(folder or default_folder(), dtype=dtype, device="cpu", weights=weights)
     plan = loaded.model.kernel_plan
     forced_elsewhere = kernel != "auto" and not all(v.startswith(kernel) for v in plan.kernels.values())
     if not plan.invariant or forced_elsewhere:

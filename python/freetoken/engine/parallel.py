@@ -145,7 +145,8 @@ def load_rank(config, rank: int):
     """This rank's slices of the model (`config` an EngineConfig): (LoadedModel, Group)."""
     device = rank_device(resolve_device(config.device), rank, config.parallel)
     group = init_group(config.parallel, rank, device)
-    loaded = load_model(config.model_folder, dtype=config.dtype, device=str(device), group=group)
+    loaded = load_model(config.model_folder, dtype=config.dtype, device=str(device), group=group,
+                        weights=config.weights)
     return loaded, group
 
 

@@ -9,7 +9,7 @@ as stored (the same bytes, the same results) into one region asked for huge page
 from the file (its page cache) where a weight is whole, copied off the map where it is a slice (a
 tensor-parallel rank's part of K), the map's pages then let go; so the load holds about one copy of
 the weights at any time, as reading them in place did. Where the kernel grants no huge pages (the
-mode `never`, or no madvise), or where FREETOKEN_HUGE_PAGES=0 asks so (a faster load: the copy's
+mode `never`, or no madvise), or where `--huge-pages off` asks so (a faster load: the copy's
 first touch costs a VM 0.3-1 s for the default model), the weights stay on the map.
 """
 
@@ -27,7 +27,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from freetoken import envs
 from freetoken.models.kernels.quant import QuantizedWeight
 
 log = logging.getLogger(__name__)
@@ -46,17 +45,18 @@ def huge_pages_available() -> bool:
     return hasattr(mmap, "MADV_HUGEPAGE") and "[never]" not in mode
 
 
-def copies_to_huge_pages() -> bool:
-    """Will a load copy its weights into huge pages here (available, and not turned off)?"""
-    return envs.HUGE_PAGES.get() != "0" and huge_pages_available()
+def copies_to_huge_pages(asked: bool | None = None) -> bool:
+    """Will a load copy its weights into huge pages here: available, and not `asked` off
+    (config.WeightsConfig.huge_pages, resolved)?"""
+    return asked is not False and huge_pages_available()
 
 
-def place_in_huge_pages(state: dict, sources: Sequence[np.memmap] = ()) -> dict:
+def place_in_huge_pages(state: dict, sources: Sequence[np.memmap] = (), asked: bool | None = None) -> dict:
     """`state` with each QuantizedWeight's blocks copied into one huge-page region (the others as
     they are); `sources`: the maps of the files (a split GGUF's parts) whose pages under each
     copied weight are released."""
     weights = {name: w for name, w in state.items() if isinstance(w, QuantizedWeight)}
-    if not weights or not copies_to_huge_pages():
+    if not weights or not copies_to_huge_pages(asked):
         return state
     total = sum(_padded(w.nbytes) for w in weights.values())
     # Whole huge pages from a boundary on: room to align the start, and the end a whole page.

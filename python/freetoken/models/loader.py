@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from freetoken.models.checkpoint import read_weights
-from freetoken.models.layers.linear import pack_linears
+from freetoken.models.layers.linear import only_kernel, pack_linears
 from freetoken.models.layers.moe import stack_experts, take_stacked_experts
 from freetoken.models.layers.parts import compute_in_parts, free_in_parts
 from freetoken.models.layers.quantized import QuantizedEmbedding, plan_quantized, take_quantized, weight_bytes
@@ -187,26 +187,30 @@ def _gguf_architecture(gguf: Path) -> str:
 
 
 def build(model_class: type, folder: Path, hf_config: dict, tokenizer, dtype: torch.dtype,
-          device: torch.device, group=None, in_parts: bool | None = False) -> torch.nn.Module:
+          device: torch.device, group=None, in_parts: bool | None = False,
+          linear_kernel: str | None = None) -> torch.nn.Module:
     """`model_class` (a models/causal_lm.py CausalLM) with the folder's weights, its linear
-    layers packed; with `group`, that tensor-parallel rank's slices only; `in_parts`: its sliced
-    layers computed as tensor-parallel ranks compute them (models/layers/parts.py)."""
+    layers packed (on `linear_kernel` alone where given); with `group`, that tensor-parallel
+    rank's slices only; `in_parts`: its sliced layers computed as tensor-parallel ranks compute
+    them (models/layers/parts.py)."""
     with torch.device("meta"):
         module = model_class.from_hf(hf_config)
     part = shard_model(module, group) if group is not None else None
     state = module.convert_hf_weights(read_weights(folder, part))
-    return _assign(module, state, {}, tokenizer, dtype, device, in_parts)
+    return _assign(module, state, {}, tokenizer, dtype, device, in_parts, linear_kernel)
 
 
 def build_gguf(model_class: type, gguf: Path, hf_config: dict, tokenizer, dtype: torch.dtype,
                device: torch.device, quantized: bool, kv_slots: int = 0,
-               in_parts: bool | None = False, group=None) -> torch.nn.Module:
+               in_parts: bool | None = False, group=None, linear_kernel: str | None = None,
+               huge_pages: bool | None = None) -> torch.nn.Module:
     """`model_class` (models/llama.py's or models/qwen3_moe.py's) with `gguf`'s weights, read
     from the memory-mapped file: with `quantized` (on the CPU) the block formats kept as stored,
     else dequantized at load; refused before any weight is read where the weights and a KV pool
     of `kv_slots` (and what the load copies for a moment) would not fit in the memory available.
     With `group`, that tensor-parallel rank's slices, quantized ones cut along whole blocks
-    (models/layers/tensor_parallel.py)."""
+    (models/layers/tensor_parallel.py). `huge_pages`: False keeps the blocks on the file's map
+    (None: copied into huge pages where the kernel gives them, models/huge_pages.py)."""
     from freetoken.models.gguf_file import (ROPE_FREQS, experts_block, open_gguf, planned_bytes, read_tensors,
                                             working_bytes)
     from freetoken.models.huge_pages import place_in_huge_pages
@@ -232,15 +236,16 @@ def build_gguf(model_class: type, gguf: Path, hf_config: dict, tokenizer, dtype:
     elif in_parts:
         _log_widened(gguf.name, "in the parts of K tensor-parallel ranks hold",
                      widen_cut_experts(state, module.experts_block))
-    state = place_in_huge_pages(state, reader.maps)
+    state = place_in_huge_pages(state, reader.maps, huge_pages)
     take_stacked_experts(module, state)
     layers = take_quantized(state, FUSED)
     state = module.convert_hf_weights(state)
-    return _assign(module, state, layers, tokenizer, dtype, device, in_parts)
+    return _assign(module, state, layers, tokenizer, dtype, device, in_parts, linear_kernel)
 
 
 def _assign(module: torch.nn.Module, state: dict[str, torch.Tensor], quantized: dict,
-            tokenizer, dtype: torch.dtype, device: torch.device, in_parts: bool | None) -> torch.nn.Module:
+            tokenizer, dtype: torch.dtype, device: torch.device, in_parts: bool | None,
+            linear_kernel: str | None) -> torch.nn.Module:
     """`state` assigned to `module`'s parameters, the `quantized` layers (our module name ->
     weight parts) put in place, the head tied, the linear layers packed (`in_parts`: the sliced
     ones computed as tensor-parallel ranks compute them, models/layers/parts.py; None: where
@@ -271,9 +276,10 @@ def _assign(module: torch.nn.Module, state: dict[str, torch.Tensor], quantized: 
     module.requires_grad_(False)
     module.weight_bytes = weight_bytes(module)  # before packing frees the plain weights
     stack_experts(module)
-    if in_parts or (in_parts is None and free_in_parts(module)):
-        compute_in_parts(module)
-    plan = pack_linears(module)
+    with only_kernel(linear_kernel):
+        if in_parts or (in_parts is None and free_in_parts(module)):
+            compute_in_parts(module)
+        plan = pack_linears(module)
     if quantized:
         module.kernel_plan = plan_quantized(module, plan, dtype)
     return module

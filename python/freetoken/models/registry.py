@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from freetoken import envs
-from freetoken.config import native_context, rope_parameters, rope_type, text_config
+from freetoken.config import WeightsConfig, native_context, rope_parameters, rope_type, text_config
 from freetoken.models.hub import HubOptions, resolve_model
 from freetoken.models.loader import (build, build_gguf, default_model_path, eos_ids, gguf_config_folder,
                                      gguf_source, gguf_to_folder)
@@ -113,12 +113,6 @@ QUIRKS = {
 # the others are converted by transformers first.
 GGUF_READ = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
              "Qwen2MoeForCausalLM", "GptOssForCausalLM")
-# FREETOKEN_GGUF_WEIGHTS: "quantized" keeps the block formats as stored, "float32" dequantizes
-# them at load (the weights HF transformers computes with, at 5x the memory; cast to the dtype
-# asked for). Unset: quantized for float32; dequantized for bfloat16 and float16, which the
-# quantized kernels would compute in float32 (a bfloat16 model then runs on the CPU's bfloat16
-# units, AMX where it has them, at 2.5-3x the memory of a 4-bit file).
-GGUF_WEIGHTS = ("quantized", "float32")
 
 
 @dataclass
@@ -198,11 +192,11 @@ def model_folder(model: str | os.PathLike | None) -> tuple[Path, str]:
 
 
 def load_model(model: str | os.PathLike | None = None, dtype: str = "auto", device: str = "auto",
-               group=None, kv_slots: int = 0, gguf_weights: str | None = None) -> LoadedModel:
+               group=None, kv_slots: int = 0, weights: WeightsConfig = WeightsConfig()) -> LoadedModel:
     """The model ready to run; with `group` (engine.parallel.Group) only that tensor-parallel
     rank's slices of it, read from the checkpoint as such (models/layers/tensor_parallel.py).
-    `kv_slots`: the KV pool to be allocated, counted in a GGUF's memory check; `gguf_weights`:
-    one of GGUF_WEIGHTS (None: $FREETOKEN_GGUF_WEIGHTS, else by the dtype, see GGUF_WEIGHTS)."""
+    `kv_slots`: the KV pool to be allocated, counted in a GGUF's memory check; `weights`: how
+    the weights are held and multiplied (config.WeightsConfig; unset fields from envs.py)."""
     from transformers import AutoTokenizer  # heavy: imported by the processes that load a model
 
     folder, name = model_folder(model)
@@ -219,19 +213,20 @@ def load_model(model: str | os.PathLike | None = None, dtype: str = "auto", devi
         raise ModelNotFound(f"{arch}: {ARCHITECTURES[arch].tensor_parallel}")
     tokenizer = AutoTokenizer.from_pretrained(folder)
     weights_dtype = resolve_dtype(dtype, dev)
+    weights = weights.resolved()
     # One CPU process computes its sliced layers as two tensor-parallel ranks would, so that its
-    # results are theirs bit for bit: FREETOKEN_EXACT_TP=1 always, =0 never, unset where that
-    # costs about nothing (parts.free_in_parts: a GGUF's quantized layers;
-    # docs/engine/tensor-parallel.md).
-    exact = envs.EXACT_TP.get()
+    # results are theirs bit for bit: always, never, or (None) where that costs about nothing
+    # (parts.free_in_parts: a GGUF's quantized layers; docs/engine/tensor-parallel.md).
     splittable = group is None and dev.type == "cpu" and ARCHITECTURES[arch].tensor_parallel is None
-    in_parts = (exact == "1" if exact in ("0", "1") else None) if splittable else False
+    in_parts = weights.exact_tp if splittable else False
     if gguf is None:
-        module = build(cls, folder, hf_config, tokenizer, weights_dtype, dev, group, in_parts)
+        module = build(cls, folder, hf_config, tokenizer, weights_dtype, dev, group, in_parts,
+                       weights.linear_kernel)
     else:
-        quantized = _gguf_weights(gguf_weights, weights_dtype) == "quantized" and dev.type == "cpu"
-        module = build_gguf(cls, gguf, hf_config, tokenizer, weights_dtype, dev, quantized, kv_slots,
-                            in_parts, group)
+        stored = weights.gguf_weights or ("quantized" if weights_dtype == torch.float32 else "float32")
+        module = build_gguf(cls, gguf, hf_config, tokenizer, weights_dtype, dev,
+                            stored == "quantized" and dev.type == "cpu", kv_slots, in_parts, group,
+                            weights.linear_kernel, weights.huge_pages)
     return LoadedModel(
         model=module.eval(),
         tokenizer=tokenizer,
@@ -260,14 +255,6 @@ def _reads_gguf(arch: str) -> bool:
                  "through transformers' conversion)", arch)
         return False
     return True
-
-
-def _gguf_weights(asked: str | None, dtype: torch.dtype) -> str:
-    value = (asked or envs.GGUF_WEIGHTS.get()
-             or ("quantized" if dtype == torch.float32 else "float32"))
-    if value not in GGUF_WEIGHTS:
-        raise ModelNotFound(f"FREETOKEN_GGUF_WEIGHTS={value}: not one of {', '.join(GGUF_WEIGHTS)}")
-    return value
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

@@ -186,7 +186,7 @@ def engine_main(config: EngineConfig, in_addr: str, out_addr: str, ready,
             loaded, group = load_rank(config, 0)
         else:
             loaded = load_model(config.model_folder, dtype=config.dtype, device=config.device,
-                                kv_slots=config.kv_slots)
+                                kv_slots=config.kv_slots, weights=config.weights)
         scheduler = build_scheduler(loaded, config, group)
         if group is not None:
             group.setup_barrier()

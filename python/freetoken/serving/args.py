@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from freetoken.config import SpeculativeConfig
+from freetoken.config import GGUF_WEIGHTS, LINEAR_KERNELS, SpeculativeConfig, WeightsConfig
 from freetoken.models.hub import HubOptions
 from freetoken.parsing import registry
 from freetoken.serving.pooling_config import parse_overrides
@@ -52,10 +52,20 @@ class ServerArgs:
     download_dir: str | None = None
     hf_token: str | None = None
     offline: bool = False
+    gguf_weights: str | None = None
+    linear_kernel: str | None = None
+    exact_tp: str = "auto"
+    huge_pages: str = "auto"
 
     @property
     def hub(self) -> HubOptions:
         return HubOptions(self.revision, self.download_dir, self.hf_token, self.offline)
+
+    @property
+    def weights(self) -> WeightsConfig:
+        return WeightsConfig(gguf_weights=self.gguf_weights, linear_kernel=self.linear_kernel,
+                             exact_tp={"on": True, "off": False}.get(self.exact_tp),
+                             huge_pages=False if self.huge_pages == "off" else None)
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -192,6 +202,21 @@ def build_parser(prog: str = "freetoken serve") -> argparse.ArgumentParser:
     dist.add_argument("--distributed-timeout", type=float, default=30.0, metavar="SECONDS",
                       help="longest wait of one collective in a step before the group is taken "
                       "down (a dead rank is seen at once; this bounds a hung one)")
+    kernels = p.add_argument_group("weights and kernels (docs/engine/kernels.md; unset, the variables "
+                                    "of docs/server.md's \"Environment variables\" apply)")
+    kernels.add_argument("--gguf-weights", choices=GGUF_WEIGHTS,
+                         help="a GGUF's block formats kept as stored (quantized kernels) or dequantized "
+                         "at load (default: quantized for float32, float32 for bfloat16 and float16)")
+    kernels.add_argument("--linear-kernel", choices=LINEAR_KERNELS,
+                         help="the one kernel the load-time probe may choose for float and bfloat16 "
+                         "linear layers (default: the fastest batch-invariant one per shape)")
+    kernels.add_argument("--exact-tp", choices=["auto", "on", "off"], default="auto",
+                         help="one process computes its sliced layers as two tensor-parallel ranks "
+                         "would, so its results equal theirs bit for bit (auto: where that costs "
+                         "about nothing)")
+    kernels.add_argument("--huge-pages", choices=["auto", "off"], default="auto",
+                         help="copy a GGUF's quantized blocks into transparent huge pages where the "
+                         "kernel gives them (off: they stay on the file's map)")
     return p
 
 
@@ -255,6 +280,10 @@ def parse_args(argv: list[str] | None = None, prog: str = "freetoken serve") -> 
         download_dir=ns.download_dir,
         hf_token=ns.hf_token,
         offline=ns.offline,
+        gguf_weights=ns.gguf_weights,
+        linear_kernel=ns.linear_kernel,
+        exact_tp=ns.exact_tp,
+        huge_pages=ns.huge_pages,
     )
 
 

@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 import torch
 
+from freetoken.config import WeightsConfig
 from freetoken.engine.engine import Engine, StepPlan
 from freetoken.models import registry
 from freetoken.models.kernels import bf16_linear, decoder_layer
@@ -47,10 +48,8 @@ def test_a_layer_in_one_call_gives_the_python_layers_bits(arch, layer0, monkeypa
     path = bm.cached_gguf(f"tiny-quantized-{arch}")
     # The llama file's layer 1 has a Q5_0 projection (no kernel: dequantized at load), kept on
     # F.linear here (where the probe picks the grouped kernel, that layer runs as one call too).
-    monkeypatch.setenv("FREETOKEN_LINEAR_KERNEL", "torch")
     model = registry.load_model(path / "model.gguf", dtype="float32", device="cpu",
-                                gguf_weights="quantized").model
-    monkeypatch.delenv("FREETOKEN_LINEAR_KERNEL")
+                                weights=WeightsConfig(gguf_weights="quantized", linear_kernel="torch")).model
     if layer0 == "sliding":  # over its last 3 keys
         model.cfg = dataclasses.replace(model.cfg, sliding_window=3, sliding_layers=frozenset({0}))
         model.model.layers[0].self_attn.sliding = True
@@ -69,10 +68,9 @@ def test_a_layer_on_our_dense_kernels_in_one_call_gives_the_python_layers_bits(a
                                                                                monkeypatch):
     if kernel in bf16_linear.UNITS and not bf16_linear.available(kernel):
         pytest.skip(f"this CPU has no {kernel} unit")
-    monkeypatch.setenv("FREETOKEN_LINEAR_KERNEL", kernel)
     folder = bm.cached("tiny-granite", bm.build_tiny_granite) if arch == "granite" else tiny_random_folder(arch)
-    model = load_model(folder, dtype=str(dtype).removeprefix("torch."), device="cpu").model
-    monkeypatch.delenv("FREETOKEN_LINEAR_KERNEL")
+    model = load_model(folder, dtype=str(dtype).removeprefix("torch."), device="cpu",
+                       weights=WeightsConfig(linear_kernel=kernel)).model
     assert_same_bits(model, dtype, monkeypatch, [True, True])
 
 

@@ -12,7 +12,7 @@ from torch import nn
 from freetoken.models.layers import kernel_choice, linear
 from freetoken.models.kernels.grouped_gemm import grouped_gemm
 from freetoken.models.layers.kernel_choice import RULES, UNCAPPED, Measured, RowRule, plans, rule_seconds
-from freetoken.models.layers.linear import Linear, choose, pack_linears, prepare
+from freetoken.models.layers.linear import Linear, choose, only_kernel, pack_linears, prepare
 from tests.model_fixtures import FLOAT32_KERNELS, KERNEL_DTYPES
 
 # (in, out) of the default model's fused projections, its LM head, and a wider down projection.
@@ -36,10 +36,10 @@ def _layer(in_features: int, out_features: int, dtype=torch.float32, bias=False)
 def _on(kernel: str, layer: Linear, monkeypatch) -> None:
     """`layer` packed on `kernel` alone; skips where that kernel cannot run or keeps no row rule
     on this CPU (the probe decides, on this machine, never a list of CPUs)."""
-    monkeypatch.setenv("FREETOKEN_LINEAR_KERNEL", kernel)
     if prepare(kernel, layer) is None:
         pytest.skip(f"{kernel} cannot run {layer.weight.dtype} here")
-    pack_linears(layer)
+    with only_kernel(kernel):
+        pack_linears(layer)
     if not layer.kernel_plan.invariant:
         pytest.skip(f"{kernel}: no row rule holds for {layer.weight.dtype} "
                     f"{layer.in_features}x{layer.out_features} on this CPU")
@@ -197,12 +197,6 @@ def test_probes_are_kept_per_machine_and_reused(monkeypatch):
     assert len(calls) == 2 * first
 
 
-def test_an_unknown_forced_kernel_is_refused(monkeypatch):
-    monkeypatch.setenv("FREETOKEN_LINEAR_KERNEL", "cublas")
-    with pytest.raises(ValueError, match="FREETOKEN_LINEAR_KERNEL"):
-        pack_linears(_layer(16, 16))
-
-
 def _tied_model(dtype=torch.float32) -> nn.Module:
     model = nn.Module()
     model.embed = nn.Embedding(100, 16)
@@ -217,10 +211,10 @@ def test_packing_frees_plain_weights_but_keeps_a_tied_embedding(kernel, monkeypa
     model = _tied_model()
     if prepare(kernel, model.proj) is None:
         pytest.skip(f"{kernel} cannot run here")
-    monkeypatch.setenv("FREETOKEN_LINEAR_KERNEL", kernel)
     embedding = model.embed.weight.detach().clone()
     proj = model.proj.weight.detach().double().clone()
-    pack_linears(model)
+    with only_kernel(kernel):
+        pack_linears(model)
     x = torch.randn(4, 16)
     with torch.inference_mode():
         assert torch.allclose(model.head(x), x @ embedding.T, atol=1e-5)

@@ -14,7 +14,7 @@ from torch import nn
 
 from freetoken.models.kernels.grouped_gemm import load as load_kernel
 from freetoken.models.kernels.quant import QuantizedWeight
-from freetoken.models.layers.linear import pack_linears
+from freetoken.models.layers.linear import only_kernel, pack_linears
 from freetoken.models.layers import moe
 from freetoken.models.layers.moe import Experts, silu_and_mul, softmax_topk, split_stacked_experts, stack_experts
 from tests.model_fixtures import FLOAT32_KERNELS
@@ -65,8 +65,8 @@ def test_batched_is_alone_bit_for_bit_and_matches_a_per_token_sum(path, bias, mo
         experts.stack(kernel)
     else:
         monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path))
-        monkeypatch.setenv("FREETOKEN_LINEAR_KERNEL", path)
-        pack_linears(experts)
+        with only_kernel(path):
+            pack_linears(experts)
         plan = experts.kernel_plan
         if not plan.invariant or not all(v.startswith(path) for v in plan.kernels.values()):
             pytest.skip(f"{path}: not batch-invariant or cannot run on this CPU ({plan.kernels})")

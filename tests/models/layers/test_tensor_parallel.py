@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from freetoken.config import WeightsConfig
 from freetoken.models import loader
 from freetoken.models.layers.moe import Experts
 from freetoken.models.layers.parts import block_part, even_part
@@ -105,7 +106,7 @@ def test_a_gguf_rank_keeps_whole_blocks_and_dequantizes_a_cut_block(caplog):
 
     caplog.set_level("INFO")
     path = bm.cached_gguf("tiny-quantized-llama") / "model.gguf"
-    model = load_model(path, dtype="float32", device="cpu", group=OneRank(1, 2), gguf_weights="quantized").model
+    model = load_model(path, dtype="float32", device="cpu", group=OneRank(1, 2), weights=WeightsConfig(gguf_weights="quantized")).model
     down = model.model.layers[0].mlp.down_proj
     assert isinstance(down, RowParallelQuantized)
     (weight,) = down.parts
@@ -113,7 +114,7 @@ def test_a_gguf_rank_keeps_whole_blocks_and_dequantizes_a_cut_block(caplog):
     # Rank 1's half of K (256 of 512): whole blocks of each row, as stored: copied alone into
     # huge pages where the kernel gives them (models/huge_pages.py), else read in place.
     assert weight.shape == (256, 256) and weight.data.shape[1] == 256 // block * size
-    assert weight.data.stride(0) == (256 if copies_to_huge_pages() else 512) // block * size
+    assert weight.data.stride(0) == (256 if copies_to_huge_pages(WeightsConfig().resolved().huge_pages) else 512) // block * size
     # Layer 0's o_proj is Q4_K: half of its K, 2 heads of 64, is half a block of 256.
     assert isinstance(model.model.layers[0].self_attn.o_proj, RowParallelLinear)
     assert "dequantized at load on rank 1, its part of K not whole blocks" in caplog.text

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import re
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from functools import cache, partial
 
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from freetoken import envs
+from freetoken.config import LINEAR_KERNELS
 from freetoken.models.kernels import bf16_linear
 from freetoken.models.kernels.bf16_linear import pack_pairs, unit_linear, unpack_columns
 from freetoken.models.kernels.grouped_gemm import KERNELS, grouped_gemm
@@ -32,7 +34,7 @@ from freetoken.models.layers.kernel_choice import (UNCAPPED, Measured, Run, RowR
 
 log = logging.getLogger(__name__)
 
-CANDIDATES = ("onednn", "torch", "grouped", *bf16_linear.UNITS)
+CANDIDATES = LINEAR_KERNELS  # config.py names them: a flag's choices, read without loading torch
 # Our kernels give a row the same operations in the same order at any row count (grouped_gemm.c):
 # where the probe confirms it, their calls take a step's rows whole, and a decode step's few rows
 # unpadded (they run short tiles: padding them never pays, whatever a busy machine's timing said).
@@ -153,11 +155,24 @@ def _onednn(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) ->
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+# The kernels the load in progress may choose among (`only_kernel`): a load's choice, read by the
+# probes of its layers and of their parts (models/layers/parts.py) without a parameter threaded
+# through every layer built in between.
+_ALLOWED: ContextVar[tuple[str, ...]] = ContextVar("linear_kernels", default=CANDIDATES)
+
+
+@contextmanager
+def only_kernel(kernel: str | None):
+    """Within it, the probes choose `kernel` alone (None: any of CANDIDATES)."""
+    token = _ALLOWED.set((kernel,) if kernel else CANDIDATES)
+    try:
+        yield
+    finally:
+        _ALLOWED.reset(token)
+
+
 def candidates() -> tuple[str, ...]:
-    forced = envs.LINEAR_KERNEL.get()
-    if forced and forced not in CANDIDATES:
-        raise ValueError(f"FREETOKEN_LINEAR_KERNEL={forced}: not one of {', '.join(CANDIDATES)}")
-    return (forced,) if forced else CANDIDATES
+    return _ALLOWED.get()
 
 
 def choose(layer: Linear) -> tuple[Measured, bool, Run] | None:
