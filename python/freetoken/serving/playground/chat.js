@@ -130,8 +130,8 @@ class ChatView {
     view.args.textContent = view.text;
   }
 
-  // The reply as the next request's history holds it (its reasoning left out, as OpenAI's
-  // and vLLM's clients do).
+  // The reply as the next request's history holds it: its reasoning left out (templates such
+  // as Qwen3's drop an earlier turn's reasoning anyway).
   end() {
     for (const view of this.callViews.values()) {
       try {
