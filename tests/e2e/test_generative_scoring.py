@@ -66,6 +66,8 @@ def test_each_label_is_its_teacher_forced_total_renormalised_over_the_set(scorer
                                                                           prompts):
     data = scored(scorer, ITEMS, labels=LABELS)
     assert [d["index"] for d in data] == list(range(len(ITEMS)))
+    tok = AutoTokenizer.from_pretrained(folder)
+    texts = [[tok.decode([t]) for t in label] for label in LABELS]
     for d, prompt in zip(data, prompts):
         reference = []
         for label in LABELS:
@@ -78,6 +80,7 @@ def test_each_label_is_its_teacher_forced_total_renormalised_over_the_set(scorer
         assert probs == pytest.approx(softmax(reference), abs=1e-4)
         assert d["score"] == probs[0]
         assert [e["token_ids"] for e in d["labels"]] == LABELS
+        assert [e["tokens"] for e in d["labels"]] == texts
 
 
 def test_each_prompt_is_prefilled_once_for_all_its_labels(scorer, folder):

@@ -8,6 +8,7 @@ temporary folder, so that a test run leaves the checkout as it was).
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import os
@@ -202,51 +203,101 @@ def test_completion_tokens_show_the_apis_logprobs(page, playground):
     shot(p, "completion")
 
 
-def test_scoring_bars_and_table_equal_the_renormalised_probabilities(page, playground):
+def test_conversation_is_sent_whole_and_an_edited_turn_replaces_the_later_ones(page, playground):
+    p = page.open("chat")
+    p.fill("#chat-user", "hi")
+    page.run("chat")
+    p.fill("#chat-user", "What is the weather in Paris?")
+    page.run("chat")
+    assert page.errors == [] and p.input_value("#chat-user") == ""
+    (path, first), (_, second) = page.sent
+    reply = api(playground, path, first)["choices"][0]["message"]
+    assert second["messages"] == [{"role": "user", "content": "hi"},
+                                  {"role": "assistant", "content": reply["content"]},
+                                  {"role": "user", "content": "What is the weather in Paris?"}]
+    weather = api(playground, path, second)["choices"][0]["message"]["content"]
+    assert weather != reply["content"]  # the scripted model's weather answer
+    turns = "#chat-turns > .turn"
+
+    def contents() -> list[str]:
+        return p.eval_on_selector_all(turns, "ts => ts.map(t => [t.dataset.role, [...t."
+                                      "querySelectorAll('.turn-text, .label-content .tok')]"
+                                      ".map(e => e.entry ? e.entry.text : e.textContent)"
+                                      ".join('')])")
+
+    assert contents() == [["user", "hi"], ["assistant", reply["content"]],
+                          ["user", "What is the weather in Paris?"], ["assistant", weather]]
+    shot(p, "conversation")
+    # Edit the first turn and resend: it is answered again, the turns after it gone.
+    p.click(f"{turns} >> nth=0 >> button:has-text('Edit')")
+    p.fill("#chat-turns .turn-edit", "hello")
+    p.press("#chat-turns .turn-edit", "Control+Enter")
+    p.wait_for_selector("#panel-chat .output[data-done]", timeout=60_000)
+    assert page.errors == []
+    assert page.sent[-1][1]["messages"] == [{"role": "user", "content": "hello"}]
+    assert contents() == [["user", "hello"], ["assistant", reply["content"]]]
+
+
+def generative_scoring(server, body: dict) -> dict:
+    r = httpx.post(f"{server.url}/generative_scoring", json=body,
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_scoring_bars_and_table_are_the_whole_labels_renormalised(page, playground):
     p = page.open("scoring")
     p.fill("#scoring-prompts", "hi")
-    p.fill("#scoring-labels", "Let\nThe\n</think>\n Yes")
+    # A label of one token, two of several sharing its first token, and another one-token label.
+    labels = [" Yes", " Yes</think>", " Yes, please", "Let"]
+    p.fill("#scoring-labels", "\n".join(labels))
     page.run("scoring")
     assert page.errors == []
-    assert [path for path, _ in page.sent] == ["/tokenize"] * 4 + ["/v1/completions"]
-    path, body = page.sent[-1]
-    assert body["allowed_token_ids"] and body["max_tokens"] == 1
-    top = api(playground, path, body)["choices"][0]["logprobs"]["top_logprobs"][0]
-    expected = [top[f"token_id:{i}"] for i in body["allowed_token_ids"]]
-    assert sum(math.exp(v) for v in expected) == pytest.approx(1)
+    (path, body), = page.sent
+    assert path == "/generative_scoring" and body["items"] == ["hi"] and body["labels"] == labels
+    expected = generative_scoring(playground, body)["data"][0]["labels"]
+    assert [len(e["token_ids"]) for e in expected] == [1, 2, 3, 1]
+    probs = [e["prob"] for e in expected]
+    assert math.fsum(probs) == pytest.approx(1)
     bars = p.eval_on_selector_all("#panel-scoring .bar", "bars => bars.map(b => [b.dataset.label, "
-                                  "Number(b.dataset.logprob), Number(b.getAttribute('width'))])")
-    assert [label for label, _, _ in bars] == ["Let", "The", "</think>", " Yes"]
-    assert [lp for _, lp, _ in bars] == expected
-    assert [w for _, _, w in bars] == pytest.approx([300 * math.exp(v) for v in expected], abs=0.01)
+                                  "Number(b.dataset.prob), Number(b.getAttribute('width'))])")
+    assert [label for label, _, _ in bars] == labels
+    assert [prob for _, prob, _ in bars] == probs
+    assert [w for _, _, w in bars] == pytest.approx([300 * v for v in probs], abs=0.01)
+    cells = p.eval_on_selector_all("#panel-scoring td.score", "cells => cells.map(c => "
+                                   "[Number(c.dataset.prob), Number(c.dataset.logprob)])")
+    assert cells == [[e["prob"], e["logprob"]] for e in expected]
+    # A label's tooltip lists its tokens.
+    p.focus("#panel-scoring thead th >> nth=3")
+    tip = p.inner_text("#tooltip")
+    assert "3 tokens" in tip
+    for token, token_id in zip(expected[2]["tokens"], expected[2]["token_ids"]):
+        assert f"{json.dumps(token)} id {token_id}" in tip
     shot(p, "scoring")
     # "Copy as Python" is code that runs and gets the same answer.
     p.click("#panel-scoring .requests summary")
-    code = p.inner_text("#panel-scoring .request >> nth=4 >> .code-python")
-    assert "extra_body" in code and "allowed_token_ids" in code
+    code = p.inner_text("#panel-scoring .request .code-python")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "FREETOKEN_API_KEY": KEY})
     assert run.returncode == 0, run.stderr
-    assert json.loads(run.stdout)["choices"][0]["logprobs"]["top_logprobs"][0] == top
+    assert ast.literal_eval(run.stdout)["data"][0]["labels"] == expected
     if shutil.which("curl"):
-        code = p.inner_text("#panel-scoring .request >> nth=4 >> .code-curl")
+        code = p.inner_text("#panel-scoring .request .code-curl")
         run = subprocess.run(["bash", "-c", code], capture_output=True, text=True, timeout=60,
                              env={**os.environ, "FREETOKEN_API_KEY": KEY})
-        answer = json.loads(run.stdout)
-        assert answer["choices"][0]["logprobs"]["top_logprobs"][0] == top, run.stderr
+        assert json.loads(run.stdout)["data"][0]["labels"] == expected, run.stderr
 
     p.fill("#scoring-prompts", "hi\n---\nWhat is the weather in Paris?")
     page.run("scoring")
     path, body = page.sent[-1]
-    choices = api(playground, path, body)["choices"]
+    data = generative_scoring(playground, body)["data"]
     cells = p.eval_on_selector_all("#panel-scoring td.score",
-                                   "cells => cells.map(c => Number(c.dataset.logprob))")
-    ids = body["allowed_token_ids"]
-    tops = [c["logprobs"]["top_logprobs"][0] for c in choices]
-    assert cells == [top[f"token_id:{i}"] for top in tops for i in ids]
+                                   "cells => cells.map(c => Number(c.dataset.prob))")
+    assert cells == [e["prob"] for d in data for e in d["labels"]]
     chosen = p.eval_on_selector_all("#panel-scoring tbody tr td:last-child",
                                     "cells => cells.map(c => c.textContent)")
-    assert chosen == ['"Let"', '"The"']
+    assert chosen == [json.dumps(max(d["labels"], key=lambda e: e["prob"])["label"])
+                      for d in data]
     shot(p, "scoring-prompts")
 
 

@@ -23,6 +23,7 @@ from freetoken.serving.errors import RequestError, error_from
 from freetoken.serving.handling import check_model, until_disconnected, usage_dict
 from freetoken.serving.limits import Limits
 from freetoken.serving.one_step import run_all
+from freetoken.tokenizer.detokenize import TokenTexts
 
 if TYPE_CHECKING:
     from freetoken.serving.client import EngineClient
@@ -35,6 +36,7 @@ Label = str | list[int]
 class LabelSet:
     given: list[Label]  # as the request spelled them
     ids: list[list[int]]  # each label's tokens
+    tokens: list[list[str]]  # and their strings, as logprob entries name them
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,8 @@ def label_set(tokenizer, given: list[Label], limits: Limits, param: str) -> Labe
         if first != i:
             raise RequestError(f"{param}[{i}] is the same tokens as {param}[{first}]: "
                                f"{label}", param=param)
-    return LabelSet(list(given), ids)
+    texts = TokenTexts.of(tokenizer)
+    return LabelSet(list(given), ids, [[texts.text(t) for t in label] for label in ids])
 
 
 def renormalised(totals: list[float], lengths: list[int], length_normalize: bool) -> list[float]:
@@ -115,8 +118,9 @@ async def score(state: EngineClient, prompts: list[list[int]], labels: LabelSet,
 
 def entries(labels: LabelSet, scores: LabelScores) -> list[dict]:
     """A prompt's labels as the responses list them."""
-    return [{"label": given, "token_ids": ids, "logprob": lp, "prob": p}
-            for given, ids, lp, p in zip(labels.given, labels.ids, scores.logprobs, scores.probs)]
+    return [{"label": given, "token_ids": ids, "tokens": tokens, "logprob": lp, "prob": p}
+            for given, ids, tokens, lp, p in zip(labels.given, labels.ids, labels.tokens,
+                                                 scores.logprobs, scores.probs)]
 
 
 async def create_generative_scoring(req: GenerativeScoringRequest, raw_request,

@@ -1,10 +1,13 @@
-// Chat mode: one streamed /v1/chat/completions, its tokens in the sections the server's parsers
-// put them in. Content and reasoning tokens carry their logprob entries (`logprobs.content`,
-// `reasoning_logprobs.content`); tool-call and marker tokens have none in the API, so calls
-// are shown as calls, with their arguments.
+// Chat mode: a conversation of turns, sent whole as `messages` to one streamed
+// /v1/chat/completions per reply. An assistant turn shows its tokens in the sections the
+// server's parsers put them in: content and reasoning tokens carry their logprob entries
+// (`logprobs.content`, `reasoning_logprobs.content`); tool-call and marker tokens have none in
+// the API, so calls are shown as calls, with their arguments. A user turn can be edited and
+// resent: the turns after it are dropped and it is answered again.
 
 import { postStream } from "./api.js";
 import { addText, addToken, tokenList } from "./tokens.js";
+import { addTurn, addUserTurn, cut, lock, takeResend, turns } from "./turns.js";
 import { compact, renderMeta, settings, value } from "./ui.js";
 
 export const EXAMPLE_TOOLS = [{
@@ -16,11 +19,13 @@ export const EXAMPLE_TOOLS = [{
   },
 }];
 
-function chatBody(model) {
+const messageBox = () => document.getElementById("chat-user");
+
+function chatBody(model, history) {
   const s = settings();
   const messages = [];
   if (value("chat-system").trim()) messages.push({ role: "system", content: value("chat-system") });
-  messages.push({ role: "user", content: value("chat-user") });
+  messages.push(...history);
   let tools = null;
   if (value("chat-tools").trim()) {
     try {
@@ -52,8 +57,10 @@ function chatEntry(e, decoder, k) {
   return { text, token: e.token, logprob: e.logprob, rank: at >= 0 ? at + 1 : null, top, k, note };
 }
 
+// One assistant turn's reply as it streams in.
 class ChatView {
-  constructor(output, k) {
+  constructor(container, k) {
+    this.container = container;
     this.k = k;
     this.reasoningBox = document.createElement("details");
     this.reasoningBox.className = "reasoning";
@@ -68,9 +75,10 @@ class ChatView {
     this.calls.className = "calls";
     this.callViews = new Map();
     this.decoders = { reasoning: new TextDecoder(), content: new TextDecoder() };
+    this.text = "";
     this.finish = null;
     this.usage = null;
-    output.append(this.reasoningBox, this.content, this.calls);
+    container.append(this.reasoningBox, this.content, this.calls);
   }
 
   add(list, label, text, entries) {
@@ -92,6 +100,7 @@ class ChatView {
         const count = this.reasoning.querySelectorAll(".tok").length;
         this.reasoningTitle.textContent = count ? `Reasoning (${count} tokens)` : "Reasoning";
       }
+      this.text += delta.content || "";
       this.add(this.content, "content", delta.content, choice.logprobs?.content);
       for (const call of delta.tool_calls || []) this.call(call);
       if (choice.finish_reason) this.finish = choice.finish_reason;
@@ -110,27 +119,60 @@ class ChatView {
       args.className = "call-args";
       box.append(name, args);
       this.calls.append(box);
-      view = { name, args, text: "" };
+      view = { id: delta.id, name: "", nameView: name, args, text: "" };
       this.callViews.set(delta.index, view);
     }
-    if (delta.function?.name) view.name.textContent = `Tool call: ${delta.function.name}`;
+    if (delta.function?.name) {
+      view.name = delta.function.name;
+      view.nameView.textContent = `Tool call: ${view.name}`;
+    }
     view.text += delta.function?.arguments || "";
     view.args.textContent = view.text;
   }
 
-  end(output) {
+  // The reply as the next request's history holds it: its reasoning left out (templates such
+  // as Qwen3's drop an earlier turn's reasoning anyway).
+  end() {
     for (const view of this.callViews.values()) {
       try {
         view.args.textContent = JSON.stringify(JSON.parse(view.text), null, 2);
       } catch (_) { /* cut short (finish_reason length): shown as sent */ }
     }
-    renderMeta(output, this.finish, this.usage);
+    renderMeta(this.container, this.finish, this.usage);
+    const calls = [...this.callViews.values()].map((v) => ({
+      id: v.id, type: "function", function: { name: v.name, arguments: v.text } }));
+    const toolCalls = calls.length ? calls : null;
+    return compact({ role: "assistant", content: this.text, tool_calls: toolCalls });
   }
 }
 
 export async function runChat(output, model, log, signal) {
-  const body = chatBody(model);
-  const view = new ChatView(output, body.top_logprobs ?? null);
-  await postStream("/v1/chat/completions", body, log, signal, (chunk) => view.chunk(chunk));
-  view.end(output);
+  const at = takeResend();
+  const text = at === null ? messageBox().value : null;
+  if (text !== null && !text.trim()) throw new Error("Write a message.");
+  const history = turns.slice(0, at === null ? turns.length : at + 1).map((t) => t.message);
+  if (text !== null) history.push({ role: "user", content: text });
+  const body = chatBody(model, history);
+  const added = text !== null ? addUserTurn(text) : null;
+  if (added) messageBox().value = "";
+  else cut(at + 1);
+  const reply = addTurn("assistant", null);
+  reply.view = new ChatView(reply.element, body.top_logprobs ?? null);
+  lock(true);
+  let failure = null;
+  try {
+    const onChunk = (chunk) => reply.view.chunk(chunk);
+    await postStream("/v1/chat/completions", body, log, signal, onChunk);
+  } catch (error) {
+    failure = error;
+  }
+  lock(false);
+  if (failure && failure.name !== "AbortError") {
+    // No reply: a new message goes back into the box, to be sent again.
+    cut(turns.indexOf(added ?? reply));
+    if (added) messageBox().value = text;
+  } else {
+    reply.message = reply.view.end();  // stopped: the reply so far is kept
+  }
+  if (failure) throw failure;
 }

@@ -52,7 +52,8 @@ export function python(origin, request, withKey) {
   const key = withKey ? `os.environ["${KEY_VAR}"]` : `"none"`;
   const sdkFields = SDK_FIELDS[request.path];
   if (!sdkFields) {
-    const auth = withKey ? `, headers={"Authorization": f"Bearer {${key}}"}` : "";
+    // Not an f-string: one holding os.environ["..."] needs Python 3.12.
+    const auth = withKey ? `, headers={"Authorization": "Bearer " + ${key}}` : "";
     const call = request.method === "POST"
       ? `httpx.post("${origin}${request.path}", json=${pyLiteral(request.body)}${auth})`
       : `httpx.get("${origin}${request.path}"${auth})`;

@@ -4,6 +4,7 @@ import { apiKey, getJSON, keyRequired, RequestLog, setApiKey } from "./api.js";
 import { EXAMPLE_TOOLS, runChat } from "./chat.js";
 import { runCompletion } from "./completion.js";
 import { runScoring } from "./scoring.js";
+import { newChat } from "./turns.js";
 import { clearError, renderRequests, showError, status } from "./ui.js";
 
 const RUNS = { chat: runChat, completion: runCompletion, scoring: runScoring };
@@ -124,4 +125,5 @@ for (const panel of document.querySelectorAll("[role=tabpanel]")) setUpForm(pane
 document.getElementById("chat-tools-example").addEventListener("click", () => {
   document.getElementById("chat-tools").value = JSON.stringify(EXAMPLE_TOOLS, null, 2);
 });
+document.getElementById("chat-new").addEventListener("click", newChat);
 loadModel();

@@ -1,10 +1,10 @@
-// Scoring mode (docs/scoring.md): each label tokenized by the server's /tokenize, then one
-// /v1/completions request for all prompts with `allowed_token_ids`, whose logprobs come back
-// renormalised over the labels. One request scores one position, so a label counts by its
-// first token: a multi-token label is flagged, and labels that share a first token are refused.
+// Scoring mode (docs/scoring.md, "Whole labels"): one /generative_scoring request whose items
+// are the prompts after an empty query (so each is tokenized as a completion prompt is). Every
+// label is scored whole, its total logprob teacher-forced through all its tokens, and the
+// totals are renormalised over the labels: labels of any length, sharing tokens or not.
 
 import { postJSON } from "./api.js";
-import { percent, shown } from "./tokens.js";
+import { percentOf, shown, withTooltip } from "./tokens.js";
 import { value } from "./ui.js";
 
 const SVG = "http://www.w3.org/2000/svg";
@@ -18,50 +18,45 @@ function scoringInput() {
   return { prompts, labels };
 }
 
-async function labelTokens(labels, log, signal) {
-  const tokenized = await Promise.all(labels.map((label) =>
-    postJSON("/tokenize", { prompt: label, add_special_tokens: false }, log, signal)));
-  const out = labels.map((label, i) => ({ label, ids: tokenized[i].tokens }));
-  const seen = new Map();
-  for (const { label, ids } of out) {
-    if (!ids.length) throw new Error(`The label ${shown(label)} has no tokens.`);
-    if (seen.has(ids[0])) {
-      const other = shown(seen.get(ids[0]));
-      throw new Error(`The labels ${other} and ${shown(label)} start with the same token ` +
-        `(${ids[0]}): one position cannot tell them apart.`);
-    }
-    seen.set(ids[0], label);
-  }
-  return out;
-}
-
-function scoringBody(model, prompts, labels) {
-  return {
-    ...(model ? { model } : {}),
-    prompt: prompts.length === 1 ? prompts[0] : prompts,
-    max_tokens: 1,
-    temperature: 0,
-    logprobs: labels.length,
-    allowed_token_ids: labels.map((l) => l.ids[0]),
-    return_tokens_as_token_ids: true,
-  };
+// A label's name that shows its tokens (as the response lists them) on hover or focus.
+function labelName(element, entry) {
+  element.textContent = shown(entry.label);
+  element.setAttribute("tabindex", "0");
+  withTooltip(element, (box) => {
+    const head = document.createElement("p");
+    head.className = "tip-token";
+    head.textContent = shown(entry.label);
+    const count = entry.tokens.length;
+    const facts = document.createElement("p");
+    facts.textContent = `${count} token${count === 1 ? "" : "s"}, scored together`;
+    const list = document.createElement("ol");
+    list.className = "label-tokens";
+    entry.tokens.forEach((token, i) => {
+      const item = document.createElement("li");
+      const name = document.createElement("code");
+      name.textContent = shown(token);
+      item.append(name, ` id ${entry.token_ids[i]}`);
+      list.append(item);
+    });
+    box.append(head, facts, list);
+  });
+  return element;
 }
 
 function chart(prompt, scores) {
-  const rowHeight = 28, labelWidth = 140, barWidth = 300, width = labelWidth + barWidth + 150;
+  const rowHeight = 28, labelWidth = 140, barWidth = 300, width = labelWidth + barWidth + 170;
   const svg = document.createElementNS(SVG, "svg");
   svg.setAttribute("class", "chart");
   svg.setAttribute("viewBox", `0 0 ${width} ${rowHeight * scores.length + 4}`);
   svg.setAttribute("role", "img");
   svg.setAttribute("aria-label", `Label probabilities for ${shown(prompt)}: ` +
-    scores.map((s) => `${s.label.trim() || shown(s.label)} ${percent(s.logprob)}`).join(", "));
+    scores.map((s) => `${s.label.trim() || shown(s.label)} ${percentOf(s.prob)}`).join(", "));
   scores.forEach((s, i) => {
     const y = i * rowHeight + 2;
-    const name = document.createElementNS(SVG, "text");
+    const name = labelName(document.createElementNS(SVG, "text"), s);
     name.setAttribute("x", labelWidth - 8);
     name.setAttribute("y", y + rowHeight / 2 + 5);
     name.setAttribute("text-anchor", "end");
-    name.textContent = shown(s.label);
     const back = document.createElementNS(SVG, "rect");
     back.setAttribute("class", "bar-back");
     back.setAttribute("x", labelWidth);
@@ -72,77 +67,63 @@ function chart(prompt, scores) {
     bar.setAttribute("class", "bar");
     bar.setAttribute("x", labelWidth);
     bar.setAttribute("y", y + 4);
-    bar.setAttribute("width", (barWidth * Math.exp(s.logprob)).toFixed(2));
+    bar.setAttribute("width", (barWidth * s.prob).toFixed(2));
     bar.setAttribute("height", rowHeight - 8);
     bar.dataset.label = s.label;
-    bar.dataset.logprob = String(s.logprob);
+    bar.dataset.prob = String(s.prob);
     const figure = document.createElementNS(SVG, "text");
     figure.setAttribute("x", labelWidth + barWidth + 8);
     figure.setAttribute("y", y + rowHeight / 2 + 5);
-    figure.textContent = `${percent(s.logprob)}  (${s.logprob.toFixed(4)})`;
+    figure.textContent = `${percentOf(s.prob)}  (${s.logprob.toFixed(4)})`;
     svg.append(name, back, bar, figure);
   });
   return svg;
 }
 
-function table(rows, labels) {
+function table(rows) {
   const t = document.createElement("table");
   t.className = "scores";
   t.createCaption().textContent =
-    "Renormalised probability over the labels, and its logprob as the API returned it";
+    "Probability renormalised over the labels, and the label's total logprob";
   const head = t.createTHead().insertRow();
-  for (const name of ["Prompt", ...labels.map((l) => shown(l.label)), "Chosen"]) {
+  const column = (name) => {
     const th = document.createElement("th");
     th.scope = "col";
-    th.textContent = name;
     head.append(th);
-  }
+    return th;
+  };
+  column().textContent = "Prompt";
+  for (const s of rows[0].scores) labelName(column(), s);
+  column().textContent = "Most likely";
   const body = t.createTBody();
-  for (const { prompt, scores, chosen } of rows) {
+  for (const { prompt, scores } of rows) {
     const row = body.insertRow();
     const th = document.createElement("th");
     th.scope = "row";
     th.textContent = prompt;
     row.append(th);
-    const best = Math.max(...scores.map((s) => s.logprob));
+    const best = scores.reduce((a, b) => (b.prob > a.prob ? b : a));
     for (const s of scores) {
       const cell = row.insertCell();
       cell.className = "score";
-      if (s.logprob === best) cell.classList.add("best");
+      if (s === best) cell.classList.add("best");
+      cell.dataset.prob = String(s.prob);
       cell.dataset.logprob = String(s.logprob);
       const bar = document.createElement("span");
       bar.className = "cell-bar";
-      bar.style.setProperty("--w", Math.exp(s.logprob).toFixed(4));
-      cell.append(bar, `${percent(s.logprob)} (${s.logprob.toFixed(4)})`);
+      bar.style.setProperty("--w", s.prob.toFixed(4));
+      cell.append(bar, `${percentOf(s.prob)} (${s.logprob.toFixed(4)})`);
     }
-    row.insertCell().textContent = shown(chosen);
+    row.insertCell().textContent = shown(best.label);
   }
   return t;
 }
 
 export async function runScoring(output, model, log, signal) {
   const { prompts, labels } = scoringInput();
-  const tokens = await labelTokens(labels, log, signal);
-  const body = scoringBody(model, prompts, tokens);
-  const response = await postJSON("/v1/completions", body, log, signal);
-  const rows = prompts.map((prompt, p) => {
-    const choice = response.choices.find((c) => c.index === p);
-    const top = choice.logprobs.top_logprobs[0];
-    const chosenId = Number(choice.logprobs.tokens[0].replace("token_id:", ""));
-    return {
-      prompt,
-      scores: tokens.map(({ label, ids }) => ({ label, logprob: top[`token_id:${ids[0]}`] })),
-      chosen: tokens.find((t) => t.ids[0] === chosenId)?.label ?? `token ${chosenId}`,
-    };
-  });
-  const multi = tokens.filter((t) => t.ids.length > 1);
-  if (multi.length) {
-    const note = document.createElement("p");
-    note.className = "note";
-    const named = multi.map((t) => `${shown(t.label)} (${t.ids.length} tokens)`);
-    note.textContent = `Scored by their first token: ${named.join(", ")}.`;
-    output.append(note);
-  }
+  const body = { ...(model ? { model } : {}), query: "", items: prompts, labels };
+  const response = await postJSON("/generative_scoring", body, log, signal);
+  const rows = response.data.map((d) => ({ prompt: prompts[d.index], scores: d.labels }));
   if (rows.length === 1) output.append(chart(rows[0].prompt, rows[0].scores));
-  output.append(table(rows, tokens));
+  output.append(table(rows));
 }

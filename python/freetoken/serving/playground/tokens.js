@@ -1,10 +1,12 @@
 // Token spans shaded by probability, and the tooltip that shows a token's logprob, rank and
-// alternatives on hover or focus. Inside a token list the arrow keys move between tokens (one
-// tab stop per list), so a long output does not swallow the Tab key.
+// alternatives (or another element's facts) on hover or focus. Inside a token list the arrow
+// keys move between tokens (one tab stop per list), so a long output does not swallow the Tab
+// key.
 
 const tooltip = () => document.getElementById("tooltip");
 
-export const percent = (logprob) => `${(100 * Math.exp(logprob)).toFixed(2)} %`;
+export const percentOf = (p) => `${(100 * p).toFixed(2)} %`;
+const percent = (logprob) => percentOf(Math.exp(logprob));
 export const shown = (text) => JSON.stringify(text);
 
 // A token list: a container whose children are token spans (and plain text runs).
@@ -30,8 +32,7 @@ export function addToken(list, label, entry) {
   span.style.setProperty("--p", Math.exp(entry.logprob).toFixed(4));
   span.tabIndex = list.querySelector(".tok") ? -1 : 0;
   span.entry = { ...entry, label };
-  for (const kind of ["mouseenter", "focus"]) span.addEventListener(kind, () => show(span));
-  for (const kind of ["mouseleave", "blur"]) span.addEventListener(kind, () => hide(span));
+  withTooltip(span, (box) => tokenTip(box, span.entry));
   list.append(span);
   const breaks = entry.text.split("\n").length - 1;
   if (breaks) list.append("\n".repeat(breaks));
@@ -64,10 +65,15 @@ function moveFocus(list, event) {
   next.focus();
 }
 
-function show(span) {
-  const { text, token = text, logprob, rank, top, k, label, note } = span.entry;
-  const box = tooltip();
-  box.replaceChildren();
+// Shows the tooltip beside `element` while it is hovered or focused, filled by fill(box).
+export function withTooltip(element, fill) {
+  const open = () => show(element, fill), close = () => hide(element);
+  for (const kind of ["mouseenter", "focus"]) element.addEventListener(kind, open);
+  for (const kind of ["mouseleave", "blur"]) element.addEventListener(kind, close);
+}
+
+function tokenTip(box, entry) {
+  const { text, token = text, logprob, rank, top, k, label, note } = entry;
   const head = document.createElement("p");
   head.className = "tip-token";
   head.textContent = shown(text);
@@ -94,9 +100,15 @@ function show(span) {
     }
     box.append(list);
   }
+}
+
+function show(element, fill) {
+  const box = tooltip();
+  box.replaceChildren();
+  fill(box);
   box.hidden = false;
-  span.setAttribute("aria-describedby", "tooltip");
-  const rect = span.getBoundingClientRect();
+  element.setAttribute("aria-describedby", "tooltip");
+  const rect = element.getBoundingClientRect();
   const width = box.offsetWidth, height = box.offsetHeight;
   const left = Math.max(4, Math.min(rect.left, window.innerWidth - width - 4));
   const below = rect.bottom + 6 + height < window.innerHeight;
@@ -104,7 +116,7 @@ function show(span) {
   box.style.setProperty("top", `${below ? rect.bottom + 6 : Math.max(4, rect.top - height - 6)}px`);
 }
 
-function hide(span) {
-  span.removeAttribute("aria-describedby");
+function hide(element) {
+  element.removeAttribute("aria-describedby");
   tooltip().hidden = true;
 }
