@@ -2,7 +2,8 @@
 (five sliding layers in a window of 8, shorter than the prompts, on a rotary base of their own,
 a global one on a linear schedule, zero-centred norms, a scores' scale other than its head
 width) batched and each alone, after a prefix-cache hit and in prefill chunks; its config as
-released; the Q8_0 GGUF llama.cpp makes of it; its image-text layout's language model."""
+released; the Q8_0 GGUF llama.cpp makes of it, a Q4_K_M one; its image-text layout's language
+model."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from freetoken.models.registry import load_model
 from freetoken.scheduler.factory import build_scheduler
 from tests.fixtures import build_models as bm
 from tests.model_fixtures import (HARMONY_TEXTS, assert_batch_matches_alone_and_reference,
-                                  assert_harmony_cache_hit_and_chunks, assert_matches_reference, greedy_run)
+                                  assert_harmony_cache_hit_and_chunks, assert_holds_stored_bytes_and_matches_reference,
+                                  assert_matches_reference, greedy_run, stored_bytes)
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +80,18 @@ def test_a_q8_0_gguf_as_llama_cpp_writes_it_matches_transformers_on_its_weights(
     together, _ = greedy_run(build_scheduler(loaded, kv_slots=512, prefix_cache=False), prompts, steps=8)
     for uid, ids in prompts.items():
         assert_matches_reference(built / "ref", ids, together[uid])
+
+
+def test_q4_k_m_blocks_stay_quantized_and_match_transformers_on_the_file():
+    """A gemma3 file of Q4_K_M's two formats (random blocks, hidden 256: a K-quant's block), its
+    norms plus 1: held as stored, against transformers' conversion of the same file (whose
+    config gets the attention scale llama.cpp assumes, 1 / sqrt(64), not transformers' 256)."""
+    built = bm.cached_gguf("tiny-quantized-gemma3")
+    loaded = load_model(built / "model.gguf", dtype="float32", device="cpu", gguf_weights="quantized")
+    assert loaded.model.cfg.attention_scale == 64 ** -0.5
+    stored = stored_bytes(built / "model.gguf", bm.GGUF_FORMATS)
+    assert set(stored) == {"Q4_K", "Q6_K", "float32"}
+    assert_holds_stored_bytes_and_matches_reference(loaded, stored, {0: list(range(5, 16)), 1: [100, 200, 300]})
 
 
 def test_the_image_text_layout_serves_its_language_model(gemma3):
