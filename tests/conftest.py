@@ -104,6 +104,13 @@ def tiny_phi3_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma3_path() -> Path:
+    """Gemma3ForCausalLM (random, 4 layers: sliding in a window of 8 and global in turn, each
+    kind on its own rotary schedule, the global one linearly scaled) on the Harmony tokenizer."""
+    return bm.cached("tiny-gemma3", bm.build_tiny_gemma3)
+
+
+@pytest.fixture(scope="session")
 def tiny_gpt_oss_path() -> Path:
     """GptOssForCausalLM (random, 2 layers, window 8, 8 experts) on the Harmony tokenizer."""
     return bm.cached("tiny-gpt-oss", bm.build_tiny_gpt_oss)

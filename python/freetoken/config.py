@@ -243,11 +243,13 @@ def original_context(hf_config: dict) -> int:
             or cfg.get("max_position_embeddings", 4096))
 
 
-def rope_parameters(hf_config: dict) -> dict:
+def rope_parameters(hf_config: dict, layer_type: str = "full_attention") -> dict:
     """The rotary embedding's parameters: transformers 5's `rope_parameters`, or the
-    `rope_scaling` of configs written before it."""
+    `rope_scaling` of configs written before it. Where transformers 5 nests them by layer type
+    (Gemma 3's local and global layers), those of `layer_type`."""
     cfg = text_config(hf_config)
-    return cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    return rope[layer_type] if isinstance(rope.get(layer_type), dict) else rope
 
 
 def rope_type(rope: dict) -> str:

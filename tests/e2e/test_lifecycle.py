@@ -87,8 +87,8 @@ SERVE_WITHOUT_ENGINE = ("import sys; from freetoken.serving import launch; "
 
 
 def test_an_unsupported_architecture_is_refused_before_the_engine_starts(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForCausalLM"],
-                                                      "model_type": "gemma3_text"}))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Gemma2ForCausalLM"],
+                                                      "model_type": "gemma2"}))
     t0 = time.time()
     r = subprocess.run([sys.executable, "-c", SERVE_WITHOUT_ENGINE, "--model", str(tmp_path), "--port", "0"],
                        env=dict(os.environ, PYTHONPATH=str(ROOT / "python")), capture_output=True,
@@ -97,7 +97,7 @@ def test_an_unsupported_architecture_is_refused_before_the_engine_starts(tmp_pat
     output = (r.stdout + r.stderr).strip()
     assert r.returncode == 1, output
     assert len(output.splitlines()) == 1 and "Traceback" not in output, output
-    assert output.startswith("freetoken: architecture Gemma3ForCausalLM is not supported; freetoken "
+    assert output.startswith("freetoken: architecture Gemma2ForCausalLM is not supported; freetoken "
                              "serves LlamaForCausalLM, "), output
     assert "Scripted" not in output
     assert elapsed < 15, elapsed  # the main process's imports only

@@ -12,7 +12,8 @@ from freetoken.paths import ModelNotFound
 # Each served architecture's transformers config (model_type).
 MODEL_TYPES = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "SmolLM3ForCausalLM": "smollm3",
-    "GraniteForCausalLM": "granite", "Phi3ForCausalLM": "phi3",
+    "GraniteForCausalLM": "granite", "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3_text",
+    "Gemma3ForConditionalGeneration": "gemma3",
     "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2MoeForCausalLM": "qwen2_moe", "GptOssForCausalLM": "gpt_oss",
     "Qwen3_5ForCausalLM": "qwen3_5_text", "Qwen3_5ForConditionalGeneration": "qwen3_5",
@@ -38,9 +39,9 @@ def test_every_served_architecture_passes_with_transformers_defaults():
 
 def test_an_unknown_architecture_names_the_served_ones_but_not_the_test_model():
     with pytest.raises(ModelNotFound) as refused:
-        check_supported({"architectures": ["Gemma3ForCausalLM"]})
+        check_supported({"architectures": ["Gemma2ForCausalLM"]})
     message = str(refused.value)
-    assert message.startswith("architecture Gemma3ForCausalLM is not supported; freetoken serves ")
+    assert message.startswith("architecture Gemma2ForCausalLM is not supported; freetoken serves ")
     assert all(arch in message for arch in SERVED) and "Scripted" not in message
     assert "\n" not in message
     check_supported({"architectures": ["ScriptedForCausalLM"], "vocab_size": 8})  # still loadable
@@ -67,6 +68,18 @@ def test_an_unknown_architecture_names_the_served_ones_but_not_the_test_model():
      "partial_rotary_factor=0.25"),
     ("Qwen3ForCausalLM", {"layer_types": ["full_attention", "linear_attention"]}, r"layer_types=\['linear_attention'\]"),
     ("GptOssForCausalLM", {"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
+    # Gemma 3's releases set neither soft cap (Gemma 2's did), nor a GeGLU of another GELU
+    ("Gemma3ForCausalLM", {"final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
+     "attn_logit_softcapping=50.0, final_logit_softcapping=30.0"),
+    ("Gemma3ForCausalLM", {"hidden_activation": "gelu"}, "hidden_activation='gelu'"),
+    ("Gemma3ForCausalLM", {"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
+    ("Qwen3ForCausalLM", {"query_pre_attn_scalar": 144}, "query_pre_attn_scalar=144"),
+    # each layer type's schedule, transformers 5's nesting; as released: the global layers'
+    ("Gemma3ForCausalLM", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                               "sliding_attention": {"rope_type": "yarn", "factor": 2.0}}},
+     "rope_type 'yarn'"),
+    ("Gemma3ForCausalLM", {"rope_parameters": None, "rope_scaling": {"rope_type": "dynamic", "factor": 8.0}},
+     "rope_type 'dynamic'"),
 ])  # fmt: skip
 def test_a_field_the_family_would_ignore_is_refused_by_name(arch, fields, named):
     with pytest.raises(ModelNotFound, match=f"^{arch} with {named}") as refused:
@@ -87,7 +100,7 @@ def test_fields_set_as_the_family_computes_them_pass(arch, fields):
 
 
 def test_a_gguf_of_an_unserved_architecture_is_refused_before_it_is_converted(tmp_path, monkeypatch):
-    """transformers reads a gemma3 file's config; the refusal comes before its conversion to a
+    """transformers reads a gemma2 file's config; the refusal comes before its conversion to a
     float32 folder (the weights' load)."""
     from tests.fixtures import build_models as bm
 
@@ -95,6 +108,6 @@ def test_a_gguf_of_an_unserved_architecture_is_refused_before_it_is_converted(tm
         raise AssertionError("converted before the refusal")
 
     monkeypatch.setattr(registry, "gguf_to_folder", converted)
-    path = bm.build_config_only_gguf(tmp_path, "gemma3") / "model.gguf"
-    with pytest.raises(ModelNotFound, match="^architecture Gemma3ForCausalLM is not supported"):
+    path = bm.build_config_only_gguf(tmp_path, "gemma2") / "model.gguf"
+    with pytest.raises(ModelNotFound, match="^architecture Gemma2ForCausalLM is not supported"):
         registry.load_model(path)

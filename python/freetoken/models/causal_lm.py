@@ -21,6 +21,11 @@ class CausalLM(nn.Module):
     def vocab_size(self) -> int:
         return self.cfg.vocab_size
 
+    def reads(self, name: str) -> bool:
+        """Does the module hold checkpoint tensor `name` (what it never uses, an image-text
+        checkpoint's vision tower, is not read)?"""
+        return True
+
     def convert_hf_weights(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """transformers' names and layouts to this module's."""
         return state

@@ -76,13 +76,16 @@ def stored_tensors(file: BinaryIO) -> dict[str, StoredTensor]:
             for name, entry in header.items()}
 
 
-def read_weights(folder: Path, part: Callable | None = None) -> dict[str, torch.Tensor]:
-    """The folder's tensors by name. `part(name, stored)`: the piece of a tensor to keep (a
-    tensor-parallel rank's, models/layers/tensor_parallel.py), or None to skip it."""
+def read_weights(folder: Path, part: Callable | None = None,
+                 reads: Callable[[str], bool] = lambda name: True) -> dict[str, torch.Tensor]:
+    """The folder's tensors by name, those `reads` names. `part(name, stored)`: the piece of a
+    tensor to keep (a tensor-parallel rank's, models/layers/tensor_parallel.py), or None to skip it."""
     state: dict[str, torch.Tensor] = {}
     for path in sorted(folder.glob("*.safetensors")):
         with open(path, "rb", buffering=0) as file:
             for name, stored in stored_tensors(file).items():
+                if not reads(name):
+                    continue
                 tensor = stored.read() if part is None else part(name, stored)
                 if tensor is not None:
                     state[name] = tensor

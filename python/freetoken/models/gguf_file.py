@@ -57,6 +57,11 @@ LAYER = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k":
 # attention, [heads]); its experts' biases are ffn_{gate,up,down}_exps.bias ([E, I], [E, H]).
 GPT_OSS_LAYER = {**LAYER, "ffn_gate_inp": "mlp.router", "post_attention_norm": "post_attention_layernorm",
                  "attn_sinks": "self_attn"}
+# Gemma 3 (models/gemma3.py): four norms a layer. llama.cpp's converter adds 1 to each of its
+# norms (transformers scales by 1 + weight), which read_tensors takes off again.
+GEMMA3_LAYER = {**LAYER, "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+LAYERS = {"gpt-oss": GPT_OSS_LAYER, "gemma3": GEMMA3_LAYER}
 # A tokenizer's end-of-generation tokens beyond the one a GGUF names, by model type (the HF
 # release's generation config names them): a gpt-oss reply ends in <|return|>, or <|call|>
 # before a tool runs.
@@ -86,9 +91,7 @@ def config_folder(gguf: Path, cache: Path, link: str) -> Path:
     # tensors alone, for a split file.
     config["tie_word_embeddings"] = all(t.name != "output.weight" for t in reader.tensors)
     config["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config["model_type"], "?")]
-    if config["model_type"] == "gpt_oss":
-        yarn = {name: _value(reader, YARN_PREFIX + key) for key, name in YARN_KEYS.items()}
-        config["rope_parameters"] |= {name: value for name, value in yarn.items() if value is not None}
+    fill_dropped_fields(reader, config)
     vocab = tokenizer.get_vocab()
     stops = [vocab[t] for t in STOP_TOKENS.get(config["model_type"], ()) if t in vocab]
     if stops:
@@ -122,6 +125,29 @@ YARN_PREFIX = "gpt-oss.rope.scaling."
 YARN_KEYS = {"factor": "factor", "original_context_length": "original_max_position_embeddings"}
 
 
+def fill_dropped_fields(reader: GGUFModel, config: dict) -> None:
+    """What llama.cpp reads from the file (or assumes) that transformers' parse of it leaves out
+    of `config`, put in: gpt-oss's YaRN parameters; Gemma 3's linear scaling of its global
+    layers' frequencies, its window (none where the file has none), its sliding layers' rotary
+    base (10000 unless the file says), its attention scale (llama.cpp's rule: 1 / sqrt(hidden /
+    heads) at 62 layers, the 27B, else 1 / sqrt(head width); transformers' default is 256
+    whatever the model) and a final soft cap (refused: registry.QUIRKS)."""
+    if config["model_type"] == "gpt_oss":
+        yarn = {name: _value(reader, YARN_PREFIX + key) for key, name in YARN_KEYS.items()}
+        config["rope_parameters"] |= {name: value for name, value in yarn.items() if value is not None}
+    elif config["model_type"] == "gemma3_text":
+        rope = config["rope_parameters"]
+        scaling = _string(reader, "gemma3.rope.scaling.type")
+        if scaling not in (None, "none"):
+            rope["full_attention"] |= {"rope_type": scaling, "factor": _value(reader, "gemma3.rope.scaling.factor")}
+        rope["sliding_attention"]["rope_theta"] = _value(reader, "gemma3.rope.freq_base_swa") or 10000.0
+        heads = config["num_attention_heads"]
+        config |= {"sliding_window": _value(reader, "gemma3.attention.sliding_window"),
+                   "final_logit_softcapping": _value(reader, "gemma3.final_logit_softcapping"),
+                   "query_pre_attn_scalar": (config["hidden_size"] // heads if config["num_hidden_layers"] == 62
+                                             else config["head_dim"])}
+
+
 @contextmanager
 def _hidden(prefix: str):
     """transformers' GGUF parse (which opens the gguf package's GGUFReader) without the fields
@@ -149,11 +175,17 @@ def _value(reader: GGUFModel, key: str) -> int | float | None:
     return None if field is None else field.parts[field.data[0]].tolist()[0]
 
 
+def _string(reader: GGUFModel, key: str) -> str | None:
+    """A string metadata field's value (None where the file has no such field)."""
+    field = reader.fields.get(key)
+    return None if field is None else bytes(field.parts[field.data[0]]).decode()
+
+
 def hf_name(gguf_name: str, arch: str = "") -> str | None:
     """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; None for a name that has
     no place in a decoder of the GGUF architecture `arch`."""
     parts = gguf_name.split(".")
-    layer = GPT_OSS_LAYER if arch == "gpt-oss" else LAYER
+    layer = LAYERS.get(arch, LAYER)
     if parts[0] == "blk" and len(parts) == 4 and parts[2] in layer:
         leaf = "sinks" if parts[2] == "attn_sinks" else parts[3]
         return f"model.layers.{parts[1]}.{layer[parts[2]]}.{leaf}"
@@ -182,6 +214,8 @@ def expected_shapes(cfg, arch: str = "") -> dict[str, tuple[int, ...]]:
         layer["self_attn.o_proj.bias"] = (h,)
     if cfg.qk_norm:
         layer |= {"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
+    if arch == "gemma3":
+        layer |= {"pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,)}
     sparse = dict(layer)
     sparse_layers = getattr(cfg, "sparse_layers", frozenset())
     if sparse_layers:
@@ -392,6 +426,8 @@ def read_tensors(path: Path, reader: GGUFModel, cfg, permuted: bool,
         rows = _unpermute(name, cfg, shape[0]) if permuted else None
         if t.tensor_type in FLOATS:
             state[name] = _float(t, rows).reshape(shape)
+            if arch == "gemma3" and name.endswith("norm.weight"):
+                state[name] = state[name].float() - 1  # as transformers' GGUF conversion takes it off
         elif kept_as_stored(t.tensor_type, quantized):
             data = _view(t.data) if rows is None else torch.from_numpy(t.data[rows])
             state[name] = QuantizedWeight(t.tensor_type, data.reshape(*shape[:-1], -1), shape)

@@ -1,6 +1,6 @@
 """Llama / Mistral / SmolLM3 / Granite / Phi-3 / Qwen2 / Qwen3 decoder over the engine's KV pool,
-and the base of the families built on it (qwen3_moe.py, gpt_oss.py), which bring only their own
-MLP and attention softmax.
+and the base of the families built on it (qwen3_moe.py, gpt_oss.py, which bring only their own
+MLP and attention softmax; gemma3.py, its own layer and embedding scale).
 
 Module names mirror transformers', except that q/k/v and gate/up projections are fused into one
 matmul each (`fuse_hf_weights` maps a transformers state dict; Phi-3's stores them so). The
@@ -31,7 +31,7 @@ from freetoken.models.layers.mlp import MLP
 from freetoken.models.layers.norm import RMSNorm
 from freetoken.models.layers.parts import RowParts
 from freetoken.models.layers.quantized import QuantizedLinear
-from freetoken.models.layers.rotary import SCHEDULES, Llama3, LongRope, Yarn, cos_sin
+from freetoken.models.layers.rotary import SCHEDULES, Schedule, cos_sin
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class ModelConfig:
     attention_bias: bool
     qk_norm: bool
     o_proj_bias: bool = False
-    rope_scaling: Yarn | Llama3 | LongRope | None = None  # None: the default schedule
+    rope_scaling: Schedule | None = None  # None: the default schedule
     sliding_window: int | None = None  # keys a sliding layer's query sees, itself included
     sliding_layers: frozenset[int] = frozenset()
     unrotated_layers: frozenset[int] = frozenset()  # without rotary embedding (SmolLM3's NoPE layers)
@@ -210,11 +210,12 @@ class LlamaForCausalLM(CausalLM):
     # Stacked experts whose intermediate size a tensor-parallel rank takes in whole blocks of this.
     experts_block = 1
     supports_pooling = True  # fills ctx.hidden
+    layer_class: type[nn.Module] = DecoderLayer
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.model = Backbone(cfg)
+        self.model = Backbone(cfg, self.layer_class)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -225,12 +226,22 @@ class LlamaForCausalLM(CausalLM):
     def ties_head(self, state: dict[str, torch.Tensor]) -> bool:
         return self.cfg.tie_word_embeddings
 
-    def forward(self, batch: Batch, ctx: ForwardContext) -> torch.Tensor:
-        x = self.model.embed_tokens(ctx.input_ids)
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings of `ids` (Granite's scaled)."""
+        x = self.model.embed_tokens(ids)
+        if self.cfg.embedding_multiplier != 1:
+            x.mul_(self.cfg.embedding_multiplier)
+        return x
+
+    def rotations(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple:
+        """What the layers turn q and k by: cos and sin of the positions' angles (`cos_sin`)."""
         cfg = self.cfg
-        if cfg.embedding_multiplier != 1:
-            x.mul_(cfg.embedding_multiplier)
-        cos, sin = cos_sin(ctx.positions, cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, x.dtype)
+        return cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, dtype)
+
+    def forward(self, batch: Batch, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed(ctx.input_ids)
+        cfg = self.cfg
+        cos, sin = self.rotations(ctx.positions, x.dtype)
         x, delta = self.model.run_layers(x, cos, sin, ctx)
         x.add_(delta)
         if ctx.hidden_rows is not None:

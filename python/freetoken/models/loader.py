@@ -83,7 +83,7 @@ def _map_gguf_extras() -> None:
 def gguf_to_folder(gguf: Path, served: tuple[str, ...]) -> Path:
     """Convert a GGUF file once into an HF folder; later loads read the folder (about 1 s).
     `served`: the architectures freetoken serves, named when the conversion fails."""
-    from freetoken.models.gguf_file import gguf_parts
+    from freetoken.models.gguf_file import fill_dropped_fields, gguf_parts, open_gguf
 
     folder = _cache_folder(gguf)
     if (folder / "model.safetensors").is_file():
@@ -117,6 +117,7 @@ def gguf_to_folder(gguf: Path, served: tuple[str, ...]) -> Path:
     config = hf.config.to_dict()
     config.pop("quantization_config", None)
     config["architectures"] = [type(hf).__name__]
+    fill_dropped_fields(open_gguf(gguf), config)
     (tmp / "config.json").write_text(json.dumps(config, indent=1))
     tensors = {k: v.contiguous() for k, v in hf.state_dict().items()}
     if config.get("tie_word_embeddings"):
@@ -196,7 +197,7 @@ def build(model_class: type, folder: Path, hf_config: dict, tokenizer, dtype: to
     with torch.device("meta"):
         module = model_class.from_hf(hf_config)
     part = shard_model(module, group) if group is not None else None
-    state = module.convert_hf_weights(read_weights(folder, part))
+    state = module.convert_hf_weights(read_weights(folder, part, module.reads))
     return _assign(module, state, {}, tokenizer, dtype, device, in_parts, linear_kernel)
 
 

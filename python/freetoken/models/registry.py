@@ -41,6 +41,9 @@ class Family:
 # The attention of Qwen's, Mistral's, SmolLM3's and gpt-oss's releases honours `sliding_window`;
 # transformers' Llama ignores it.
 _WINDOWED = frozenset({"sliding_window"})
+# Gemma 3: its text-only checkpoints, and the language model of the image-text ones.
+_GEMMA3 = Family("gemma3", "Gemma3ForCausalLM", implements=_WINDOWED | {"query_pre_attn_scalar"},
+                 rope_types=("default", "linear"))
 _HYBRID = Family("qwen3_5", "Qwen3_5ForCausalLM", tensor_parallel=(
     "tensor parallelism splits the attention-only decoders, not the hybrid (linear-attention) models"),
     implements=frozenset({"layer_types", "partial_rotary_factor"}), rope_types=("default",))
@@ -54,6 +57,8 @@ ARCHITECTURES = {
     # transformers' Phi-3 reads a `yarn` schedule as longrope: only its own two are computed.
     "Phi3ForCausalLM": Family("llama", "LlamaForCausalLM", implements=_WINDOWED | {"partial_rotary_factor"},
                               rope_types=("default", "longrope")),
+    "Gemma3ForCausalLM": _GEMMA3,
+    "Gemma3ForConditionalGeneration": _GEMMA3,
     "Qwen2ForCausalLM": Family("llama", "LlamaForCausalLM", implements=_WINDOWED),
     "Qwen3ForCausalLM": Family("llama", "LlamaForCausalLM", implements=_WINDOWED),
     "Qwen3MoeForCausalLM": Family("qwen3_moe", "Qwen3MoeForCausalLM", implements=_WINDOWED),
@@ -99,20 +104,26 @@ QUIRKS = {
     "no_rope_layers": lambda cfg, field: None if all(cfg.get(field) or ()) else cfg[field],  # SmolLM3's 0s
     "partial_rotary_factor": _partial_rotary,
     "hidden_act": lambda cfg, field: None if cfg.get(field, "silu") in ("silu", "swish") else cfg[field],  # SwiGLU
+    # Gemma's name for it: its MLP's GeGLU, transformers' gelu_pytorch_tanh.
+    "hidden_activation": lambda cfg, field: None if cfg.get(field) in (None, "gelu_pytorch_tanh") else cfg[field],
     "mlp_bias": lambda cfg, field: cfg.get(field) or None,
-    # Granite's scales (attention_multiplier replaces 1 / sqrt(head_dim)), Gemma's soft caps.
+    # Granite's scales (attention_multiplier replaces 1 / sqrt(head_dim)), Gemma's (its scores'
+    # scale in place of 1 / sqrt(head_dim)), Gemma 2's soft caps (Gemma 3 has none).
     "embedding_multiplier": _other_than(1),
     "residual_multiplier": _other_than(1),
     "logits_scaling": _other_than(1),
     "attention_multiplier": _other_than(None),
+    "query_pre_attn_scalar": _other_than(None),
     "attn_logit_softcapping": _other_than(None),
     "final_logit_softcapping": _other_than(None),
+    # EmbeddingGemma's: every token sees its window both ways.
+    "use_bidirectional_attention": lambda cfg, field: cfg.get(field) or None,
 }
 # The architectures whose GGUF weights are read from the file (models/gguf_file.py), by one
 # process or by each tensor-parallel rank (its slices), kept quantized on the CPU where asked;
 # the others are converted by transformers first.
 GGUF_READ = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-             "Qwen2MoeForCausalLM", "GptOssForCausalLM")
+             "Qwen2MoeForCausalLM", "GptOssForCausalLM", "Gemma3ForCausalLM")
 
 
 @dataclass
@@ -148,10 +159,11 @@ def check_supported(hf_config: dict) -> None:
     if family is None:
         raise ModelNotFound(f"architecture {arch} is not supported; freetoken serves {', '.join(SERVED)}")
     cfg = text_config(hf_config)
-    schedule = rope_type(rope_parameters(cfg))
-    if schedule not in family.rope_types:
-        raise ModelNotFound(f"{arch} with rope_type {schedule!r} is not supported (its family computes "
-                            f"{', '.join(family.rope_types)})")
+    for layers in ("full_attention", "sliding_attention"):  # the same unless nested by layer type
+        schedule = rope_type(rope_parameters(cfg, layers))
+        if schedule not in family.rope_types:
+            raise ModelNotFound(f"{arch} with rope_type {schedule!r} is not supported (its family computes "
+                                f"{', '.join(family.rope_types)})")
     unsupported = [f"{field}={value!r}" for field, relied_on in QUIRKS.items()
                    if field not in family.implements and (value := relied_on(cfg, field)) is not None]
     if unsupported:

@@ -59,3 +59,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         rows = slice(start, start + block)
         torch.mul(F.silu(gate[rows].contiguous()), up[rows], out=out[rows])
     return out
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU over a fused projection whose first half is the gate (Gemma's): GELU's tanh
+    approximation (transformers' `gelu_pytorch_tanh`, torch's op) lanewise, times the up half."""
+    half = gate_up.shape[-1] // 2
+    return lanewise(_gelu_tanh, gate_up[:, :half]).mul_(gate_up[:, half:])
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")

@@ -1,11 +1,12 @@
-"""The dense feed-forward block: fused gate/up projection, SiLU-gated, down projection."""
+"""The dense feed-forward block: fused gate/up projection, SiLU-gated (GELU-gated: Gemma's
+GeGLU), down projection."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from freetoken.models.layers.elementwise import silu_and_mul
+from freetoken.models.layers.elementwise import gelu_tanh_and_mul, silu_and_mul
 from freetoken.models.layers.linear import Linear
 
 
@@ -17,3 +18,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class GeGLU(MLP):
+    """The gate through GELU's tanh approximation (transformers' `gelu_pytorch_tanh`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))

@@ -1,6 +1,7 @@
 """Rotary embedding: the frequencies (the default schedule, YaRN for gpt-oss and long-context
-Qwen releases, Llama 3.1's `llama3`, Phi-3's `longrope`), the angles' cos and sin, and the
-rotation of q and k.
+Qwen releases, Llama 3.1's `llama3`, Phi-3's `longrope`, the `linear` one of Gemma 3's global
+layers: every frequency divided by the factor), the angles' cos and sin, and the rotation of q
+and k.
 
 YaRN blends, per frequency, the original angle (fast dimensions, extrapolated) with the angle
 divided by `factor` (slow dimensions, interpolated) along a linear ramp between the dimensions
@@ -116,8 +117,21 @@ class LongRope:
         return 1.0 / (factors * base ** _exponent(dim, device)), self.attention_factor
 
 
+@dataclass(frozen=True)
+class LinearScaling:
+    factor: float
+
+    @classmethod
+    def from_hf(cls, rope: dict, max_position_embeddings: int) -> LinearScaling:
+        return cls(factor=rope["factor"])
+
+    def frequencies(self, dim: int, base: float, device: torch.device) -> tuple[torch.Tensor, float]:
+        return 1.0 / (base ** _exponent(dim, device)) / self.factor, 1.0
+
+
 # The scaled schedules, by the rope_type naming each (none: the default schedule).
-SCHEDULES = {"yarn": Yarn, "llama3": Llama3, "longrope": LongRope}
+SCHEDULES = {"yarn": Yarn, "llama3": Llama3, "longrope": LongRope, "linear": LinearScaling}
+Schedule = Yarn | Llama3 | LongRope | LinearScaling
 
 
 def _correction_dim(rotations: float, dim: int, base: float, context: int) -> float:
@@ -130,7 +144,7 @@ def _exponent(dim: int, device: torch.device) -> torch.Tensor:
 
 
 @cache  # every step asks for the same few; the tensor is only read
-def rope_frequencies(dim: int, base: float, scaling: Yarn | Llama3 | LongRope | None,
+def rope_frequencies(dim: int, base: float, scaling: Schedule | None,
                      device: torch.device) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [dim / 2] in fp32, and the factor cos and sin are scaled by."""
     if scaling is None:
@@ -138,7 +152,7 @@ def rope_frequencies(dim: int, base: float, scaling: Yarn | Llama3 | LongRope | 
     return scaling.frequencies(dim, base, device)
 
 
-def cos_sin(positions: torch.Tensor, dim: int, base: float, scaling: Yarn | Llama3 | LongRope | None,
+def cos_sin(positions: torch.Tensor, dim: int, base: float, scaling: Schedule | None,
             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [T, 1, dim] of the positions' angles (broadcast over heads), computed in fp32
     whatever `dtype`, as transformers computes them."""
