@@ -25,7 +25,7 @@ class Glm45Splitter(ThinkSplitter):
 class Glm45Detector(Detector):
     """``<tool_call>NAME\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>\\n</tool_call>``.
 
-    The name runs to the first newline (or ``<arg_key>``); keys and values are stripped. A
+    The name runs to the first newline or tag; keys and values are stripped. A
     value whose parameter the tool's schema types as only ``string`` is text and streams as it
     arrives; any other (typed, undeclared, or of an unknown tool) is read as JSON, then as a
     Python literal, else kept as text, and is sent when its ``</arg_value>`` comes. A missing
@@ -38,7 +38,7 @@ class Glm45Detector(Detector):
 
     def scan_call(self, text: str, final: bool) -> CallScan:
         head = len(self.OPEN)
-        cut, tag = find_first(text, ("\n", self.KEY, self.CLOSE), head)
+        cut, tag = find_first(text, ("\n", "<"), head)
         if tag is None:
             return CallScan(TEXT, consumed=head) if final else CallScan(PENDING)
         name = text[head:cut].strip()

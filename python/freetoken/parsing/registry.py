@@ -124,6 +124,8 @@ _ALWAYS_HEADED = {"gpt_oss"}  # Harmony output opens with a channel header, thin
 # grammar spans the family's own reasoning too (Harmony's analysis comes before its call).
 TOOL_GRAMMARS = {"hermes": (tool_grammar.hermes, False),
                  "qwen3_coder": (tool_grammar.qwen3_coder, False),
+                 "glm45": (tool_grammar.glm45, False),
+                 "mistral": (tool_grammar.mistral, False),
                  "gpt_oss": (tool_grammar.harmony, True)}
 
 
