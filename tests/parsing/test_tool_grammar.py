@@ -57,19 +57,18 @@ def hermes(*calls: tuple[str, dict]) -> str:
                      for n, a in calls)
 
 
-def coder(*calls: tuple[str, dict]) -> str:
-    def raw(v):
-        return v if isinstance(v, str) else json.dumps(v)
+def raw(v) -> str:
+    """A tag format's value: a string as it is, anything else JSON."""
+    return v if isinstance(v, str) else json.dumps(v)
 
+
+def coder(*calls: tuple[str, dict]) -> str:
     return "\n".join(f"<tool_call>\n<function={n}>\n" + "".join(
         f"<parameter={k}>\n{raw(v)}\n</parameter>\n" for k, v in a.items())
         + "</function>\n</tool_call>" for n, a in calls)
 
 
 def glm(*calls: tuple[str, dict]) -> str:
-    def raw(v):
-        return v if isinstance(v, str) else json.dumps(v)
-
     return "\n".join(f"<tool_call>{n}\n" + "".join(
         f"<arg_key>{k}</arg_key>\n<arg_value>{raw(v)}</arg_value>\n" for k, v in a.items())
         + "</tool_call>" for n, a in calls)

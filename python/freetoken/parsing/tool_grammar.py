@@ -134,6 +134,22 @@ def _coder_value(schema: Any, term: str, rules: list[str]) -> str:
                          as_text=not types or "string" in types)
 
 
+def _members(tool: dict, member: Callable[[int, str, Any], str]) -> str:
+    """The tool's parameters in the schema's order, each as `member(j, key, schema)`: the
+    required ones always (a string where the schema leaves one undeclared), the others
+    optional; the schema's `$defs` go with each sub-schema."""
+    schema = _params(tool)
+    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    required = [r for r in schema.get("required") or [] if isinstance(r, str)]
+    props = {**props, **{r: {"type": "string"} for r in required if r not in props}}
+    defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
+    parts = []
+    for j, (key, sub) in enumerate(props.items()):
+        part = member(j, key, {**sub, **defs} if isinstance(sub, dict) and defs else sub)
+        parts.append(f"({part})" if key in required else f"({part})?")
+    return " ".join(parts)
+
+
 def qwen3_coder(tools: list[dict], name: str | None, parallel: bool, literal: Literal) -> str:
     """``<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n...``
     ``</function>\\n</tool_call>``: the parameters in the schema's order, the required ones
@@ -143,19 +159,11 @@ def qwen3_coder(tools: list[dict], name: str | None, parallel: bool, literal: Li
     open_, close = literal("<tool_call>"), literal("</tool_call>")
     end_call = quote("</function>\n")
     for i, tool in enumerate(chosen):
-        schema = _params(tool)
-        props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-        required = [r for r in schema.get("required") or [] if isinstance(r, str)]
-        props = {**props, **{r: {"type": "string"} for r in required if r not in props}}
-        defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
-        parts = []
-        for j, (key, sub) in enumerate(props.items()):
-            sub = {**sub, **defs} if isinstance(sub, dict) and defs else sub
-            value = _coder_value(sub, f"V_{i}_{j}", rules)
-            part = f"{quote(f'<parameter={key}>' + NL)} {value}"
-            parts.append(f"({part})" if key in required else f"({part})?")
+        def member(j: int, key: str, sub: Any) -> str:
+            return f"{quote(f'<parameter={key}>' + NL)} {_coder_value(sub, f'V_{i}_{j}', rules)}"
+
         head = quote(f"\n<function={tool['function']['name']}>\n")
-        rules.append(f"call_{i}: {open_} {head} {' '.join(parts)} {end_call} {close}")
+        rules.append(f"call_{i}: {open_} {head} {_members(tool, member)} {end_call} {close}")
     return "\n".join(rules) + "\n"
 
 
@@ -166,24 +174,16 @@ def glm45(tools: list[dict], name: str | None, parallel: bool, literal: Literal)
     or surrounding whitespace, any other JSON."""
     chosen = _chosen(tools, name)
     rules = [_start(parallel and name is None), _alternatives(chosen)]
-    key, key_end, value = literal("<arg_key>"), literal("</arg_key>"), literal("<arg_value>")
+    key_open, key_end, value = literal("<arg_key>"), literal("</arg_key>"), literal("<arg_value>")
     end = f"{literal('</arg_value>')} {quote(NL)}"
     for i, tool in enumerate(chosen):
-        schema = _params(tool)
-        props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-        required = [r for r in schema.get("required") or [] if isinstance(r, str)]
-        props = {**props, **{r: {"type": "string"} for r in required if r not in props}}
-        defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
-        parts = []
-        for j, (k, sub) in enumerate(props.items()):
-            sub = {**sub, **defs} if isinstance(sub, dict) and defs else sub
-            types = _types(sub)
+        def member(j: int, key: str, sub: Any) -> str:
             v = _tagged_value(sub, f"G_{i}_{j}", rules, end, _GLM_TAGS,
-                              as_text=types <= {"string"}, trimmed=True)
-            part = f"{key} {quote(k)} {key_end} {quote(NL)} {value} {v}"
-            parts.append(f"({part})" if k in required else f"({part})?")
+                              as_text=_types(sub) <= {"string"}, trimmed=True)
+            return f"{key_open} {quote(key)} {key_end} {quote(NL)} {value} {v}"
+
         head = quote(f"{tool['function']['name']}{NL}")
-        rules.append(f"call_{i}: {literal('<tool_call>')} {head} {' '.join(parts)} "
+        rules.append(f"call_{i}: {literal('<tool_call>')} {head} {_members(tool, member)} "
                      f"{literal('</tool_call>')}")
     return "\n".join(rules) + "\n"
 
