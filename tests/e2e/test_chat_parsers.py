@@ -1,7 +1,8 @@
 """Reasoning and tool-call parsers through `freetoken serve` on scripted models (issue 4).
 
 Servers: `scripted_server` (default script; auto = qwen3 + hermes), `chat_server` (qwen3 +
-qwen3_coder) and `harmony_server` (a scripted model on the Harmony tokenizer; auto = gpt_oss).
+qwen3_coder), `harmony_server` (a scripted model on the Harmony tokenizer; auto = gpt_oss), and
+chat_model_path again with glm45's and with mistral's parsers (`parsed_by`).
 Every case is asked for once with the openai client and once streamed, and the two messages must
 be the same.
 """
@@ -32,6 +33,13 @@ def chat_server(server, chat_model_path):
 def harmony_server(server, harmony_scripted_path):
     """The Harmony scripted model; auto picks the gpt_oss reasoning and tool parsers."""
     return server("--model", str(harmony_scripted_path))
+
+
+@pytest.fixture(scope="module")
+def parsed_by(server, chat_model_path):
+    """`parsed_by(reasoning, tool)`: chat_model_path served with these parsers."""
+    return lambda reasoning, tool: server("--model", str(chat_model_path), "--reasoning-parser",
+                                          reasoning, "--tool-call-parser", tool)
 
 
 def _tool(name: str, **props: str) -> dict:
@@ -112,6 +120,29 @@ def test_partial_opener_held_to_the_end_is_text(chat_server):
     out = chat(chat_server, "[held]", tools=[TIME])
     assert (out["reasoning"], out["content"]) == ("Checking.", "Call <function")
     assert out["calls"] == [] and out["finish_reason"] == "stop"
+
+
+def _content_tokens(out: dict) -> str:
+    """The text of logprobs.content's entries (their bytes, joined)."""
+    return b"".join(bytes(e["bytes"]) for e in out["logprobs"]).decode()
+
+
+def test_glm45_reasoning_text_and_typed_call(parsed_by):
+    out = chat(parsed_by("glm45", "glm45"), "[glm45]", tools=[WEATHER], logprobs=True)
+    assert (out["reasoning"], out["content"]) == ("I need the weather.", "One moment.\n")
+    assert out["calls"] == [("get_weather", '{"city": "Paris", "days": 3}')]
+    assert out["finish_reason"] == "tool_calls"
+    assert _content_tokens(out) == "One moment.\n"  # streamed == non-streamed, checked in chat()
+
+
+def test_mistral_calls_with_nine_character_ids(parsed_by):
+    out = chat(parsed_by("off", "mistral"), "[mistral]", tools=[WEATHER, TIME], logprobs=True)
+    assert out["content"] == "Checking.\n" and out["reasoning"] == ""
+    assert out["calls"] == [("get_weather", '{"city": "Paris", "days": 3}'),
+                            ("get_time", '{"zone": "CET"}')]
+    assert out["finish_reason"] == "tool_calls" and _content_tokens(out) == "Checking.\n"
+    ids = [c["id"] for c in out["choice"]["message"]["tool_calls"]]
+    assert all(len(i) == 9 and i.isalnum() for i in ids), ids
 
 
 def test_harmony_analysis_and_final(harmony_server):

@@ -1,7 +1,7 @@
 """The tool-call stage through the output parser on text alone: turns generated from known
 calls and rendered in each format must parse back to those calls, in one piece and in any
-chunking; plus truncation, typed qwen3_coder values, Harmony and the reasoning -> tool
-pipeline."""
+chunking; plus truncation, typed qwen3_coder and glm45 values, Harmony, mistral's two layouts
+and the reasoning -> tool pipeline."""
 
 from __future__ import annotations
 
@@ -12,15 +12,17 @@ from hypothesis import given, settings, strategies as st
 
 from freetoken.parsing import registry
 from freetoken.parsing.calls import Detector, ToolCallItem
+from freetoken.parsing.glm45 import Glm45Detector, glm_value
 from freetoken.parsing.harmony import HarmonyDetector
 from freetoken.parsing.hermes import HermesDetector
+from freetoken.parsing.mistral import MistralDetector
 from freetoken.parsing.qwen3_coder import Qwen3CoderDetector, convert_param_value
 from tests.parsing.support import TOOLS
 
 FAST = settings(max_examples=120, deadline=None)
 
 
-FORMATS = ["hermes", "qwen3_coder", "gpt_oss"]
+FORMATS = ["hermes", "qwen3_coder", "gpt_oss", "glm45", "mistral"]
 
 
 def split(text: str, cuts: list[int]) -> list[str]:
@@ -76,6 +78,16 @@ def render_call(fmt: str, name: str, args: dict, variant: int = 0) -> str:
                          for k, v in args.items())
         body = f"<function={name}>\n{params}</function>"
         return body if variant % 2 else f"<tool_call>\n{body}\n</tool_call>"
+    if fmt == "glm45":  # as GLM-4.5's chat template writes a call
+        pairs = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>"
+                        f"{v if isinstance(v, str) else json.dumps(v)}</arg_value>\n"
+                        for k, v in args.items())
+        return f"<tool_call>{name}\n{pairs}</tool_call>"
+    if fmt == "mistral":  # v3's one-call array, v13's [ARGS], v11's [CALL_ID]
+        if variant % 3 == 0:
+            return "[TOOL_CALLS] " + json.dumps([{"name": name, "arguments": args}])
+        call_id = "[CALL_ID]a1B2c3D4e" if variant % 3 == 2 else ""
+        return f"[TOOL_CALLS]{name}{call_id}[ARGS]{json.dumps(args)}"
     start = "<|start|>assistant" if variant % 2 else ""
     constrain = " <|constrain|>json" if variant % 3 else ""
     return f"{start}<|channel|>commentary to=functions.{name}{constrain}<|message|>{json.dumps(args)}<|call|>"
@@ -84,6 +96,11 @@ def render_call(fmt: str, name: str, args: dict, variant: int = 0) -> str:
 MARKER_FREE = st.text(alphabet=st.sampled_from(list("abc xyz\n\t<>/|{}\"'=é😀")), max_size=20).filter(
     lambda t: not any(m in t for m in ("<tool_call>", "</tool_call>", "<function=", "</function>",
                                        "<parameter=", "</parameter>", "<|")))
+
+
+def stripped(args: dict) -> dict:
+    """glm45 strips every value (the template writes them as they are)."""
+    return {k: v.strip() if isinstance(v, str) else v for k, v in args.items()}
 ARGS = {
     "get_weather": st.fixed_dictionaries({"city": MARKER_FREE}, optional={"days": st.integers(-5, 10**6),
                                                                           "metric": st.booleans()}),
@@ -110,6 +127,8 @@ def turns(draw):
     # Leading whitespace of the turn and whitespace after each call are dropped.
     normal = (prefix + seps[0]).lstrip() + suffix.lstrip() if calls else prefix.lstrip()
     cuts = draw(st.lists(st.integers(0, len(text)), max_size=len(text) // 2 + 1))
+    if fmt == "glm45":
+        calls = [(n, stripped(a)) for n, a in calls]
     return fmt, text, normal, calls, split(text, cuts)
 
 
@@ -137,7 +156,9 @@ def test_truncated_turns_agree_between_paths(case, data):
 NOISE = ["<tool_call>", "</tool_call>", "<function=get_weather>", "<function=", "</function>", "<parameter=city>",
          "<parameter=days>", "</parameter>", "<|start|>assistant", "<|channel|>", "commentary to=functions.get_weather",
          "<|constrain|>json", "<|message|>", "<|call|>", "<|end|>", '{"name": "get_weather", "arguments": ', "{", "}",
-         '"city": ', '"Oslo"', ", ", "12", "true", "\n", " ", "<", "</", "<|", "x", "é"]
+         '"city": ', '"Oslo"', ", ", "12", "true", "\n", " ", "<", "</", "<|", "x", "é",
+         "<tool_call>get_weather\n", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "city",
+         "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "get_weather", "[", "]", '{"city": "Oslo"}']
 
 
 @FAST
@@ -214,6 +235,55 @@ SCRIPTED = [
      [("get_weather", {})]),
     ("gpt_oss", "<|channel|>commentary to=functions.get_weather<|message|>{\"city\": \"Oslo\"}", "",
      [("get_weather", {"city": "Oslo"})]),
+    (
+        "glm45",
+        "Let me check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value> New York\n</arg_value>\n"
+        "<arg_key>days</arg_key>\n<arg_value>5</arg_value>\n</tool_call>\n<tool_call>get_weather\n"
+        "<arg_key>metric</arg_key>\n<arg_value>true</arg_value>\n</tool_call>",
+        "Let me check.\n",
+        [("get_weather", {"city": "New York", "days": 5}), ("get_weather", {"metric": True})],
+    ),
+    # an unknown tool's (or undeclared parameter's) values are read as JSON, as vLLM's
+    ("glm45", "<tool_call>mystery\n<arg_key>n</arg_key>\n<arg_value>7</arg_value>\n<arg_key>s</arg_key>\n"
+     "<arg_value>seven</arg_value>\n</tool_call>", "", [("mystery", {"n": 7, "s": "seven"})]),
+    ("glm45", "<tool_call>configure\n<arg_key>opts</arg_key>\n<arg_value>{\\\"a\\\": 1}</arg_value>\n"
+     "<arg_key>tags</arg_key>\n<arg_value>['x', 'y']</arg_value>\n<arg_key>limit</arg_key>\n"
+     "<arg_value>null</arg_value>\n</tool_call>", "", [("configure", {"opts": {"a": 1}, "tags": ["x", "y"],
+                                                                        "limit": None})]),
+    # GLM-4.7's layout, without newlines; a call without arguments
+    ("glm45", "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>", "",
+     [("get_weather", {"city": "Paris"})]),
+    ("glm45", "<tool_call>get_weather\n</tool_call> ok", "ok", [("get_weather", {})]),
+    # missing </arg_value>: the next tag ends the value
+    ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Lima\n<arg_key>days</arg_key>\n"
+     "<arg_value>2</tool_call>", "", [("get_weather", {"city": "Lima", "days": 2})]),
+    ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>New Yo", "",
+     [("get_weather", {"city": "New Yo"})]),
+    ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_v", "",
+     [("get_weather", {"city": "Paris"})]),
+    ("glm45", "Hi <tool_call>get_wea", "Hi <tool_call>get_wea", []),
+    ("glm45", '<tool_call>\n{"name": "x"}\n</tool_call>', '<tool_call>\n{"name": "x"}\n</tool_call>', []),
+    (
+        "mistral",
+        'Both. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "abcDEF123"}, '
+        '{"name": "write_file", "arguments": "{\\"path\\": \\"a\\"}"}]',
+        "Both. ",
+        [("get_weather", {"city": "Paris"}), ("write_file", {"path": "a"})],
+    ),
+    (
+        "mistral",
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 2}[TOOL_CALLS]get_weather[CALL_ID]xyzXYZ789'
+        '[ARGS]{"city": "Bern"} and text',
+        "and text",
+        [("get_weather", {"city": "Paris", "days": 2}), ("get_weather", {"city": "Bern"})],
+    ),
+    ('mistral', '[TOOL_CALLS]get_weather{"city": "Rome"}', "", [("get_weather", {"city": "Rome"})]),
+    ("mistral", "[TOOL_CALLS] hello there", "[TOOL_CALLS] hello there", []),
+    ("mistral", "[TOOL_CALLS]get_weather[ARGS]Paris", "[TOOL_CALLS]get_weather[ARGS]Paris", []),
+    ("mistral", '[TOOL_CALLS] [{"arguments": {}}] x', '[TOOL_CALLS] [{"arguments": {}}] x', []),
+    ("mistral", "[TOOL_CALLS]get_wea", "[TOOL_CALLS]get_wea", []),
+    # an array left open ends at the end of the output
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"days": 1}},', "", [("get_weather", {"days": 1})]),
 ]
 
 
@@ -236,6 +306,9 @@ HARMONY_HEAD = "<|channel|>commentary to=functions.get_weather<|message|>"
     ("hermes", HEAD + '"arguments": {"city":"Nice","da', '{"city": "Nice","da'),
     ("gpt_oss", HARMONY_HEAD + '{"city": "Os', '{"city": "Os'),
     ("gpt_oss", HARMONY_HEAD, ""),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Par', '{"city": "Par'),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Nice", "da',
+     '{"city": "Nice", "da'),
 ])
 def test_a_call_cut_short_keeps_its_arguments_as_far_as_they_came(fmt, text, arguments):
     expected = ("", [("get_weather", arguments)])
@@ -298,6 +371,29 @@ def test_convert_param_value(raw, schema, expected):
     assert got == expected and type(got) is type(expected)
 
 
+@pytest.mark.parametrize("raw,schema,expected", [
+    ("5", {"type": "string"}, "5"),
+    ("5", {"type": "integer"}, 5),
+    ("5", None, 5),
+    ("true", {"type": "boolean"}, True),
+    ('{"a": [1]}', {"type": "object"}, {"a": [1]}),
+    ('{\\"a\\": 1}', {"type": "object"}, {"a": 1}),
+    ("{'a': None}", {"type": "object"}, {"a": None}),
+    ("null", {"type": ["string", "null"]}, None),
+    ("Paris", {"type": ["string", "null"]}, "Paris"),
+    ("not json", {"type": "integer"}, "not json"),
+])
+def test_glm_value(raw, schema, expected):
+    got = glm_value(raw, schema)
+    assert got == expected and type(got) is type(expected)
+
+
+def test_mistral_call_ids_are_nine_alphanumerics():
+    ids = {registry.call_id("mistral") for _ in range(20)}
+    assert len(ids) == 20 and all(len(i) == 9 and i.isalnum() and i.isascii() for i in ids)
+    assert registry.call_id("hermes").startswith("call_") and registry.call_id(None).startswith("call_")
+
+
 def test_typed_values_through_qwen3_coder():
     params = {"ratio": "0.25", "opts": "{'deep': {'x': 1}}", "tags": '["a", "b"]', "limit": "null", "note": "null"}
     body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
@@ -352,13 +448,16 @@ def test_has_tool_call_and_registry():
     assert not has_tool_call("hermes", "<function=f>")
     assert has_tool_call("qwen3_coder", "<function=f>")
     assert has_tool_call("gpt_oss", "<|channel|>commentary to=functions.f")
-    assert {"hermes", "qwen25", "qwen", "qwen3_coder", "gpt_oss"} == set(registry.TOOL_CALL_PARSERS)
+    assert has_tool_call("mistral", "x [TOOL_CALLS]")
+    assert {"hermes", "qwen25", "qwen", "qwen3_coder", "gpt_oss", "glm45", "mistral"} == set(
+        registry.TOOL_CALL_PARSERS)
     assert detector("qwen") is HermesDetector
     assert detector("qwen3_coder") is Qwen3CoderDetector
     assert detector("gpt_oss") is HarmonyDetector
+    assert detector("glm45") is Glm45Detector and detector("mistral") is MistralDetector
     assert all(issubclass(detector(n), Detector) for n in registry.TOOL_CALL_PARSERS)
     tags = {m for n in registry.TOOL_CALL_PARSERS for m in detector(n).start_markers}
-    assert {"<tool_call>", "<function=", "<|channel|>", "<|start|>"} == tags
+    assert {"<tool_call>", "<function=", "<|channel|>", "<|start|>", "[TOOL_CALLS]"} == tags
     with pytest.raises(ValueError):
         tool_parser("auto")
 

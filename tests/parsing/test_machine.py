@@ -61,9 +61,9 @@ class Drive:
     """generation.py's loop: ReplyBuilder -> OutputParser -> LogprobRouter, a step per call."""
 
     def __init__(self, tok: Any, reasoning: Parser, tool: Parser, force: bool,
-                 stops: list[str] | None = None) -> None:
+                 stops: list[str] | None = None, tools: list[dict] | None = None) -> None:
         registry.check_logprobs(tok, reasoning, tool)  # what a chat request with logprobs checks
-        self.parser = registry.output_parser(reasoning, tool, [], force, special_ids(tok))
+        self.parser = registry.output_parser(reasoning, tool, tools or [], force, special_ids(tok))
         self.router = LogprobRouter()
         keep = registry.keeps_special_tokens(reasoning, tool)
         self.replies = ReplyBuilder(tok, stops or [], skip_special_tokens=not keep,

@@ -1,6 +1,7 @@
-"""The reasoning stages (qwen3's ThinkSplitter, Harmony's HarmonySplitter) through the output
-parser on text alone: hand-written expectations, an independent reference for qwen3, and
-stream == non-stream for arbitrary chunkings (including one character at a time)."""
+"""The reasoning stages (qwen3's ThinkSplitter, glm45's Glm45Splitter, Harmony's HarmonySplitter)
+through the output parser on text alone: hand-written expectations, an independent reference
+for qwen3 and glm45, and stream == non-stream for arbitrary chunkings (including one character
+at a time)."""
 
 from __future__ import annotations
 
@@ -67,6 +68,14 @@ CASES = [
     ("qwen3", False, "<think>truncated", "truncated", ""),
     ("qwen3", False, "<thin", "", "<thin"),
     ("qwen3", False, TOOL, "", TOOL),
+    # GLM-4.5 writes "\n<think>" itself; its leading whitespace is dropped, content or not
+    ("glm45", False, "\n<think>Let me see.\n</think>\nUse a <b> tag.", "Let me see.", "Use a <b> tag."),
+    ("glm45", False, "\n<think></think>\n" + TOOL, "", TOOL),
+    ("glm45", False, "\nHello <think>", "", "Hello <think>"),
+    ("glm45", False, " \n <thi", "", "<thi"),
+    ("glm45", False, "\n<think>cut off", "cut off", ""),
+    ("glm45", False, "\n\n", "", ""),
+    ("glm45", False, "<think>I should call it.\n" + TOOL, "I should call it.", TOOL),
     ("gpt_oss", False, "<|channel|>analysis<|message|>think hard<|end|><|start|>assistant<|channel|>final<|message|>Hi!<|return|>", "think hard", "Hi!"),
     ("gpt_oss", False, "<|start|>assistant<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>final<|message|>b<|return|>", "a", "b"),
     ("gpt_oss", False, "<|channel|>analysis<|message|>need weather<|end|>" + HARMONY_TOOL, "need weather", HARMONY_TOOL),
@@ -133,7 +142,7 @@ def test_parse_non_stream_leaves_stream_state_alone():
 
 
 def test_registry_and_builder():
-    assert set(registry.REASONING_PARSERS) == {"qwen3", "gpt_oss"}
+    assert set(registry.REASONING_PARSERS) == {"qwen3", "gpt_oss", "glm45"}
     assert registry.reasoning_family(None) is None and registry.reasoning_family("off") is None
     built = parser("qwen3", force=True)
     assert built is not None and rc(join_steps([built.feed_text("a</think>b"), built.finish()])) == ("a", "b")
@@ -180,14 +189,16 @@ def chunked(draw, pieces: list[str]):
     return text, split(text, cuts)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "glm45"])
 @FAST
 @given(chunked(QWEN3_PIECES), st.booleans())
-def test_qwen3_matches_reference_in_any_chunking(case, force):
+def test_think_splitters_match_reference_in_any_chunking(family, case, force):
     text, pieces = case
-    expected = reference_qwen3(text, force)
-    assert non_stream("qwen3", force, text) == expected
-    assert stream("qwen3", force, pieces) == expected
-    assert stream("qwen3", force, list(text)) == expected
+    # glm45 is qwen3 on the output less its leading whitespace.
+    expected = reference_qwen3(text.lstrip() if family == "glm45" else text, force)
+    assert non_stream(family, force, text) == expected
+    assert stream(family, force, pieces) == expected
+    assert stream(family, force, list(text)) == expected
 
 
 @FAST

@@ -57,16 +57,29 @@ def hermes(*calls: tuple[str, dict]) -> str:
                      for n, a in calls)
 
 
-def coder(*calls: tuple[str, dict]) -> str:
-    def raw(v):
-        return v if isinstance(v, str) else json.dumps(v)
+def raw(v) -> str:
+    """A tag format's value: a string as it is, anything else JSON."""
+    return v if isinstance(v, str) else json.dumps(v)
 
+
+def coder(*calls: tuple[str, dict]) -> str:
     return "\n".join(f"<tool_call>\n<function={n}>\n" + "".join(
         f"<parameter={k}>\n{raw(v)}\n</parameter>\n" for k, v in a.items())
         + "</function>\n</tool_call>" for n, a in calls)
 
 
-FORMATS = {"hermes": hermes, "qwen3_coder": coder}
+def glm(*calls: tuple[str, dict]) -> str:
+    return "\n".join(f"<tool_call>{n}\n" + "".join(
+        f"<arg_key>{k}</arg_key>\n<arg_value>{raw(v)}</arg_value>\n" for k, v in a.items())
+        + "</tool_call>" for n, a in calls)
+
+
+def mistral(*calls: tuple[str, dict]) -> str:
+    """v3's array: this vocabulary holds no [ARGS] token."""
+    return "[TOOL_CALLS] " + json.dumps([{"name": n, "arguments": a} for n, a in calls])
+
+
+FORMATS = {"hermes": hermes, "qwen3_coder": coder, "glm45": glm, "mistral": mistral}
 GOOD = [
     [("get_weather", {"city": "Paris"})],
     [("get_weather", {"city": "New York", "days": 7, "note": "bring\nrain"})],
@@ -121,6 +134,8 @@ def test_wrong_shapes_are_rejected(ll, qwen35_tokenizer, tool):
     assert not accepts(ll, tok, grammar(tok, tool, "set_flag"), fmt(one))  # not the named one
     assert not accepts(ll, tok, grammar(tok, tool, "set_flag"), fmt(two, two))  # exactly one
     assert not accepts(ll, tok, grammar(tok, tool, parallel=False), fmt(one, two))
+    if tool == "mistral":
+        return
     # <tool_call> is one added token in this vocabulary, and only that token opens a call.
     spelled = list(tok.encode(fmt(one), add_special_tokens=False))
     assert spelled[0] == tok.convert_tokens_to_ids("<tool_call>")
@@ -131,6 +146,12 @@ def test_wrong_shapes_are_rejected(ll, qwen35_tokenizer, tool):
 def test_a_qwen3_coder_string_cannot_hold_a_closing_tag(ll, qwen35_tokenizer):
     text = coder(("get_weather", {"city": "Paris", "note": "a</function>"}))
     assert not accepts(ll, qwen35_tokenizer, grammar(qwen35_tokenizer, "qwen3_coder"), text)
+
+
+@pytest.mark.parametrize("note", ["a</arg_value>", " padded", "padded\n"])
+def test_a_glm45_string_holds_no_tag_nor_what_the_parser_strips(ll, qwen35_tokenizer, note):
+    text = glm(("get_weather", {"city": "Paris", "note": note}))
+    assert not accepts(ll, qwen35_tokenizer, grammar(qwen35_tokenizer, "glm45"), text)
 
 
 def walk(ll, g: str, rng: random.Random, limit: int = 120) -> list[int] | None:

@@ -18,6 +18,14 @@ BARE_CALL = ("Checking.</think>\n\nSure thing\n"
 # Content ending in a proper prefix of `<function=`: the tool parser holds it to the end, so
 # the entry of "function" is labelled only then and rides on the finish chunk (rule 5).
 HELD = "Checking.</think>\n\nCall <function"
+# GLM-4.5's turn as its template writes one (parsed with --reasoning-parser/--tool-call-parser
+# glm45), and Mistral's v11+ calls (--tool-call-parser mistral); on this vocabulary their tags
+# are plain text.
+GLM45 = ("\n<think>I need the weather.</think>\nOne moment.\n<tool_call>get_weather\n"
+         "<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>\n"
+         "<arg_value>3</arg_value>\n</tool_call>")
+MISTRAL = ('Checking.\n[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}'
+           '[TOOL_CALLS]get_time[ARGS]{"zone": "CET"}')
 # Meant for enable_thinking false + tool_choice "none": markers inside content stay text.
 RULE6 = ' Plain </think> text\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call> done.'
 
@@ -32,6 +40,8 @@ def chat_scripts(tok) -> dict[str, list[int]]:
         "[bare-call]": enc(BARE_CALL),
         "[held]": enc(HELD),
         "[rule6]": enc(RULE6),
+        "[glm45]": enc(GLM45),
+        "[mistral]": enc(MISTRAL),
         # The emoji as four one-byte tokens: a character split across tokens.
         "[emoji]": [*enc("Thinking.</think>\n\nHot "), *byte_ids(tok, "🙂"),
                     *enc(" day. Nice weather today.")],

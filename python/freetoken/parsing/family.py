@@ -7,12 +7,17 @@ starts. Names are given in ``registry``, the one place they live.
 
 from __future__ import annotations
 
+import secrets
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from freetoken.parsing.calls import Detector
 from freetoken.parsing.stage import Stage
+
+
+def openai_call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,7 @@ class Family:
     thinks_by_default: bool = False  # the template opens reasoning unless enable_thinking: false
     keeps_special_tokens: bool = False  # its markers are special tokens it must see in the text
     calls_need_reasoning: bool = False  # logprobs: its calls are read behind its own reasoning
+    call_id: Callable[[], str] = openai_call_id  # a new tool call's id, as its templates take
 
     def starts_in_reasoning(self, chat_template_kwargs: dict) -> bool:
         """Whether the output starts inside a think block the template opened."""

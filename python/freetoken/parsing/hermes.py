@@ -3,11 +3,8 @@
 
 from __future__ import annotations
 
-import json
-
 from freetoken.parsing.calls import DONE, PENDING, TEXT, CallScan, Detector
-from freetoken.parsing.json_args import ObjectScan, args_json, dump, json_block_end, object_json
-from freetoken.parsing.json_args import scan_object, skip_ws
+from freetoken.parsing.json_args import call_arguments, json_block_end, scan_object, skip_ws
 
 
 class HermesDetector(Detector):
@@ -32,7 +29,7 @@ class HermesDetector(Detector):
             return CallScan(TEXT, consumed=len(self.OPEN))
         scan = scan_object(body, p, settled)
         name = next((v for k, v, _ in scan.members if k == "name" and isinstance(v, str)), None)
-        args = self._arguments(body, scan, settled)
+        args = call_arguments(body, scan, settled)
         close_len = len(self.CLOSE)
         end = json_block_end(text, body_end, scan.end, close_at, close_len, (self.CLOSE,), final)
         if end is None:
@@ -42,21 +39,3 @@ class HermesDetector(Detector):
         # "{}" stands for a closed call's missing arguments; a call cut before them has none yet.
         cut = close_at < 0 and scan.end is None
         return CallScan(DONE, name, args or ("" if cut else "{}"), end)
-
-    @staticmethod
-    def _arguments(body: str, scan: ObjectScan, settled: bool) -> str:
-        for key, value, start in scan.members:
-            if key in ("arguments", "parameters"):
-                if body.startswith("{", start):
-                    return args_json(body, start, True)[0]
-                if isinstance(value, str):  # arguments sent as a JSON string
-                    try:
-                        value = json.loads(value)
-                    except json.JSONDecodeError:
-                        pass
-                if isinstance(value, dict):
-                    return object_json(list(value.items()), closed=True)
-                return dump(value)
-        if scan.open_key in ("arguments", "parameters") and body.startswith("{", scan.open_at):
-            return args_json(body, scan.open_at, settled)[0]
-        return ""

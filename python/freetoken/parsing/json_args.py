@@ -1,5 +1,5 @@
 """Reading a JSON object as it streams: its complete members, a stable prefix of its
-re-serialized form, and where a block holding it ends (hermes and Harmony calls)."""
+re-serialized form, and where a block holding it ends (hermes, Harmony and mistral calls)."""
 
 from __future__ import annotations
 
@@ -118,3 +118,23 @@ def json_block_end(
     if close_at >= 0:
         return close_at + close_len
     return len(text) if final else None
+
+
+def call_arguments(body: str, scan: ObjectScan, settled: bool) -> str:
+    """A call object's arguments JSON (hermes, mistral): `"arguments"` or `"parameters"`, an
+    object or one sent as a JSON string; "" while none has begun."""
+    for key, value, start in scan.members:
+        if key in ("arguments", "parameters"):
+            if body.startswith("{", start):
+                return args_json(body, start, True)[0]
+            if isinstance(value, str):  # arguments sent as a JSON string
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError:
+                    pass
+            if isinstance(value, dict):
+                return object_json(list(value.items()), closed=True)
+            return dump(value)
+    if scan.open_key in ("arguments", "parameters") and body.startswith("{", scan.open_at):
+        return args_json(body, scan.open_at, settled)[0]
+    return ""

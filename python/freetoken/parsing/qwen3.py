@@ -20,6 +20,7 @@ class ThinkSplitter(Stage):
     START, END, TOOL = "<think>", "</think>", "<tool_call>"
     MARKERS = (START, END, TOOL)
     leftover = Label.HIDDEN  # trailing whitespace of reasoning cut off by the end
+    strip_head = False  # drop the output's leading whitespace (GLM-4.5 writes "\n<think>")
 
     def __init__(self, force_reasoning: bool) -> None:
         super().__init__()
@@ -29,6 +30,11 @@ class ThinkSplitter(Stage):
 
     def _run(self, final: bool) -> None:
         if self._at_head:
+            if self.strip_head:
+                text = self.tape.text
+                if not text.strip() and not final:
+                    return
+                self._consume(len(text) - len(text.lstrip()), Label.HIDDEN)
             if self.tape.text.startswith(self.START):
                 self._consume(len(self.START), Label.MARKER)
                 self._in_reasoning = self._strip = True

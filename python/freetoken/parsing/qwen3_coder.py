@@ -88,7 +88,7 @@ def _trim(value: str) -> str:
     return value[:-1] if value.endswith("\n") else value
 
 
-def _schema_types(schema: Any) -> set[str]:
+def schema_types(schema: Any) -> set[str]:
     if not isinstance(schema, dict):
         return set()
     declared = schema.get("type")
@@ -97,17 +97,17 @@ def _schema_types(schema: Any) -> set[str]:
     types = set(declared) if isinstance(declared, list) else set()
     for key in ("anyOf", "oneOf"):
         for sub in schema.get(key) or []:
-            types |= _schema_types(sub)
+            types |= schema_types(sub)
     return types
 
 
 def _is_plain_string(schema: Any) -> bool:
-    return _schema_types(schema) <= {"string"}
+    return schema_types(schema) <= {"string"}
 
 
 def convert_param_value(raw: str, schema: dict | None) -> Any:
     """Type a raw qwen3_coder parameter value by its JSON schema; undeclared stays a string."""
-    types = _schema_types(schema)
+    types = schema_types(schema)
     if types <= {"string"}:
         return raw
     text = raw.strip()

@@ -7,10 +7,12 @@ from typing import Any
 
 from freetoken.parsing import tool_grammar
 from freetoken.parsing.calls import CallStream
-from freetoken.parsing.family import Family, check_logprobs as _check_logprobs
+from freetoken.parsing.family import Family, check_logprobs as _check_logprobs, openai_call_id
+from freetoken.parsing.glm45 import Glm45Detector, Glm45Splitter
 from freetoken.parsing.harmony import HARMONY_MARKERS, HarmonyDetector, HarmonySplitter
 from freetoken.parsing.hermes import HermesDetector
 from freetoken.parsing.machine import OutputParser, Step, join_steps
+from freetoken.parsing.mistral import MistralDetector, mistral_call_id
 from freetoken.parsing.qwen3 import ThinkSplitter
 from freetoken.parsing.qwen3_coder import Qwen3CoderDetector
 
@@ -19,11 +21,17 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("gpt_oss", splitter=HarmonySplitter, detector=HarmonyDetector, markers=HARMONY_MARKERS,
            detect=("<|channel|>", "<|message|>"), keeps_special_tokens=True,
            calls_need_reasoning=True),
+    # Before qwen3 and the <tool_call> formats: GLM-4.5's vocabulary holds their markers too.
+    Family("glm45", splitter=Glm45Splitter, detector=Glm45Detector, markers=ThinkSplitter.MARKERS,
+           detect=("</think>", "<tool_call>"), template_hint="<arg_key>"),
     Family("qwen3", splitter=ThinkSplitter, markers=ThinkSplitter.MARKERS, detect=("</think>",),
            thinks_by_default=True),
     Family("qwen3_coder", detector=Qwen3CoderDetector, detect=("<tool_call>",),
            template_hint="<function="),
     Family("hermes", detector=HermesDetector, detect=("<tool_call>",)),
+    # [TOOL_CALLS] and [ARGS] are control tokens, which a skipping decode would drop.
+    Family("mistral", detector=MistralDetector, detect=("[TOOL_CALLS]",),
+           keeps_special_tokens=True, call_id=mistral_call_id),
 )}  # fmt: skip
 ALIASES = {"qwen25": "hermes", "qwen": "hermes"}  # more names of tool-call parsers
 REASONING_PARSERS = tuple(n for n, f in FAMILIES.items() if f.splitter is not None)
@@ -101,6 +109,12 @@ def keeps_special_tokens(reasoning: str | None, tool: str | None) -> bool:
                for f in (reasoning_family(reasoning), tool_family(tool)))
 
 
+def call_id(tool: str | None) -> str:
+    """A new tool call's id: Mistral's templates take only 9 alphanumeric characters."""
+    family = tool_family(tool)
+    return family.call_id() if family is not None else openai_call_id()
+
+
 # Structured outputs. The text after which a reasoning family's answer starts: a grammar on the
 # answer applies from there, and the reasoning before it stays free.
 ANSWER_MARKERS = {"qwen3": "</think>", "gpt_oss": "<|channel|>final<|message|>"}
@@ -110,6 +124,8 @@ _ALWAYS_HEADED = {"gpt_oss"}  # Harmony output opens with a channel header, thin
 # grammar spans the family's own reasoning too (Harmony's analysis comes before its call).
 TOOL_GRAMMARS = {"hermes": (tool_grammar.hermes, False),
                  "qwen3_coder": (tool_grammar.qwen3_coder, False),
+                 "glm45": (tool_grammar.glm45, False),
+                 "mistral": (tool_grammar.mistral, False),
                  "gpt_oss": (tool_grammar.harmony, True)}
 
 

@@ -67,10 +67,15 @@ def hermes(tools: list[dict], name: str | None, parallel: bool, literal: Literal
     return "\n".join(rules) + "\n"
 
 
-# The tags that end a qwen3_coder parameter value (Qwen3CoderDetector's value ends).
-_VALUE_ENDS = ("</parameter>", "<parameter=", "</function>", "</tool_call>")
-_ENDS = "|".join(re.escape(t).replace("/", "\\/") for t in _VALUE_ENDS)
-_NO_TAG = f"~/(?s:.*)({_ENDS})(?s:.*)/"
+def _no_tag(tags: tuple[str, ...]) -> str:
+    """A regex of text that holds none of `tags`."""
+    ends = "|".join(re.escape(t).replace("/", "\\/") for t in tags)
+    return f"~/(?s:.*)({ends})(?s:.*)/"
+
+
+# The tags that end a parameter value in qwen3_coder and glm45 (their detectors' value ends).
+_CODER_TAGS = _no_tag(("</parameter>", "<parameter=", "</function>", "</tool_call>"))
+_GLM_TAGS = _no_tag(("</arg_value>", "<arg_key>", "</tool_call>"))
 
 
 def _types(schema: Any) -> set[str]:
@@ -94,28 +99,55 @@ def _regex(text: str) -> str:
     return "/" + text.replace("/", "\\/") + "/"
 
 
-def _coder_value(schema: Any, term: str, rules: list[str]) -> str:
-    """One value and its closing tag, as the qwen3_coder parser types it: a string (or untyped)
-    value is raw text, anything else JSON. Adds the terminals it needs to `rules`."""
-    end = quote("\n</parameter>\n")
+def _tagged_value(schema: Any, term: str, rules: list[str], end: str, no_tag: str, as_text: bool,
+                  trimmed: bool = False) -> str:
+    """One value and its closing tag `end`: raw text without the tags of `no_tag` when
+    `as_text` (with `trimmed`, neither starting nor ending with whitespace), else JSON; an enum
+    is its values' raw texts. Adds the terminals it needs to `rules`."""
     if isinstance(schema, dict) and ("enum" in schema or "const" in schema):
         values = schema["enum"] if "enum" in schema else [schema["const"]]
         if isinstance(values, list) and values:
             return "(" + " | ".join(quote(_raw(v)) for v in values) + ") " + end
-    types = _types(schema)
-    if types and "string" not in types:
+    if not as_text:
         return f"{_json(schema)} {end}"
     low, high = 0, None
     if isinstance(schema, dict):
         low = schema["minLength"] if type(schema.get("minLength")) is int else 0
         high = schema["maxLength"] if type(schema.get("maxLength")) is int else None
-    text = f"/(?s:.){{{low},{'' if high is None else high}}}/ & {_NO_TAG}"
+    text = f"/(?s:.){{{low},{'' if high is None else high}}}/ & {no_tag}"
+    if trimmed:
+        text += " & /(?s:(\\S(.*\\S)?)?)/"
     if isinstance(schema, dict) and isinstance(schema.get("pattern"), str):
         text += " & " + _regex(schema["pattern"].removeprefix("^").removesuffix("$"))
-    # The closing tag is part of the terminal: a lexeme is greedy, and text alone would run
-    # on into "\n</parameter" and then have no way to end.
-    rules += [f"{term}_TEXT: {text}", f"{term}: {term}_TEXT {end}"]
-    return term
+    # A closing tag of plain text is part of the terminal: a lexeme is greedy, and text alone
+    # would run on into "\n</parameter" and then have no way to end. A tag that is one added
+    # token ends the text by itself, and cannot be part of a terminal.
+    head = term.lower() if "<[" in end else term
+    rules += [f"{term}_TEXT: {text}", f"{head}: {term}_TEXT {end}"]
+    return head
+
+
+def _coder_value(schema: Any, term: str, rules: list[str]) -> str:
+    """A qwen3_coder value: a string (or untyped) value is raw text, anything else JSON."""
+    types = _types(schema)
+    return _tagged_value(schema, term, rules, quote("\n</parameter>\n"), _CODER_TAGS,
+                         as_text=not types or "string" in types)
+
+
+def _members(tool: dict, member: Callable[[int, str, Any], str]) -> str:
+    """The tool's parameters in the schema's order, each as `member(j, key, schema)`: the
+    required ones always (a string where the schema leaves one undeclared), the others
+    optional; the schema's `$defs` go with each sub-schema."""
+    schema = _params(tool)
+    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    required = [r for r in schema.get("required") or [] if isinstance(r, str)]
+    props = {**props, **{r: {"type": "string"} for r in required if r not in props}}
+    defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
+    parts = []
+    for j, (key, sub) in enumerate(props.items()):
+        part = member(j, key, {**sub, **defs} if isinstance(sub, dict) and defs else sub)
+        parts.append(f"({part})" if key in required else f"({part})?")
+    return " ".join(parts)
 
 
 def qwen3_coder(tools: list[dict], name: str | None, parallel: bool, literal: Literal) -> str:
@@ -127,19 +159,53 @@ def qwen3_coder(tools: list[dict], name: str | None, parallel: bool, literal: Li
     open_, close = literal("<tool_call>"), literal("</tool_call>")
     end_call = quote("</function>\n")
     for i, tool in enumerate(chosen):
-        schema = _params(tool)
-        props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-        required = [r for r in schema.get("required") or [] if isinstance(r, str)]
-        props = {**props, **{r: {"type": "string"} for r in required if r not in props}}
-        defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
-        parts = []
-        for j, (key, sub) in enumerate(props.items()):
-            sub = {**sub, **defs} if isinstance(sub, dict) and defs else sub
-            value = _coder_value(sub, f"V_{i}_{j}", rules)
-            part = f"{quote(f'<parameter={key}>' + NL)} {value}"
-            parts.append(f"({part})" if key in required else f"({part})?")
+        def member(j: int, key: str, sub: Any) -> str:
+            return f"{quote(f'<parameter={key}>' + NL)} {_coder_value(sub, f'V_{i}_{j}', rules)}"
+
         head = quote(f"\n<function={tool['function']['name']}>\n")
-        rules.append(f"call_{i}: {open_} {head} {' '.join(parts)} {end_call} {close}")
+        rules.append(f"call_{i}: {open_} {head} {_members(tool, member)} {end_call} {close}")
+    return "\n".join(rules) + "\n"
+
+
+def glm45(tools: list[dict], name: str | None, parallel: bool, literal: Literal) -> str:
+    """``<tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>\\n...``
+    ``</tool_call>``: the parameters in the schema's order, the required ones always; a value
+    the parser reads as text (its schema only `string`, or untyped) is text without the tags
+    or surrounding whitespace, any other JSON."""
+    chosen = _chosen(tools, name)
+    rules = [_start(parallel and name is None), _alternatives(chosen)]
+    key_open, key_end, value = literal("<arg_key>"), literal("</arg_key>"), literal("<arg_value>")
+    end = f"{literal('</arg_value>')} {quote(NL)}"
+    for i, tool in enumerate(chosen):
+        def member(j: int, key: str, sub: Any) -> str:
+            v = _tagged_value(sub, f"G_{i}_{j}", rules, end, _GLM_TAGS,
+                              as_text=_types(sub) <= {"string"}, trimmed=True)
+            return f"{key_open} {quote(key)} {key_end} {quote(NL)} {value} {v}"
+
+        head = quote(f"{tool['function']['name']}{NL}")
+        rules.append(f"call_{i}: {literal('<tool_call>')} {head} {_members(tool, member)} "
+                     f"{literal('</tool_call>')}")
+    return "\n".join(rules) + "\n"
+
+
+def mistral(tools: list[dict], name: str | None, parallel: bool, literal: Literal) -> str:
+    """``[TOOL_CALLS]NAME[ARGS]ARGS`` per call where the vocabulary holds ``[ARGS]`` as a token
+    (v11 and later), else ``[TOOL_CALLS] [{"name": NAME, "arguments": ARGS}, ...]`` (v3-v7), as
+    the templates write them."""
+    chosen = _chosen(tools, name)
+    bot, args = literal("[TOOL_CALLS]"), literal("[ARGS]")
+    many = parallel and name is None
+    if "<[" in args:
+        rules = [f"start: call{'+' if many else ''}", _alternatives(chosen)]
+        for i, tool in enumerate(chosen):
+            rules.append(f"call_{i}: {bot} {quote(tool['function']['name'])} {args} "
+                         f"{_json(_params(tool))}")
+    else:
+        more = ' (", " call)*' if many else ""
+        rules = [f'start: {bot} " [" call{more} "]"', _alternatives(chosen)]
+        for i, tool in enumerate(chosen):
+            head = quote('{"name": ' + json.dumps(tool["function"]["name"]) + ', "arguments": ')
+            rules.append(f"call_{i}: {head} {_json(_params(tool))} \"}}\"")
     return "\n".join(rules) + "\n"
 
 

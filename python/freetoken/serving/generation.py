@@ -9,7 +9,6 @@ is `collect()` over the very same events, so the two modes cannot disagree.
 
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -147,7 +146,8 @@ async def _events(spec: GenSpec, first: UserReply, replies) -> AsyncIterator:
         for item in step.calls:
             if item.name is not None:
                 called = True
-                yield ToolCallDelta(item.tool_index, f"call_{secrets.token_hex(12)}", item.name, "")
+                yield ToolCallDelta(item.tool_index, registry.call_id(spec.tool_call_parser),
+                                    item.name, "")
             if item.parameters:
                 yield ToolCallDelta(item.tool_index, arguments=item.parameters)
 
