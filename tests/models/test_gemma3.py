@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from freetoken.config import WeightsConfig
 from freetoken.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from freetoken.models.layers.rotary import LinearScaling
 from freetoken.models.registry import load_model
@@ -87,7 +88,8 @@ def test_q4_k_m_blocks_stay_quantized_and_match_transformers_on_the_file():
     norms plus 1: held as stored, against transformers' conversion of the same file (whose
     config gets the attention scale llama.cpp assumes, 1 / sqrt(64), not transformers' 256)."""
     built = bm.cached_gguf("tiny-quantized-gemma3")
-    loaded = load_model(built / "model.gguf", dtype="float32", device="cpu", gguf_weights="quantized")
+    loaded = load_model(built / "model.gguf", dtype="float32", device="cpu",
+                        weights=WeightsConfig(gguf_weights="quantized"))
     assert loaded.model.cfg.attention_scale == 64 ** -0.5
     stored = stored_bytes(built / "model.gguf", bm.GGUF_FORMATS)
     assert set(stored) == {"Q4_K", "Q6_K", "float32"}

@@ -11,13 +11,12 @@ from typing import Any
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from freetoken.message import DetokenizeMsg
 from freetoken.parsing import registry
-from freetoken.parsing.family import LogprobsUnavailable, special_ids
-from freetoken.parsing.machine import LogprobRouter, OutputParser, Step
+from freetoken.parsing.family import LogprobsUnavailable
+from freetoken.parsing.machine import LogprobRouter, OutputParser
 from freetoken.parsing.stage import Label
 from freetoken.tokenizer.detokenize import TokenTexts
-from freetoken.tokenizer.reply import ReplyBuilder
+from tests.parsing.support import Drive, Parser, joined
 
 R, C, T, M, S, H = (Label.REASONING, Label.CONTENT, Label.TOOL, Label.MARKER, Label.SPECIAL,
                     Label.HIDDEN)
@@ -54,34 +53,6 @@ def script(tok: Any, *segments: tuple[str, Label]) -> tuple[list[int], list[Labe
     return ids, want
 
 
-Parser = str | None
-
-
-class Drive:
-    """generation.py's loop: ReplyBuilder -> OutputParser -> LogprobRouter, a step per call."""
-
-    def __init__(self, tok: Any, reasoning: Parser, tool: Parser, force: bool,
-                 stops: list[str] | None = None, tools: list[dict] | None = None) -> None:
-        registry.check_logprobs(tok, reasoning, tool)  # what a chat request with logprobs checks
-        self.parser = registry.output_parser(reasoning, tool, tools or [], force, special_ids(tok))
-        self.router = LogprobRouter()
-        keep = registry.keeps_special_tokens(reasoning, tool)
-        self.replies = ReplyBuilder(tok, stops or [], skip_special_tokens=not keep,
-                                    token_texts=True)
-
-    def step(self, ids: list[int], entries: list[Any], finished: bool = False) -> Step:
-        reply = self.replies.build(DetokenizeMsg(1, ids, entries, finished=finished))
-        self.router.add(reply.logprobs)
-        step = self.parser.feed(reply.token_ids, reply.incremental_output, reply.token_texts)
-        self.router.route(step.labels)
-        return step
-
-    def finish(self) -> Step:
-        step = self.parser.finish()
-        self.router.route(step.labels)
-        return step
-
-
 def classify(tok: Any, ids: list[int], reasoning: Parser, tool: Parser, force: bool) -> list[Label]:
     drive = Drive(tok, reasoning, tool, force)
     for k, i in enumerate(ids):
@@ -90,11 +61,6 @@ def classify(tok: Any, ids: list[int], reasoning: Parser, tool: Parser, force: b
     got = drive.router.labels
     assert len(got) == len(ids)
     return got
-
-
-def joined(tok: Any, ids: list[int], labels: list[Label], want: Label) -> str:
-    texts = TokenTexts.of(tok)
-    return b"".join(texts.bytes(i) for i, lab in zip(ids, labels) if lab is want).decode()
 
 
 def parsed(

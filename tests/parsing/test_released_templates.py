@@ -16,7 +16,7 @@ import pytest
 from freetoken.parsing import registry
 from freetoken.parsing.stage import Label
 from tests.parsing.support import tool
-from tests.parsing.test_machine import Drive, joined
+from tests.parsing.support import Drive, joined
 
 TEMPLATES = Path(__file__).parents[1] / "fixtures" / "templates"
 TOOLS = [tool("get_weather", city={"type": "string"}, days={"type": "integer"}),
