@@ -6,12 +6,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from freetoken import envs
-
-if TYPE_CHECKING:
-    from freetoken.serving.pooling_config import PoolingConfig
 
 
 def context_length(requested: int | None, native: int) -> int:
@@ -155,6 +151,20 @@ class EngineConfig:
     parallel: ParallelConfig = ParallelConfig()
     speculative: SpeculativeConfig | None = None  # None: plain decoding
     weights: WeightsConfig = WeightsConfig()
+
+
+@dataclass(frozen=True)
+class PoolingConfig:
+    """What a model is served as beyond generation (serving/pooling_config.py builds it)."""
+
+    task: str  # "classify" or "embed"
+    label_tokens: tuple[str, ...] = ()  # classify: [false, true]
+    score_template: str | None = None  # classify: jinja over messages of role query / document
+    pooling: str = "last"  # embed: "last", "mean" or "cls"
+    normalize: bool = True
+    hidden_size: int = 0
+    # Matryoshka: None refuses `dimensions`; () allows any up to hidden_size; else these only.
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

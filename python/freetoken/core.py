@@ -3,16 +3,30 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import torch
 
-    from freetoken.structured.matcher import RequestGrammar
-
 # Temperatures below this are greedy (vLLM's rule): logits divided by a tiny temperature overflow
 # float32, and one that underflows float32 divides by zero; either way sampling gets NaN.
 SAMPLING_EPS = 1e-5
+
+
+class Grammar(Protocol):
+    """A request's structured-output matcher as the scheduler and the engine drive it
+    (structured/matcher.py's RequestGrammar), declared here, where a request holds it, so that
+    this module needs nothing of the stages that use it."""
+
+    error: str | None  # why its grammar does not compile, once resolved
+    matcher: object | None  # None until compiled
+
+    def resolve(self) -> bool: ...  # compiled (or failed): ready to start
+
+    def advance(self, output_ids: list[int]) -> str | None: ...  # the tokens taken, or an error
+
+    @property
+    def constraining(self) -> object | None: ...  # the matcher whose mask applies this step
 
 
 @dataclass(frozen=True)
@@ -116,7 +130,7 @@ class Req:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     # With params.structured: its matcher, made when it is added and kept across preemptions
     # (the output it has consumed is kept too).
-    grammar: RequestGrammar | None = None
+    grammar: Grammar | None = None
     # Hybrid models: its slot in the engine's recurrent-state pool while running, and the
     # snapshot slots the next step fills at chunk boundaries of its prompt ({position: slot}).
     state_slot: int | None = None

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from freetoken.serving.args import parse_args
-from freetoken.serving.pooling_config import PoolingConfig, pooling_config
+from freetoken.config import PoolingConfig
+from freetoken.serving.pooling_config import pooling_config
 
 HF = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64}
 RERANKER = json.dumps({"architectures": ["Qwen3ForSequenceClassification"],

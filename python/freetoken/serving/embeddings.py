@@ -25,7 +25,7 @@ from freetoken.serving.pooling_protocol import EmbeddingRequest
 
 if TYPE_CHECKING:
     from freetoken.serving.client import EngineClient
-    from freetoken.serving.pooling_config import PoolingConfig
+    from freetoken.config import PoolingConfig
 
 
 def check_dimensions(dimensions: int | None, pooling: PoolingConfig) -> None:

@@ -13,27 +13,14 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
-from freetoken.config import json_object_flag, text_config
+from freetoken.config import PoolingConfig, json_object_flag, text_config
 from freetoken.serving.errors import RequestError
 
 # sentence-transformers' pooling modes, as the engine names them.
 POOLING_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
                  "pooling_mode_cls_token": "cls"}
-
-
-@dataclass(frozen=True)
-class PoolingConfig:
-    task: str  # "classify" or "embed"
-    label_tokens: tuple[str, ...] = ()  # classify: [false, true]
-    score_template: str | None = None  # classify: jinja over messages of role query / document
-    pooling: str = "last"  # embed: "last", "mean" or "cls"
-    normalize: bool = True
-    hidden_size: int = 0
-    # Matryoshka: None refuses `dimensions`; () allows any up to hidden_size; else these only.
-    matryoshka_dimensions: tuple[int, ...] | None = None
 
 
 def parse_overrides(text: str | None) -> dict:
