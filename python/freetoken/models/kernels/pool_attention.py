@@ -6,7 +6,8 @@ layer and step, and pads a decode's queries for SDPA's rounding; the kernel read
 it lies, and computes every row alone in a fixed order, so a row's bits never depend on its batch
 (see the C file). Where it cannot run (no C compiler, not x86-64 with AVX2/FMA, a cache dtype
 other than float32/bfloat16, a tensor off the CPU, or FREETOKEN_NO_KERNELS set), the layer keeps
-the torch path.
+the torch path. `attend_latent` reads multi-head latent attention's cache (models/layers/mla.py)
+by the same code: one kv head, a slot's whole row its key and the row's first elements its value.
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 q/k/v are one fused projection (`qkv_proj`, rows [q heads | k heads | v heads]); per-head q/k
 RMSNorm (Qwen3), q/k/v biases (Qwen2), an o_proj bias, sliding-window layers and layers without
 rotary embedding (SmolLM3) are config fields. A family changes the softmax by overriding `_sdpa` and `_sink_logits` (gpt-oss's sinks)
-or the projections by overriding `forward` (the hybrids' gated attention), and reuses `_attend`.
+or the projections by overriding `forward` (the hybrids' gated attention), and reuses `_attend`;
+multi-head latent attention (layers/mla.py) its pool's layout too (`_keys_values`, `_pool_kernel`,
+`_on_pool`), and reuses `_attend_cached`.
 
 Prompt and decoding rows attend through models/kernels/pool_attention.py where it runs (a CPU
 cache of float32 or bfloat16): it reads the keys where they lie in the pool and computes each row
