@@ -78,14 +78,15 @@ class DeepseekConfig(ModelConfig):
         if rope_type(parameters) != "default" and parameters.get("mscale_all_dim"):
             mscale = yarn_mscale(parameters["factor"], parameters["mscale_all_dim"])
             scale = scale * mscale * mscale
+        expert = cfg["moe_intermediate_size"]
         base = super().from_hf({**cfg, "head_dim": rope}, q_lora_rank=cfg.get("q_lora_rank"),
                                kv_lora_rank=cfg["kv_lora_rank"], qk_nope_head_dim=nope, qk_rope_head_dim=rope,
                                v_head_dim=cfg["v_head_dim"],
                                rope_interleaved=cfg.get("rope_interleave", True) if v3 else True,
                                num_experts=cfg.get("n_routed_experts") or 0,
                                num_experts_per_tok=cfg.get("num_experts_per_tok") or 0,
-                               moe_intermediate_size=cfg["moe_intermediate_size"],
-                               shared_intermediate_size=cfg["moe_intermediate_size"] * (cfg.get("n_shared_experts") or 0),
+                               moe_intermediate_size=expert,
+                               shared_intermediate_size=expert * (cfg.get("n_shared_experts") or 0),
                                first_k_dense_replace=cfg.get("first_k_dense_replace", 0),
                                topk_method="noaux_tc" if v3 else cfg.get("topk_method") or "greedy",
                                n_group=cfg.get("n_group") or 1, topk_group=cfg.get("topk_group") or 1,
