@@ -111,6 +111,13 @@ def tiny_gemma3_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_deepseek_v3_path() -> Path:
+    """DeepseekV3ForCausalLM (random, 3 layers: multi-head latent attention, the first dense,
+    then sigmoid-routed experts with a correction bias) on the Harmony tokenizer."""
+    return bm.cached("tiny-deepseek-v3", bm.build_tiny_deepseek_v3)
+
+
+@pytest.fixture(scope="session")
 def tiny_gpt_oss_path() -> Path:
     """GptOssForCausalLM (random, 2 layers, window 8, 8 experts) on the Harmony tokenizer."""
     return bm.cached("tiny-gpt-oss", bm.build_tiny_gpt_oss)

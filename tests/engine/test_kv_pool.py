@@ -8,7 +8,7 @@ from freetoken.engine.kv_pool import KVPool
 
 
 def test_num_used_leaves_out_slots_only_the_cache_holds():
-    kv = KVPool(8, num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32,
+    kv = KVPool(8, num_layers=1, row=(2, 2), dtype=torch.float32,
                 device=torch.device("cpu"))
     a = kv.allocate(3)
     for s in a:

@@ -18,7 +18,8 @@ MODEL_TYPES = {
     "Qwen2MoeForCausalLM": "qwen2_moe", "GptOssForCausalLM": "gpt_oss",
     "Qwen3_5ForCausalLM": "qwen3_5_text", "Qwen3_5ForConditionalGeneration": "qwen3_5",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text", "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
-    "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3NextForCausalLM": "qwen3_next", "DeepseekV3ForCausalLM": "deepseek_v3",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
 }  # fmt: skip
 
 
@@ -80,6 +81,9 @@ def test_an_unknown_architecture_names_the_served_ones_but_not_the_test_model():
      "rope_type 'yarn'"),
     ("Gemma3ForCausalLM", {"rope_parameters": None, "rope_scaling": {"rope_type": "dynamic", "factor": 8.0}},
      "rope_type 'dynamic'"),
+    # DeepSeek's own code makes every moe_layer_freq-th layer sparse, transformers every one
+    ("DeepseekV2ForCausalLM", {"moe_layer_freq": 2}, "moe_layer_freq=2"),
+    ("DeepseekV3ForCausalLM", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "rope_type 'llama3'"),
 ])  # fmt: skip
 def test_a_field_the_family_would_ignore_is_refused_by_name(arch, fields, named):
     with pytest.raises(ModelNotFound, match=f"^{arch} with {named}") as refused:
@@ -94,6 +98,10 @@ def test_a_field_the_family_would_ignore_is_refused_by_name(arch, fields, named)
     ("LlamaForCausalLM", {"sliding_window": None, "hidden_act": "silu", "mlp_bias": False}),
     ("LlamaForCausalLM", {"rope_parameters": None,
                           "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}),
+    # DeepSeek-V3's, as released (rope_scaling's yarn with mscale), its moe_layer_freq
+    ("DeepseekV3ForCausalLM", {"rope_parameters": None, "moe_layer_freq": 1, "rope_scaling": {
+        "type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+        "beta_fast": 32, "beta_slow": 1}}),
 ])  # fmt: skip
 def test_fields_set_as_the_family_computes_them_pass(arch, fields):
     check_supported(hf_config(arch, **fields))

@@ -12,7 +12,7 @@ from freetoken.scheduler.states import SnapshotCache
 
 
 def _pool(slots: int) -> KVPool:
-    return KVPool(slots, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32,
+    return KVPool(slots, num_layers=1, row=(2, 1), dtype=torch.float32,
                   device=torch.device("cpu"))
 
 

@@ -9,7 +9,7 @@ import torch
 
 from freetoken.core import Batch, Req, SamplingParams, TokenLogprob
 from freetoken.engine import pooling
-from freetoken.engine.kv_pool import KVPool
+from freetoken.engine.kv_pool import KVPool, token_row
 from freetoken.engine.logit_processing import long_tensor, uses_processors
 from freetoken.engine.mtp import MtpDrafter
 from freetoken.engine.sample import Sampler, logprob_entries
@@ -71,7 +71,7 @@ class Engine:
         # Hybrid models keep K/V for their full-attention layers only, and a recurrent state per
         # request for the others (engine/state_pool.py).
         layers = getattr(cfg, "num_kv_layers", cfg.num_layers) + (cfg.mtp_layers if mtp else 0)
-        self.kv = KVPool(num_kv_slots, layers, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+        self.kv = KVPool(num_kv_slots, layers, token_row(cfg), dtype, device)
         self.drafter = MtpDrafter(self) if mtp else None
         shape = getattr(model, "state_shape", None)
         self.states = StatePool(num_state_slots, shape, dtype, device) if shape else None

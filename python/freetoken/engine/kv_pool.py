@@ -9,16 +9,31 @@ vLLM's `kv_cache_usage_perc`), though not on the free list.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
+def token_row(cfg) -> tuple[int, int]:
+    """A token's entry in one layer of the pool: the model config's own `kv_row` where it has one
+    (MLA's: the compressed latent and the rope key, models/layers/mla.py), else its K heads then
+    its V heads, [2 * kv heads, head_dim]."""
+    return getattr(cfg, "kv_row", None) or (2 * cfg.num_kv_heads, cfg.head_dim)
+
+
+def pool_bytes(cfg, num_layers: int, num_slots: int, dtype: torch.dtype) -> int:
+    """What a pool of `num_slots` tokens over `num_layers` layers of `cfg` holds."""
+    return num_layers * math.prod(token_row(cfg)) * num_slots * dtype.itemsize
+
+
 class KVPool:
-    def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(self, num_slots: int, num_layers: int, row: tuple[int, int], dtype: torch.dtype,
+                 device: torch.device):
+        """`row`: a token's entry in a layer (`token_row`)."""
         # One extra row past the last slot: padding tokens write their K/V there.
         self.scratch_slot = num_slots
-        # A slot holds a token's K heads then its V heads: one write and one gather per layer.
-        shape = (num_slots + 1, 2 * num_kv_heads, head_dim)
+        # A slot holds a token's whole entry (K heads then V heads): one write and one gather a layer.
+        shape = (num_slots + 1, *row)
         # empty, not zeros: a slot is always written before it is read, and untouched pages
         # of a large pool then cost no memory.
         self.kv = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]

@@ -26,8 +26,10 @@ from pathlib import Path
 
 import torch
 
+from freetoken.engine.kv_pool import pool_bytes
 from freetoken.models.checkpoint import read_weights
 from freetoken.models.layers.linear import only_kernel, pack_linears
+from freetoken.models.layers.mla import stack_heads
 from freetoken.models.layers.moe import stack_experts, take_stacked_experts
 from freetoken.models.layers.parts import compute_in_parts, free_in_parts
 from freetoken.models.layers.quantized import QuantizedEmbedding, plan_quantized, take_quantized, weight_bytes
@@ -224,7 +226,7 @@ def build_gguf(model_class: type, gguf: Path, hf_config: dict, tokenizer, dtype:
     cfg = module.cfg
     module.experts_block = experts_block(reader, quantized)
     part = shard_model(module, group) if group is not None else None
-    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_slots * dtype.itemsize
+    kv = pool_bytes(cfg, cfg.num_layers, kv_slots, dtype)
     check_memory(gguf.name, sum(planned_bytes(reader, dtype, quantized).values()), kv,
                  working_bytes(reader, dtype, quantized))
     state = read_tensors(gguf, reader, cfg, hf_config.get("model_type") == "llama", quantized)
@@ -277,6 +279,7 @@ def _assign(module: torch.nn.Module, state: dict[str, torch.Tensor], quantized: 
     module.requires_grad_(False)
     module.weight_bytes = weight_bytes(module)  # before packing frees the plain weights
     stack_experts(module)
+    stack_heads(module)
     with only_kernel(linear_kernel):
         if in_parts or (in_parts is None and free_in_parts(module)):
             compute_in_parts(module)

@@ -47,6 +47,9 @@ _GEMMA3 = Family("gemma3", "Gemma3ForCausalLM", implements=_WINDOWED | {"query_p
 _HYBRID = Family("qwen3_5", "Qwen3_5ForCausalLM", tensor_parallel=(
     "tensor parallelism splits the attention-only decoders, not the hybrid (linear-attention) models"),
     implements=frozenset({"layer_types", "partial_rotary_factor"}), rope_types=("default",))
+# DeepSeek's multi-head latent attention, V3's router and V2's (models/deepseek.py).
+_MLA_TP = ("tensor parallelism is not implemented for multi-head latent attention (every rank would hold "
+           "each token's latent, shared by all heads)")
 ARCHITECTURES = {
     "LlamaForCausalLM": Family("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": Family("llama", "LlamaForCausalLM", implements=_WINDOWED),
@@ -64,6 +67,10 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": Family("qwen3_moe", "Qwen3MoeForCausalLM", implements=_WINDOWED),
     "Qwen2MoeForCausalLM": Family("qwen3_moe", "Qwen2MoeForCausalLM", implements=_WINDOWED),
     "GptOssForCausalLM": Family("gpt_oss", "GptOssForCausalLM", implements=_WINDOWED),
+    "DeepseekV3ForCausalLM": Family("deepseek", "DeepseekV3ForCausalLM", tensor_parallel=_MLA_TP,
+                                    rope_types=("default", "yarn")),
+    "DeepseekV2ForCausalLM": Family("deepseek", "DeepseekV2ForCausalLM", tensor_parallel=_MLA_TP,
+                                    rope_types=("default", "yarn")),
     "ScriptedForCausalLM": Family("scripted", "ScriptedForCausalLM", tensor_parallel=(
         "the scripted test model does not support tensor parallelism"), test_only=True),
     "Qwen3_5ForCausalLM": _HYBRID,
@@ -118,6 +125,9 @@ QUIRKS = {
     "final_logit_softcapping": _other_than(None),
     # EmbeddingGemma's: every token sees its window both ways.
     "use_bidirectional_attention": lambda cfg, field: cfg.get(field) or None,
+    # DeepSeek's own code makes every moe_layer_freq-th layer sparse, transformers every one (all
+    # releases: 1).
+    "moe_layer_freq": _other_than(1),
 }
 # The architectures whose GGUF weights are read from the file (models/gguf_file.py), by one
 # process or by each tensor-parallel rank (its slices), kept quantized on the CPU where asked;

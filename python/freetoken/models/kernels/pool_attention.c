@@ -19,6 +19,9 @@
  * (gpt-oss). Work items are (row, query head) pairs over torch's OpenMP threads: a batch-1 step
  * has as many as the model has heads.
  *
+ * pool_attention_*_latent reads a multi-head latent attention cache (one row a slot, the key, whose
+ * first Dv elements are the value) by the same operations.
+ *
  * Built at first use by models/kernels/pool_attention.py; x86-64 with AVX2 and FMA, else
  * unsupported.
  */
@@ -315,14 +318,16 @@ AVX512 __m512 broadcast8_bf16(const uint16_t *p) {
                              _mm512_set1_ps, _mm512_fmadd_ps, _mm512_setzero_ps, _mm512_storeu_ps, _mm512_mul_ps)
 
 /* Work items are (row, kv head): its query heads' scores first (keys read from memory once, from
- * L1 by the other heads), then their outputs, two heads at a time where AVX-512 runs. */
+ * L1 by the other heads), then their outputs, two heads at a time where AVX-512 runs.
+ * A slot is ld_slot elements; kv head h's key is D of them from h * D, its value Dv from
+ * v_off + h * Dv (keys then values, or a latent layout: NAME_latent). */
 #define DEFINE_POOL_ATTENTION(NAME, T, SCORES8, SCORES8X2_512, WEIGHTED_VALUES, WEIGHTED_VALUES2_512, WEIGHTED_VALUES_512) \
-    __attribute__((target("avx2,fma"))) void NAME(                                                   \
+    __attribute__((target("avx2,fma"))) static void NAME##_core(                                     \
         const float *q, const T *cache, const int64_t *slots, const int64_t *ranges,                 \
         const float *sinks, float *out, int64_t rows, int64_t heads, int64_t kv_heads,               \
-        int64_t D, float scale) {                                                                    \
-        const int64_t group = heads / kv_heads, ld_slot = 2 * kv_heads * D;                          \
-        const int wide = use_avx512 && D % 16 == 0;                                                  \
+        int64_t D, float scale, int64_t ld_slot, int64_t v_off, int64_t Dv) {                        \
+        const int64_t group = heads / kv_heads;                                                      \
+        const int wide = use_avx512 && Dv % 16 == 0;                                                 \
         int64_t keys_total = 0;                                                                      \
         for (int64_t r = 0; r < rows; r++)                                                           \
             keys_total += ranges[3 * r + 2] - ranges[3 * r + 1];                                     \
@@ -335,7 +340,7 @@ AVX512 __m512 broadcast8_bf16(const uint16_t *p) {
             const int64_t r = item / kv_heads, kvh = item % kv_heads;                                \
             const int64_t *keys = slots + ranges[3 * r] + ranges[3 * r + 1];                         \
             const int64_t n = ranges[3 * r + 2] - ranges[3 * r + 1], stride = n > 0 ? n : 1;         \
-            const T *k_head = cache + kvh * D, *v_head = cache + (kv_heads + kvh) * D;               \
+            const T *k_head = cache + kvh * D, *v_head = cache + v_off + kvh * Dv;                   \
             float *s = thread_scores(group * stride), inv[group];                                    \
             for (int64_t g = 0; g < group;) {                                                        \
                 const int64_t h = kvh * group + g, pair = wide && g + 2 <= group;                    \
@@ -356,16 +361,31 @@ AVX512 __m512 broadcast8_bf16(const uint16_t *p) {
                 for (int64_t e = g + 1 + pair; g < e; g++)                                           \
                     inv[g] = n > 0 ? softmax_weights(s + g * stride, n, sinks ? sinks + kvh * group + g : 0) : 0.0f; \
             }                                                                                        \
-            float *o = out + (r * heads + kvh * group) * D;                                          \
+            float *o = out + (r * heads + kvh * group) * Dv;                                         \
             int64_t g = 0;                                                                           \
             for (; wide && g + 2 <= group; g += 2)                                                   \
                 WEIGHTED_VALUES2_512(s + g * stride, s + (g + 1) * stride, keys, n, v_head, ld_slot, \
-                                     D, inv[g], inv[g + 1], o + g * D, o + (g + 1) * D);             \
+                                     Dv, inv[g], inv[g + 1], o + g * Dv, o + (g + 1) * Dv);          \
             for (; wide && g < group; g++)                                                           \
-                WEIGHTED_VALUES_512(s + g * stride, keys, n, v_head, ld_slot, D, inv[g], o + g * D); \
+                WEIGHTED_VALUES_512(s + g * stride, keys, n, v_head, ld_slot, Dv, inv[g], o + g * Dv); \
             for (; g < group; g++)                                                                   \
-                WEIGHTED_VALUES(s + g * stride, keys, n, v_head, ld_slot, D, inv[g], o + g * D);     \
+                WEIGHTED_VALUES(s + g * stride, keys, n, v_head, ld_slot, Dv, inv[g], o + g * Dv);   \
         }                                                                                            \
+    }                                                                                                \
+    /* The cache [slots, 2 * kv_heads, D]: keys then values. */                                     \
+    __attribute__((target("avx2,fma"))) void NAME(                                                   \
+        const float *q, const T *cache, const int64_t *slots, const int64_t *ranges,                 \
+        const float *sinks, float *out, int64_t rows, int64_t heads, int64_t kv_heads,               \
+        int64_t D, float scale) {                                                                    \
+        NAME##_core(q, cache, slots, ranges, sinks, out, rows, heads, kv_heads, D, scale,            \
+                    2 * kv_heads * D, kv_heads * D, D);                                              \
+    }                                                                                                \
+    /* Multi-head latent attention (models/layers/mla.py): the cache [slots, D], one kv head whose \
+     * key is the whole row and whose value its first Dv elements (the latent); out [R, heads, Dv]. */ \
+    __attribute__((target("avx2,fma"))) void NAME##_latent(                                          \
+        const float *q, const T *cache, const int64_t *slots, const int64_t *ranges, float *out,     \
+        int64_t rows, int64_t heads, int64_t D, int64_t Dv, float scale) {                           \
+        NAME##_core(q, cache, slots, ranges, 0, out, rows, heads, 1, D, scale, D, 0, Dv);            \
     }
 
 DEFINE_SCORES8(scores8_f32, float, load8_f32)
@@ -390,5 +410,7 @@ int pool_attention_supported(void) { return 0; }
 int pool_attention_set_isa(int isa) { return 0; }
 void pool_attention_f32(void) {}
 void pool_attention_bf16(void) {}
+void pool_attention_f32_latent(void) {}
+void pool_attention_bf16_latent(void) {}
 
 #endif

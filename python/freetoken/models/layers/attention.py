@@ -3,7 +3,9 @@
 q/k/v are one fused projection (`qkv_proj`, rows [q heads | k heads | v heads]); per-head q/k
 RMSNorm (Qwen3), q/k/v biases (Qwen2), an o_proj bias, sliding-window layers and layers without
 rotary embedding (SmolLM3) are config fields. A family changes the softmax by overriding `_sdpa` and `_sink_logits` (gpt-oss's sinks)
-or the projections by overriding `forward` (the hybrids' gated attention), and reuses `_attend`.
+or the projections by overriding `forward` (the hybrids' gated attention), and reuses `_attend`;
+multi-head latent attention (layers/mla.py) its pool's layout too (`_keys_values`, `_pool_kernel`,
+`_on_pool`), and reuses `_attend_cached`.
 
 Prompt and decoding rows attend through models/kernels/pool_attention.py where it runs (a CPU
 cache of float32 or bfloat16): it reads the keys where they lie in the pool and computes each row
@@ -60,8 +62,12 @@ class Attention(nn.Module):
     def _attend(self, q, k, v, ctx: ForwardContext) -> torch.Tensor:
         """Store the step's keys and values [T, kv heads, d] in the pool, then attend the
         queries [T, heads, d] in the step's groups."""
-        kv_cache = self.store(k, v, ctx)
-        out = torch.zeros_like(q)
+        return self._attend_cached(q, self.store(k, v, ctx), ctx)
+
+    def _attend_cached(self, q, kv_cache, ctx: ForwardContext, width: int | None = None) -> torch.Tensor:
+        """The queries [T, heads, d] over the layer's cache in the step's groups: [T, heads,
+        `width`] (None: d), each head's weighted values."""
+        out = q.new_zeros(*q.shape[:2], width or q.shape[-1])
         for group in ctx.prompt_groups:
             out.index_copy_(0, group.out_rows, self._prompt(q, kv_cache, group))
         for group in ctx.decode_groups:
@@ -75,33 +81,45 @@ class Attention(nn.Module):
         return kv_cache
 
     def _prompt(self, q, kv_cache, group: PromptGroup) -> torch.Tensor:
-        if group.key_ranges is not None and pool_attention.usable(kv_cache):
+        if group.key_ranges is not None and self._pool_kernel(kv_cache):
             ranges = group.window_key_ranges if self.sliding else group.key_ranges
-            return pool_attention.attend(q.index_select(0, group.out_rows), kv_cache, group.kv_slots,
-                                         ranges, self._sink_logits(), self.scale)
-        cfg, kvh = self.cfg, self.cfg.num_kv_heads
+            return self._on_pool(q.index_select(0, group.out_rows), kv_cache, group.kv_slots, ranges)
+        cfg = self.cfg
         b, _, length = group.shape
         # index_select, not kv_cache[slots]: advanced indexing copies several times slower.
         q = q.index_select(0, group.query_rows).view(b, -1, cfg.num_heads, cfg.head_dim)
-        kv = kv_cache.index_select(0, group.kv_slots).view(b, length, 2 * kvh, cfg.head_dim)
-        kv = kv.permute(0, 2, 1, 3)
+        k, v = self._keys_values(kv_cache.index_select(0, group.kv_slots).view(b, length, -1))
         mask = group.window_mask if self.sliding else group.mask
-        attn = self._sdpa(q.transpose(1, 2), kv[:, :kvh], kv[:, kvh:], mask, folded=False)
-        return attn.transpose(1, 2).reshape(-1, cfg.num_heads, cfg.head_dim).index_select(0, group.kept)
+        attn = self._sdpa(q.transpose(1, 2), k, v, mask, folded=False)
+        return attn.transpose(1, 2).reshape(-1, cfg.num_heads, attn.shape[-1]).index_select(0, group.kept)
 
     def _decode(self, q, kv_cache, group: DecodeGroup) -> torch.Tensor:
-        if group.key_ranges is not None and pool_attention.usable(kv_cache):
+        if group.key_ranges is not None and self._pool_kernel(kv_cache):
             ranges = group.window_key_ranges if self.sliding else group.key_ranges
-            return pool_attention.attend(q, kv_cache, group.kv_slots, ranges, self._sink_logits(), self.scale)
-        cfg, b, kvh = self.cfg, q.shape[0], self.cfg.num_kv_heads
+            return self._on_pool(q, kv_cache, group.kv_slots, ranges)
+        cfg, b = self.cfg, q.shape[0]
         per_kv_head = cfg.num_heads // cfg.num_kv_heads
         q = q.view(b, cfg.num_kv_heads, per_kv_head, cfg.head_dim)
         if per_kv_head < MIN_QUERY_ROWS:
             q = torch.cat([q, q[:, :, -1:].expand(-1, -1, MIN_QUERY_ROWS - per_kv_head, -1)], dim=2)
-        kv = kv_cache.index_select(0, group.kv_slots).view(b, -1, 2 * kvh, cfg.head_dim).permute(0, 2, 1, 3)
+        k, v = self._keys_values(kv_cache.index_select(0, group.kv_slots).view(b, -1, kv_cache[0].numel()))
         valid = group.window_valid if self.sliding else group.valid
-        attn = self._sdpa(q, kv[:, :kvh], kv[:, kvh:], valid, folded=True)
-        return attn[:, :, :per_kv_head].reshape(b, cfg.num_heads, cfg.head_dim)
+        attn = self._sdpa(q, k, v, valid, folded=True)
+        return attn[:, :, :per_kv_head].reshape(b, cfg.num_heads, attn.shape[-1])
+
+    def _keys_values(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values [B, kv heads, L, d] of the pool's rows [B, L, row] gathered for SDPA."""
+        kvh = self.cfg.num_kv_heads
+        kv = rows.view(*rows.shape[:2], 2 * kvh, -1).permute(0, 2, 1, 3)
+        return kv[:, :kvh], kv[:, kvh:]
+
+    def _pool_kernel(self, kv_cache: torch.Tensor) -> bool:
+        """Do the rows attend on models/kernels/pool_attention.py (`_on_pool`)?"""
+        return pool_attention.usable(kv_cache)
+
+    def _on_pool(self, q, kv_cache, slots, ranges) -> torch.Tensor:
+        """Queries q [R, heads, d] over the pool, row r's keys as pool_attention.attend reads them."""
+        return pool_attention.attend(q, kv_cache, slots, ranges, self._sink_logits(), self.scale)
 
     def _sink_logits(self) -> torch.Tensor | None:
         """float32 [heads]: per-head logits the softmax also counts, with no value (gpt-oss's

@@ -6,8 +6,9 @@ and k.
 YaRN blends, per frequency, the original angle (fast dimensions, extrapolated) with the angle
 divided by `factor` (slow dimensions, interpolated) along a linear ramp between the dimensions
 that turn `beta_fast` and `beta_slow` times over the original context, and scales cos and sin
-by an attention factor (0.1 ln(factor) + 1 unless the config gives one), as the YaRN paper and
-transformers' `rope_type="yarn"` do.
+by an attention factor (0.1 ln(factor) + 1 unless the config gives one; DeepSeek's `mscale` and
+`mscale_all_dim`: the ratio of that term at each), as the YaRN paper and transformers'
+`rope_type="yarn"` do.
 
 `llama3` divides the frequencies whose wavelength exceeds original / low_freq_factor by
 `factor`, keeps those shorter than original / high_freq_factor, and blends the two between, as
@@ -49,11 +50,12 @@ class Yarn:
     def from_hf(cls, rope: dict, max_position_embeddings: int) -> Yarn:
         original = rope["original_max_position_embeddings"]
         factor = rope.get("factor") or max_position_embeddings / original
-        if rope.get("mscale") and rope.get("mscale_all_dim"):
-            raise ValueError("YaRN with mscale / mscale_all_dim is not supported")
+        scale = rope.get("attention_factor")
+        if scale is None and rope.get("mscale") and rope.get("mscale_all_dim"):
+            scale = yarn_mscale(factor, rope["mscale"]) / yarn_mscale(factor, rope["mscale_all_dim"])
         return cls(factor=factor, original_max_position_embeddings=original,
                    beta_fast=rope.get("beta_fast") or 32.0, beta_slow=rope.get("beta_slow") or 1.0,
-                   truncate=rope.get("truncate", True), attention_factor=rope.get("attention_factor"))
+                   truncate=rope.get("truncate", True), attention_factor=scale)
 
     def frequencies(self, dim: int, base: float, device: torch.device) -> tuple[torch.Tensor, float]:
         pos_freqs = base ** _exponent(dim, device)
@@ -68,10 +70,12 @@ class Yarn:
         ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
         keep = 1 - ramp  # 1: the original angle, 0: the interpolated one
         inv_freq = interpolated * (1 - keep) + extrapolated * keep
-        scale = self.attention_factor
-        if scale is None:
-            scale = 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
-        return inv_freq, scale
+        return inv_freq, yarn_mscale(self.factor) if self.attention_factor is None else self.attention_factor
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude scale of a context `factor` times the trained one: 0.1 mscale ln(factor) + 1."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 @dataclass(frozen=True)
