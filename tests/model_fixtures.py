@@ -166,15 +166,16 @@ def assert_greedy_matches_hf(loaded, prompts: list[str], steps: int = 16) -> Non
             assert torch.allclose(ref_lp[torch.tensor(lp.top_ids)], top, atol=1e-4)
 
 
-def assert_batch_matches_alone_and_reference(loaded, texts: list[str]) -> None:
-    """Greedy runs of `texts` together: each equals its run alone and transformers' reference."""
+def assert_batch_matches_alone_and_reference(loaded, texts: list[str], tol: float = 1e-5) -> None:
+    """Greedy runs of `texts` together: each equals its run alone (logprobs within `tol`; 0: bit
+    for bit) and transformers' reference."""
     from freetoken.scheduler.factory import build_scheduler
 
     prompts = {uid: loaded.tokenizer.encode(text) for uid, text in enumerate(texts)}
     together, _ = greedy_run(build_scheduler(loaded, kv_slots=1024, prefix_cache=False), prompts)
     for uid, ids in prompts.items():
         alone, _ = greedy_run(build_scheduler(loaded, kv_slots=256, prefix_cache=False), {uid: ids})
-        assert_same_run(together[uid], alone[uid])
+        assert_same_run(together[uid], alone[uid], tol)
         assert_matches_reference(loaded.folder, ids, together[uid])
 
 

@@ -64,6 +64,8 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": Family("qwen3_moe", "Qwen3MoeForCausalLM", implements=_WINDOWED),
     "Qwen2MoeForCausalLM": Family("qwen3_moe", "Qwen2MoeForCausalLM", implements=_WINDOWED),
     "GptOssForCausalLM": Family("gpt_oss", "GptOssForCausalLM", implements=_WINDOWED),
+    "Glm4MoeForCausalLM": Family("glm4_moe", "Glm4MoeForCausalLM", implements=frozenset({
+        "partial_rotary_factor", "routed_scaling_factor", "n_group"})),
     "ScriptedForCausalLM": Family("scripted", "ScriptedForCausalLM", tensor_parallel=(
         "the scripted test model does not support tensor parallelism"), test_only=True),
     "Qwen3_5ForCausalLM": _HYBRID,
@@ -118,6 +120,9 @@ QUIRKS = {
     "final_logit_softcapping": _other_than(None),
     # EmbeddingGemma's: every token sees its window both ways.
     "use_bidirectional_attention": lambda cfg, field: cfg.get(field) or None,
+    # GLM-4.5's router (models/layers/sigmoid_moe.py): its weights' scale, its expert groups.
+    "routed_scaling_factor": _other_than(1),
+    "n_group": _other_than(1),
 }
 # The architectures whose GGUF weights are read from the file (models/gguf_file.py), by one
 # process or by each tensor-parallel rank (its slices), kept quantized on the CPU where asked;
