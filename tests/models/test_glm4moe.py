@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken.models.glm4_moe import Glm4MoeForCausalLM
+from freetoken.models.glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
 from freetoken.models.layers.sigmoid_moe import SigmoidMoeBlock, sigmoid_group_topk
-from freetoken.models.registry import load_model
+from freetoken.models.registry import check_supported, load_model
 from freetoken.paths import ModelNotFound
 from tests.fixtures import build_models as bm
 from tests.model_fixtures import (HARMONY_TEXTS, assert_batch_matches_alone_and_reference,
@@ -78,6 +78,30 @@ def test_layers_and_fields_as_the_config_sets_them(glm):
     assert (cfg.rotary_dim, cfg.qk_norm, cfg.attention_bias, cfg.o_proj_bias) == (8, True, True, False)
     assert (cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor) == (4, 2, 2.5)
     assert not model.reads("model.layers.3.eh_proj.weight") and model.reads("model.layers.2.mlp.gate.weight")
+
+
+@pytest.mark.parametrize("rotary", [{"partial_rotary_factor": 0.5}, {}])
+def test_glm_4_5_airs_config_as_released_reads_as_transformers_5_writes_it(rotary):
+    """GLM-4.5-Air's config.json (transformers 4's layout: `partial_rotary_factor` and `rope_theta`
+    beside the fields, `rope_scaling` null; or no factor: transformers' default 0.5) reads as
+    transformers 5's Glm4MoeConfig of it (the rotary fields nested in `rope_parameters`)."""
+    from transformers import Glm4MoeConfig as HFConfig
+
+    fields = dict(vocab_size=151552, hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,
+                  num_hidden_layers=46, num_attention_heads=96, num_key_value_heads=8, head_dim=128,
+                  n_routed_experts=128, n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=1,
+                  n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0, use_qk_norm=False,
+                  attention_bias=True, num_nextn_predict_layers=1, max_position_embeddings=131072)
+    # Where a config.json names no norm epsilon: transformers' default, 1e-5 (ModelConfig's: 1e-6).
+    assert Glm4MoeConfig.from_hf({**fields, "architectures": ["Glm4MoeForCausalLM"]}).rms_norm_eps == 1e-5
+    arch = {"architectures": ["Glm4MoeForCausalLM"]}
+    released = {**fields, **rotary, **arch, "rope_theta": 1e6, "rope_scaling": None, "rms_norm_eps": 1e-5}
+    current = {**HFConfig(**fields, **rotary, rope_parameters={"rope_theta": 1e6}).to_dict(), **arch}
+    assert "partial_rotary_factor" in current["rope_parameters"]
+    check_supported(released)
+    cfg = Glm4MoeConfig.from_hf(released)
+    assert cfg == Glm4MoeConfig.from_hf(current)
+    assert (cfg.rotary_dim, cfg.rope_theta, cfg.attention_bias, cfg.o_proj_bias, cfg.qk_norm) == (64, 1e6, True, False, False)
 
 
 def test_batch_of_8_matches_transformers_and_each_alone_bit_for_bit(glm):

@@ -21,7 +21,8 @@ from freetoken.models.llama import LlamaForCausalLM, ModelConfig
 from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM
 
 LAYER = re.compile(r"model\.layers\.(\d+)\.")
-PARTIAL_ROTARY = 0.5  # Glm4MoeConfig's where a config names none
+# transformers' Glm4MoeConfig's defaults where ModelConfig's differ, for a config that names none.
+PARTIAL_ROTARY, RMS_NORM_EPS = 0.5, 1e-5
 
 
 @dataclass(frozen=True)
@@ -38,10 +39,9 @@ class Glm4MoeConfig(ModelConfig):
 
     @classmethod
     def from_hf(cls, cfg: dict, **extra) -> Glm4MoeConfig:
-        rope = rope_parameters(cfg)
-        factor = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", PARTIAL_ROTARY))
-        base = super().from_hf({**cfg, "partial_rotary_factor": factor, "rope_parameters": {
-            **rope, "partial_rotary_factor": factor}},
+        factor = rope_parameters(cfg).get("partial_rotary_factor", cfg.get("partial_rotary_factor", PARTIAL_ROTARY))
+        base = super().from_hf(
+            {"rms_norm_eps": RMS_NORM_EPS, **cfg, "partial_rotary_factor": factor},
             num_experts=cfg["n_routed_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
             moe_intermediate_size=cfg["moe_intermediate_size"], n_shared_experts=cfg.get("n_shared_experts", 1),
             n_group=cfg.get("n_group", 1), topk_group=cfg.get("topk_group", 1),
