@@ -33,6 +33,8 @@ plain decoding, on a copy-heavy workload and on free generation (scripts/_bench_
 or --quantized-models 8b: a synthetic Qwen3-8B) against our float32 and bfloat16 runs on them
 dequantized, and llama.cpp where installed, with memory (scripts/_bench_quantized.py);
 scripts/bench_gguf_load.py measures loading a real-size GGUF.
+`--tables families` (not in the default run): decode at batch 1 and 8 of every family served, on
+random models of one shape with each family's quirks on, against HF (scripts/_bench_families.py).
 
     python scripts/bench_engine.py                 # float32, about 2-3 minutes on 2 cores
     python scripts/bench_engine.py --quick
@@ -44,6 +46,7 @@ scripts/bench_gguf_load.py measures loading a real-size GGUF.
     python scripts/bench_engine.py --profile       # also: where a decode step's time goes
     python scripts/bench_engine.py --tables speculative   # about 2 minutes on 2 cores
     python scripts/bench_engine.py --tables quantized --quick
+    python scripts/bench_engine.py --tables families --quick   # decode per family (_bench_families.py)
     python scripts/bench_engine.py --tables quantized --quick --skip-hf --llama-python /tmp/llamavenv/bin/python
     python scripts/bench_engine.py --tables quantized --quick --quantized-models 8b --llama-cpp-bin BIN
 """
@@ -61,6 +64,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench_common as bc  # noqa: E402
+from _bench_families import families_table  # noqa: E402
 from _bench_quantized import quantized_table  # noqa: E402
 from _bench_speculative import speculative_table  # noqa: E402
 
@@ -203,7 +207,7 @@ def main() -> None:
     p.add_argument("--grammar-batch", type=int, default=32,
                    help="batch of the structured outputs table")
     p.add_argument("--tables", default="engine,logprobs,processors,grammar",
-                   help="tables to print, comma-separated (also: moe, hybrid, speculative, quantized)")
+                   help="tables to print, comma-separated (also: moe, hybrid, speculative, quantized, families)")
     p.add_argument("--speculative-tokens", type=int, default=4,
                    help="draft length of the speculative table")
     p.add_argument("--speculative-method", default="ngram", choices=["ngram", "mtp"],
@@ -243,7 +247,8 @@ def main() -> None:
     if tp > 1 and args.tables == p.get_default("tables"):
         args.tables = "engine,tp"
     tables = set(args.tables.split(","))
-    known = {"engine", "logprobs", "processors", "grammar", "moe", "hybrid", "tp", "speculative", "quantized"}
+    known = {"engine", "logprobs", "processors", "grammar", "moe", "hybrid", "tp", "speculative", "quantized",
+             "families"}
     assert tables <= known, f"unknown tables: {args.tables}"
     prefill_len = args.prefill_len or (64 if args.quick else 128)
     new_tokens = args.new_tokens or (16 if args.quick else 32)
@@ -257,7 +262,9 @@ def main() -> None:
         speculative_table(load_model(args.speculative_model, dtype=args.dtype, device="cpu"), args)
     if "quantized" in tables:
         quantized_table(Ours, batches, prefill_len, new_tokens, args)
-    tables -= {"moe", "hybrid", "speculative", "quantized"}
+    if "families" in tables:
+        families_table(Ours, HF, args)
+    tables -= {"moe", "hybrid", "speculative", "quantized", "families"}
     if not tables:
         return
 

@@ -118,6 +118,14 @@ def tiny_deepseek_v3_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_glm4_moe_path() -> Path:
+    """Glm4MoeForCausalLM (random, 3 layers: one dense, then 8 experts in 4 groups with a shared
+    one; a correction bias, q/k/v biases, q/k norm, rotary on half of each head; an MTP layer
+    beside) on the Harmony tokenizer."""
+    return bm.cached("tiny-glm4-moe", bm.build_tiny_glm4_moe)
+
+
+@pytest.fixture(scope="session")
 def tiny_gpt_oss_path() -> Path:
     """GptOssForCausalLM (random, 2 layers, window 8, 8 experts) on the Harmony tokenizer."""
     return bm.cached("tiny-gpt-oss", bm.build_tiny_gpt_oss)

@@ -109,10 +109,11 @@ def test_head_split_covers_every_head_once():
 
 # MXFP4 experts (kept quantized, split in parts at TP=1 too) are the gpt-oss GGUF's case below.
 @pytest.mark.parametrize("fixture", ["qwen3", "tiny_qwen3_moe_path", "tiny_gpt_oss_path", "tiny_phi3_path",
-                                     "tiny_gemma3_path"])
+                                     "tiny_gemma3_path", "tiny_glm4_moe_path"])
 def test_tiny_tp2_matches_tp1_and_transformers(rank1, fixture, request, monkeypatch):
     # Qwen3-MoE: experts sharded, a dense layer between; gpt-oss: sinks and biases everywhere;
-    # Phi-3: q/k/v and gate/up read fused; Gemma 3: GeGLU on each rank's part, its norms whole.
+    # Phi-3: q/k/v and gate/up read fused; Gemma 3: GeGLU on each rank's part, its norms whole;
+    # GLM-4.5: a dense layer first, its router and shared expert whole on each rank.
     folder = tiny_random_folder() if fixture == "qwen3" else request.getfixturevalue(fixture)
     monkeypatch.setenv("FREETOKEN_EXACT_TP", "1")  # TP=1 computes its layers as 2 ranks would
     loaded = load_model(folder, dtype="float32", device="cpu")

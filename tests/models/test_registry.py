@@ -15,7 +15,7 @@ MODEL_TYPES = {
     "GraniteForCausalLM": "granite", "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3_text",
     "Gemma3ForConditionalGeneration": "gemma3",
     "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
-    "Qwen2MoeForCausalLM": "qwen2_moe", "GptOssForCausalLM": "gpt_oss",
+    "Qwen2MoeForCausalLM": "qwen2_moe", "GptOssForCausalLM": "gpt_oss", "Glm4MoeForCausalLM": "glm4_moe",
     "Qwen3_5ForCausalLM": "qwen3_5_text", "Qwen3_5ForConditionalGeneration": "qwen3_5",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text", "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
     "Qwen3NextForCausalLM": "qwen3_next", "DeepseekV3ForCausalLM": "deepseek_v3",
@@ -75,6 +75,8 @@ def test_an_unknown_architecture_names_the_served_ones_but_not_the_test_model():
     ("Gemma3ForCausalLM", {"hidden_activation": "gelu"}, "hidden_activation='gelu'"),
     ("Gemma3ForCausalLM", {"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
     ("Qwen3ForCausalLM", {"query_pre_attn_scalar": 144}, "query_pre_attn_scalar=144"),
+    # GLM-4.5's router's fields on another MoE family
+    ("Qwen3MoeForCausalLM", {"routed_scaling_factor": 2.5, "n_group": 8}, "routed_scaling_factor=2.5, n_group=8"),
     # each layer type's schedule, transformers 5's nesting; as released: the global layers'
     ("Gemma3ForCausalLM", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                                                "sliding_attention": {"rope_type": "yarn", "factor": 2.0}}},

@@ -10,6 +10,9 @@ from torch import nn
 
 class CausalLM(nn.Module):
     config_class: type  # its `from_hf(hf_config)` reads the family's fields
+    # The weights (name endings) held in float32 whatever the model's dtype, as transformers
+    # holds them (its `_keep_in_fp32_modules`): GLM-4.5's router, whose choice a rounding changes.
+    float32_weights: tuple[str, ...] = ()
 
     @classmethod
     def from_hf(cls, hf_config: dict) -> CausalLM:

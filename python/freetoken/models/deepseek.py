@@ -23,19 +23,19 @@ layers always run in Python. Tensor parallelism is refused (the registry's row s
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, replace
 
 import torch
 
 from freetoken.config import rope_parameters, rope_type
-from freetoken.models.layers.elementwise import lanewise, silu_and_mul
+from freetoken.models.layers.elementwise import silu_and_mul
 from freetoken.models.layers.linear import Linear
 from freetoken.models.layers.mla import LatentAttention, deinterleave_rope, split_kv_b
 from freetoken.models.layers.mlp import MLP
 from freetoken.models.layers.moe import Experts, split_stacked_experts
 from freetoken.models.layers.rotary import yarn_mscale
+from freetoken.models.layers.sigmoid_moe import best_groups, sigmoid_group_topk
 from freetoken.models.llama import DecoderLayer, LlamaForCausalLM, ModelConfig, fuse_hf_weights
 
 V3 = "DeepseekV3ForCausalLM"
@@ -96,35 +96,14 @@ class DeepseekConfig(ModelConfig):
                        attention_scale=scale)
 
 
-def noaux_tc(logits: torch.Tensor, bias: torch.Tensor, cfg: DeepseekConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """V3's routing of float32 logits [T, E]: (weights [T, k], expert ids [T, k])."""
-    scores = lanewise(torch.sigmoid, logits)  # a token's scores whatever its batch
-    choice = scores + bias
-    tokens, experts = choice.shape
-    groups = choice.view(tokens, cfg.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
-    choice = choice.masked_fill(~_best_groups(groups, cfg.topk_group, experts), -math.inf)
-    ids = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
-    weights = scores.gather(1, ids)
-    if cfg.norm_topk_prob:
-        weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
-    return weights * cfg.routed_scaling_factor, ids
-
-
 def softmax_greedy(logits: torch.Tensor, cfg: DeepseekConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """V2's routing: softmax scores, the k best (of the best groups' experts: group_limited_greedy)."""
     scores = logits.softmax(dim=-1)
     if cfg.topk_method == "group_limited_greedy":
         groups = scores.view(scores.shape[0], cfg.n_group, -1).max(dim=-1).values
-        scores = scores.masked_fill(~_best_groups(groups, cfg.topk_group, scores.shape[1]), 0.0)
+        scores = scores.masked_fill(~best_groups(groups, cfg.topk_group, scores.shape[1]), 0.0)
     weights, ids = scores.topk(cfg.num_experts_per_tok, dim=-1, sorted=False)
     return weights * cfg.routed_scaling_factor, ids
-
-
-def _best_groups(group_scores: torch.Tensor, k: int, experts: int) -> torch.Tensor:
-    """bool [T, experts]: the experts of each token's k best groups."""
-    best = group_scores.topk(k, dim=-1, sorted=False)[1]
-    chosen = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
-    return chosen.repeat_interleave(experts // group_scores.shape[1], dim=1)
 
 
 class DeepseekMoE(Experts):
@@ -142,7 +121,10 @@ class DeepseekMoE(Experts):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x).float()
         if self.cfg.topk_method == "noaux_tc":
-            weights, ids = noaux_tc(logits, self.e_score_correction_bias.float(), self.cfg)
+            cfg = self.cfg
+            weights, ids = sigmoid_group_topk(logits, self.e_score_correction_bias, cfg.num_experts_per_tok,
+                                              cfg.n_group, cfg.topk_group, cfg.norm_topk_prob,
+                                              cfg.routed_scaling_factor)
         else:
             weights, ids = softmax_greedy(logits, self.cfg)
         return super().forward(x, ids, weights) + self.shared_experts(x)

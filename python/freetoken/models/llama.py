@@ -1,6 +1,6 @@
 """Llama / Mistral / SmolLM3 / Granite / Phi-3 / Qwen2 / Qwen3 decoder over the engine's KV pool,
-and the base of the families built on it (qwen3_moe.py, gpt_oss.py, which bring only their own
-MLP and attention softmax; gemma3.py, its own layer and embedding scale).
+and the base of the families built on it (qwen3_moe.py, gpt_oss.py, glm4_moe.py, which bring
+only their own MLP and attention softmax; gemma3.py, its own layer and embedding scale).
 
 Module names mirror transformers', except that q/k/v and gate/up projections are fused into one
 matmul each (`fuse_hf_weights` maps a transformers state dict; Phi-3's stores them so). The

@@ -172,12 +172,22 @@ def _cache_folder(gguf: Path, kind: str = "") -> Path:
     return cache_root() / "gguf" / f"{gguf.stem}-{key[:16]}{'-' + kind if kind else ''}"
 
 
+# GGUF architectures of families served from their HF folders alone: transformers' GGUF loader
+# parses no config of them, and models/gguf_file.py does not read them.
+FOLDER_ONLY = {"glm4moe": "Glm4MoeForCausalLM"}
+
+
 def _unconvertible(gguf: Path, served: tuple[str, ...], exc: Exception) -> ModelNotFound:
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
+    arch = _gguf_architecture(gguf)
+    if arch in FOLDER_ONLY:
+        return ModelNotFound(f"{gguf.name}: a GGUF of {arch}: freetoken serves {FOLDER_ONLY[arch]} from its HF "
+                             "folder only (transformers' GGUF loader cannot parse such a file); pass the "
+                             "model's HF folder")
     return ModelNotFound(
         f"{gguf.name}: transformers' GGUF loader could not convert this GGUF architecture "
-        f"{_gguf_architecture(gguf)!r} ({exc!r}). It lists "
+        f"{arch!r} ({exc!r}). It lists "
         f"{', '.join(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ('general', 'tokenizer'))}; "
         f"freetoken serves {', '.join(served)}, as HF folders where no GGUF "
         "conversion works")
@@ -259,7 +269,8 @@ def _assign(module: torch.nn.Module, state: dict[str, torch.Tensor], quantized: 
     # Each tensor becomes its parameter (assign): no second copy of the model is allocated, and
     # one cast at a time, in place of its source, keeps a bfloat16 load from holding float32.
     for name, value in state.items():
-        state[name] = value.to(device=device, dtype=dtype).contiguous()
+        held = torch.float32 if name.endswith(module.float32_weights) else dtype
+        state[name] = value.to(device=device, dtype=held).contiguous()
     missing, unexpected = module.load_state_dict(state, strict=False, assign=True)
     # The caller's dict too: each weight is then held by its parameter alone (freed once packed).
     state.clear()

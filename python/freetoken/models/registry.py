@@ -41,6 +41,8 @@ class Family:
 # The attention of Qwen's, Mistral's, SmolLM3's and gpt-oss's releases honours `sliding_window`;
 # transformers' Llama ignores it.
 _WINDOWED = frozenset({"sliding_window"})
+# The sigmoid routers' scale and expert groups (models/layers/sigmoid_moe.py): GLM-4.5's, DeepSeek's.
+_ROUTED_GROUPS = frozenset({"routed_scaling_factor", "n_group"})
 # Gemma 3: its text-only checkpoints, and the language model of the image-text ones.
 _GEMMA3 = Family("gemma3", "Gemma3ForCausalLM", implements=_WINDOWED | {"query_pre_attn_scalar"},
                  rope_types=("default", "linear"))
@@ -68,9 +70,11 @@ ARCHITECTURES = {
     "Qwen2MoeForCausalLM": Family("qwen3_moe", "Qwen2MoeForCausalLM", implements=_WINDOWED),
     "GptOssForCausalLM": Family("gpt_oss", "GptOssForCausalLM", implements=_WINDOWED),
     "DeepseekV3ForCausalLM": Family("deepseek", "DeepseekV3ForCausalLM", tensor_parallel=_MLA_TP,
-                                    rope_types=("default", "yarn")),
+                                    rope_types=("default", "yarn"), implements=_ROUTED_GROUPS),
     "DeepseekV2ForCausalLM": Family("deepseek", "DeepseekV2ForCausalLM", tensor_parallel=_MLA_TP,
-                                    rope_types=("default", "yarn")),
+                                    rope_types=("default", "yarn"), implements=_ROUTED_GROUPS),
+    "Glm4MoeForCausalLM": Family("glm4_moe", "Glm4MoeForCausalLM",
+                                 implements=_ROUTED_GROUPS | {"partial_rotary_factor"}),
     "ScriptedForCausalLM": Family("scripted", "ScriptedForCausalLM", tensor_parallel=(
         "the scripted test model does not support tensor parallelism"), test_only=True),
     "Qwen3_5ForCausalLM": _HYBRID,
@@ -128,6 +132,10 @@ QUIRKS = {
     # DeepSeek's own code makes every moe_layer_freq-th layer sparse, transformers every one (all
     # releases: 1).
     "moe_layer_freq": _other_than(1),
+    # GLM-4.5's and DeepSeek's routers (models/layers/sigmoid_moe.py): their weights' scale, their
+    # expert groups.
+    "routed_scaling_factor": _other_than(1),
+    "n_group": _other_than(1),
 }
 # The architectures whose GGUF weights are read from the file (models/gguf_file.py), by one
 # process or by each tensor-parallel rank (its slices), kept quantized on the CPU where asked;

@@ -201,8 +201,8 @@ class RankPart:
             if leaf == "sinks":
                 return stored.read(0, [self.q])
             return stored.read()
-        if ".shared_expert." in name or ".mlp." not in name:
-            return stored.read()  # norms, routers, a shared expert: whole on every rank
+        if ".shared_expert" in name or ".mlp." not in name:
+            return stored.read()  # norms, routers, shared experts (Qwen's, GLM's): whole on every rank
         # A GGUF's experts, [E, out, in] (biases [E, out]): their part of each expert's rows or K.
         stacked = name.rpartition(".")[0].rpartition(".")[0].endswith(".experts")
         if module in ("gate_proj", "up_proj"):
