@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from freetoken.core import SamplingParams
 from freetoken.message import TokenizeMsg
-from freetoken.serving.errors import RequestError, error_from
+from freetoken.serving.errors import AsciiJSONResponse, RequestError, error_from
 from freetoken.serving.handling import check_model, until_disconnected, usage_dict
 from freetoken.serving.one_step import run_all
 from freetoken.serving.pooling_config import served_for
@@ -89,8 +89,9 @@ async def create_rerank(req: RerankRequest, raw_request, state: EngineClient, wi
         if req.return_documents:
             result["document"] = {"text": texts[i]}
         results.append(result)
-    return {"id": f"rerank-{uuid.uuid4().hex}", "model": req.model or state.config.served_model_name,
-            "results": results, "usage": usage}
+    return AsciiJSONResponse({"id": f"rerank-{uuid.uuid4().hex}",  # not walked by jsonable_encoder
+                              "model": req.model or state.config.served_model_name,
+                              "results": results, "usage": usage})
 
 
 async def create_score(req: ScoreRequest, raw_request, state: EngineClient, window: int):
@@ -99,7 +100,8 @@ async def create_score(req: ScoreRequest, raw_request, state: EngineClient, wind
         scores, usage = await until_disconnected(raw_request, score_pairs(state, req.pairs, window))
     except RequestError as exc:
         return error_from(exc)
-    return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-            "model": req.model or state.config.served_model_name,
-            "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
-            "usage": usage}
+    return AsciiJSONResponse({
+        "id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+        "model": req.model or state.config.served_model_name,
+        "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+        "usage": usage})
