@@ -11,10 +11,21 @@ Scenarios (all on the default model, same threads on every side, one run):
      recomputing the prefix in every batch, and HF reusing the prefix's KV (DynamicCache).
   C  chat decode: /v1/chat/completions, 64 new tokens (ignore_eos), temperature 0, at 1, 8 and 32
      concurrent clients, vs HF `generate` over a batch of the same size.
-  R  rerank: /v1/rerank of 64 documents (~40 tokens) under one query, the default model served as
-     a Qwen3-Reranker-style reranker (examples/qwen3_reranker.jinja, labels "no" / "yes"), one
+  R  rerank: /v1/rerank of 64 documents (~40 tokens) under one query, the model served as a
+     Qwen3-Reranker-style reranker (examples/qwen3_reranker.jinja, labels "no" / "yes"), one
      client, a new query per request; prefix cache on (the query's prefix shared by its
-     documents) and off. Peer: HF scoring the same 64 rendered prompts in one left-padded batch.
+     documents) and off; /score of the same pairs (cache on). Peer: HF scoring the same 64
+     rendered prompts in one left-padded batch.
+  E  embeddings: /v1/embeddings of 64 inputs (~40 tokens) in one request, a new set per request,
+     one client (--runner pooling: last-token pooling, normalised). Peer: HF's final-norm hidden
+     states of the same inputs in one left-padded batch, last position, normalised.
+  L  whole labels: 256 prompts x 4 labels of 1-4 tokens through /generative_scoring (one
+     request), against the same totals from one /v1/completions request per (prompt, label)
+     (echo, max_tokens 0, logprobs 0: what clients do today; 16 clients), and against HF
+     teacher-forcing every prompt + label in left-padded batches (--hf-batch).
+R and E run on --pooling-model: the default model, or `tiny`, the tests' tiny Qwen3 fixtures
+(tiny-qwen3 as the reranker, tiny-qwen3-embedding as the embedder), where the per-request
+costs around the forward dominate.
 
 Roofline: the best torch GEMM GFLOP/s measured in this run on the model's projection shapes.
 Model cost: 2 * n_body FLOPs per computed prompt token (n_body = every matmul weight except the
@@ -25,7 +36,7 @@ attention's own FLOPs are left out. "% roofline" = useful FLOPs per second / roo
     python scripts/bench_scoring.py --quick
     python scripts/bench_scoring.py --dtype bfloat16
     python scripts/bench_scoring.py --dtype float32,bfloat16 --scenarios A,B
-    python scripts/bench_scoring.py --scenarios R
+    python scripts/bench_scoring.py --scenarios R,E,L --pooling-model tiny
 """
 
 from __future__ import annotations
@@ -51,6 +62,8 @@ LABELS = (" Yes", " No")
 ROOT = Path(__file__).resolve().parents[1]
 RERANK_TEMPLATE = ROOT / "examples" / "qwen3_reranker.jinja"
 RERANK_OVERRIDES = '{"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}'
+# 1, 2, 3 and 4 tokens on the default model's vocabulary.
+LABEL_SET = (" positive", " possibly positive", " hard to say", " not sure at all")
 TOPICS = ("a lighthouse", "a lost key", "the first snow", "a robot gardener", "an old map",
           "a night train", "a quiet library", "a paper boat")
 
@@ -109,8 +122,8 @@ def chat_payloads(messages: list[list[dict]], new_tokens: int) -> list[dict]:
 
 
 class HFPeer:
-    def __init__(self, dtype: str):
-        self.model, self.tok = bc.load_hf(dtype)
+    def __init__(self, dtype: str, folder: Path | None = None):
+        self.model, self.tok = bc.load_hf(dtype, folder)
         self.tok.padding_side = "left"
 
     @torch.inference_mode()
@@ -128,6 +141,43 @@ class HFPeer:
             lps = logits[:, labels].float().log_softmax(-1).tolist()
             for i, lp in zip(idx, lps):
                 out[i] = lp
+        return time.perf_counter() - t0, out
+
+    @torch.inference_mode()
+    def embed(self, texts: list[str]) -> tuple[float, list[list[float]]]:
+        """(seconds, vectors): one left-padded batch, the final norm's last position, unit length."""
+        t0 = time.perf_counter()
+        enc = self.tok(texts, return_tensors="pt", padding=True)
+        pos = (enc.attention_mask.cumsum(-1) - 1).clamp_min(0)
+        hidden = self.model.model(**enc, position_ids=pos).last_hidden_state[:, -1]
+        vectors = torch.nn.functional.normalize(hidden.float(), dim=-1).tolist()
+        return time.perf_counter() - t0, vectors
+
+    @torch.inference_mode()
+    def label_totals(self, prompts: list[list[int]], labels: list[list[int]],
+                     batch: int) -> tuple[float, list[list[float]]]:
+        """(seconds, per prompt each label's total logprob): every prompt + label teacher-forced,
+        left-padded batches sorted by length, the label positions' log-softmax gathered."""
+        t0 = time.perf_counter()
+        seqs = [(i, j) for i in range(len(prompts)) for j in range(len(labels))]
+        seqs.sort(key=lambda s: len(prompts[s[0]]) + len(labels[s[1]]))
+        keep = max(len(label) for label in labels) + 1
+        out = [[0.0] * len(labels) for _ in prompts]
+        pad = self.tok.pad_token_id
+        for s in range(0, len(seqs), batch):
+            part = seqs[s : s + batch]
+            ids = [prompts[i] + labels[j] for i, j in part]
+            width = max(map(len, ids))
+            input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
+            mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+            pos = (mask.cumsum(-1) - 1).clamp_min(0)
+            logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=pos,
+                                logits_to_keep=keep).logits
+            lps = logits[:, :-1].float().log_softmax(-1)
+            for row, (i, j) in enumerate(part):
+                n = len(labels[j])
+                at = torch.arange(keep - 1 - n, keep - 1)
+                out[i][j] = lps[row, at, torch.tensor(labels[j])].sum().item()
         return time.perf_counter() - t0, out
 
     @torch.inference_mode()
@@ -244,44 +294,153 @@ class Run:
                     self.scenario_c(srv.url + "/v1/chat/completions")
         if "R" in scen:
             self.scenario_r()
+        if "E" in scen:
+            self.scenario_e()
+        if "L" in scen:
+            self.scenario_l()
+
+    def pooling_model(self, role: str) -> tuple[Path | None, object, HFPeer]:
+        """--pooling-model's (folder, tokenizer, HF peer) for `role`, "rerank" or "embed"; the
+        folder None for the default model."""
+        if self.args.pooling_model == "default":
+            return None, self.tok, self.hf
+        sys.path.insert(0, str(ROOT))
+        from tests.fixtures import build_models as bm
+
+        name, build = (("tiny-qwen3", bm.build_tiny_qwen3) if role == "rerank" else
+                       ("tiny-qwen3-embedding", bm.build_tiny_qwen3_embedding))
+        peer = HFPeer(self.dtype, bm.cached(name, build))
+        return bm.cached(name, build), peer.tok, peer
+
+    def alternated(self, url: str, payloads: list[dict], peer) -> tuple[bc.LoadResult, float, list]:
+        """Ours one request, then the peer (seconds, result), in turn for every payload: ours
+        best request and the peer's best time (the machine is shared and its load moves)."""
+        best, t_peer, out = None, math.inf, None
+        for payload in payloads:
+            r = bc.run_load(url, [payload], 1)
+            best = r if best is None or r.wall_s < best.wall_s else best
+            t, out = peer()
+            t_peer = min(t_peer, t)
+        return best, t_peer, out
 
     def scenario_r(self) -> None:
-        """64 documents under one query, a new query per request, cache on and off, vs HF."""
-        args, n_docs = self.args, 64
-        n_queries = 2 if args.quick else 4
-        docs = items(self.tok, n_docs, "R")
+        """64 documents under one query, a new query per request, cache on and off, and /score;
+        each request alternated with HF scoring the same prompts."""
+        n_docs, rounds = 64, 2 if self.args.quick else 3
+        folder, tok, hf = self.pooling_model("rerank")
+        docs = items(tok, n_docs, "R")
         queries = [f"Which reviews praise {TOPICS[i % len(TOPICS)]}? (query {i})"
-                   for i in range(n_queries + 1)]
-        payloads = [{"query": q, "documents": docs} for q in queries]
+                   for i in range(3 * rounds + 1)]
         template = RERANK_TEMPLATE.read_text()
-        labels = self.tok.convert_tokens_to_ids(["no", "yes"])
-        prompts = [self.tok.apply_chat_template(
-            [{"role": "query", "content": queries[1]}, {"role": "document", "content": d}],
-            chat_template=template, tokenize=False) for d in docs]
-        rows, results = [], {}
+        labels = tok.convert_tokens_to_ids(["no", "yes"])
+
+        def hf_scores(query: str):
+            prompts = [tok.apply_chat_template(
+                [{"role": "query", "content": query}, {"role": "document", "content": d}],
+                chat_template=template, tokenize=False) for d in docs]
+            return lambda: hf.score(prompts, labels, n_docs)
+
+        model = ("--model", str(folder)) if folder else ()
+        rows, ours = [], {}
         for cache in (True, False):
-            flags = ("--runner", "pooling", "--hf-overrides", RERANK_OVERRIDES,
+            flags = (*model, "--runner", "pooling", "--hf-overrides", RERANK_OVERRIDES,
                      "--chat-template", str(RERANK_TEMPLATE), *(() if cache else ("--no-prefix-cache",)))
             with self.server(*flags, name=f"freetoken-rerank{'' if cache else '-nocache'}") as srv:
-                url = srv.url + "/v1/rerank"
-                bc.run_load(url, payloads[:1], 1)  # warm-up, another query
-                results[cache] = bc.run_load(url, payloads[1:], 1)
-        t_hf, hf_lps = self.hf.score(prompts, labels, n_docs)
-        t_hf = min(t_hf, self.hf.score(prompts, labels, n_docs)[0])
-        on, off = results[True], results[False]
-        for r, label in ((on, "freetoken, prefix cache on"), (off, "freetoken, --no-prefix-cache")):
-            cached = r.cached_tokens() / (r.n * n_docs)
-            rows.append([label, r.n * n_docs / r.wall_s, bc.ms(r.p50), cached,
-                         bc.ratio(r.n * n_docs / r.wall_s, n_docs / t_hf)])
-        rows.append([f"HF transformers, batch {n_docs}", n_docs / t_hf, bc.ms(t_hf), 0.0, "1.00x"])
-        bc.print_table(f"R: rerank, {n_docs} documents under one query, {self.dtype}",
-                       ["system", "documents/s", "p50 ms per request", "cached tok/doc", "vs HF"],
-                       rows)
-        ours = {x["index"]: x["relevance_score"] for x in on.responses[0]["results"]}
-        hf_scores = [math.exp(lp[1]) for lp in hf_lps]
-        diff = max(abs(ours[i] - hf_scores[i]) for i in range(n_docs))
-        bc.note(f"cache on vs off: {bc.ratio(on.rps, off.rps)}; check: scores vs HF p(yes) / "
-                f"(p(yes) + p(no)): max |diff| {diff:.2e}")
+                bc.run_load(srv.url + "/v1/rerank", [{"query": queries[0], "documents": docs}], 1)
+                qs = queries[1 + rounds * (not cache) : 1 + rounds * (1 + (not cache))]
+                for path, body in (("/v1/rerank", "documents"), ("/score", "text_2")):
+                    if path == "/score" and not cache:
+                        continue
+                    first = "query" if path == "/v1/rerank" else "text_1"
+                    asked = qs if path == "/v1/rerank" else [q + " (/score)" for q in qs]
+                    ours[path, cache] = self.alternated(
+                        srv.url + path, [{first: q, body: docs} for q in asked], hf_scores(qs[-1]))
+                if cache:
+                    check = bc.run_load(srv.url + "/v1/rerank",
+                                        [{"query": queries[1], "documents": docs}], 1).responses[0]
+        for (path, cache), (r, t_hf, _) in ours.items():
+            label = f"freetoken {path}, " + ("prefix cache on" if cache else "--no-prefix-cache")
+            rows.append([label, n_docs / r.wall_s, bc.ms(r.wall_s), r.cached_tokens() / n_docs,
+                         bc.ms(t_hf), bc.ratio(t_hf, r.wall_s)])
+        bc.print_table(f"R: rerank, {n_docs} documents under one query, {self.dtype}, "
+                       f"{'tiny-qwen3' if folder else 'default model'}, best of {rounds} "
+                       f"alternated with HF (batch {n_docs})",
+                       ["system", "documents/s", "ms per request", "cached tok/doc",
+                        "HF ms", "vs HF"], rows)
+        got = {x["index"]: x["relevance_score"] for x in check["results"]}
+        _, hf_lps = hf_scores(queries[1])()
+        diff = max(abs(got[i] - math.exp(hf_lps[i][1])) for i in range(n_docs))
+        bc.note(f"check: scores vs HF p(yes) / (p(yes) + p(no)): max |diff| {diff:.2e}")
+        bc.load_note()
+
+    def scenario_e(self) -> None:
+        """/v1/embeddings of 64 inputs, a new set per request, alternated with HF."""
+        n, rounds = 64, 2 if self.args.quick else 3
+        folder, tok, hf = self.pooling_model("embed")
+        sets = [items(tok, n, f"E{i}") for i in range(rounds + 1)]
+        model = ("--model", str(folder)) if folder else ()
+        with self.server(*model, "--runner", "pooling", name="freetoken-embed") as srv:
+            url = srv.url + "/v1/embeddings"
+            bc.run_load(url, [{"input": sets[0]}], 1)
+            r, t_hf, ref = self.alternated(url, [{"input": x} for x in sets[1:]],
+                                           lambda: hf.embed(sets[-1]))
+            check = bc.run_load(url, [{"input": sets[-1]}], 1).responses[0]["data"]
+        rows = [["freetoken /v1/embeddings", n / r.wall_s, bc.ms(r.wall_s), bc.ms(t_hf),
+                 bc.ratio(t_hf, r.wall_s)]]
+        bc.print_table(f"E: embeddings, {n} inputs a request, {self.dtype}, "
+                       f"{'tiny-qwen3-embedding' if folder else 'default model'}, best of "
+                       f"{rounds} alternated with HF (batch {n})",
+                       ["system", "inputs/s", "ms per request", "HF ms", "vs HF"], rows)
+        diff = max(abs(a - b) for d, v in zip(check, ref) for a, b in zip(d["embedding"], v))
+        bc.note(f"check: vectors vs HF's: max |diff| {diff:.2e}")
+        bc.load_note()
+
+    def scenario_l(self) -> None:
+        """Whole labels: /generative_scoring (one request) vs one echo request per (prompt,
+        label) on /v1/completions vs HF, alternated per round, on new prompts each time (a
+        prompt seen before would come from the prefix cache)."""
+        args, n = self.args, self.n
+        labels = [self.tok.encode(w, add_special_tokens=False) for w in LABEL_SET]
+        prompts = lambda tag: [self.tok.encode(p) for p in items(self.tok, n, tag)]  # noqa: E731
+
+        def scoring(ps):
+            return [{"query": [], "items": ps, "labels": labels}]
+
+        def echo(ps):
+            return [{"prompt": p + label, "max_tokens": 0, "echo": True, "logprobs": 0}
+                    for p in ps for label in labels]
+
+        best: dict[str, float] = {}
+        with self.server(name="freetoken-labels") as srv:
+            gs, comp = srv.url + "/generative_scoring", srv.url + "/v1/completions"
+            bc.run_load(gs, scoring(prompts("L-warm")[:16]), 1)
+            bc.run_load(comp, echo(prompts("L-warm-echo")[:8]), args.clients)
+            for i in range(args.rounds):
+                ours_prompts = prompts(f"L{i}")
+                r = bc.run_load(gs, scoring(ours_prompts), 1)
+                e = bc.run_load(comp, echo(prompts(f"L-echo{i}")), args.clients)
+                t_hf, hf_totals = self.hf.label_totals(ours_prompts, labels, args.hf_batch)
+                for key, t in (("ours", r.wall_s), ("echo", e.wall_s), ("hf", t_hf)):
+                    best[key] = min(best.get(key, math.inf), t)
+                if i == 0:
+                    checked, checked_hf, usage = r.responses[0], hf_totals, r.responses[0]["usage"]
+            echo_lps = [x["choices"][0]["logprobs"]["token_logprobs"]
+                        for x in bc.run_load(comp, echo(ours_prompts[:8]), args.clients).responses]
+        ours_totals = [[x["logprob"] for x in d["labels"]] for d in checked["data"]]
+        rows = [[name, n / best[key], bc.ms(best[key]), bc.ratio(best["echo"], best[key]),
+                 bc.ratio(best["hf"], best[key])]
+                for name, key in (("freetoken /generative_scoring, one request", "ours"),
+                                  (f"freetoken, echo request per label, {args.clients} clients", "echo"),
+                                  (f"HF transformers, batch {args.hf_batch}", "hf"))]
+        bc.print_table(f"L: {n} prompts x {len(labels)} labels of {'/'.join(str(len(x)) for x in labels)} "
+                       f"tokens, {self.dtype}, best of {args.rounds} round(s) alternated",
+                       ["system", "prompts/s", "ms", "/generative_scoring vs it", "vs HF"], rows)
+        diff = max(abs(a - b) for o, h in zip(ours_totals, checked_hf) for a, b in zip(o, h))
+        by_echo = [sum(lps[-len(labels[k % len(labels)]):]) for k, lps in enumerate(echo_lps)]
+        diff_echo = max(abs(a - b) for a, b in zip(by_echo, [x for o in ours_totals[:2] for x in o]))
+        bc.note(f"check: label totals vs HF max |diff| {diff:.2e}, vs echo {diff_echo:.2e}; "
+                f"ours ran {usage['prompt_tokens']} tokens, {usage['prompt_tokens_details']['cached_tokens']} "
+                f"from the prefix cache")
         bc.load_note()
 
     def run_llama_cpp(self) -> None:
@@ -406,7 +565,9 @@ class Run:
 def main() -> None:
     p = bc.base_parser(__doc__.split("\n")[0], repeats=False)
     p.add_argument("--dtype", default="float32", help="float32, bfloat16, or both comma-separated")
-    p.add_argument("--scenarios", default="A,B,C", help="any of A, B, C, R, comma-separated")
+    p.add_argument("--scenarios", default="A,B,C", help="any of A, B, C, R, E, L, comma-separated")
+    p.add_argument("--pooling-model", choices=("default", "tiny"), default="default",
+                   help="R and E's model: the default one, or the tests' tiny Qwen3 fixtures")
     p.add_argument("--items", type=int, default=None,
                    help="scoring requests in A and B (default 256, quick 64)")
     p.add_argument("--items-no-cache", type=int, default=None,

@@ -258,6 +258,36 @@ def test_masked_row_logprobs_do_not_depend_on_the_batch() -> None:
         assert entry(rows, params, k) == alone, k
 
 
+def test_the_heads_label_columns_give_the_whole_rows_bits() -> None:
+    """Logits of the allowed ids' columns alone (what the LM head computes for a step of scoring
+    rows, engine.MAX_LOGIT_COLUMNS) sample as the whole rows with -inf elsewhere: the same tokens
+    and entries, bit for bit, for rows of other id sets, listed ids (a reranker's), tied labels
+    and a row whose allowed logits are all -inf; with a random row they are widened first."""
+    v = 50_000
+    no_yes, three = [9_000, 41_000], [7, 12_345, 40_001]
+    greedy = [SamplingParams(temperature=0.0, logprobs=0, allowed_token_ids=no_yes,
+                             logprob_token_ids=[41_000, 5]),
+              SamplingParams(temperature=0.0, logprobs=2, allowed_token_ids=three),
+              SamplingParams(temperature=0.0, logprobs=3, allowed_token_ids=three),
+              SamplingParams(temperature=0.0, logprobs=1, allowed_token_ids=no_yes)]
+    columns = sorted({*no_yes, *three})
+    values = torch.randn(4, len(columns), generator=torch.Generator().manual_seed(3)) * 4
+    values[2, [columns.index(12_345), columns.index(40_001)]] = 20.0  # tied: the lower id wins
+    values[3, [columns.index(t) for t in no_yes]] = float("-inf")
+    whole = sample_mod.widen(values, v, tuple(columns))
+    assert torch.equal(whole[:, columns], values) and bool((whole[:, 8] == float("-inf")).all())
+    for params in (greedy, [*greedy[:3], SamplingParams(temperature=0.8, allowed_token_ids=no_yes)]):
+        sampler, gens = Sampler(v), [torch.Generator().manual_seed(i) for i in range(4)]
+        args = sampler.prepare(params, gens, columns=columns)
+        assert args.compact == (params is greedy)
+        got = sampler.sample(values, args)
+        gens = [torch.Generator().manual_seed(i) for i in range(4)]
+        # repr: the dead row's entries are NaN in both (as a whole row gives them).
+        assert repr(got) == repr(sampler.sample(whole, sampler.prepare(params, gens)))
+    assert got.token_ids[2] == 12_345 and got.logprobs[0].top_ids == [41_000, 5]
+    assert got.logprobs[0].top_logprobs[1] == float("-inf")
+
+
 def test_masked_row_whose_allowed_logits_are_all_banned() -> None:
     """Every allowed logit -inf (the caller's logits say so): the row still gets an entry, the
     way the full vocabulary gives it, beside a neighbour computed on its allowed ids."""

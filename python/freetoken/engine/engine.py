@@ -92,7 +92,9 @@ class Engine:
     def forward_batch(self, batch: Batch) -> StepOutput:
         """Run `batch`; the caller has already given every new token a KV slot."""
         logits, ctx = self.run_model(batch)
-        tokens, logprobs = self._sample(logits, batch.logit_reqs)
+        # The head may have computed the allowed ids' columns alone (ForwardContext.logit_columns).
+        columns = ctx.logit_columns if logits.shape[1] != self.sampler.vocab_size else None
+        tokens, logprobs = self._sample(logits, batch.logit_reqs, columns)
         if ctx.mtp is not None:
             self.drafter.keep(batch, tokens, ctx.mtp)
         out = StepOutput(tokens, logprobs, self._score_prompts(batch, logits) if batch.prompt_rows else [])
@@ -126,7 +128,8 @@ class Engine:
                     pooling.collect(req, ctx.hidden[row : row + len(at)], at)
                     row += len(at)
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> tuple[list[list[int]], list[list]]:
+    def _sample(self, logits: torch.Tensor, reqs: list[Req],
+                columns: list[int] | None = None) -> tuple[list[list[int]], list[list]]:
         """Each request's tokens: a row each, in order; a request with drafts keeps the rows up
         to the first whose token is not its draft's (scheduler/speculation.py). Row j of a draft
         sees the output as if the j drafts before it were emitted (penalties, min_tokens,
@@ -141,7 +144,8 @@ class Engine:
         histories = [(r.prompt_ids, r.output_ids + r.drafts[:j]) for r, j in rows] \
             if uses_processors(params) else None
         args = self.sampler.prepare(params, [r.generator for r, _ in rows], histories,
-                                    grammars if any(g is not None for g in grammars) else None)
+                                    grammars if any(g is not None for g in grammars) else None,
+                                    columns)
         sampled = self.sampler.sample(logits[: len(rows)], args)
         if len(rows) == len(reqs):  # no drafts: a token each
             return [[t] for t in sampled.token_ids], [[lp] for lp in sampled.logprobs]

@@ -72,7 +72,8 @@ class ForwardContext:
     hidden_rows: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
     # Sorted vocabulary ids, where every logit row's mask allows these alone (allowed_token_ids):
-    # the LM head may compute just them, the rest -inf as the masks make them (Engine.plan).
+    # the LM head may compute just them, returning [R, len(logit_columns)] logits; the sampler
+    # takes the rest as -inf, as the masks make them (Engine.plan).
     logit_columns: list[int] | None = None
     mtp: Any = None  # with MTP drafting: engine.mtp.MtpPass
     # models/kernels/decoder_layer.py's arguments for this step, made by the first layer that

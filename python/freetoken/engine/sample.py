@@ -79,6 +79,11 @@ class BatchSamplingArgs:
     lp_k: list[int]  # K per row of lp_rows
     lp_allowed: list[tuple[int, ...] | None]  # per row of lp_rows: its sorted allowed ids
     lp_listed: list[list[int] | None]  # per row of lp_rows: the ids it lists instead of a top-K
+    # The logits' columns where the LM head computed these ids alone (sorted; every other logit
+    # is -inf), None for whole rows; `compact`: sampled on them (every row greedy, masked, no
+    # processor or grammar), else widened to the vocabulary first. `mask` has the logits' width.
+    columns: tuple[int, ...] | None = None
+    compact: bool = False
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -121,10 +126,12 @@ class Sampler:
     def prepare(
         self, params: list[SamplingParams], generators: list[torch.Generator],
         histories: list[History] | None = None, grammars: list[LLMatcher | None] | None = None,
+        columns: list[int] | None = None,
     ) -> BatchSamplingArgs:
         """`histories`: per row, its (prompt ids, output ids so far), which penalties, min_tokens
         and bad_words read; None when no row uses them. `grammars`: per row, the matcher that
-        constrains it or None; None when no row is constrained."""
+        constrains it or None; None when no row is constrained. `columns`: the logits hold these
+        ids' columns alone (BatchSamplingArgs.columns)."""
         assert len(params) == len(generators), "one generator per row"
         V, B = self.vocab_size, len(params)
         greedy = [i for i, p in enumerate(params) if p.is_greedy]
@@ -149,15 +156,23 @@ class Sampler:
             # top_p >= 1 becomes 2: cumsum rounding near 1.0 can then never cut such a row's tail.
             top_p = self._col([p.top_p if p.top_p < 1.0 else 2.0 for p in rp], torch.float32)
 
+        processing = LogitProcessing.build(params, histories, self.eos_token_ids, V, self.device)
+        # Sampling on the head's columns alone gives every row the bits of its whole row: an
+        # argmax over its allowed ids, first of ties (the columns are sorted), and its logprobs
+        # over its allowed columns (_logprobs). Random draws and processors are vocabulary-wide.
+        compact = (columns is not None and not rand and processing is None and grammars is None
+                   and all(p.allowed_token_ids for p in params))
+        at = {t: i for i, t in enumerate(columns)} if compact else None
         mask = sample_mask = None
         masked = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
         if masked:
             # One index_put for all masked rows: start banned, then free the allowed ids.
-            mask = torch.zeros(B, V, dtype=torch.bool, device=self.device)
+            mask = torch.zeros(B, len(columns) if compact else V, dtype=torch.bool, device=self.device)
             mask[masked] = True
             ids = [params[i].allowed_token_ids or [] for i in masked]
             r = [i for i, row_ids in zip(masked, ids) for _ in row_ids]
-            mask[self._rows(r), self._rows([t for row_ids in ids for t in row_ids])] = False
+            flat = [t for row_ids in ids for t in row_ids]
+            mask[self._rows(r), self._rows([at[t] for t in flat] if at else flat)] = False
         if grammars is not None and any(m is not None for m in grammars):
             banned = self.grammar_masks.banned(grammars)
             if any(m is not None and p.logprobs is not None and p.allowed_token_ids is None
@@ -183,16 +198,22 @@ class Sampler:
             top_p=top_p,
             mask=mask,
             sample_mask=sample_mask,
-            processing=LogitProcessing.build(params, histories, self.eos_token_ids, V, self.device),
+            processing=processing,
             lp_rows=self._rows(lp) if lp else None,
             lp_k=[min(k, V) if k >= 0 else V for k in (int(params[i].logprobs or 0) for i in lp)],
             lp_allowed=[_sorted_ids(params[i].allowed_token_ids) for i in lp],
             lp_listed=[params[i].logprob_token_ids for i in lp],
+            columns=tuple(columns) if columns is not None else None,
+            compact=compact,
         )
 
     def sample(self, logits: torch.Tensor, args: BatchSamplingArgs) -> SampleOutput:
-        assert logits.shape == (args.batch_size, self.vocab_size), logits.shape
+        """`logits` [B, V], or [B, len(args.columns)]: those ids' logits alone."""
+        width = self.vocab_size if args.columns is None else len(args.columns)
+        assert logits.shape == (args.batch_size, width), logits.shape
         x = logits.float()
+        if args.columns is not None and not args.compact:
+            x = widen(x, self.vocab_size, args.columns)
         if args.mask is not None:
             x = x.masked_fill(args.mask, _NEG_INF)  # out of place: never edit the caller's logits
         raw = x  # the logprobs' distribution: before the processors
@@ -203,7 +224,9 @@ class Sampler:
                 x = x.clone()
             args.processing.apply(x)
 
-        if args.rand_rows is None:  # all greedy: argmax only, no softmax
+        if args.compact:
+            tokens = self._compact_argmax(x, args.columns)
+        elif args.rand_rows is None:  # all greedy: argmax only, no softmax
             tokens = argmax(x)
         elif args.greedy_rows is None:  # all random
             tokens = self._sample_random(x, args)
@@ -218,6 +241,14 @@ class Sampler:
             for row, lp in zip(args.lp_rows.tolist(), self._logprobs(raw, tokens, args)):
                 logprobs[row] = lp
         return SampleOutput(token_ids, logprobs)
+
+    def _compact_argmax(self, x: torch.Tensor, columns: tuple[int, ...]) -> torch.Tensor:
+        """Each row's argmax as a vocabulary id, `x` [B, C] holding `columns`' logits: the whole
+        row's argmax, whose other logits are -inf; 0 (the first of a row all -inf) where the
+        row's every allowed logit is -inf."""
+        at = argmax(x)
+        dead = x.gather(1, at.unsqueeze(1)).squeeze(1) == _NEG_INF
+        return torch.tensor(columns, device=x.device)[at].masked_fill_(dead, 0)
 
     def skip_draws(self, generator: torch.Generator, rows: int) -> None:
         """Advance `generator` as sampling `rows` random rows does."""
@@ -275,21 +306,24 @@ class Sampler:
     def _logprobs(
         self, x: torch.Tensor, tokens: torch.Tensor, args: BatchSamplingArgs
     ) -> list[TokenLogprob]:
-        """The entries of the rows that want logprobs. A row with allowed ids (and no listed ids)
-        is computed on its allowed columns alone, renormalised over them: the rest of its row is
-        -inf, which full-vocabulary passes would walk (exp(-inf) is MKL's slow path: ~4 ms a step
-        for 8 scoring rows of a 49k vocabulary). Rows that allow the same ids go together, so a
-        row's bits depend on its own ids, never on what else is in the batch."""
+        """The entries of the rows that want logprobs. A row with allowed ids is computed on its
+        allowed columns alone, renormalised over them (a listed id outside them at -inf): the
+        rest of its row is -inf, which full-vocabulary passes would walk (exp(-inf) is MKL's slow
+        path: ~4 ms a step for 8 scoring rows of a 49k vocabulary; a reranker's 64 rows of a
+        248k one, ~0.4 s). Rows that allow the same ids go together, so a row's bits depend on
+        its own ids, never on what else is in the batch."""
         assert args.lp_rows is not None
         out: list[TokenLogprob | None] = [None] * len(args.lp_k)
         by_ids: dict[tuple[int, ...], list[int]] = {}
         full: list[int] = []
-        for j, (ids, listed) in enumerate(zip(args.lp_allowed, args.lp_listed)):
-            if ids is not None and listed is None:
+        for j, ids in enumerate(args.lp_allowed):
+            if ids is not None:
                 by_ids.setdefault(ids, []).append(j)
             else:
                 full.append(j)
         groups = [*by_ids.items(), *([(None, full)] if full else [])]
+        # Where x holds the head's columns alone, an id's column is its place among them.
+        held = torch.tensor(args.columns, device=x.device) if args.compact else None
         for ids, js in groups:
             rows = args.lp_rows if len(js) == len(args.lp_k) else args.lp_rows[js]
             ks = [args.lp_k[j] for j in js]
@@ -298,14 +332,25 @@ class Sampler:
                 at = torch.searchsorted(cols, tokens[rows]).clamp_(max=len(ids) - 1)
                 # A token outside the ids (every allowed logit -inf) goes the full way.
                 if bool((cols[at] == tokens[rows]).all()):
-                    entries = logprob_entries(x[rows.unsqueeze(1), cols], at, ks, columns=ids)
+                    where = cols if held is None else torch.searchsorted(held, cols)
+                    entries = logprob_entries(x[rows.unsqueeze(1), where], at, ks,
+                                              [args.lp_listed[j] for j in js], columns=ids)
                 else:
                     ids = None
             if ids is None:
-                entries = logprob_entries(x[rows], tokens[rows], ks, [args.lp_listed[j] for j in js])
+                whole = x[rows] if held is None else widen(x[rows], self.vocab_size, args.columns)
+                entries = logprob_entries(whole, tokens[rows], ks, [args.lp_listed[j] for j in js])
             for j, entry in zip(js, entries):
                 out[j] = entry
         return out
+
+
+def widen(values: torch.Tensor, vocab_size: int, columns: tuple[int, ...]) -> torch.Tensor:
+    """Logits of `columns` alone ([N, len(columns)]) as whole rows [N, vocab_size], -inf at
+    every other id (what the rows' masks would make of them)."""
+    out = values.new_full((values.shape[0], vocab_size), _NEG_INF)
+    out[:, list(columns)] = values
+    return out
 
 
 def _sorted_ids(ids: list[int] | None) -> tuple[int, ...] | None:
@@ -320,7 +365,8 @@ def logprob_entries(x: torch.Tensor, tokens: torch.Tensor, ks: list[int],
     and all of them (a banned one at -inf), in place of its top-K. With `columns`, `x` [N, C]
     holds those vocabulary ids' logits alone (sorted; every other id is banned, -inf) and
     `tokens` index them: each row is renormalised over them, its -inf alternatives (ids its
-    grammar bans too) are left out of its top-K, and the entries name vocabulary ids."""
+    grammar bans too) are left out of its top-K, a listed id outside them is -inf, and the
+    entries name vocabulary ids."""
     # x - logsumexp, not log_softmax: on AVX2 CPUs torch's fused fp32 log_softmax sums the
     # vocabulary in vector lanes and is off by ~3e-4 over 248k ids; logsumexp is within 2e-7.
     lp = x - _logsumexp(x)
@@ -334,13 +380,13 @@ def logprob_entries(x: torch.Tensor, tokens: torch.Tensor, ks: list[int],
     if k_max > 0:
         v, i = lp.topk(k_max, dim=-1)
         top_v, top_i = v.tolist(), i.tolist()
-    listed_values = _listed_logprobs(lp, listed)
+    listed_values = _listed_logprobs(lp, listed, columns)
 
     out = []
     for j, k in enumerate(ks):
         if listed[j] is not None:
-            out.append(TokenLogprob(tok_ids[j], tok_lps[j], ranks[j], list(listed[j]),
-                                    listed_values[j]))
+            token = tok_ids[j] if columns is None else columns[tok_ids[j]]
+            out.append(TokenLogprob(token, tok_lps[j], ranks[j], list(listed[j]), listed_values[j]))
             continue
         vals, ids = top_v[j][:k], top_i[j][:k]
         if columns is not None:
@@ -352,12 +398,18 @@ def logprob_entries(x: torch.Tensor, tokens: torch.Tensor, ks: list[int],
     return out
 
 
-def _listed_logprobs(lp: torch.Tensor, listed: list[list[int] | None]) -> list[list[float]]:
-    """Row j's logprobs at the ids listed[j] (empty where None), with one gather."""
+def _listed_logprobs(lp: torch.Tensor, listed: list[list[int] | None],
+                     columns: tuple[int, ...] | None = None) -> list[list[float]]:
+    """Row j's logprobs at the ids listed[j] (empty where None), with one gather; with
+    `columns`, `lp` holds those ids' columns alone and an id outside them is -inf."""
     rows = [j for j, ids in enumerate(listed) for _ in ids or ()]
     if not rows:
         return [[] for _ in listed]
     ids = [t for row_ids in listed for t in row_ids or ()]
+    if columns is not None:  # an id outside the columns reads an appended -inf column
+        at = {t: i for i, t in enumerate(columns)}
+        ids = [at.get(t, len(columns)) for t in ids]
+        lp = torch.cat([lp, lp.new_full((lp.shape[0], 1), _NEG_INF)], dim=1)
     flat = lp[torch.tensor(rows, device=lp.device), torch.tensor(ids, device=lp.device)].tolist()
     out, start = [], 0
     for row_ids in listed:

@@ -248,6 +248,7 @@ class LlamaForCausalLM(CausalLM):
             ctx.hidden = self.model.norm(x.index_select(0, ctx.hidden_rows))
         # Only rows with logits (sampling or prompt logprobs) need the norm and the LM head.
         x = self.model.norm(x.index_select(0, ctx.logit_rows))
+        # [rows, len(logit_columns)] where the head computes those columns alone, else [rows, V].
         at = getattr(self.lm_head, "logits_at", None)  # None: a head of another kind
         logits = at(x, ctx.logit_columns) if ctx.logit_columns is not None and at is not None else None
         if logits is None:

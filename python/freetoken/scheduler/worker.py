@@ -70,16 +70,16 @@ def serve_scheduler(scheduler: Scheduler, in_addr: str, out_addr: str,
                 timeout = 0
                 if (got := _receive(inbox, scheduler)) is None:
                     return
-                replies += got
-                arrived += 1
+                replies += got[0]
+                arrived += got[1]
             deadline = time.perf_counter() + min(GATHER_MAX_S, GATHER_SHARE * step_s)
             while (arrived < finished and not scheduler.running
                    and (left := deadline - time.perf_counter()) > 0
                    and inbox.poll(max(1, round(left * 1000)))):
                 if (got := _receive(inbox, scheduler)) is None:
                     return
-                replies += got
-                arrived += 1
+                replies += got[0]
+                arrived += got[1]
             start = time.perf_counter()
             try:
                 done = scheduler.step()
@@ -102,17 +102,21 @@ def serve_scheduler(scheduler: Scheduler, in_addr: str, out_addr: str,
         ctx.term()
 
 
-def _receive(inbox: zmq.Socket, scheduler: Scheduler) -> list[DetokenizeMsg] | None:
-    """Hand the scheduler the next message of `inbox`; its replies, or None for ExitMsg."""
+def _receive(inbox: zmq.Socket, scheduler: Scheduler) -> tuple[list[DetokenizeMsg], int] | None:
+    """Hand the scheduler the next message of `inbox`: its replies and the number of messages
+    it held (a list of requests sent together, FrontendManager.send_many, counts each), or
+    None for ExitMsg."""
     raw = inbox.recv()
     try:
         msg = pickle.loads(raw)
     except Exception:  # a bad message must not take the engine down
         log.exception("engine: dropped a message that failed to unpickle")
-        return []
+        return [], 1
     if isinstance(msg, ExitMsg):
         return None
-    return _guarded(scheduler, msg)
+    if isinstance(msg, list):
+        return [reply for one in msg for reply in _guarded(scheduler, one)], len(msg)
+    return _guarded(scheduler, msg), 1
 
 
 def _guarded(scheduler: Scheduler, msg) -> list[DetokenizeMsg]:

@@ -53,6 +53,10 @@ class _ReqState:
     timer: RequestTimer = field(default_factory=RequestTimer)
 
 
+def _is_chat(msg: TokenizeMsg) -> bool:
+    return isinstance(msg.text, list) and bool(msg.text) and isinstance(msg.text[0], dict)
+
+
 class FrontendManager:
     def __init__(self, config: FrontendConfig, tokenizer, in_addr: str, out_addr: str,
                  engine_alive: Callable[[], bool] = lambda: True):
@@ -89,13 +93,19 @@ class FrontendManager:
     async def tokenize(self, msg: TokenizeMsg, param: str) -> list[int]:
         """The prompt's token ids, tokenized in a worker thread so the HTTP loop never waits on
         it; a prompt that cannot fit the context by its size alone is refused untokenized."""
+        self._check_size(msg, param)
+        return await asyncio.to_thread(self._tokenized, msg, param)
+
+    def _check_size(self, msg: TokenizeMsg, param: str) -> None:
         limit = self.config.max_model_len
         if self.tokenize_manager.min_tokens(msg) >= limit:
             raise RequestError(f"This model's maximum context length is {limit} tokens; the "
                                "prompt is longer than that.", param=param,
                                code="context_length_exceeded")
+
+    def _tokenized(self, msg: TokenizeMsg, param: str) -> list[int]:
         try:
-            ids = await asyncio.to_thread(self.tokenize_manager.tokenize, msg)
+            ids = self.tokenize_manager.tokenize(msg)
         except Exception as exc:  # a template that cannot render this conversation, bad text
             raise RequestError(f"Could not render the prompt: {exc}", param=param,
                                code="invalid_prompt") from None
@@ -104,30 +114,71 @@ class FrontendManager:
                                code="invalid_prompt")
         return ids
 
-    async def send_one(self, msg: TokenizeMsg) -> None:
+    def _open(self, msg: TokenizeMsg) -> _ReqState:
         if self._listener is None:
             self._listener = asyncio.create_task(self.listen())
         params = msg.sampling_params
-        chat = isinstance(msg.text, list) and bool(msg.text) and isinstance(msg.text[0], dict)
         # Parsed chat output needs each token's text (and Harmony's markers, special tokens).
         state = self._states[msg.uid] = _ReqState(ReplyBuilder(
-            self.tokenizer, params.stop_strs, **generation.reply_options(self.config, chat, params)))
+            self.tokenizer, params.stop_strs,
+            **generation.reply_options(self.config, _is_chat(msg), params)))
+        return state
+
+    def _user_msg(self, msg: TokenizeMsg, state: _ReqState, ids: list[int]) -> UserMsg:
+        params = msg.sampling_params
+        if params.prompt_logprobs is not None:
+            state.prompt_ids = ids
+        if params.bad_words:
+            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+        # The engine checks the context length (prompt, and prompt + max_tokens) exactly.
+        return UserMsg(msg.uid, ids, params)
+
+    async def send_one(self, msg: TokenizeMsg) -> None:
+        state = self._open(msg)
         if self.dead:
             return self._fail(msg.uid, errors.ENGINE_DEAD, "engine_dead")
         try:
-            ids = await self.tokenize(msg, "messages" if chat else "prompt")
-            if params.prompt_logprobs is not None:
-                state.prompt_ids = ids
-            if params.bad_words:
-                params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
-            # The engine checks the context length (prompt, and prompt + max_tokens) exactly.
-            await self._to_engine.send(pickle.dumps(UserMsg(msg.uid, ids, params)))
+            ids = await self.tokenize(msg, "messages" if _is_chat(msg) else "prompt")
+            await self._to_engine.send(pickle.dumps(self._user_msg(msg, state, ids)))
         except RequestError as exc:
             return self._fail(msg.uid, exc.message, exc.code or "invalid_prompt")
         except asyncio.CancelledError:
             # The client left before wait_for_ack (whose exit aborts) began: abort here, or the
             # request would run, and its state stay, for nobody.
             await self.abort_user(msg.uid)
+            raise
+
+    async def send_many(self, msgs: list[TokenizeMsg]) -> None:
+        """`send_one` for requests meant to meet in one step (rerank, score, labels,
+        embeddings): tokenized in one worker-thread hop and handed to the engine as one message,
+        which it queues whole before its next step (sent one by one, the first few would run as
+        a step of their own). A prompt that fails is answered with its error alone."""
+        states = [self._open(msg) for msg in msgs]
+        if self.dead:
+            for msg in msgs:
+                self._fail(msg.uid, errors.ENGINE_DEAD, "engine_dead")
+            return
+
+        def prepare() -> tuple[list[UserMsg], list[tuple[int, RequestError]]]:
+            ready, failed = [], []
+            for msg, state in zip(msgs, states):
+                param = "messages" if _is_chat(msg) else "prompt"
+                try:
+                    self._check_size(msg, param)
+                    ready.append(self._user_msg(msg, state, self._tokenized(msg, param)))
+                except RequestError as exc:
+                    failed.append((msg.uid, exc))
+            return ready, failed
+
+        try:
+            ready, failed = await asyncio.to_thread(prepare)
+            for uid, exc in failed:  # here, on the loop: replies wake their readers
+                self._fail(uid, exc.message, exc.code or "invalid_prompt")
+            if ready:
+                await self._to_engine.send(pickle.dumps(ready))
+        except asyncio.CancelledError:
+            for msg in msgs:
+                await self.abort_user(msg.uid)
             raise
 
     async def abort_user(self, uid: int) -> None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from freetoken.core import SamplingParams
 from freetoken.message import TokenizeMsg, UserReply
-from freetoken.serving.errors import RequestError, error_from
+from freetoken.serving.errors import AsciiJSONResponse, RequestError, error_from
 from freetoken.serving.handling import check_model, until_disconnected, usage_dict
 from freetoken.serving.limits import Limits
 from freetoken.serving.one_step import run_all
@@ -137,6 +137,7 @@ async def create_generative_scoring(req: GenerativeScoringRequest, raw_request,
     data = [{"index": i, "object": "score",
              "score": s.probs[0] if job.apply_softmax else math.exp(s.logprobs[0]),
              "labels": entries(job.labels, s)} for i, s in enumerate(scores)]
-    return {"id": f"generative-scoring-{uuid.uuid4().hex}", "object": "list",
-            "created": int(time.time()), "model": req.model or state.config.served_model_name,
-            "data": data, "usage": usage}
+    return AsciiJSONResponse({  # not walked by jsonable_encoder
+        "id": f"generative-scoring-{uuid.uuid4().hex}", "object": "list",
+        "created": int(time.time()), "model": req.model or state.config.served_model_name,
+        "data": data, "usage": usage})

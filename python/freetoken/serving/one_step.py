@@ -16,12 +16,19 @@ if TYPE_CHECKING:
 
 async def run_all(state: EngineClient, msgs: list[TokenizeMsg], window: int) -> list[UserReply]:
     """Each message's replies merged into one: prompt tokens summed, logprobs, prompt logprobs
-    and embedding kept."""
+    and embedding kept. The first window goes to the engine as one message where the client
+    can send one (`send_many`: the server's; a minimal client sends each), so that it meets in
+    one step; the rest follow one by one as places free."""
     gate = asyncio.Semaphore(window)
+    together = msgs[:window] if hasattr(state, "send_many") else []
+    if together:
+        await state.send_many(together)
+    sent = {msg.uid for msg in together}
 
     async def one(msg: TokenizeMsg) -> UserReply:
         async with gate:
-            await state.send_one(msg)
+            if msg.uid not in sent:
+                await state.send_one(msg)
             merged = UserReply(msg.uid)
             async for reply in state.wait_for_ack(msg.uid):
                 if reply.error:
@@ -33,4 +40,8 @@ async def run_all(state: EngineClient, msgs: list[TokenizeMsg], window: int) -> 
                 merged.prompt_logprobs = reply.prompt_logprobs or merged.prompt_logprobs
             return merged
 
-    return await all_or_none([one(m) for m in msgs])
+    try:
+        return await all_or_none([one(m) for m in msgs])
+    finally:  # a request sent together whose reader never started (a no-op for the others)
+        for uid in sent:
+            await state.abort_user(uid)

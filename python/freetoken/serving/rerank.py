@@ -3,8 +3,9 @@
 A (query, document) pair is rendered through the score template (or, without one, tokenized as
 a text pair), and scored as a one-token completion: greedy, `allowed_token_ids` the [false, true]
 labels, so its logprobs are renormalised over them, and `logprob_token_ids` the true label. Its
-score is exp of that: p(true) / (p(true) + p(false)) at the last position. The pairs of one query
-share its prefix in the prefix cache.
+score is exp of that: p(true) / (p(true) + p(false)) at the last position. Each query's first
+pair runs before its others, which then find the query's prefix in the prefix cache; the others
+reach the engine together (one_step.run_all) and run in as few steps as its prefill budget allows.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from freetoken.core import SamplingParams
 from freetoken.message import TokenizeMsg
-from freetoken.serving.errors import RequestError, error_from
+from freetoken.serving.errors import AsciiJSONResponse, RequestError, error_from
 from freetoken.serving.handling import check_model, until_disconnected, usage_dict
 from freetoken.serving.one_step import run_all
 from freetoken.serving.pooling_config import served_for
@@ -60,7 +61,14 @@ async def score_pairs(state: EngineClient, pairs: list[tuple[str, str]],
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=0, speculative=False,
                             allowed_token_ids=[false_id, true_id], logprob_token_ids=[true_id])
     msgs = [TokenizeMsg(state.new_user(), ids, params) for ids in prompts]
-    replies = await run_all(state, msgs, window)
+    # Each query's first pair runs first: sent together, the others would each compute the
+    # query's prefix in the same step; after it, they find it in the prefix cache.
+    lead = sorted({q: i for i, (q, _) in reversed(list(enumerate(pairs)))}.values())
+    rest = sorted(set(range(len(pairs))) - set(lead))
+    replies = [None] * len(pairs)
+    for wave in (lead, rest):
+        for i, reply in zip(wave, await run_all(state, [msgs[i] for i in wave], window)):
+            replies[i] = reply
     tokens = sum(r.prompt_tokens_delta for r in replies)
     return ([math.exp(r.logprobs[0].top_logprobs[0]) for r in replies],
             usage_dict(tokens, 0, sum(r.cached_tokens for r in replies)))
@@ -81,8 +89,9 @@ async def create_rerank(req: RerankRequest, raw_request, state: EngineClient, wi
         if req.return_documents:
             result["document"] = {"text": texts[i]}
         results.append(result)
-    return {"id": f"rerank-{uuid.uuid4().hex}", "model": req.model or state.config.served_model_name,
-            "results": results, "usage": usage}
+    return AsciiJSONResponse({"id": f"rerank-{uuid.uuid4().hex}",  # not walked by jsonable_encoder
+                              "model": req.model or state.config.served_model_name,
+                              "results": results, "usage": usage})
 
 
 async def create_score(req: ScoreRequest, raw_request, state: EngineClient, window: int):
@@ -91,7 +100,8 @@ async def create_score(req: ScoreRequest, raw_request, state: EngineClient, wind
         scores, usage = await until_disconnected(raw_request, score_pairs(state, req.pairs, window))
     except RequestError as exc:
         return error_from(exc)
-    return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-            "model": req.model or state.config.served_model_name,
-            "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
-            "usage": usage}
+    return AsciiJSONResponse({
+        "id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+        "model": req.model or state.config.served_model_name,
+        "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+        "usage": usage})

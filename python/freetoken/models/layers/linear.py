@@ -61,10 +61,10 @@ class Linear(nn.Linear):
 
     def logits_at(self, x: torch.Tensor, columns: list[int]) -> torch.Tensor | None:
         """x [rows, in] through the layer at output `columns` only (sorted ids), as float32
-        [rows, out] with -inf elsewhere: each of those outputs with the bits `forward` gives it
-        (an LM head whose rows' masks allow those ids alone). None where the kernel does not
-        promise those bits on a subset of its weights: ours only, whose each output is its own
-        sum, whatever the outputs beside it."""
+        [rows, len(columns)]: each of those outputs with the bits `forward` gives it (an LM head
+        whose rows' masks allow those ids alone; the sampler takes every other logit as -inf).
+        None where the kernel does not promise those bits on a subset of its weights: ours only,
+        whose each output is its own sum, whatever the outputs beside it."""
         if self.run is None or (self.rule.minimum, self.rule.most) != (1, UNCAPPED):
             return None
         key = tuple(columns)
@@ -75,15 +75,7 @@ class Linear(nn.Linear):
             if self._subsets is None or len(self._subsets) >= 8:  # a few label sets at a time
                 self._subsets = {}
             self._subsets[key] = subset
-        return at_columns(subset(x), self.out_features, columns)
-
-
-def at_columns(values: torch.Tensor, out_features: int, columns: list[int]) -> torch.Tensor:
-    """A head's outputs at `columns` ([rows, len(columns)]) as float32 [rows, out_features], -inf
-    at every other column (what the rows' masks would make of them)."""
-    out = values.new_full((values.shape[0], out_features), float("-inf"), dtype=torch.float32)
-    out[:, columns] = values.float()
-    return out
+        return subset(x).float()
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from torch import nn
 
 from freetoken.models.kernels.quant import (QuantizedWeight, QuantParts, dequantize_rows, quant_linear,
                                             quant_linear_parts, supported)
-from freetoken.models.layers.linear import LAYER_INDEX, KernelPlan, at_columns
+from freetoken.models.layers.linear import LAYER_INDEX, KernelPlan
 from freetoken.models.layers.moe import Experts
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class QuantizedLinear(nn.Module):
         weight, ids = self.parts[0], torch.tensor(columns)
         subset = QuantizedWeight(weight.qtype, weight.data.index_select(0, ids), (len(columns), self.in_features))
         bias = None if self.bias is None else self.bias.index_select(0, ids)
-        return at_columns(quant_linear(x.reshape(-1, self.in_features), subset, bias), self.out_features, columns)
+        return quant_linear(x.reshape(-1, self.in_features), subset, bias).float()
 
 
 class QuantizedEmbedding(nn.Module):
