@@ -48,8 +48,11 @@ def family_folder(name: str, layers: int) -> Path:
         return folder
     tokenizer = bc.load_tokenizer()
     torch.manual_seed(0)
+    special = {f"{name}_token_id": tokenizer.convert_tokens_to_ids(token) for name, token in (
+        ("pad", tokenizer.pad_token or tokenizer.eos_token), ("bos", tokenizer.bos_token or tokenizer.eos_token),
+        ("eos", tokenizer.eos_token))}  # the families' defaults name ids of their own vocabularies
     config = getattr(transformers, config_class)(vocab_size=len(tokenizer), num_hidden_layers=layers,
-                                                 **{**SHAPE, **fields})
+                                                 **{**SHAPE, **special, **fields})
     tmp = folder.with_name(folder.name + ".tmp")
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
