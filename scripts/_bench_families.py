@@ -33,7 +33,8 @@ FAMILIES = {
         sliding_window=32, query_pre_attn_scalar=64, tie_word_embeddings=True)),
     "glm-4.5": ("Glm4MoeForCausalLM", "Glm4MoeConfig", dict(MOE, partial_rotary_factor=0.5, use_qk_norm=True)),
     "deepseek-v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
-        MOE, q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64)),
+        MOE, q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+        head_dim=32)),  # transformers' DeepSeek rotates head_dim = the rope part
 }
 
 
@@ -72,22 +73,31 @@ def families_table(ours_class, hf_class, args, batches=(1, 8)) -> None:
         if arch not in ARCHITECTURES:
             bc.note(f"{name}: {arch} not served by this build")
             continue
-        folder = family_folder(name, layers)
-        ours = ours_class("float32", args.kv_slots, folder)
-        prompts = bc.token_prompts(ours.loaded.tokenizer, max(batches), args.decode_prompt_len, seed=2)
-        ours.decode(prompts[:2], 4)  # warm-up: the first steps choose kernels
-        hf = None if args.skip_hf else hf_class("float32", folder)
-        for b in batches:
-            dec = prompts[:b]
-            tokens = b * (new_tokens - 1)
-            t_ours = min(ours.decode(dec, new_tokens)[0] for _ in range(args.repeats))
-            hf_rate = None
-            if hf:
-                t_first = bc.best_time(lambda: hf.generate(dec, 1), args.repeats)
-                t_all = bc.best_time(lambda: hf.generate(dec, new_tokens), args.repeats)
-                hf_rate = tokens / max(t_all - t_first, 1e-9)
-            rows.append([name, b, tokens / t_ours, hf_rate, bc.ratio(tokens / t_ours, hf_rate)])
-        ours = hf = None  # one model in memory at a time: the machine is shared
+        try:
+            rows += family_rows(name, family_folder(name, layers), ours_class, hf_class, args, batches,
+                                new_tokens)
+        except Exception as exc:  # one family's failure leaves the others' rows
+            bc.note(f"{name}: failed: {type(exc).__name__}: {exc}")
     bc.print_table(f"Families, {layers} layers of hidden 512, float32: decode {new_tokens} tokens "
                    f"after {args.decode_prompt_len}-token prompts (tokens/s; ratio = ours / HF)",
                    ["family", "batch", "decode ours", "decode HF", "ratio"], rows)
+
+
+def family_rows(name: str, folder: Path, ours_class, hf_class, args, batches, new_tokens: int) -> list:
+    """The family's rows: our decode and HF's at each batch (one model in memory at a time)."""
+    ours = ours_class("float32", args.kv_slots, folder)
+    prompts = bc.token_prompts(ours.loaded.tokenizer, max(batches), args.decode_prompt_len, seed=2)
+    ours.decode(prompts[:2], 4)  # warm-up: the first steps choose kernels
+    hf = None if args.skip_hf else hf_class("float32", folder)
+    rows = []
+    for b in batches:
+        dec = prompts[:b]
+        tokens = b * (new_tokens - 1)
+        t_ours = min(ours.decode(dec, new_tokens)[0] for _ in range(args.repeats))
+        hf_rate = None
+        if hf:
+            t_first = bc.best_time(lambda: hf.generate(dec, 1), args.repeats)
+            t_all = bc.best_time(lambda: hf.generate(dec, new_tokens), args.repeats)
+            hf_rate = tokens / max(t_all - t_first, 1e-9)
+        rows.append([name, b, tokens / t_ours, hf_rate, bc.ratio(tokens / t_ours, hf_rate)])
+    return rows
