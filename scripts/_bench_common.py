@@ -188,10 +188,10 @@ def gemm_roofline(dtype: str, seconds: float = 1.0) -> dict[str, float]:
 
     The shapes are the MLP/attention projections of a ~1000-token prefill of the default model
     (M tokens x K hidden -> N). The kernels: `torch.mm` (MKL for float32 on a CPU build, oneDNN
-    for bfloat16) and each candidate of models/layers/linear.py that runs here, called in one piece
+    for bfloat16) and each candidate of layers/linear.py that runs here, called in one piece
     (no row rule); each gets the best of its shapes.
     """
-    from freetoken.models.layers.linear import CANDIDATES, Linear, prepare
+    from freetoken.layers.linear import CANDIDATES, Linear, prepare
 
     shapes = [(1024, 576, 1536), (1024, 1536, 576), (2048, 576, 1536), (1024, 576, 576)]
     best: dict[str, float] = {}
@@ -216,7 +216,7 @@ def gemm_roofline(dtype: str, seconds: float = 1.0) -> dict[str, float]:
 
 def kernel_heading(loaded) -> None:
     """The CPU and the kernel each linear layer kind of `loaded` (a LoadedModel) runs on."""
-    from freetoken.models.layers.kernel_choice import cpu_name
+    from freetoken.layers.kernel_choice import cpu_name
 
     plan = loaded.model.kernel_plan
     claim = "batch-invariant" if plan.invariant else "NOT batch-invariant"

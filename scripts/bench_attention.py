@@ -1,4 +1,4 @@
-"""Decode steps with attention on the pool kernel (models/kernels/pool_attention.py) against
+"""Decode steps with attention on the pool kernel (kernels/pool_attention.py) against
 torch's gather + SDPA, A/B in one process, step after step.
 
 Per model and context length: the largest batch's prompts are prefilled once, then decode steps
@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench_common as bc
 from bench_engine import Ours
-from freetoken.models.kernels import pool_attention
+from freetoken.kernels import pool_attention
 from freetoken.models.registry import load_model
 
 # name: (read the HF folder, not the GGUF; dtype)

@@ -73,7 +73,7 @@ from freetoken.core import SamplingParams, StructuredSpec  # noqa: E402
 from freetoken.engine.parallel import load_rank, share_cores  # noqa: E402
 from freetoken.scheduler.factory import build_scheduler  # noqa: E402
 from freetoken.message import UserMsg  # noqa: E402
-import freetoken.models.layers.moe as moe  # noqa: E402
+import freetoken.layers.moe as moe  # noqa: E402
 from freetoken.models.registry import load_model  # noqa: E402
 from freetoken.scheduler.worker import rank_main  # noqa: E402
 from freetoken.tokenizer.tokenize import bad_words_token_ids  # noqa: E402

@@ -1,4 +1,4 @@
-"""Every linear-kernel candidate (models/layers/linear.py) that runs the dtype here, on the default
+"""Every linear-kernel candidate (layers/linear.py) that runs the dtype here, on the default
 model's projection shapes, at decode's and scoring's row counts: GFLOP/s and the ratio to a
 baseline candidate, each call timed in turn with the others (best of --repeats), one process.
 Called in one piece, no row rule: the kernels as the probe times them (docs/engine/kernels.md,
@@ -18,8 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench_common as bc
-from freetoken.models.layers.kernel_choice import cpu_name
-from freetoken.models.layers.linear import CANDIDATES, Linear, prepare
+from freetoken.layers.kernel_choice import cpu_name
+from freetoken.layers.linear import CANDIDATES, Linear, prepare
 
 # (in, out): the default model's q/k/v, o, gate/up and down projections and its LM head.
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]

@@ -1,4 +1,4 @@
-"""The quantized-weight kernels (models/kernels/quant.py) per GGUF format, against torch's float32
+"""The quantized-weight kernels (kernels/quant.py) per GGUF format, against torch's float32
 F.linear on the same weights dequantized, in the same process.
 
 For each format and shape, quant_linear at 1, 8, 32 and 512 rows: milliseconds, GFLOP/s, GB/s of
@@ -31,9 +31,9 @@ import torch.nn.functional as F
 from _bench_common import base_parser, best_time, print_table, ratio, setup
 from gguf import GGMLQuantizationType
 
-from freetoken.models.kernels import quant
-from freetoken.models.kernels.grouped_gemm import build
-from freetoken.models.layers.kernel_choice import cpu_name
+from freetoken.kernels import quant
+from freetoken.kernels.grouped_gemm import build
+from freetoken.layers.kernel_choice import cpu_name
 
 SHAPES = ((4096, 4096), (576, 1536))  # (N, K): a 7B-class projection, the default model's down_proj
 ROWS = (1, 8, 32, 512)

@@ -2,7 +2,7 @@
  * into twelve independent accumulators (more than an FMA's latency times its issue rate on the
  * x86 CPUs we met), on every OpenMP thread at once (torch's thread count). The most an exact
  * float32 kernel can reach, and what a bfloat16 one could: the ceilings docs/performance.md
- * ("The open targets against the units' peaks") holds the speed targets against. Built by models/kernels/grouped_gemm.py's build.
+ * ("The open targets against the units' peaks") holds the speed targets against. Built by kernels/grouped_gemm.py's build.
  */
 #include <immintrin.h>
 #include <omp.h>

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from freetoken.models.kernels.bf16_linear import UNITS
-from freetoken.models.layers.linear import CANDIDATES
+from freetoken.kernels.bf16_linear import UNITS
+from freetoken.layers.linear import CANDIDATES
 from freetoken.models.loader import weights_folder
 from freetoken.models.registry import load_model, model_folder
 from freetoken.paths import ModelNotFound, cache_root

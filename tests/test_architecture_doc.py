@@ -22,3 +22,12 @@ def test_the_module_table_lists_exactly_the_packages_modules():
     assert len(rows) == len(set(rows)), "a module listed twice"
     assert sorted(_modules() - set(rows)) == [], "modules missing from docs/architecture.md"
     assert sorted(set(rows) - _modules()) == [], "docs/architecture.md lists modules that are gone"
+
+
+def test_the_request_walks_name_files_that_exist():
+    """"A request's path" walks a chat and a scoring request through the layout: every file it
+    names is one of the package's."""
+    walk = (ROOT / "docs" / "architecture.md").read_text().split("## A request's path")[1].split("\n## ")[0]
+    named = set(re.findall(r"`((?:[a-z_]+/)+[a-z_]+\.py)`", walk))
+    assert len(named) >= 12
+    assert sorted(name for name in named if not (PACKAGE / name).is_file()) == []

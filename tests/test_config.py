@@ -9,7 +9,7 @@ import pytest
 from freetoken.config import WeightsConfig, engine_config, frontend_config
 from freetoken.models.registry import load_model
 from freetoken.scheduler.factory import build_scheduler
-from freetoken.serving.args import parse_args
+from freetoken.serving.launch.args import parse_args
 from tests.model_fixtures import tiny_random_folder
 
 

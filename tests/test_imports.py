@@ -7,6 +7,33 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "python" / "freetoken"
+# The package's layers, bottom to top (docs/architecture.md draws them): a module imports only from
+# its own unit (a top-level module, a package, or a group of serving/) or from a layer below.
+LAYERS = [
+    {"envs"},
+    {"paths", "config"},
+    {"core"},
+    {"message"},
+    {"tokenizer", "structured", "parsing"},
+    {"kvcache"},
+    {"kernels"},
+    {"layers"},
+    {"distributed"},
+    {"hub"},
+    {"models"},
+    {"engine"},
+    {"scheduler"},
+    {"llm", "serving"},
+    {"serving.openai"},
+    {"serving.pooling"},
+    {"serving.adapters"},
+    {"serving.playground"},
+    {"serving.app"},
+    {"serving.launch"},
+    {"freetoken", "server"},
+    {"cli"},
+    {"__main__"},
+]
 # What engine/ and scheduler/ may import from models/: the registry (the table, load_model,
 # LoadedModel). Everything a model and the engine exchange per step lives outside models/.
 MODELS_INTERFACE = {"freetoken.models.registry"}
@@ -17,13 +44,15 @@ def module_name(path: Path, root: Path = PACKAGE) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imported(path: Path, modules: set[str], root: Path = PACKAGE) -> set[str]:
+def imported(path: Path, modules: set[str], root: Path = PACKAGE, typing: bool = False) -> set[str]:
     """The package's modules `path` imports anywhere in its body, relative imports resolved
-    (`from a import b` counts as a.b where that is a module, else as a)."""
+    (`from a import b` counts as a.b where that is a module, else as a); `typing`: those under
+    `if TYPE_CHECKING:` too."""
     name = module_name(path, root)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    for node in (ast.walk(tree) if typing else _runtime_nodes(tree)):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -54,10 +83,10 @@ def _runtime_nodes(tree: ast.AST):
         yield from _runtime_nodes(node)
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(typing: bool = False) -> dict[str, set[str]]:
     paths = sorted(PACKAGE.rglob("*.py"))
     modules = {module_name(p) for p in paths}
-    return {module_name(p): imported(p, modules) for p in paths}
+    return {module_name(p): imported(p, modules, typing=typing) for p in paths}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -90,12 +119,38 @@ def test_the_scan_sees_function_level_and_relative_imports(tmp_path):
                       "def g():\n    import freetoken.d.e\n")
     modules = {"freetoken.x.mod", "freetoken.x.b", "freetoken.x.c", "freetoken.d", "freetoken.d.e"}
     assert imported(source, modules, root) == {"freetoken.x.b", "freetoken.x.c", "freetoken.d.e"}
+    assert imported(source, modules, root, typing=True) == {"freetoken.x.b", "freetoken.x.c", "freetoken.d",
+                                                            "freetoken.d.e"}
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
 def test_no_import_cycle():
     assert find_cycle(import_graph()) is None
+
+
+def test_no_import_cycle_through_typing_only_imports_either():
+    """A circle that only type checkers walk still says two modules each need the other."""
+    assert find_cycle(import_graph(typing=True)) is None
+
+
+def unit(module: str) -> str:
+    """The unit of LAYERS a module belongs to."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "freetoken"
+    if parts[1] == "serving" and len(parts) > 2 and f"serving.{parts[2]}" in set().union(*LAYERS):
+        return f"serving.{parts[2]}"
+    return parts[1]
+
+
+def test_every_import_points_down_the_declared_layers():
+    level = {name: i for i, names in enumerate(LAYERS) for name in names}
+    graph = import_graph(typing=True)
+    assert {unit(module) for module in graph} <= set(level), "a unit missing from LAYERS"
+    upward = sorted((module, target) for module, targets in graph.items() for target in targets
+                    if unit(module) != unit(target) and level[unit(target)] >= level[unit(module)])
+    assert upward == []
 
 
 def test_engine_and_scheduler_reach_models_through_the_registry_only():

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if command == "serve":
         # The server's imports (fastapi, the parsers) only for `serve`: --version stays instant.
-        from freetoken.serving.launch import launch_server
+        from freetoken.serving.launch.serve import launch_server
 
         return launch_server(rest, prog="freetoken serve")
     print(f"{USAGE}\nfreetoken: unknown command {command!r} (choose from: {', '.join(COMMANDS)})",

@@ -94,8 +94,8 @@ class SpeculativeConfig:
 # kernels would compute in float32 (a bfloat16 model then runs on the CPU's bfloat16 units, AMX
 # where it has them, at 2.5-3x the memory of a 4-bit file).
 GGUF_WEIGHTS = ("quantized", "float32")
-# The kernels a linear layer's load-time probe chooses among (models/layers/linear.py; the last
-# two are the bfloat16 units of models/kernels/bf16_linear.py).
+# The kernels a linear layer's load-time probe chooses among (layers/linear.py; the last
+# two are the bfloat16 units of kernels/bf16_linear.py).
 LINEAR_KERNELS = ("onednn", "torch", "grouped", "amx", "avx512_bf16")
 
 
@@ -146,7 +146,7 @@ class EngineConfig:
     max_running_requests: int = 64
     max_prefill_tokens: int = 2048
     prefix_cache: bool = True
-    # Hybrid models: recurrent-state snapshots the prefix cache may hold (engine/state_pool.py).
+    # Hybrid models: recurrent-state snapshots the prefix cache may hold (kvcache/state_pool.py).
     state_snapshots: int = 32
     parallel: ParallelConfig = ParallelConfig()
     speculative: SpeculativeConfig | None = None  # None: plain decoding
@@ -155,7 +155,7 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class PoolingConfig:
-    """What a model is served as beyond generation (serving/pooling_config.py builds it)."""
+    """What a model is served as beyond generation (serving/pooling/config.py builds it)."""
 
     task: str  # "classify" or "embed"
     label_tokens: tuple[str, ...] = ()  # classify: [false, true]
@@ -183,7 +183,7 @@ class FrontendConfig:
     max_prompts_per_request: int = 1024
     max_labels: int = 64
     playground: bool = True
-    pooling: PoolingConfig | None = None  # None: a generation model (serving/pooling_config.py)
+    pooling: PoolingConfig | None = None  # None: a generation model (serving/pooling/config.py)
 
 
 def engine_config(args, model_folder: str) -> EngineConfig:
@@ -237,7 +237,7 @@ def text_config(hf_config: dict) -> dict:
 
 def native_context(hf_config: dict) -> int:
     """The longest sequence served: the config's, or for `longrope` the original context, past
-    which transformers recomputes a sequence on other frequencies (models/layers/rotary.py)."""
+    which transformers recomputes a sequence on other frequencies (layers/rotary.py)."""
     cfg = text_config(hf_config)
     if rope_type(rope_parameters(cfg)) == "longrope":
         return original_context(cfg)

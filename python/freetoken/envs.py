@@ -32,7 +32,7 @@ NO_KERNELS = Env("FREETOKEN_NO_KERNELS", "any value: build and open none of our 
 QUANT_ISA = Env("FREETOKEN_QUANT_ISA", "avx2: cap the quantized kernel at its AVX2 path (tests and "
                 "benchmarks compare the paths)")
 LINEAR_KERNEL = Env("FREETOKEN_LINEAR_KERNEL", "the one linear-kernel candidate the load-time probe "
-                    "may choose (benchmarks, tests; models/layers/linear.py's CANDIDATES)")
+                    "may choose (benchmarks, tests; layers/linear.py's CANDIDATES)")
 LAYER_KERNEL = Env("FREETOKEN_LAYER_KERNEL", "0: decoder layers on the Python path, never the one-call "
                    "C layer (tests and benchmarks compare the two)")
 GGUF_WEIGHTS = Env("FREETOKEN_GGUF_WEIGHTS", "what a GGUF's block formats become: quantized (kept as "
@@ -45,7 +45,7 @@ HUB_PROGRESS_BARS = Env("HF_HUB_DISABLE_PROGRESS_BARS", "huggingface_hub's own s
                         "freetoken where stderr is no terminal (spawned processes inherit it)")
 CC = Env("CC", "the C compiler the kernels are built with (default cc, else gcc)")
 # Other libraries' ISA caps: each changes which instructions a library kernel runs, so the probe's
-# verdict of a machine is kept per value (models/layers/kernel_choice.py).
+# verdict of a machine is kept per value (layers/kernel_choice.py).
 ISA_CAPS = tuple(Env(name, "an ISA cap of oneDNN, MKL or torch") for name in (
     "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "ATEN_CPU_CAPABILITY"))
 

@@ -25,7 +25,7 @@ class GenerationOutput:
 
 class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto", **kw):
-        """`model`: a folder, a GGUF file or a Hub name (models/hub.py); `kw`: the other fields
+        """`model`: a folder, a GGUF file or a Hub name (hub.py); `kw`: the other fields
         of `EngineConfig` (kv_slots, max_model_len, ...)."""
         folder, _ = find_model(model, dtype=dtype, device=device)
         config = EngineConfig(model_folder=str(folder), dtype=dtype, device=device, **kw)

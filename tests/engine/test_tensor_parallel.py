@@ -4,7 +4,7 @@ scheduler; one spawned process is rank 1 of each group in turn, over a tiny Qwen
 every block format (kept quantized on each rank), and last the default model (9 heads over 3 kv
 heads, tied, Q4_1 and Q8_0 blocks), whose rank 1 is then killed.
 TP=2 is checked bit for bit against TP=1 (which computes its layers in the ranks' parts:
-models/layers/parts.py), against transformers, and a lost rank against a hang."""
+distributed/parts.py), against transformers, and a lost rank against a hang."""
 
 from __future__ import annotations
 
@@ -19,11 +19,12 @@ import torch.distributed as dist
 
 from freetoken.config import EngineConfig, ParallelConfig, WeightsConfig
 from freetoken.core import SamplingParams
-from freetoken.engine.parallel import GroupLost, follow, load_rank
-from freetoken.models.layers.parts import RowParts
-from freetoken.models.layers.quantized import QuantizedEmbedding, QuantizedLinear
+from freetoken.distributed.group import GroupLost
+from freetoken.engine.parallel import follow, load_rank
+from freetoken.distributed.parts import RowParts
+from freetoken.layers.quantized import QuantizedEmbedding, QuantizedLinear
 from freetoken.models.registry import load_model
-from freetoken.models.layers.tensor_parallel import head_split
+from freetoken.distributed.tensor_parallel import head_split
 from freetoken.scheduler.factory import build_engine, build_scheduler
 from tests.model_fixtures import (default_folder, drain,
                                   reference_logprobs, tiny_random_folder)

@@ -1,4 +1,4 @@
-"""DeepSeek-V3 and V2 (models/deepseek.py, models/layers/mla.py) against transformers on the same
+"""DeepSeek-V3 and V2 (models/deepseek.py, layers/mla.py) against transformers on the same
 weights: the tiny DeepseekV3ForCausalLM (latent ranks below the hidden size, queries through a
 rank, interleaved rope under YaRN with mscale, a dense first layer, then sigmoid routing in
 groups with a correction bias and a shared expert) batched and each alone bit for bit, after a
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from freetoken.models.kernels import pool_attention
-from freetoken.models.layers.mla import HeadLinears
+from freetoken.kernels import pool_attention
+from freetoken.layers.mla import HeadLinears
 from freetoken.models.registry import load_model
 from freetoken.paths import ModelNotFound
 from freetoken.scheduler.factory import build_scheduler
@@ -77,7 +77,7 @@ def test_deepseek_v2_lite_shape_matches_transformers_batched_and_alone():
 
 
 def test_tensor_parallelism_is_refused_saying_why(tiny_deepseek_v3_path):
-    class Rank:  # engine.parallel.Group's interface, never reached
+    class Rank:  # distributed.group.Group's interface, never reached
         pass
 
     with pytest.raises(ModelNotFound, match="^DeepseekV3ForCausalLM: tensor parallelism is not implemented for "

@@ -12,7 +12,7 @@ import torch
 
 from freetoken.config import WeightsConfig
 from freetoken.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
-from freetoken.models.layers.rotary import LinearScaling
+from freetoken.layers.rotary import LinearScaling
 from freetoken.models.registry import load_model
 from freetoken.scheduler.factory import build_scheduler
 from tests.fixtures import build_models as bm

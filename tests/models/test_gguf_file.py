@@ -11,8 +11,8 @@ import torch
 
 from freetoken.config import WeightsConfig
 from freetoken.models import loader, registry
-from freetoken.models.layers.parts import RowParts
-from freetoken.models.layers.quantized import QuantizedEmbedding, QuantizedLinear
+from freetoken.distributed.parts import RowParts
+from freetoken.layers.quantized import QuantizedEmbedding, QuantizedLinear
 from freetoken.paths import ModelNotFound
 from tests.fixtures import build_models as bm
 from tests.model_fixtures import (assert_config_edit_is_named,

@@ -13,8 +13,8 @@ import pytest
 
 from freetoken.config import WeightsConfig
 from freetoken.models import loader, registry
-from freetoken.models.layers.moe import Experts
-from freetoken.models.layers.quantized import QuantizedEmbedding, QuantizedLinear
+from freetoken.layers.moe import Experts
+from freetoken.layers.quantized import QuantizedEmbedding, QuantizedLinear
 from tests.fixtures import build_models as bm
 from tests.model_fixtures import assert_matches_reference, assert_same_run, greedy_run, stored_bytes
 

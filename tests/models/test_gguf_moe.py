@@ -11,7 +11,7 @@ import torch
 
 from freetoken.config import WeightsConfig
 from freetoken.models import registry
-from freetoken.models.layers.moe import Experts
+from freetoken.layers.moe import Experts
 from freetoken.paths import ModelNotFound
 from tests.fixtures import build_models as bm
 from tests.model_fixtures import (assert_config_edit_is_named,
@@ -37,7 +37,7 @@ def loaded(built):
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_experts_stay_quantized_and_match_transformers(name, built, loaded):
-    from freetoken.models.layers.quantized import QuantizedLinear
+    from freetoken.layers.quantized import QuantizedLinear
     from freetoken.scheduler.factory import build_scheduler
 
     model, mix = loaded[name], MODELS[name]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from freetoken.models.glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
-from freetoken.models.layers.sigmoid_moe import SigmoidMoeBlock, sigmoid_group_topk
+from freetoken.layers.sigmoid_moe import SigmoidMoeBlock, sigmoid_group_topk
 from freetoken.models.registry import check_supported, load_model
 from freetoken.paths import ModelNotFound
 from tests.fixtures import build_models as bm

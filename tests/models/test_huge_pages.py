@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType
 
 from freetoken.config import WeightsConfig
 from freetoken.models import huge_pages, registry
-from freetoken.models.kernels import quant
+from freetoken.kernels import quant
 from tests.fixtures import build_models as bm
 
 

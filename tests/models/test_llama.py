@@ -88,7 +88,7 @@ def test_llama31s_config_as_released_scales_the_rotary_frequencies():
     schedule changes: kept, blended and divided by the factor."""
     from transformers import LlamaConfig
 
-    from freetoken.models.layers.rotary import rope_frequencies
+    from freetoken.layers.rotary import rope_frequencies
 
     scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
     fields = dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_hidden_layers=1,
@@ -110,7 +110,7 @@ def test_phi3s_longrope_is_served_within_its_original_context(tiny_phi3_path):
     from transformers import Phi3Config
 
     from freetoken.config import native_context
-    from freetoken.models.layers.rotary import LongRope
+    from freetoken.layers.rotary import LongRope
 
     loaded = load_model(tiny_phi3_path, dtype="float32", device="cpu")
     assert loaded.max_model_len == 256 and loaded.model.cfg.rope_scaling.short_factor[-1] == 9.0
@@ -179,9 +179,9 @@ def test_a_granite_gguf_is_refused_naming_its_architecture(tmp_path):
 @pytest.mark.parametrize("path", ["tiny_smollm3_path", "tiny_phi3_path"])
 def test_on_the_grouped_kernel_smollm3_and_phi4_mini_match_transformers(path, request, monkeypatch):
     """On the grouped kernel every SmolLM3 layer, the unrotated one too, runs in decoder_layer.c's
-    one call a step (models/kernels/decoder_layer.py), where the machine has the C kernels;
+    one call a step (kernels/decoder_layer.py), where the machine has the C kernels;
     Phi-4-mini's rotary on part of each head the C layer does not compute: its steps run in Python."""
-    from freetoken.models.kernels import decoder_layer
+    from freetoken.kernels import decoder_layer
 
     if decoder_layer.load() is None:
         pytest.skip("no C kernels on this machine")

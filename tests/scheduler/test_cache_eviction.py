@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from freetoken.engine.kv_pool import KVPool
-from freetoken.engine.state_pool import StatePool, StateShape
+from freetoken.kvcache.kv_pool import KVPool
+from freetoken.kvcache.state_pool import StatePool, StateShape
 from freetoken.scheduler.cache import PrefixCache
 from freetoken.scheduler.states import SnapshotCache
 

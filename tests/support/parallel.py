@@ -1,4 +1,4 @@
-"""A stand-in for engine.parallel.Group where a test loads one tensor-parallel rank alone."""
+"""A stand-in for distributed.group.Group where a test loads one tensor-parallel rank alone."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 
 
 class OneRank:
-    """engine.parallel.Group's interface for one rank loaded alone (no forward runs)."""
+    """distributed.group.Group's interface for one rank loaded alone (no forward runs)."""
 
     def __init__(self, rank: int, world: int):
         self.rank, self.world = rank, world

@@ -9,12 +9,12 @@ import torch
 
 from freetoken.core import Batch, Req, SamplingParams, TokenLogprob
 from freetoken.engine import pooling
-from freetoken.engine.kv_pool import KVPool, token_row
+from freetoken.kvcache.kv_pool import KVPool, token_row
 from freetoken.engine.logit_processing import long_tensor, uses_processors
 from freetoken.engine.mtp import MtpDrafter
 from freetoken.engine.sample import Sampler, logprob_entries
-from freetoken.engine.state_pool import LinearContext, PrefillPiece, StatePool
-from freetoken.engine.forward_context import DecodeGroup, ForwardContext, PromptGroup
+from freetoken.kvcache.state_pool import LinearContext, PrefillPiece, StatePool
+from freetoken.kvcache.forward_context import DecodeGroup, ForwardContext, PromptGroup
 
 # Requests whose padded lengths agree attend in one call (PromptGroup, DecodeGroup). Blocks trade
 # padded work against the number of calls; these measured best on scoring prompts of ~40 tokens
@@ -69,7 +69,7 @@ class Engine:
         self.device = device
         cfg = getattr(model, "cfg", model)
         # Hybrid models keep K/V for their full-attention layers only, and a recurrent state per
-        # request for the others (engine/state_pool.py).
+        # request for the others (kvcache/state_pool.py).
         layers = getattr(cfg, "num_kv_layers", cfg.num_layers) + (cfg.mtp_layers if mtp else 0)
         self.kv = KVPool(num_kv_slots, layers, token_row(cfg), dtype, device)
         self.drafter = MtpDrafter(self) if mtp else None

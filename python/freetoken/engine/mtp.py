@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from freetoken.core import Batch, Req
-from freetoken.engine.forward_context import ForwardContext
+from freetoken.kvcache.forward_context import ForwardContext
 
 
 @dataclass

@@ -79,7 +79,7 @@ def stored_tensors(file: BinaryIO) -> dict[str, StoredTensor]:
 def read_weights(folder: Path, part: Callable | None = None,
                  reads: Callable[[str], bool] = lambda name: True) -> dict[str, torch.Tensor]:
     """The folder's tensors by name, those `reads` names. `part(name, stored)`: the piece of a
-    tensor to keep (a tensor-parallel rank's, models/layers/tensor_parallel.py), or None to skip it."""
+    tensor to keep (a tensor-parallel rank's, distributed/tensor_parallel.py), or None to skip it."""
     state: dict[str, torch.Tensor] = {}
     for path in sorted(folder.glob("*.safetensors")):
         with open(path, "rb", buffering=0) as file:

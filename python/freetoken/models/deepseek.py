@@ -1,6 +1,6 @@
 """DeepSeek-V3 / R1 (DeepseekV3ForCausalLM) and DeepSeek-V2 / V2-Lite (DeepseekV2ForCausalLM):
 the llama family's decoder (models/llama.py) with multi-head latent attention
-(models/layers/mla.py: the KV pool holds each token's compressed latent and rope key) and, from
+(layers/mla.py: the KV pool holds each token's compressed latent and rope key) and, from
 layer `first_k_dense_replace` on, mixture-of-experts layers with shared experts, as transformers'
 DeepSeek classes compute them.
 
@@ -8,7 +8,7 @@ DeepSeek classes compute them.
   `q_lora_rank` (V2-Lite: none, one `q_proj`).
 - Scores scaled by 1 / sqrt(qk_nope_head_dim + qk_rope_head_dim), times mscale(factor,
   mscale_all_dim)^2 under YaRN (transformers' `yarn_apply_mscale`); YaRN's cos and sin scaled by
-  mscale(factor, mscale) / mscale(factor, mscale_all_dim) (models/layers/rotary.py).
+  mscale(factor, mscale) / mscale(factor, mscale_all_dim) (layers/rotary.py).
 - Routers in float32 over the gate's logits, each token's k weights times
   `routed_scaling_factor`: V3's sigmoid scores, experts chosen on scores plus
   `e_score_correction_bias` within the `topk_group` groups (of `n_group`) whose two best such
@@ -17,7 +17,7 @@ DeepSeek classes compute them.
   others' scores zeroed), not renormalised (transformers' V2 reads no `norm_topk_prob`).
 - Beside the routed experts, `n_shared_experts` experts' worth of SwiGLU every token goes through.
 
-The decoder layer's C call (models/kernels/decoder_layer.py) computes the llama layer: DeepSeek's
+The decoder layer's C call (kernels/decoder_layer.py) computes the llama layer: DeepSeek's
 layers always run in Python. Tensor parallelism is refused (the registry's row says why).
 """
 
@@ -29,13 +29,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from freetoken.config import rope_parameters, rope_type
-from freetoken.models.layers.elementwise import silu_and_mul
-from freetoken.models.layers.linear import Linear
-from freetoken.models.layers.mla import LatentAttention, deinterleave_rope, split_kv_b
-from freetoken.models.layers.mlp import MLP
-from freetoken.models.layers.moe import Experts, split_stacked_experts
-from freetoken.models.layers.rotary import yarn_mscale
-from freetoken.models.layers.sigmoid_moe import best_groups, sigmoid_group_topk
+from freetoken.layers.elementwise import silu_and_mul
+from freetoken.layers.linear import Linear
+from freetoken.layers.mla import LatentAttention, deinterleave_rope, split_kv_b
+from freetoken.layers.mlp import MLP
+from freetoken.layers.moe import Experts, split_stacked_experts
+from freetoken.layers.rotary import yarn_mscale
+from freetoken.layers.sigmoid_moe import best_groups, sigmoid_group_topk
 from freetoken.models.llama import DecoderLayer, LlamaForCausalLM, ModelConfig, fuse_hf_weights
 
 V3 = "DeepseekV3ForCausalLM"
@@ -66,7 +66,7 @@ class DeepseekConfig(ModelConfig):
 
     @property
     def kv_row(self) -> tuple[int, int]:
-        """A token's entry in a layer of the KV pool (engine/kv_pool.py): [latent | rope key]."""
+        """A token's entry in a layer of the KV pool (kvcache/kv_pool.py): [latent | rope key]."""
         return 1, self.kv_lora_rank + self.qk_rope_head_dim
 
     @classmethod

@@ -14,7 +14,7 @@ with Gemma's layer, as transformers' Gemma3 computes it.
   of every 6) turn q and k on a rotary schedule of their own (`rope_local_base_freq`), the
   others on `rope_theta` and its scaling (the larger models' `linear` one).
 
-The decoder layer's C call (models/kernels/decoder_layer.py) computes the llama layer, which has
+The decoder layer's C call (kernels/decoder_layer.py) computes the llama layer, which has
 neither the post-norms nor GeGLU: Gemma's layers always run in Python.
 """
 
@@ -27,9 +27,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from freetoken.config import rope_type, text_config
-from freetoken.models.layers.mlp import GeGLU
-from freetoken.models.layers.norm import RMSNorm
-from freetoken.models.layers.rotary import SCHEDULES, Schedule, cos_sin
+from freetoken.layers.mlp import GeGLU
+from freetoken.layers.norm import RMSNorm
+from freetoken.layers.rotary import SCHEDULES, Schedule, cos_sin
 from freetoken.models.llama import DecoderLayer, LlamaForCausalLM, ModelConfig, fuse_hf_weights
 
 log = logging.getLogger("freetoken")

@@ -3,7 +3,7 @@ a folder without weights) and its tensors under our HF names, from the memory-ma
 A split file (llama.cpp's gguf-split: `NAME-00001-of-0000N.gguf`, the metadata in the first
 part, the tensors spread over all) is read as one, named by its first part.
 
-Asked for quantized weights, tensors in a block format models/kernels/quant.py runs on this CPU
+Asked for quantized weights, tensors in a block format kernels/quant.py runs on this CPU
 stay as the file stores them (a QuantizedWeight whose data is a view on the map: no copy; pages
 are read as the matmuls touch them); else they are dequantized at load. F32/F16/BF16 tensors come out as tensors; other block formats are dequantized at load,
 with one log line. llama.cpp's converter permutes a llama's q/k rows (rotary pairs
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
-from freetoken.models.kernels.quant import FORMATS, QuantizedWeight, dequantize, supported
+from freetoken.kernels.quant import FORMATS, QuantizedWeight, dequantize, supported
 from freetoken.paths import ModelNotFound
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """GLM-4.5 and GLM-4.5-Air (Glm4MoeForCausalLM): the llama family's decoder (models/llama.py)
 with GLM's attention and, past the first `first_k_dense_replace` dense layers, its MoE layer
-(models/layers/sigmoid_moe.py: sigmoid router with a correction bias, group-limited, shared
+(layers/sigmoid_moe.py: sigmoid router with a correction bias, group-limited, shared
 experts), as transformers' Glm4Moe computes them.
 
 - Attention: q/k/v biases with `attention_bias` (o_proj has none), per-head q/k RMSNorm with
@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, replace
 
 from freetoken.config import rope_parameters
-from freetoken.models.layers.sigmoid_moe import SigmoidMoeBlock
+from freetoken.layers.sigmoid_moe import SigmoidMoeBlock
 from freetoken.models.llama import LlamaForCausalLM, ModelConfig
 from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM
 

@@ -5,7 +5,7 @@ router with bias choosing the top k experts, weighted by a softmax over the chos
 An expert's gate/up projection comes interleaved (gate in even columns); it is split into
 halves at load so the clamped SwiGLU reads contiguous slices. Experts released in MXFP4 stay
 MXFP4, about a quarter of bfloat16's bytes: rewritten bit for bit into GGUF's block layout
-(models/kernels/mxfp4.py) and run through the quantized grouped kernel (layers/moe.py's
+(kernels/mxfp4.py) and run through the quantized grouped kernel (layers/moe.py's
 `use_quantized`); on a device or CPU without that kernel they are dequantized at load, with a
 log line.
 """
@@ -19,12 +19,12 @@ from functools import partial
 import torch
 from torch import nn
 
-from freetoken.models.kernels.mxfp4 import BLOCK
-from freetoken.models.kernels.quant import QuantizedWeight, from_mxfp4_blocks
-from freetoken.models.layers.attention import Attention
-from freetoken.models.layers.elementwise import lanewise
-from freetoken.models.layers.linear import Linear
-from freetoken.models.layers.moe import Experts, split_stacked_experts, widen_unsupported_experts
+from freetoken.kernels.mxfp4 import BLOCK
+from freetoken.kernels.quant import QuantizedWeight, from_mxfp4_blocks
+from freetoken.layers.attention import Attention
+from freetoken.layers.elementwise import lanewise
+from freetoken.layers.linear import Linear
+from freetoken.layers.moe import Experts, split_stacked_experts, widen_unsupported_experts
 from freetoken.models.llama import LlamaForCausalLM, ModelConfig, fuse_hf_weights
 
 

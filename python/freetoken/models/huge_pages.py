@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from freetoken.models.kernels.quant import QuantizedWeight
+from freetoken.kernels.quant import QuantizedWeight
 
 log = logging.getLogger(__name__)
 

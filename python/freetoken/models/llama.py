@@ -8,7 +8,7 @@ families differ only in q/k/v bias (Qwen2) and per-head q/k RMSNorm (Qwen3). Sli
 layers (Mistral's: all of them), layers without rotary embedding (SmolLM3's), a scaled rotary
 schedule (YaRN, Llama 3.1's, Phi-3's), rotary on part of each head (Phi-4-mini's), Granite's scales (of the embeddings, the residual adds,
 the attention scores and the logits) and an o_proj bias are config fields too. The layers are
-models/layers/.
+layers/.
 """
 
 from __future__ import annotations
@@ -21,17 +21,17 @@ from torch import nn
 
 from freetoken.config import original_context, rope_parameters, rope_type
 from freetoken.core import Batch
-from freetoken.engine.forward_context import ForwardContext
+from freetoken.kvcache.forward_context import ForwardContext
 from freetoken.models.causal_lm import CausalLM
-from freetoken.models.kernels import decoder_layer
-from freetoken.models.layers.attention import Attention
-from freetoken.models.layers.kernel_choice import UNCAPPED
-from freetoken.models.layers.linear import Linear
-from freetoken.models.layers.mlp import MLP
-from freetoken.models.layers.norm import RMSNorm
-from freetoken.models.layers.parts import RowParts
-from freetoken.models.layers.quantized import QuantizedLinear
-from freetoken.models.layers.rotary import SCHEDULES, Schedule, cos_sin
+from freetoken.kernels import decoder_layer
+from freetoken.layers.attention import Attention
+from freetoken.layers.kernel_choice import UNCAPPED
+from freetoken.layers.linear import Linear
+from freetoken.layers.mlp import MLP
+from freetoken.layers.norm import RMSNorm
+from freetoken.distributed.parts import RowParts
+from freetoken.layers.quantized import QuantizedLinear
+from freetoken.layers.rotary import SCHEDULES, Schedule, cos_sin
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ class ModelConfig:
 
 
 class DecoderLayer(nn.Module):
-    # models/kernels/decoder_layer.py's call for this layer, made at its first step (None: the
+    # kernels/decoder_layer.py's call for this layer, made at its first step (None: the
     # layer always runs in Python).
     one_call: Any = NotImplemented
 
@@ -172,7 +172,7 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    # Every layer in one C call a step (models/kernels/decoder_layer.py's Stack), made at the first
+    # Every layer in one C call a step (kernels/decoder_layer.py's Stack), made at the first
     # step (None: the layers are called one by one).
     stack: Any = NotImplemented
 

@@ -4,7 +4,7 @@ family).
 A GGUF file of a Llama-family decoder, a Qwen MoE or gpt-oss is read as it is stored
 (models/gguf_file.py): its config and tokenizer, which transformers parses, are cached as a
 folder without weights, and its tensors are read from the memory-mapped file, the block formats
-kept quantized where asked (models/layers/quantized.py, the experts models/layers/moe.py); a
+kept quantized where asked (layers/quantized.py, the experts layers/moe.py); a
 tensor-parallel rank keeps its slices of them, cut along whole blocks. Other GGUFs (the hybrids)
 are converted once by transformers into a float32 HF folder (safetensors + config + tokenizer)
 in a cache keyed by the file's identity: parsing and dequantising takes transformers about 13 s.
@@ -26,17 +26,17 @@ from pathlib import Path
 
 import torch
 
-from freetoken.engine.kv_pool import pool_bytes
+from freetoken.kvcache.kv_pool import pool_bytes
 from freetoken.models.checkpoint import read_weights
-from freetoken.models.layers.linear import only_kernel, pack_linears
-from freetoken.models.layers.mla import stack_heads
-from freetoken.models.layers.moe import stack_experts, take_stacked_experts
-from freetoken.models.layers.parts import compute_in_parts, free_in_parts
-from freetoken.models.layers.quantized import QuantizedEmbedding, plan_quantized, take_quantized, weight_bytes
-from freetoken.models.layers.quantized_parallel import (install_quantized, quantized_head, shard_state,
-                                                        widen_cut_experts)
-from freetoken.models.layers.tensor_parallel import shard_model
-from freetoken.paths import ModelNotFound, cache_root
+from freetoken.layers.linear import only_kernel, pack_linears
+from freetoken.layers.mla import stack_heads
+from freetoken.layers.moe import stack_experts, take_stacked_experts
+from freetoken.distributed.parts import compute_in_parts, free_in_parts
+from freetoken.layers.quantized import QuantizedEmbedding, plan_quantized, take_quantized, weight_bytes
+from freetoken.distributed.quantized_parallel import (install_quantized, quantized_head, shard_state,
+                                                      widen_cut_experts)
+from freetoken.distributed.tensor_parallel import shard_model
+from freetoken.paths import ModelNotFound, available_memory, cache_root
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ def build(model_class: type, folder: Path, hf_config: dict, tokenizer, dtype: to
     """`model_class` (a models/causal_lm.py CausalLM) with the folder's weights, its linear
     layers packed (on `linear_kernel` alone where given); with `group`, that tensor-parallel
     rank's slices only; `in_parts`: its sliced layers computed as tensor-parallel ranks compute
-    them (models/layers/parts.py)."""
+    them (distributed/parts.py)."""
     with torch.device("meta"):
         module = model_class.from_hf(hf_config)
     part = shard_model(module, group) if group is not None else None
@@ -222,12 +222,12 @@ def build_gguf(model_class: type, gguf: Path, hf_config: dict, tokenizer, dtype:
     else dequantized at load; refused before any weight is read where the weights and a KV pool
     of `kv_slots` (and what the load copies for a moment) would not fit in the memory available.
     With `group`, that tensor-parallel rank's slices, quantized ones cut along whole blocks
-    (models/layers/tensor_parallel.py). `huge_pages`: False keeps the blocks on the file's map
+    (distributed/tensor_parallel.py). `huge_pages`: False keeps the blocks on the file's map
     (None: copied into huge pages where the kernel gives them, models/huge_pages.py)."""
     from freetoken.models.gguf_file import (ROPE_FREQS, experts_block, open_gguf, planned_bytes, read_tensors,
                                             working_bytes)
     from freetoken.models.huge_pages import place_in_huge_pages
-    from freetoken.models.layers.rotary import LongRope
+    from freetoken.layers.rotary import LongRope
     from freetoken.models.llama import FUSED
 
     with torch.device("meta"):
@@ -261,7 +261,7 @@ def _assign(module: torch.nn.Module, state: dict[str, torch.Tensor], quantized: 
             linear_kernel: str | None) -> torch.nn.Module:
     """`state` assigned to `module`'s parameters, the `quantized` layers (our module name ->
     weight parts) put in place, the head tied, the linear layers packed (`in_parts`: the sliced
-    ones computed as tensor-parallel ranks compute them, models/layers/parts.py; None: where
+    ones computed as tensor-parallel ranks compute them, distributed/parts.py; None: where
     that costs about nothing, parts.free_in_parts)."""
     tied = module.ties_head(state)
     if tied:
@@ -322,25 +322,6 @@ def check_memory(name: str, weights: int, kv: int, working: int = 0) -> None:
         raise ModelNotFound(f"{name}: needs {weights / 2**30:.2f} GiB of weights + {kv / 2**30:.2f} "
                             f"GiB of KV pool{loading}, but {available / 2**30:.2f} GiB of memory is "
                             "available (fewer --kv-cache-tokens, or a smaller quantization)")
-
-
-def available_memory() -> int | None:
-    """Bytes this process may still allocate: MemAvailable, or less where a cgroup limits it."""
-    amounts = []
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                amounts.append(int(line.split()[1]) * 1024)
-    except OSError:
-        pass
-    cgroup = Path("/sys/fs/cgroup")
-    try:
-        limit = (cgroup / "memory.max").read_text().strip()
-        if limit != "max":
-            amounts.append(int(limit) - int((cgroup / "memory.current").read_text()))
-    except (OSError, ValueError):
-        pass
-    return min(amounts) if amounts else None
 
 
 def eos_ids(folder: Path, hf_config: dict, tokenizer) -> list[int]:

@@ -1,8 +1,8 @@
 """Qwen3.5 / Qwen3.6 (dense and MoE) and Qwen3-Next: hybrids of Gated DeltaNet and full attention.
 
-Most layers are linear attention (models/layers/delta_rule.py) whose past lives in the engine's
+Most layers are linear attention (layers/delta_rule.py) whose past lives in the engine's
 state pool; every few layers one is gated full attention over the KV pool
-(models/layers/attention.py). Module names mirror transformers' after `convert_hf_weights`, which fuses
+(layers/attention.py). Module names mirror transformers' after `convert_hf_weights`, which fuses
 the projections (q/k/v, gate/up, the DeltaNet's q/k/v/z/b/a), folds the zero-centred RMSNorms'
 `1 + weight` into their weights, and takes the language model out of the image-text layout.
 
@@ -21,16 +21,16 @@ from torch import nn
 
 from freetoken.config import rope_parameters
 from freetoken.core import Batch
-from freetoken.engine.forward_context import ForwardContext
-from freetoken.engine.state_pool import StateShape
+from freetoken.kvcache.forward_context import ForwardContext
+from freetoken.kvcache.state_pool import StateShape
 from freetoken.models.causal_lm import CausalLM
-from freetoken.models.layers.attention import Attention
-from freetoken.models.layers.delta_rule import GatedDeltaNet
-from freetoken.models.layers.linear import Linear
-from freetoken.models.layers.mlp import MLP
-from freetoken.models.layers.moe import SparseMoeBlock, split_stacked_experts
-from freetoken.models.layers.norm import RMSNorm
-from freetoken.models.layers.rotary import cos_sin, rotate
+from freetoken.layers.attention import Attention
+from freetoken.layers.delta_rule import GatedDeltaNet
+from freetoken.layers.linear import Linear
+from freetoken.layers.mlp import MLP
+from freetoken.layers.moe import SparseMoeBlock, split_stacked_experts
+from freetoken.layers.norm import RMSNorm
+from freetoken.layers.rotary import cos_sin, rotate
 from freetoken.models.llama import Backbone, fuse_hf_weights
 
 log = logging.getLogger("freetoken")
@@ -218,7 +218,7 @@ class Qwen3_5ForCausalLM(CausalLM):
 
     config_class = HybridConfig
     # A draft's rows run through the recurrent layers one round per row, each from the state the
-    # row before left (models/layers/delta_rule.py), and the accepted rows' state is kept.
+    # row before left (layers/delta_rule.py), and the accepted rows' state is kept.
     verifies_drafts = True
 
     def __init__(self, cfg: HybridConfig):

@@ -1,6 +1,6 @@
 """Qwen3-MoE (Qwen3-Coder-30B-A3B, Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3 attention (q/k
 RMSNorm), and in the sparse layers a softmax top-k router over experts run grouped
-(models/layers/moe.py).
+(layers/moe.py).
 Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B) is the same with Qwen2 attention (q/k/v biases, no
 q/k norm) and, beside the routed experts, a shared expert scaled by sigmoid(shared_expert_gate),
 which the Qwen3.5-MoE / Qwen3-Next hybrids reuse (layers/moe.py's SparseMoeBlock).
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from freetoken.models.layers.moe import SparseMoeBlock, split_stacked_experts
+from freetoken.layers.moe import SparseMoeBlock, split_stacked_experts
 from freetoken.models.llama import LlamaForCausalLM, ModelConfig, fuse_hf_weights
 
 

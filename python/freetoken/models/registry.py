@@ -20,7 +20,7 @@ import torch
 
 from freetoken import envs
 from freetoken.config import WeightsConfig, native_context, rope_parameters, rope_type, text_config
-from freetoken.models.hub import HubOptions, resolve_model
+from freetoken.hub import HubOptions, resolve_model
 from freetoken.models.loader import (build, build_gguf, default_model_path, eos_ids, gguf_config_folder,
                                      gguf_source, gguf_to_folder)
 from freetoken.paths import ModelNotFound
@@ -41,7 +41,7 @@ class Family:
 # The attention of Qwen's, Mistral's, SmolLM3's and gpt-oss's releases honours `sliding_window`;
 # transformers' Llama ignores it.
 _WINDOWED = frozenset({"sliding_window"})
-# The sigmoid routers' scale and expert groups (models/layers/sigmoid_moe.py): GLM-4.5's, DeepSeek's.
+# The sigmoid routers' scale and expert groups (layers/sigmoid_moe.py): GLM-4.5's, DeepSeek's.
 _ROUTED_GROUPS = frozenset({"routed_scaling_factor", "n_group"})
 # Gemma 3: its text-only checkpoints, and the language model of the image-text ones.
 _GEMMA3 = Family("gemma3", "Gemma3ForCausalLM", implements=_WINDOWED | {"query_pre_attn_scalar"},
@@ -132,7 +132,7 @@ QUIRKS = {
     # DeepSeek's own code makes every moe_layer_freq-th layer sparse, transformers every one (all
     # releases: 1).
     "moe_layer_freq": _other_than(1),
-    # GLM-4.5's and DeepSeek's routers (models/layers/sigmoid_moe.py): their weights' scale, their
+    # GLM-4.5's and DeepSeek's routers (layers/sigmoid_moe.py): their weights' scale, their
     # expert groups.
     "routed_scaling_factor": _other_than(1),
     "n_group": _other_than(1),
@@ -199,7 +199,7 @@ def model_class(arch: str) -> type:
 def find_model(model: str | os.PathLike | None, hub: HubOptions = HubOptions(), dtype: str = "auto",
                device: str = "auto") -> tuple[Path, str]:
     """(HF folder, served name) of a local path, a Hub name (its files found in the cache or
-    downloaded, models/hub.py; served under the name as typed) or None (the default model);
+    downloaded, hub.py; served under the name as typed) or None (the default model);
     `dtype` and `device` as the model will load, for the memory check before a download."""
     dev = resolve_device(device)
     itemsize = resolve_dtype(dtype, dev).itemsize if dev.type == "cpu" else None
@@ -223,8 +223,8 @@ def model_folder(model: str | os.PathLike | None) -> tuple[Path, str]:
 
 def load_model(model: str | os.PathLike | None = None, dtype: str = "auto", device: str = "auto",
                group=None, kv_slots: int = 0, weights: WeightsConfig = WeightsConfig()) -> LoadedModel:
-    """The model ready to run; with `group` (engine.parallel.Group) only that tensor-parallel
-    rank's slices of it, read from the checkpoint as such (models/layers/tensor_parallel.py).
+    """The model ready to run; with `group` (distributed.group.Group) only that tensor-parallel
+    rank's slices of it, read from the checkpoint as such (distributed/tensor_parallel.py).
     `kv_slots`: the KV pool to be allocated, counted in a GGUF's memory check; `weights`: how
     the weights are held and multiplied (config.WeightsConfig; unset fields from envs.py)."""
     from transformers import AutoTokenizer  # heavy: imported by the processes that load a model

@@ -17,7 +17,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Callable
 
-from freetoken.engine.kv_pool import KVPool
+from freetoken.kvcache.kv_pool import KVPool
 
 
 @dataclass(eq=False)

@@ -14,7 +14,7 @@ from freetoken.structured.grammar import ll_tokenizer
 from freetoken.structured.matcher import GrammarCompiler
 
 if TYPE_CHECKING:  # torch.distributed: imported by tensor-parallel engines only
-    from freetoken.engine.parallel import Group
+    from freetoken.distributed.group import Group
 
 
 def build_scheduler(loaded: LoadedModel, config: EngineConfig = EngineConfig(),

@@ -4,7 +4,7 @@ and prefix-cache snapshots at chunk boundaries.
 A cached KV prefix is of no use to a linear-attention layer without its state at the prefix's
 end, so the cache matches only up to its deepest node holding a snapshot. Snapshots are taken
 while prompts are prefilled, at positions that are multiples of the delta rule's chunk
-(engine/state_pool.py's CHUNK): the chunked form then resumes from one with the arithmetic of a prefill
+(kvcache/state_pool.py's CHUNK): the chunked form then resumes from one with the arithmetic of a prefill
 that ran through it. Prefill chunks are cut on those boundaries for the same reason.
 
 The pool holds `max_running_requests` request slots plus `snapshots` snapshot slots. A request
@@ -15,7 +15,7 @@ the KV pool evicts a trie leaf, the leaf's snapshot goes with it.
 from __future__ import annotations
 
 from freetoken.core import Batch, Req
-from freetoken.engine.state_pool import CHUNK, StatePool
+from freetoken.kvcache.state_pool import CHUNK, StatePool
 from freetoken.scheduler.cache import LeastRecentlyUsed, PrefixCache, _Node
 
 

@@ -166,7 +166,7 @@ def _detach(parent: int | None) -> bool:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # The one line that names the CPU and the kernel each kind of linear layer runs on.
-    logging.getLogger("freetoken.models.layers.linear").setLevel(logging.INFO)
+    logging.getLogger("freetoken.layers.linear").setLevel(logging.INFO)
     return True
 
 
@@ -203,7 +203,7 @@ def engine_main(config: EngineConfig, in_addr: str, out_addr: str, ready,
     if group is None:
         serve_scheduler(scheduler, in_addr, out_addr, parent)
         return
-    from freetoken.engine.parallel import GroupLost
+    from freetoken.distributed.group import GroupLost
 
     try:
         serve_scheduler(scheduler, in_addr, out_addr, parent)
@@ -220,7 +220,8 @@ def rank_main(config: EngineConfig, rank: int, ready, parent: int | None = None)
         return
     try:
         # As in engine_main: torch loads once _detach has tied this process to the server.
-        from freetoken.engine.parallel import GroupLost, follow, load_rank, share_cores
+        from freetoken.distributed.group import GroupLost
+        from freetoken.engine.parallel import follow, load_rank, share_cores
         from freetoken.models.registry import quiet_progress_bars
         from freetoken.scheduler.factory import build_engine
 

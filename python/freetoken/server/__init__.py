@@ -1,6 +1,6 @@
 """Upstream FreeToken's module names, kept for its users and the seed scripts: the code lives in
 `freetoken.serving` (and `freetoken.parsing`)."""
 
-from freetoken.serving.launch import launch_server
+from freetoken.serving.launch.serve import launch_server
 
 __all__ = ["launch_server"]

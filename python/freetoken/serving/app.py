@@ -8,34 +8,19 @@ from typing import Callable
 
 from fastapi import FastAPI, Request, Response
 
-from freetoken.serving import (
-    anthropic,
-    chat,
-    completion,
-    embeddings,
-    errors,
-    labels,
-    metrics,
-    rerank,
-    responses,
-)
+from freetoken.serving import errors, metrics
+from freetoken.serving.adapters import anthropic, responses
 from freetoken.serving.client import FrontendManager
 from freetoken.serving.errors import AsciiJSONResponse, RequestError
 from freetoken.serving.handling import check_model
 from freetoken.serving.limits import Limits
+from freetoken.serving.openai import chat, completion
+from freetoken.serving.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                               TokenizeRequest)
 from freetoken.serving.playground import Playground
-from freetoken.serving.pooling_protocol import (
-    EmbeddingRequest,
-    GenerativeScoringRequest,
-    RerankRequest,
-    ScoreRequest,
-)
-from freetoken.serving.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
+from freetoken.serving.pooling import embeddings, generative_scoring, rerank
+from freetoken.serving.pooling.protocol import (EmbeddingRequest, GenerativeScoringRequest, RerankRequest,
+                                                ScoreRequest)
 
 
 def _authorized(headers: dict, key: str) -> bool:
@@ -130,7 +115,7 @@ def create_app(get_state: Callable[[], FrontendManager]):
 
     @app.post("/generative_scoring")
     async def generative_scoring_route(req: GenerativeScoringRequest, request: Request):
-        return await labels.create_generative_scoring(req, request, get_state(), limits)
+        return await generative_scoring.create_generative_scoring(req, request, get_state(), limits)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):

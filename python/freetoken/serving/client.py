@@ -18,8 +18,10 @@ import zmq
 import zmq.asyncio
 
 from freetoken.config import FrontendConfig
+from freetoken.core import SamplingParams
+from freetoken.parsing import registry
 from freetoken.message import AbortMsg, DetokenizeMsg, ExitMsg, TokenizeMsg, UserMsg, UserReply
-from freetoken.serving import errors, generation
+from freetoken.serving import errors
 from freetoken.serving.errors import RequestError
 from freetoken.serving.metrics import Metrics, RequestTimer
 from freetoken.tokenizer.reply import ReplyBuilder
@@ -121,7 +123,7 @@ class FrontendManager:
         # Parsed chat output needs each token's text (and Harmony's markers, special tokens).
         state = self._states[msg.uid] = _ReqState(ReplyBuilder(
             self.tokenizer, params.stop_strs,
-            **generation.reply_options(self.config, _is_chat(msg), params)))
+            **reply_options(self.config, _is_chat(msg), params)))
         return state
 
     def _user_msg(self, msg: TokenizeMsg, state: _ReqState, ids: list[int]) -> UserMsg:
@@ -269,3 +271,18 @@ class FrontendManager:
         if reply.finished and not msg.finished:  # a stop string matched
             await self._to_engine.send(pickle.dumps(AbortMsg(msg.uid)))
         self._push(msg.uid, reply)
+
+
+def reply_options(config: FrontendConfig, chat: bool, params: SamplingParams) -> dict:
+    """How a request's replies are built (`ReplyBuilder`'s options): chat output that a parser
+    reads needs each token's text, and some families' markers are special tokens kept in it
+    whatever `skip_special_tokens` says (the parser takes them out of the content). A chat
+    under a grammar may be forced tool calls, parsed even on a server without a tool parser."""
+    reasoning, tool = config.reasoning_parser, config.tool_call_parser
+    parsed = chat and (reasoning is not None or tool is not None or params.structured is not None)
+    keep = parsed and registry.keeps_special_tokens(reasoning, tool)
+    return {"skip_special_tokens": params.skip_special_tokens and not keep,
+            "token_texts": parsed,
+            "include_stop_str_in_output": params.include_stop_str_in_output,
+            "min_tokens": params.min_tokens,
+            "spaces_between_special_tokens": params.spaces_between_special_tokens}

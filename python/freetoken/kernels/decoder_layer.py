@@ -1,0 +1,236 @@
+"""A llama-family decoder layer in one C call (decoder_layer.c, built at first use like
+grouped_gemm.c and sharing its build), for models/llama.py's DecoderLayer.
+
+The C file calls the kernels the Python layer calls, in the same order on the same values, through
+their addresses in the libraries quant.py, grouped_gemm.py and pool_attention.py load (one home
+per kernel): a row gets the same bits either way. It runs a layer whose rows, norms and KV pool
+share one dtype and whose four projections are on our kernels: float32 rows on the quantized
+kernel (QuantParts) or the grouped one, bfloat16 rows on a bfloat16 unit's (bf16_linear.py); the
+rest stays in Python.
+
+`prepare` makes a layer's fixed arguments once, `stack` a model's layers' (one call runs them
+all); `step` makes a step's once (kept on its ForwardContext) and returns None where the step
+cannot run so: FREETOKEN_LAYER_KERNEL=0 (the Python path, for tests and benchmarks), rows or
+cache off the CPU or of another dtype, groups without key ranges, or rotary on part of each head
+(Phi-4-mini's).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from freetoken import envs
+from freetoken.kvcache.forward_context import ForwardContext
+from freetoken.kernels import bf16_linear, grouped_gemm, pool_attention, quant
+from freetoken.kernels.grouped_gemm import open_library
+
+SOURCE = Path(__file__).with_name("decoder_layer.c")
+_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+QUANT, GROUPED = 0, 1  # decoder_layer.c's kinds of linear layer, then its bfloat16 units
+UNIT_KINDS = {"amx": 2, "avx512_bf16": 3}
+SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+class Kernels(ctypes.Structure):
+    _fields_ = [(name, _PTR) for name in ("quant_parts", "grouped_f32", "grouped_bf16", "amx", "dot", "rms_norm",
+                                           "add_rms_norm", "norm_rotate", "silu_mul", "attention", "round")]
+
+
+class LinearArgs(ctypes.Structure):
+    _fields_ = [("kind", _I64), ("parts", _I64), ("types", _PTR), ("w", _PTR), ("ldw", _PTR), ("n", _PTR),
+                ("bias", _PTR), ("k_parts", _I64), ("k_cuts", _PTR), ("weight", _PTR), ("weight_bias", _PTR), ("in_features", _I64),
+                ("out_features", _I64)]
+
+
+class LayerArgs(ctypes.Structure):
+    _fields_ = [("qkv", LinearArgs), ("o", LinearArgs), ("gate_up", LinearArgs), ("down", LinearArgs),
+                ("input_norm", _PTR), ("post_norm", _PTR), ("q_norm", _PTR), ("k_norm", _PTR),
+                ("eps", _F32), ("post_eps", _F32), ("qk_eps", _F32), ("scale", _F32), ("residual", _F32),
+                ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64),
+                ("intermediate", _I64), ("sliding", _I64), ("rotary", _I64)]
+
+
+class StepArgs(ctypes.Structure):
+    _fields_ = [("isa", _I64), ("tokens", _I64), ("bf16", _I64), *((name, _PTR) for name in (
+        "cos", "sin", "out_slots", "slots", "ranges", "window_ranges", "groups", "x32", "y32",
+        "h", "qkv", "q", "attn32", "attn", "gate_up", "act", "delta"))]
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    """The built library, or None where the kernels it calls cannot run here."""
+    if grouped_gemm.load() is None or pool_attention.load() is None:
+        return None
+    return open_library(SOURCE, "decoder_layer_supported", "nothing more", "layers run in Python",
+                        {"decoder_layer": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR],
+                         "decoder_layers": [_PTR, _PTR, _I64, _PTR, _PTR, _PTR]})
+
+
+@cache
+def kernels(dtype: torch.dtype) -> Kernels:
+    """The addresses of the kernels a layer of `dtype` calls (None: one this CPU lacks)."""
+    grouped, attention, quantized = grouped_gemm.load(), pool_attention.load(), quant._kernel()
+    suffix = SUFFIX[dtype]
+
+    def address(lib: ctypes.CDLL | None, name: str) -> int | None:
+        return None if lib is None else ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+
+    return Kernels(address(quantized, "quant_gemm_parts"), address(grouped, "grouped_gemm_f32"),
+                   address(grouped, "grouped_gemm_bf16"),
+                   *map(bf16_linear.address, UNIT_KINDS),
+                   *(address(grouped, f"{name}_{suffix}") for name in
+                     ("rms_norm", "add_rms_norm", "norm_rotate", "silu_mul")),
+                   address(attention, f"pool_attention_{suffix}"), address(grouped, "round_to_bf16"))
+
+
+class Step:
+    """A step's arguments and scratch (kept alive here while the C layers read them)."""
+
+    def __init__(self, args: StepArgs, tensors: list[torch.Tensor], delta: torch.Tensor, key: tuple):
+        self.args, self.tensors, self.delta = args, tensors, delta
+        self.key = key  # (rows, the shape of the layers whose scratch it holds)
+        self.address = ctypes.addressof(args)
+
+
+class LayerCall:
+    """A layer's fixed arguments, and the call that runs it on a step."""
+
+    def __init__(self, args: LayerArgs, dtype: torch.dtype, keep: list):
+        self.args, self.dtype, self.keep = args, dtype, keep  # keep: what the arguments point into
+        self.shape = (dtype, args.hidden, args.qkv.out_features, args.heads * args.head_dim, args.intermediate)
+        self.run, self.kernels = load().decoder_layer, ctypes.addressof(kernels(dtype))
+        self.address = ctypes.addressof(args)
+
+    def __call__(self, x: torch.Tensor, delta: torch.Tensor | None, step: Step,
+                 kv_cache: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] updated in place (plus `delta`, the previous layer's MLP output, then
+        the attention output); returns this layer's MLP output (the step's buffer)."""
+        self.run(self.kernels, self.address, step.address, x.data_ptr(),
+                 None if delta is None else delta.data_ptr(), 0 if delta is None else delta.stride(0),
+                 kv_cache.data_ptr())
+        return step.delta
+
+
+class Stack:
+    """A model's layers (LayerCalls of one shape, each on the KV cache of its index) in one call a
+    step: what the layers' Python loop cost (~10 us a layer) goes."""
+
+    def __init__(self, calls: list[LayerCall], caches: list[int]):
+        self.first, self.count, self.caches = calls[0], len(calls), caches
+        self.layers = (ctypes.c_void_p * len(calls))(*(call.address for call in calls))
+        self.run = load().decoder_layers
+
+    def __call__(self, x: torch.Tensor, step: Step, kv_cache: list[torch.Tensor]) -> torch.Tensor:
+        """x [T, hidden] through every layer, updated in place but for the last layer's MLP
+        output, which it returns (the step's buffer)."""
+        caches = (ctypes.c_void_p * self.count)(*(kv_cache[i].data_ptr() for i in self.caches))
+        self.run(self.first.kernels, self.layers, self.count, step.address, x.data_ptr(), caches)
+        return step.delta
+
+
+def stack(calls: list[LayerCall | None], caches: list[int]) -> Stack | None:
+    """Layers `calls` (None: one that runs in Python), layer i on KV cache caches[i], as one call;
+    None unless every layer has a call and all are of one shape (a step's scratch fits them all)."""
+    if not calls or any(call is None or call.shape != calls[0].shape for call in calls):
+        return None
+    return Stack(calls, caches)
+
+
+def _linear(run, dtype: torch.dtype) -> tuple[LinearArgs, object] | None:
+    """A projection's arguments: `run` a QuantParts (float32 rows), or a Linear's run on the
+    grouped kernel (weights of the rows' dtype) or a bfloat16 unit's (bfloat16); None: another."""
+    if isinstance(run, quant.QuantParts):
+        if dtype != torch.float32:
+            return None
+        count, types, blocks, strides, sizes, biases, k_parts, cuts = run.args
+        return LinearArgs(QUANT, count, *map(ctypes.addressof, (types, blocks, strides, sizes, biases)),
+                          k_parts, None if cuts is None else ctypes.addressof(cuts), None, None,
+                          run.k, run.n), run
+    func = getattr(run, "func", None)
+    if func is grouped_gemm.grouped_gemm:
+        packed = run.keywords["experts"]
+        if packed.weight.dtype != dtype:
+            return None
+        bias = None if packed.bias is None else packed.bias.data_ptr()
+        return LinearArgs(GROUPED, 0, None, None, None, None, None, 0, None, packed.weight.data_ptr(), bias,
+                          packed.in_features, packed.out_features), packed
+    if func is bf16_linear.unit_linear and dtype == torch.bfloat16:
+        unit, packed, bias, out_features = run.args
+        return LinearArgs(UNIT_KINDS[unit], 0, None, None, None, None, None, 0, None, packed.data_ptr(),
+                          None if bias is None else bias.data_ptr(), packed.shape[1] * 32, out_features), run
+    return None
+
+
+def prepare(linears: tuple, norms: tuple, heads: int, kv_heads: int, head_dim: int,
+            sliding: bool, rotary: bool, scale: float | None, residual: float) -> LayerCall | None:
+    """A layer with projections `linears` (q/k/v, o, gate/up, down: see `_linear`) and RMSNorms
+    `norms` (input, post-attention, then q's and k's, or not), q and k turned by the rotary
+    embedding or not, its attention scores scaled by `scale` (pool_attention.softmax_scale), the
+    attention's and MLP's outputs by `residual`, or None where the C layer cannot run it (or
+    FREETOKEN_LAYER_KERNEL=0 asks for the Python path: read once, as the layer is prepared)."""
+    weights = [n.weight for n in norms]
+    dtype = weights[0].dtype
+    if (envs.LAYER_KERNEL.get() == "0" or dtype not in SUFFIX
+            or any(w.dtype != dtype or w.device.type != "cpu" or not w.is_contiguous() for w in weights)
+            # norm_rotate norms q and k only on the way to turning them (no family has one without)
+            or (len(norms) == 4 and (norms[2].eps != norms[3].eps or not rotary))):
+        return None
+    made = [_linear(run, dtype) for run in linears]
+    if any(m is None for m in made) or load() is None:
+        return None
+    (qkv, _), (o, _), (gate_up, _), (down, _) = made
+    hidden, intermediate = qkv.in_features, down.in_features
+    if (hidden % 8 or head_dim % 16 or intermediate % 8 or gate_up.out_features != 2 * intermediate
+            or qkv.out_features != (heads + 2 * kv_heads) * head_dim or o.in_features != heads * head_dim
+            or o.out_features != hidden or gate_up.in_features != hidden or down.out_features != hidden):
+        return None
+    qk = weights[2:] or [None, None]
+    args = LayerArgs(qkv, o, gate_up, down, weights[0].data_ptr(), weights[1].data_ptr(),
+                     *(None if w is None else w.data_ptr() for w in qk),
+                     norms[0].eps, norms[1].eps, norms[2].eps if len(norms) == 4 else 0.0,
+                     pool_attention.softmax_scale(head_dim, scale), residual, hidden, heads, kv_heads, head_dim,
+                     intermediate, sliding, rotary)
+    return LayerCall(args, dtype, [made, weights])
+
+
+def step(ctx: ForwardContext, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+         layer: LayerCall) -> Step | None:
+    """The step's arguments for `layer` and the layers after it (made by the first to ask), or
+    None where the step's layers run in Python."""
+    made = ctx.layer_step
+    if made is None or (made and made.key != (x.shape[0], layer.shape)):
+        made = ctx.layer_step = _make_step(ctx, x, cos, sin, layer) or False
+    return made or None
+
+
+def _make_step(ctx: ForwardContext, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               layer: LayerCall) -> Step | None:
+    kv_cache, dtype = ctx.kv_cache[0], layer.dtype
+    if (x.dtype != dtype or x.device.type != "cpu"
+            or x.dim() != 2 or not x.is_contiguous() or cos.dtype != dtype or not cos.is_contiguous()
+            or cos.shape[-1] != layer.args.head_dim
+            or not sin.is_contiguous() or kv_cache.dtype != dtype or not pool_attention.usable(kv_cache)):
+        return None
+    tokens = x.shape[0]
+    keys = ctx.merged_keys(tokens)
+    if keys is None:
+        return None
+    out_slots = ctx.out_slots.to(torch.int64).contiguous()
+    groups = torch.tensor([[0, 0, tokens]])
+    args, width = layer.args, layer.args.heads * layer.args.head_dim
+    linears = (args.qkv, args.o, args.gate_up, args.down)
+    x32 = torch.empty(tokens, max(l.in_features for l in linears))  # a bfloat16 layer on the grouped kernel
+    y32 = torch.empty(tokens, max(l.out_features for l in linears))
+    h, qkv = torch.empty(tokens, args.hidden, dtype=dtype), torch.empty(tokens, args.qkv.out_features, dtype=dtype)
+    q, attn32 = torch.empty(tokens, width), torch.empty(tokens, width)
+    attn = attn32 if dtype == torch.float32 else torch.empty(tokens, width, dtype=dtype)
+    gate_up, act, delta = (torch.empty(tokens, n, dtype=dtype)
+                           for n in (2 * args.intermediate, args.intermediate, args.hidden))
+    tensors = [cos, sin, out_slots, keys.slots, keys.ranges, keys.window_ranges, groups, x32, y32,
+               h, qkv, q, attn32, attn, gate_up, act, delta]
+    step_args = StepArgs(quant.isa(), tokens, dtype == torch.bfloat16, *(t.data_ptr() for t in tensors))
+    return Step(step_args, tensors, delta, (tokens, layer.shape))

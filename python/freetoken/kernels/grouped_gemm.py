@@ -1,0 +1,215 @@
+"""The kernels of grouped_gemm.c, built with the system's C compiler at first use and called
+through ctypes. The grouped GEMM runs the MoE experts (layers/moe.py: one call per projection
+for all of a layer's experts) and, where the load-time probe picks it, the dense layers
+(layers/linear.py: one group each); `rms_norm` and `rotate` run layers/norm.py's RMSNorm
+and rotary.py's rotation, `add_rms_norm`, `norm_rotate` and `silu_mul` a layer's residual add
+and norm, its q/k norms and rotation, and its SwiGLU, in one call each. (bfloat16 linears on the
+CPU's bfloat16 units: bf16_linear.py.)
+
+Why our own kernel: a decode step gives each active expert a few rows, and torch's CPU GEMMs
+(oneDNN and MKL alike) read an expert's weights at about half the memory bandwidth one core
+reaches on a plain sum, and split a small GEMM poorly over threads (scripts/bench_engine.py
+--tables moe measures both paths). The kernel streams each weight strip once for all of its
+rows and is batch-invariant by construction (see the C file), so its rows need no padding.
+
+Weights are read as float32 or bfloat16 (widened exactly), rows and sums are float32: a
+bfloat16 model reads half the bytes and accumulates as a float32 GEMM does. Where it cannot be
+used (no C compiler, not x86-64 with AVX2/FMA, another dtype, not a CPU tensor, or
+FREETOKEN_NO_KERNELS set), `load()` returns None and the layers run on torch's kernels; the
+server logs why."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from freetoken import envs
+from freetoken.paths import cache_root
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("grouped_gemm.c")
+# -ffp-contract=off: no multiply and add fused where the source does not ask for it (rotate_*
+# rounds as torch does). -fopenmp links libgomp.so.1, which resolves to the copy torch loaded.
+FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+STRIP = 16
+
+
+# The weight dtypes the kernel reads (as the C function's suffix).
+KERNELS = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+@dataclass(frozen=True)
+class PackedLinears:
+    """Same-shaped linear layers (one projection of a layer's experts, or one dense layer) in the
+    kernel's layout."""
+
+    weight: torch.Tensor  # [E, strips, K, 16], float32 or bfloat16 as the model's
+    bias: torch.Tensor | None  # [E, strips * 16] float32, zero past N
+    in_features: int
+    out_features: int
+
+
+def pack(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> PackedLinears:
+    """Per-expert nn.Linear weights ([N, K] each, one dtype of KERNELS) and biases ([N] or None)
+    in strips of 16 output columns."""
+    n, k = weights[0].shape
+    strips = -(-n // STRIP)
+    stacked = torch.zeros(len(weights), strips * STRIP, k, dtype=weights[0].dtype)
+    for e, w in enumerate(weights):
+        stacked[e, :n] = w
+    packed = stacked.view(len(weights), strips, STRIP, k).transpose(2, 3).contiguous()
+    bias = None
+    if biases[0] is not None:
+        bias = torch.zeros(len(weights), strips * STRIP, dtype=torch.float32)
+        for e, b in enumerate(biases):
+            bias[e, :n] = b
+    return PackedLinears(packed, bias, k, n)
+
+
+def grouped_gemm(lib: ctypes.CDLL, x: torch.Tensor, experts: PackedLinears,
+                 groups: torch.Tensor | None = None) -> torch.Tensor:
+    """x [R, K] (rows grouped by expert); groups [G, 3] int64 (expert, first row, row count),
+    covering every row of x, or None: all rows through the first layer; returns [R, N] in x's
+    dtype, accumulated in float32."""
+    rows = x.float().contiguous()
+    if groups is None:
+        groups = torch.tensor([[0, 0, rows.shape[0]]], dtype=torch.int64)
+    assert groups.is_contiguous() and groups.dtype == torch.int64
+    y = torch.empty(rows.shape[0], experts.out_features, dtype=torch.float32)
+    bias = experts.bias.data_ptr() if experts.bias is not None else None
+    kernel = getattr(lib, f"grouped_gemm_{KERNELS[experts.weight.dtype]}")
+    kernel(rows.data_ptr(), rows.stride(0), experts.weight.data_ptr(), bias, y.data_ptr(),
+           y.stride(0), groups.data_ptr(), groups.shape[0], experts.in_features,
+           experts.out_features)
+    return y.to(x.dtype)
+
+
+def open_library(source: Path, supported: str, needs: str, instead: str,
+                 functions: dict[str, list]) -> ctypes.CDLL | None:
+    """One of our C files built and opened, its `functions` (name: argument types, returning
+    nothing) declared; None where it cannot run here (logged: call it once, from a cached
+    loader): FREETOKEN_NO_KERNELS set, no C compiler, or a CPU on which the library's `supported`
+    function returns 0 (it lacks `needs`). `instead`: what runs then."""
+    if envs.NO_KERNELS.get():
+        return None
+    try:
+        lib = ctypes.CDLL(str(build(source)))
+    except OSError as exc:  # FileNotFoundError too: no compiler
+        log.warning("%s unavailable (%s); %s", source.name, exc, instead)
+        return None
+    if not getattr(lib, supported)():
+        log.info("this CPU lacks %s, which %s needs; %s", needs, source.name, instead)
+        return None
+    for name, argtypes in functions.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = argtypes, None
+    return lib
+
+
+_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+# Each function once per weight dtype (suffix of KERNELS).
+_PER_DTYPE = {
+    "grouped_gemm": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64],
+    "rms_norm": [_PTR, _I64, _PTR, _PTR, _I64, _I64, _F32],
+    "rotate": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64],
+    "add_rms_norm": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _F32],
+    "norm_rotate": [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _F32, _PTR, _PTR, _I64],
+    "silu_mul": [_PTR, _I64, _PTR, _I64, _I64],
+}
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    """The built kernel, or None where it cannot run here (logged once)."""
+    functions = {f"{name}_{suffix}": argtypes for name, argtypes in _PER_DTYPE.items()
+                 for suffix in KERNELS.values()}
+    return open_library(SOURCE, "grouped_gemm_supported", "AVX2/FMA", "layers run on torch kernels",
+                        functions)
+
+
+def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [..., D] (D % 8 == 0, a dtype of KERNELS) by weight [D] of x's dtype, each
+    row in one pass (grouped_gemm.c's rms_norm_*)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    y = torch.empty(rows.shape, dtype=x.dtype)
+    getattr(lib, f"rms_norm_{KERNELS[x.dtype]}")(rows.data_ptr(), rows.stride(0), weight.data_ptr(),
+                                                 y.data_ptr(), rows.shape[0], rows.shape[1], eps)
+    return y.view(x.shape)
+
+
+def rotate(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] (D % 16 == 0, the last dim contiguous, a dtype of KERNELS) turned by cos and sin
+    [T, 1, D] of x's dtype, contiguous (grouped_gemm.c's rotate_*): torch's bits, in one pass."""
+    tokens, heads, dim = x.shape
+    y = torch.empty(tokens, heads, dim, dtype=x.dtype)
+    getattr(lib, f"rotate_{KERNELS[x.dtype]}")(x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(),
+                                               sin.data_ptr(), y.data_ptr(), tokens, heads, dim)
+    return y
+
+
+def add_rms_norm(lib: ctypes.CDLL, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """x += delta in place, then RMSNorm of x by weight (x, delta [M, D], D % 8 == 0, the last dim
+    contiguous, one dtype of KERNELS as weight's), each row in one pass (add_rms_norm_*)."""
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    getattr(lib, f"add_rms_norm_{KERNELS[x.dtype]}")(
+        x.data_ptr(), x.stride(0), delta.data_ptr(), delta.stride(0), weight.data_ptr(), y.data_ptr(),
+        x.shape[0], x.shape[1], eps)
+    return y
+
+
+def norm_rotate(lib: ctypes.CDLL, x: torch.Tensor, split: int, weights: tuple[torch.Tensor, ...] | None,
+                eps: float, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """x [T, H, D] (D % 16 == 0, the last dim contiguous, a dtype of KERNELS) in place: each head
+    RMS-normed by weights[0] (heads before `split`) or weights[1] (None: no norm), then turned by
+    cos and sin [T, 1, D] of x's dtype, contiguous (norm_rotate_*)."""
+    tokens, heads, dim = x.shape
+    wq, wk = (weights[0].data_ptr(), weights[1].data_ptr()) if weights else (None, None)
+    getattr(lib, f"norm_rotate_{KERNELS[x.dtype]}")(
+        x.data_ptr(), x.stride(0), x.stride(1), tokens, heads, split, wq, wk, eps, cos.data_ptr(),
+        sin.data_ptr(), dim)
+
+
+def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up [M, 2 * half] ([gate | up], half % 8 == 0, the last dim
+    contiguous, a dtype of KERNELS), each element as torch's vectorised ops compute it (silu_mul_*)."""
+    rows, half = gate_up.shape[0], gate_up.shape[1] // 2
+    y = torch.empty(rows, half, dtype=gate_up.dtype)
+    getattr(lib, f"silu_mul_{KERNELS[gate_up.dtype]}")(gate_up.data_ptr(), gate_up.stride(0), y.data_ptr(),
+                                                       rows, half)
+    return y
+
+
+def build(source_path: Path = SOURCE) -> Path:
+    """Compile a kernel source (this file's, or quant.py's) once per content into the cache
+    folder (atomic: concurrent first uses each compile to their own file and keep whichever
+    lands)."""
+    source = source_path.read_bytes()
+    compiler = shutil.which(envs.CC.get() or "cc") or shutil.which("gcc")
+    if compiler is None:
+        raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
+    digest = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+    target = cache_root() / "kernels" / f"{source_path.stem}-{digest}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    command = [compiler, *FLAGS, "-o", str(tmp), str(source_path)]
+    try:
+        subprocess.run(command, check=True, capture_output=True, text=True)
+    except subprocess.CalledProcessError as exc:
+        raise OSError(f"{compiler} failed: {exc.stderr.strip()[-500:]}") from exc
+    os.replace(tmp, target)
+    return target

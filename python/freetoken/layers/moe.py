@@ -1,0 +1,357 @@
+"""Mixture-of-experts execution grouped by expert, batch-invariant like the dense layers.
+
+A step's (token, expert) assignments are sorted by expert id, and the gathered rows run through
+each active expert's projections. On CPU (float32 or bfloat16) that is the grouped kernel of
+grouped_gemm.c, one call per projection for all experts, whose rows never depend on their
+group; experts kept quantized (a GGUF file's, gpt-oss's MXFP4) run the same way through
+kernels/quant.py's `grouped_quant_gemm`. Elsewhere each active expert runs its `Linear`s
+over its rows (the kernel each expert shape runs on, and its row rule, are chosen at load by
+`pack_linears` as for the dense layers).
+The weighted outputs are then added into their tokens' rows in ascending expert id
+(`index_add_` adds in row order), the order transformers' reference loop adds them in: a
+token's sum runs in that fixed order, so a row's result does not depend on which other rows
+shared its experts.
+
+The family supplies the router (which experts, with which weights) and the activation between
+an expert's fused gate/up projection and its down projection; `SparseMoeBlock` is the Qwen MoE
+families' (Qwen3-MoE, Qwen2-MoE, the Qwen3.5 / Qwen3-Next hybrids).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import torch
+from torch import nn
+
+from freetoken.kernels.grouped_gemm import KERNELS, PackedLinears, grouped_gemm, pack
+from freetoken.kernels.grouped_gemm import load as load_kernel
+from freetoken.kernels.quant import QuantizedWeight, dequantize, grouped_quant_gemm, supported
+from freetoken.layers.kernel_choice import RowRule, probe_weight, rule_holds
+from freetoken.layers.elementwise import lanewise, silu_and_mul
+from freetoken.layers.linear import Linear
+from freetoken.layers.mlp import MLP
+
+log = logging.getLogger(__name__)
+
+Activation = Callable[[torch.Tensor], torch.Tensor]
+
+
+def softmax_topk(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen-MoE routing: softmax over all experts in fp32, the k largest, optionally renormalised
+    to sum to 1 (`norm_topk_prob`). Returns (weights [T, k] fp32, expert ids [T, k])."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class Expert(nn.Module):
+    """One expert: fused gate/up projection, activation, down projection."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool):
+        super().__init__()
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
+
+
+@dataclass(frozen=True)
+class QuantizedExperts:
+    """A layer's experts kept quantized: gate_up's parts along the rows ([E, n, H] each; together
+    each expert's I gate rows, then its I up rows), down [E, H, I], biases float32 [E, 2I] and
+    [E, H] or None."""
+
+    gate_up: tuple[QuantizedWeight, ...]
+    down: QuantizedWeight
+    gate_up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+    # Set by distributed/parts.py: down's parts of K (views of whole blocks), one per
+    # Experts.down_parts, each run as a tensor-parallel rank runs its own.
+    down_parts: tuple[QuantizedWeight, ...] = ()
+
+    @property
+    def downs(self) -> tuple[QuantizedWeight, ...]:
+        return self.down_parts or (self.down,)
+
+    @property
+    def weights(self) -> tuple[QuantizedWeight, ...]:
+        return (*self.gate_up, self.down)
+
+    @property
+    def nbytes(self) -> int:
+        biases = [b.numel() * b.element_size() for b in (self.gate_up_bias, self.down_bias) if b is not None]
+        return sum(w.nbytes for w in self.weights) + sum(biases)
+
+
+class Experts(nn.Module):
+    """`num_experts` experts (`experts.{e}.gate_up_proj`, `experts.{e}.down_proj`) run grouped."""
+
+    # Set by distributed/tensor_parallel.py when each expert holds one rank's slice: the sum of the
+    # ranks' partial outputs.
+    sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # Set by `stack`: the experts' projections in the grouped kernel's layout, and the kernel.
+    stacked: tuple[PackedLinears, tuple[PackedLinears, ...]] | None = None  # gate/up, down's parts
+    kernel: ctypes.CDLL | None = None
+    # Set by `use_quantized`.
+    quantized: QuantizedExperts | None = None
+    # Set by distributed/parts.py where one process computes what tensor-parallel ranks would:
+    # the down projection's input columns per part, each part's weighted sum added in part order.
+    down_parts: tuple[slice, ...] = (slice(None),)
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, bias: bool,
+                 activation: Activation):
+        super().__init__()
+        self.num_experts = num_experts
+        self.experts = nn.ModuleList(Expert(hidden, intermediate, bias) for _ in range(num_experts))
+        self.activation = activation
+
+    def stack(self, kernel: ctypes.CDLL) -> None:
+        """Run on the grouped kernel from now on: its packed weights replace the Linears."""
+        packed = {}
+        for name in ("gate_up_proj", "down_proj"):
+            layers = [getattr(expert, name) for expert in self.experts]
+            packed[name] = pack([layer.weight for layer in layers], [layer.bias for layer in layers])
+        self.stacked, self.kernel = (packed["gate_up_proj"], (packed["down_proj"],)), kernel
+        self.experts = None
+
+    def use_quantized(self, gate_up: QuantizedWeight | tuple[QuantizedWeight, ...], down: QuantizedWeight,
+                      gate_up_bias: torch.Tensor | None = None,
+                      down_bias: torch.Tensor | None = None) -> None:
+        """Run on `grouped_quant_gemm` from now on, over the experts' weights as stored: the
+        per-expert Linears are freed. `gate_up` [E, 2I, H], or its parts along the rows, holds
+        each expert's I gate rows first, then its I up rows, the order `activation` reads
+        ([gate | up]): a GGUF file's ffn_gate_exps and ffn_up_exps as two parts (each read in
+        place, each in its own format), or gpt-oss's interleaved rows gathered into halves;
+        `down` [E, H, I]. Biases ([E, 2I] in the same row order, [E, H]) are kept as float32
+        and added to the float32 sums, rounded once to the rows' dtype, as the grouped kernel
+        adds its biases. Shapes must be those of the Linears they replace (a tensor-parallel
+        rank's slice, where sharded)."""
+        parts = (gate_up,) if isinstance(gate_up, QuantizedWeight) else tuple(gate_up)
+        for name, weights in (("gate_up", parts), ("down", (down,))):
+            layer = getattr(self.experts[0], f"{name}_proj")
+            expected = (self.num_experts, layer.out_features, layer.in_features)
+            got = [tuple(w.shape) for w in weights]
+            if (any(len(s) != 3 or (s[0], s[2]) != expected[::2] for s in got)
+                    or sum(s[1] for s in got) != expected[1]):
+                raise ValueError(f"quantized experts' {name} weight is {got[0] if len(got) == 1 else got}, "
+                                 f"the layer's experts are {expected}")
+        biases = [None if b is None else b.float().contiguous() for b in (gate_up_bias, down_bias)]
+        self.quantized = QuantizedExperts(parts, down, *biases)
+        self.experts = None
+
+    def widen(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Back on per-expert Linears of `dtype` on `device`: the quantized experts dequantized."""
+        q = self.quantized
+        gate_up = torch.cat([dequantize(part) for part in q.gate_up], dim=1)
+        e, two_i, hidden = gate_up.shape
+        with torch.device("meta"):
+            experts = nn.ModuleList(Expert(hidden, two_i // 2, bias=False) for _ in range(e))
+        for name, weight, bias in (("gate_up_proj", gate_up, q.gate_up_bias),
+                                   ("down_proj", dequantize(q.down), q.down_bias)):
+            for i, expert in enumerate(experts):
+                layer = getattr(expert, name)
+                layer.weight = nn.Parameter(weight[i].to(device=device, dtype=dtype), requires_grad=False)
+                if bias is not None:
+                    layer.bias = nn.Parameter(bias[i].to(device=device, dtype=dtype), requires_grad=False)
+        self.experts, self.quantized = experts, None
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; ids [T, k] expert of each of a token's k slots; weights [T, k]."""
+        k = ids.shape[1]
+        flat = ids.reshape(-1)
+        by_expert = torch.argsort(flat, stable=True)
+        tokens = by_expert // k
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        rows = x.index_select(0, tokens)
+        scale = weights.reshape(-1, 1).index_select(0, by_expert).to(x.dtype)
+        if self.quantized is not None:
+            downs = self._on_quantized(counts, rows)
+        else:
+            project = self._on_kernel if self.stacked else self._on_linears
+            hidden = self.activation(project(counts, rows, "gate_up_proj"))
+            downs = (project(counts, hidden[:, cols].contiguous(), "down_proj", part)
+                     for part, cols in enumerate(self.down_parts))
+        out = None
+        for down in downs:
+            # Rows are in ascending expert id, and index_add_ adds them in row order: each
+            # token's sum runs over its experts in that fixed order.
+            summed = torch.zeros_like(x).index_add_(0, tokens, down.mul_(scale))
+            out = summed if out is None else out.add_(summed)
+        return out if self.sum_over_ranks is None else self.sum_over_ranks(out)
+
+    def _on_kernel(self, counts: list[int], rows: torch.Tensor, name: str, part: int = 0) -> torch.Tensor:
+        """Projection `name` (of the down projection, its part `part`) as one kernel call over
+        rows grouped by expert (no padding: the kernel's rows never depend on their group)."""
+        gate_up, downs = self.stacked
+        packed = gate_up if name == "gate_up_proj" else downs[part]
+        return grouped_gemm(self.kernel, rows, packed, _groups(counts))
+
+    def _on_quantized(self, counts: list[int], rows: torch.Tensor) -> list[torch.Tensor]:
+        """Both projections on the quantized weights, grouped as `_on_kernel` groups them: the
+        down projection's outputs, one per part of `down_parts` (its bias in the first)."""
+        groups = _groups(counts)
+        expert_of_row = torch.repeat_interleave(groups[:, 0], groups[:, 2])
+        q = self.quantized
+        sizes = [part.shape[1] for part in q.gate_up]
+        biases = [None] * len(sizes) if q.gate_up_bias is None else q.gate_up_bias.split(sizes, dim=1)
+        # Each part's columns are their own sums: the same bits as one weight of all the rows.
+        gate_up = torch.cat([_quantized_projection(rows, part, bias, groups, expert_of_row)
+                             for part, bias in zip(q.gate_up, biases)], dim=1)
+        hidden = self.activation(gate_up)
+        return [_quantized_projection(hidden[:, cols].contiguous(), down, q.down_bias if part == 0 else None,
+                                      groups, expert_of_row)
+                for part, (down, cols) in enumerate(zip(q.downs, self.down_parts))]
+
+    def _on_linears(self, counts: list[int], rows: torch.Tensor, name: str, part: int = 0) -> torch.Tensor:
+        """Each active expert's layer `name` (of a down projection in parts, its part `part`)
+        over its run of `rows` (each Linear keeps its own row rule)."""
+        outs, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                layer = getattr(self.experts[e], name)
+                layer = layer.parts[part] if hasattr(layer, "parts") else layer  # parts.RowParts
+                outs.append(layer(rows[start : start + n]))
+                start += n
+        return torch.cat(outs)
+
+
+def _groups(counts: list[int]) -> torch.Tensor:
+    """The grouped kernels' groups [G, 3] int64 (expert, first row, row count) of the active
+    experts, rows in ascending expert id."""
+    groups, first = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            groups.append((e, first, n))
+            first += n
+    return torch.tensor(groups, dtype=torch.int64)
+
+
+def _quantized_projection(rows: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
+                          groups: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
+    """float32 sums (rows widened exactly), plus each row's expert bias, rounded once to the
+    rows' dtype."""
+    y = grouped_quant_gemm(rows.float(), weight, groups)
+    if bias is not None:
+        y += bias.index_select(0, expert_of_row)
+    return y.to(rows.dtype)
+
+
+class SparseMoeBlock(Experts):
+    """The router (`gate`) and the experts of one layer, named as transformers names them; with
+    `shared_intermediate`, also a shared expert every token goes through, scaled by
+    sigmoid(shared_expert_gate)."""
+
+    def __init__(self, hidden: int, num_experts: int, intermediate: int, top_k: int,
+                 norm_topk_prob: bool, shared_intermediate: int = 0):
+        super().__init__(num_experts, hidden, intermediate, bias=False, activation=silu_and_mul)
+        self.gate = Linear(hidden, num_experts, bias=False)
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        if shared_intermediate:
+            self.shared_expert = MLP(hidden, shared_intermediate)
+            self.shared_expert_gate = Linear(hidden, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = softmax_topk(self.gate(x), self.top_k, self.norm_topk_prob)
+        routed = super().forward(x, ids, weights)
+        if not hasattr(self, "shared_expert"):
+            return routed
+        # One gate per token ([T, 1]): lanewise, or a token's gate would depend on T.
+        return routed + lanewise(torch.sigmoid, self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+def stack_experts(model: nn.Module) -> None:
+    """Put every CPU Experts of `model` on the grouped kernel, where it runs here and a row's
+    bits come out the same at every row count on the experts' own shapes (checked, as the
+    dense layers' are; otherwise they stay on packed Linears)."""
+    layers = [m for m in model.modules() if isinstance(m, Experts) and m.experts is not None]
+    weight = layers[0].experts[0].down_proj.weight if layers else None
+    if weight is None or weight.dtype not in KERNELS or weight.device.type != "cpu":
+        return
+    kernel = load_kernel()
+    if kernel is None:
+        return
+    for name in ("gate_up_proj", "down_proj"):
+        probe = getattr(layers[0].experts[0], name)
+        packed = pack([probe_weight(probe.out_features, probe.in_features, probe.weight.dtype)],
+                      [probe.bias])
+        run = partial(grouped_gemm, kernel, experts=packed)
+        if not rule_holds(run, probe.in_features, probe.weight.dtype, RowRule()):
+            return
+    for layer in layers:
+        layer.stack(kernel)
+
+
+def widen_unsupported_experts(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Dequantize, to `dtype` on `device`, the quantized experts no kernel here reads (a device
+    other than the CPU, or a format without a kernel on this CPU), with one log line saying so."""
+    widened = set()
+    for layer in model.modules():
+        if isinstance(layer, Experts) and layer.quantized is not None:
+            qtypes = {weight.qtype for weight in layer.quantized.weights}
+            if device.type != "cpu" or not all(supported(t) for t in qtypes):
+                widened |= qtypes
+                layer.widen(dtype, device)
+    if widened:
+        where = f"on {device.type}" if device.type != "cpu" else "for this CPU"
+        log.info("%s experts dequantized to %s at load: no quantized kernel %s",
+                 "/".join(sorted(t.name for t in widened)), str(dtype).removeprefix("torch."), where)
+
+
+def take_stacked_experts(model: nn.Module, state: dict[str, torch.Tensor | QuantizedWeight]) -> None:
+    """Out of `state`, each Experts layer's projections stacked as a GGUF file stores them
+    (`<layer>.experts.{gate,up,down}_proj.weight`, [E, out, in]; gpt-oss's biases `....bias`, [E,
+    out]): kept quantized on the layer (`use_quantized`, gate and up as parts) where all three
+    are, else put back as per-expert float entries (`<layer>.experts.{e}.gate_up_proj.weight`,
+    [gate | up] rows, `down_proj`, their biases) (a part in a format without a kernel here, or
+    whose blocks a tensor-parallel part cut, was dequantized at load: so are its partners, with
+    one log line)."""
+    widened = []
+    for name, layer in model.named_modules():
+        prefix = f"{name}.experts."
+        if not isinstance(layer, Experts) or f"{prefix}gate_proj.weight" not in state:
+            continue
+        gate, up, down = (state.pop(f"{prefix}{p}_proj.weight") for p in ("gate", "up", "down"))
+        gate_b, up_b, down_b = (state.pop(f"{prefix}{p}_proj.bias", None) for p in ("gate", "up", "down"))
+        gate_up_bias = None if gate_b is None else torch.cat([gate_b, up_b], dim=1)
+        if all(isinstance(w, QuantizedWeight) for w in (gate, up, down)):
+            layer.use_quantized((gate, up), down, gate_up_bias, down_b)
+            continue
+        if any(isinstance(w, QuantizedWeight) for w in (gate, up, down)):
+            widened.append(name)
+        gate, up, down = (dequantize(w) if isinstance(w, QuantizedWeight) else w for w in (gate, up, down))
+        stacked = {f"{prefix}gate_up_proj": torch.cat([gate, up], dim=1), f"{prefix}down_proj": down}
+        if gate_up_bias is not None:
+            stacked |= {f"{prefix}gate_up_proj_bias": gate_up_bias, f"{prefix}down_proj_bias": down_b}
+        del gate, up, down
+        for projection in ("gate_up_proj", "down_proj"):
+            stacked = split_stacked_experts(stacked, projection)
+        state.update(stacked)
+    if widened:
+        log.info("experts of %d layers (%s%s) dequantized at load with the part of them that has no "
+                 "kernel here or whose blocks a tensor-parallel part cuts", len(widened), ", ".join(widened[:3]),
+                 ", ..." if len(widened) > 3 else "")
+
+
+def split_stacked_experts(state: dict[str, torch.Tensor], name: str, transpose: bool = False,
+                          target: str | None = None) -> dict[str, torch.Tensor]:
+    """Turn a stacked expert tensor `...experts.<name>` ([E, out, in], or [E, in, out] with
+    `transpose`) into per-expert `...experts.<e>.<target or name>.weight` entries; a stacked bias
+    `...experts.<name>_bias` ([E, out]) into `....bias`. Other entries pass through."""
+    result = {}
+    for key, value in state.items():
+        prefix, dot, leaf = key.rpartition("experts.")
+        base = leaf.removesuffix("_bias")
+        if not dot or base != name:
+            result[key] = value
+            continue
+        kind = "bias" if leaf.endswith("_bias") else "weight"
+        for e, tensor in enumerate(value.unbind(0)):
+            if kind == "weight" and transpose:
+                tensor = tensor.T
+            result[f"{prefix}experts.{e}.{target or name}.{kind}"] = tensor.contiguous()
+    return result

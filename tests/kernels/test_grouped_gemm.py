@@ -1,0 +1,136 @@
+"""The grouped expert kernel (kernels/grouped_gemm.c) against float64 matmuls computed by
+torch, and the property the experts rely on: a row's bits depend neither on its group, nor on the
+other groups, nor on the thread count."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from freetoken.kernels import grouped_gemm as gg
+from freetoken.layers import kernel_choice
+
+KERNEL = gg.load()
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the grouped kernel cannot be built or run here")
+
+E, K, N = 5, 37, 53  # N not a multiple of the 16-column strip, K odd
+
+
+def _experts(bias: bool, dtype: torch.dtype = torch.float32, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    weights = [torch.randn(N, K, generator=gen).to(dtype) for _ in range(E)]
+    biases = [torch.randn(N, generator=gen) if bias else None for _ in range(E)]
+    return weights, biases
+
+
+def _groups(counts: list[tuple[int, int]]) -> torch.Tensor:
+    """(expert, rows) runs -> [G, 3] (expert, first row, rows)."""
+    groups, first = [], 0
+    for expert, rows in counts:
+        groups.append((expert, first, rows))
+        first += rows
+    return torch.tensor(groups, dtype=torch.int64)
+
+
+def test_pack_lays_out_strips_of_sixteen_columns():
+    weights, biases = _experts(bias=True)
+    packed = gg.pack(weights, biases)
+    assert packed.weight.shape == (E, 4, K, 16) and packed.bias.shape == (E, 64)
+    for e in range(E):
+        strips = packed.weight[e].transpose(0, 1).reshape(K, -1)
+        assert torch.equal(strips[:, :N].T, weights[e]) and not strips[:, N:].any()
+        assert torch.equal(packed.bias[e, :N], biases[e]) and not packed.bias[e, N:].any()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_float64_matmuls(bias, dtype):
+    """bfloat16 weights are widened exactly and summed in float32: the rows (float32 here) get
+    float32 accuracy against the same bfloat16 weights in float64."""
+    weights, biases = _experts(bias, dtype)
+    counts = [(0, 1), (2, 13), (3, 4), (4, 7), (1, 2)]
+    groups = _groups(counts)
+    x = torch.randn(sum(n for _, n in counts), K, generator=torch.Generator().manual_seed(1))
+    y = gg.grouped_gemm(KERNEL, x, gg.pack(weights, biases), groups)
+    for expert, first, rows in groups.tolist():
+        part = x[first : first + rows].double()
+        expected = part @ weights[expert].double().T
+        if bias:
+            expected += biases[expert].double()
+        assert (y[first : first + rows].double() - expected).abs().max().item() < 1e-5
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_bits_do_not_depend_on_its_group_or_the_thread_count(dtype):
+    weights, biases = _experts(bias=True, dtype=dtype)
+    packed = gg.pack(weights, biases)
+    counts = [(0, 3), (1, 9), (4, 6), (2, 1)]
+    groups = _groups(counts)
+    x = torch.randn(19, K, generator=torch.Generator().manual_seed(2)).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gg.grouped_gemm(KERNEL, x, packed, groups)
+        torch.set_num_threads(2)
+        two = gg.grouped_gemm(KERNEL, x, packed, groups)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    for expert, first, rows in groups.tolist():
+        for r in range(first, first + rows):
+            alone = gg.grouped_gemm(KERNEL, x[r : r + 1], packed, _groups([(expert, 1)]))
+            assert torch.equal(alone[0], one[r]), r
+        # The same rows as one group of another size, after an unrelated group.
+        shifted = torch.cat([x[:2], x[first : first + rows]])
+        again = gg.grouped_gemm(KERNEL, shifted, packed, _groups([(3, 2), (expert, rows)]))
+        assert torch.equal(again[2:], one[first : first + rows])
+
+
+def test_without_a_compiler_the_build_fails_cleanly(monkeypatch):
+    monkeypatch.setenv("PATH", "")
+    monkeypatch.setenv("CC", "no-such-compiler")
+    with pytest.raises(FileNotFoundError):
+        gg.build()
+
+
+def test_a_failing_compiler_is_an_os_error_that_load_reports(monkeypatch):
+    monkeypatch.setenv("CC", "false")  # exits 1, as a compiler that rejects the source
+    with pytest.raises(OSError, match="failed"):
+        gg.build()
+
+
+def test_freetoken_no_kernels_turns_the_kernel_off(monkeypatch):
+    monkeypatch.setenv("FREETOKEN_NO_KERNELS", "1")
+    gg.load.cache_clear()
+    try:
+        assert gg.load() is None
+    finally:
+        monkeypatch.delenv("FREETOKEN_NO_KERNELS")
+        gg.load.cache_clear()
+
+
+def test_the_source_ships_as_package_data_and_keys_the_probe_cache(tmp_path, monkeypatch):
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
+    root = Path(__file__).resolve().parents[2]
+    package_data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    shipped = {p for glob in package_data["freetoken"] for p in (root / "python" / "freetoken").glob(glob)}
+    assert all(source.is_file() and source in shipped for source in kernel_choice.OUR_KERNELS)
+    # A change to a source is a new probe-cache key (its probes said nothing of the new code).
+    key = kernel_choice._machine()
+    for i, source in enumerate(kernel_choice.OUR_KERNELS):
+        edited = tmp_path / source.name
+        edited.write_bytes(source.read_bytes() + b"\n")
+        sources = list(kernel_choice.OUR_KERNELS)
+        sources[i] = edited
+        monkeypatch.setattr(kernel_choice, "OUR_KERNELS", tuple(sources))
+        kernel_choice._our_kernels.cache_clear()
+        try:
+            assert kernel_choice._machine() != key
+        finally:
+            monkeypatch.undo()
+            kernel_choice._our_kernels.cache_clear()
+    assert kernel_choice._machine() == key
