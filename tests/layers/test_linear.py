@@ -84,10 +84,13 @@ def test_outputs_at_some_columns_keep_the_whole_layers_bits(kernel, dtype, bias,
 
 
 @pytest.fixture(scope="module")
-def shared_probe_cache(tmp_path_factory):
-    """One probe cache for the row-count tests: each shape's candidates probed once (the LM
-    head's take a minute), not once per test."""
-    return tmp_path_factory.mktemp("probes")
+def shared_probe_cache():
+    """The suite's probe cache (set up before the autouse one replaces it): each shape's
+    candidates probed once, the LM head's (a minute on an AVX2 machine) shared with the loads of
+    the default model dequantized elsewhere in the suite; the check below is the test's own."""
+    from freetoken.paths import cache_root
+
+    return cache_root()
 
 
 # The LM head's shape (576x49152) with the kernel the probe chose only: forcing each other
