@@ -81,7 +81,7 @@ def test_busy_port_fails_fast_without_loading_the_model(tiny_qwen3_path):
 
 # `freetoken serve` (launch_server, as the CLI calls it) with the engine's start replaced by an
 # exit that says so: a refusal that comes later than the main process's check shows here.
-SERVE_WITHOUT_ENGINE = ("import sys; from freetoken.serving import launch; "
+SERVE_WITHOUT_ENGINE = ("import sys; from freetoken.serving.launch import serve as launch; "
                         "launch.spawn_engine = lambda *args: sys.exit('engine started'); "
                         "sys.exit(launch.launch_server(sys.argv[1:]))")
 
