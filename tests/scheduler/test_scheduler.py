@@ -72,13 +72,16 @@ LOADS = [("auto", "float32", None), ("auto", "float32", "float32"), ("auto", "bf
 def test_batched_greedy_equals_each_alone_bit_for_bit(kernel, dtype, gguf_weights):
     loaded = _loaded_on(kernel, dtype, gguf_weights)
     assert 52 <= len(_ids(PROMPTS[-2])) <= 63 and len(_ids(PROMPTS[-1])) > 64
+    # bfloat16 on a CPU without its units is emulated, 5-10x float32's time: six prompts, the two
+    # that cross a decode group among them.
+    prompts = PROMPTS if dtype == "float32" else PROMPTS[:4] + PROMPTS[-2:]
     alone = {}
-    for uid, prompt in enumerate(PROMPTS):
+    for uid, prompt in enumerate(prompts):
         scheduler = build_scheduler(loaded, kv_slots=1024, prefix_cache=False)
         scheduler.add(UserMsg(uid, _ids(prompt), _greedy()))
         alone.update(_run(scheduler))
     scheduler = build_scheduler(loaded, kv_slots=1024, prefix_cache=False)
-    for uid, prompt in enumerate(PROMPTS):
+    for uid, prompt in enumerate(prompts):
         scheduler.add(UserMsg(uid, _ids(prompt), _greedy()))
     together = _run(scheduler)
     for uid in alone:
