@@ -34,7 +34,7 @@ FAMILIES = {
     "glm-4.5": ("Glm4MoeForCausalLM", "Glm4MoeConfig", dict(MOE, partial_rotary_factor=0.5, use_qk_norm=True)),
     "deepseek-v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
         MOE, q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
-        head_dim=32)),  # transformers' DeepSeek rotates head_dim = the rope part
+        head_dim=32, num_key_value_heads=8)),  # transformers' DeepSeek: head_dim the rope part, K/V per head
 }
 
 
