@@ -297,8 +297,8 @@ NAMED = {"type": "function", "function": {"name": "set_alarm"}}
 @pytest.mark.parametrize("served", ["hermes_server", "coder_server"])
 def test_required_and_named_tool_choice_give_valid_calls(request, served):
     server = request.getfixturevalue(served)
-    bodies = [tool_body("required", n=4, parallel_tool_calls=False),
-              tool_body(NAMED, n=4)]
+    bodies = [tool_body("required", n=2, parallel_tool_calls=False),
+              tool_body(NAMED, n=2)]
     with ThreadPoolExecutor(len(bodies)) as pool:
         single, named = pool.map(lambda b: ok(server, "chat/completions", b), bodies)
     for choice in single["choices"]:

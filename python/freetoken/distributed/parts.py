@@ -37,6 +37,7 @@ from freetoken.layers.kernel_choice import RowRule, probe_rows, probe_weight, pr
 from freetoken.layers.linear import Linear, candidates, choose
 from freetoken.layers.moe import Experts
 from freetoken.layers.quantized import QuantizedLinear
+from freetoken.layers.skeleton import on_meta
 
 # Tensor-parallel sizes whose ranks compute what one process computes: those dividing it.
 EXACT_PARTS = 2
@@ -80,7 +81,8 @@ def vocab_part(vocab: int, rank: int, world: int) -> tuple[range, int]:
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
-    layer = Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    with on_meta():
+        layer = Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
     layer.weight = nn.Parameter(weight, requires_grad=False)
     if bias is not None:
         layer.bias = nn.Parameter(bias, requires_grad=False)

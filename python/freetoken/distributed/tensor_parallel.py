@@ -39,6 +39,7 @@ from freetoken.kernels.mxfp4 import BLOCK as MXFP4_BLOCK
 from freetoken.kernels.quant import QuantizedWeight
 from freetoken.layers.linear import Linear
 from freetoken.layers.moe import Experts
+from freetoken.layers.skeleton import on_meta
 from freetoken.distributed.parts import block_part, even_part, head_split, scaled, vocab_part
 
 
@@ -75,13 +76,15 @@ class RowParallelLinear(Summed, Linear):
     """A slice of a linear layer's input features; the partial outputs are summed over ranks."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group):
-        super().__init__(in_features, out_features, bias=bias, device="meta")
+        with on_meta():
+            super().__init__(in_features, out_features, bias=bias)
         self.group = group
 
 
 class VocabParallelHead(Gathered, Linear):
     def __init__(self, weight: nn.Parameter, vocab_size: int, group):
-        super().__init__(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        with on_meta():
+            super().__init__(weight.shape[1], weight.shape[0], bias=False)
         self.weight = weight  # a tied embedding's Parameter stays shared
         self.vocab_size, self.group = vocab_size, group
 
@@ -102,7 +105,8 @@ class VocabParallelEmbedding(VocabRows, Embedding):
 
 
 def _meta_linear(in_features: int, out_features: int, bias: bool) -> Linear:
-    return Linear(in_features, out_features, bias=bias, device="meta")
+    with on_meta():
+        return Linear(in_features, out_features, bias=bias)
 
 
 def shard_model(model: nn.Module, group) -> RankPart:

@@ -35,6 +35,7 @@ from freetoken.layers.kernel_choice import RowRule, probe_weight, rule_holds
 from freetoken.layers.elementwise import lanewise, silu_and_mul
 from freetoken.layers.linear import Linear
 from freetoken.layers.mlp import MLP
+from freetoken.layers.skeleton import on_meta
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,7 @@ class Experts(nn.Module):
         q = self.quantized
         gate_up = torch.cat([dequantize(part) for part in q.gate_up], dim=1)
         e, two_i, hidden = gate_up.shape
-        with torch.device("meta"):
+        with on_meta():
             experts = nn.ModuleList(Expert(hidden, two_i // 2, bias=False) for _ in range(e))
         for name, weight, bias in (("gate_up_proj", gate_up, q.gate_up_bias),
                                    ("down_proj", dequantize(q.down), q.down_bias)):

@@ -32,6 +32,7 @@ from freetoken.layers.linear import only_kernel, pack_linears
 from freetoken.layers.mla import stack_heads
 from freetoken.layers.moe import stack_experts, take_stacked_experts
 from freetoken.distributed.parts import compute_in_parts, free_in_parts
+from freetoken.layers.skeleton import on_meta
 from freetoken.layers.quantized import QuantizedEmbedding, plan_quantized, take_quantized, weight_bytes
 from freetoken.distributed.quantized_parallel import (install_quantized, quantized_head, shard_state,
                                                       widen_cut_experts)
@@ -206,7 +207,7 @@ def build(model_class: type, folder: Path, hf_config: dict, tokenizer, dtype: to
     layers packed (on `linear_kernel` alone where given); with `group`, that tensor-parallel
     rank's slices only; `in_parts`: its sliced layers computed as tensor-parallel ranks compute
     them (distributed/parts.py)."""
-    with torch.device("meta"):
+    with on_meta():
         module = model_class.from_hf(hf_config)
     part = shard_model(module, group) if group is not None else None
     state = module.convert_hf_weights(read_weights(folder, part, module.reads))
@@ -230,7 +231,7 @@ def build_gguf(model_class: type, gguf: Path, hf_config: dict, tokenizer, dtype:
     from freetoken.layers.rotary import LongRope
     from freetoken.models.llama import FUSED
 
-    with torch.device("meta"):
+    with on_meta():
         module = model_class.from_hf(hf_config)
     reader = open_gguf(gguf)
     cfg = module.cfg

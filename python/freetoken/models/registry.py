@@ -24,6 +24,7 @@ from freetoken.hub import HubOptions, resolve_model
 from freetoken.models.loader import (build, build_gguf, default_model_path, eos_ids, gguf_config_folder,
                                      gguf_source, gguf_to_folder)
 from freetoken.paths import ModelNotFound
+from freetoken.tokenizer.load import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +228,6 @@ def load_model(model: str | os.PathLike | None = None, dtype: str = "auto", devi
     rank's slices of it, read from the checkpoint as such (distributed/tensor_parallel.py).
     `kv_slots`: the KV pool to be allocated, counted in a GGUF's memory check; `weights`: how
     the weights are held and multiplied (config.WeightsConfig; unset fields from envs.py)."""
-    from transformers import AutoTokenizer  # heavy: imported by the processes that load a model
 
     folder, name = model_folder(model)
     dev = resolve_device(device)
@@ -241,7 +241,7 @@ def load_model(model: str | os.PathLike | None = None, dtype: str = "auto", devi
     cls = model_class(arch)
     if group is not None and ARCHITECTURES[arch].tensor_parallel:
         raise ModelNotFound(f"{arch}: {ARCHITECTURES[arch].tensor_parallel}")
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = load_tokenizer(folder)
     weights_dtype = resolve_dtype(dtype, dev)
     weights = weights.resolved()
     # One CPU process computes its sliced layers as two tensor-parallel ranks would, so that its

@@ -107,11 +107,10 @@ def build_frontend(args: ServerArgs, ipc_dir: str, procs: list):
         # modules and loads the tokenizer: on a second core, each start ~2 s shorter.
         loading = spawn_engine(engine_config(args, str(folder)), ipc_dir, procs)
         import freetoken.serving.app  # noqa: F401  (launch_server's create_app, imported meanwhile)
-        from transformers import AutoTokenizer
-
         from freetoken.serving.client import FrontendManager
+        from freetoken.tokenizer.load import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer = load_tokenizer(folder)
         steps.step("tokenizer loaded")
         in_addr, out_addr = wait_engine(loading)
         steps.step("engine ready")
