@@ -72,8 +72,8 @@ LEAVES = {"attn_sinks": "sinks", "exp_probs_b": "e_score_correction_bias"}
 PERMUTED = ("llama", "granite")
 # A tokenizer's end-of-generation tokens beyond the one a GGUF names, by model type (the HF
 # release's generation config names them): a gpt-oss reply ends in <|return|>, or <|call|>
-# before a tool runs.
-STOP_TOKENS = {"gpt_oss": ("<|return|>", "<|call|>")}
+# before a tool runs; a GLM-4.5 turn in <|user|>, or <|observation|> before a tool runs.
+STOP_TOKENS = {"gpt_oss": ("<|return|>", "<|call|>"), "glm4_moe": ("<|user|>", "<|observation|>")}
 
 
 def config_folder(gguf: Path, cache: Path, link: str) -> Path:
