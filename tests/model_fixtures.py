@@ -239,6 +239,25 @@ def stored_bytes(gguf: Path, kept: tuple[str, ...]) -> dict[str, int]:
     return stored
 
 
+def assert_family_gguf_matches_reference(name: str, formats: set[str]):
+    """tests/fixtures/build_models.py's family GGUF `name` (build_family_gguf) loaded with its
+    blocks kept as stored (its weights held in `formats`): greedy runs of four HARMONY_TEXTS
+    together, against transformers float32 on the blocks' dequantized weights (the builder's
+    `ref` folder); the loaded model."""
+    from freetoken.config import WeightsConfig
+    from freetoken.scheduler.factory import build_scheduler
+    from tests.fixtures import build_models as bm
+
+    built = bm.cached_gguf(name)
+    loaded = load_model(built / "model.gguf", dtype="float32", device="cpu", weights=WeightsConfig(gguf_weights="quantized"))
+    assert set(loaded.model.weight_bytes) == formats
+    prompts = {uid: loaded.tokenizer.encode(text) for uid, text in enumerate(HARMONY_TEXTS[:4])}
+    together, _ = greedy_run(build_scheduler(loaded, kv_slots=512, prefix_cache=False), prompts, steps=8)
+    for uid, ids in prompts.items():
+        assert_matches_reference(built / "ref", ids, together[uid])
+    return loaded
+
+
 def assert_holds_stored_bytes_and_matches_reference(model, stored: dict[str, int],
                                                     prompts: dict[int, list[int]]) -> dict:
     """`model` reports the weight bytes by format `stored` (the file's), itself and through

@@ -4,7 +4,8 @@ rank, interleaved rope under YaRN with mscale, a dense first layer, then sigmoid
 groups with a correction bias and a shared expert) batched and each alone bit for bit, after a
 prefix-cache hit and in prefill chunks, on the pool kernel and on torch's SDPA; its KV pool holding
 a latent and a rope key per token; the tiny DeepseekV2ForCausalLM (V2-Lite's plain q_proj, V2's
-group-limited softmax routing)."""
+group-limited softmax routing); the GGUFs llama.cpp makes of each (V2-Lite's shape in Q8_0, V3's in
+Q4_K_M) against transformers on their blocks."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ import pytest
 
 from freetoken.kernels import pool_attention
 from freetoken.layers.mla import HeadLinears
+from freetoken.layers.quantized import QuantizedLinear
 from freetoken.models.registry import load_model
 from freetoken.paths import ModelNotFound
 from freetoken.scheduler.factory import build_scheduler
 from tests.fixtures import build_models as bm
 from tests.model_fixtures import (HARMONY_TEXTS, assert_batch_matches_alone_and_reference,
-                                  assert_harmony_cache_hit_and_chunks, assert_matches_reference, greedy_run)
+                                  assert_family_gguf_matches_reference, assert_harmony_cache_hit_and_chunks,
+                                  assert_matches_reference, greedy_run)
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +77,26 @@ def test_deepseek_v2_lite_shape_matches_transformers_batched_and_alone():
     cfg = loaded.model.cfg
     assert cfg.q_lora_rank is None and cfg.topk_method == "group_limited_greedy" and not cfg.norm_topk_prob
     assert_batch_matches_alone_and_reference(loaded, HARMONY_TEXTS[:3], alone_tol=0.0)
+
+
+@pytest.mark.parametrize("mix, arch, formats", [
+    ("Q8_0", "DeepseekV2ForCausalLM", {"Q8_0", "float32"}),
+    ("Q4_K_M", "DeepseekV3ForCausalLM", {"Q4_K", "Q6_K", "Q8_0", "float32"})])
+def test_a_deepseek2_gguf_keeps_its_blocks_and_matches_transformers_on_them(mix, arch, formats):
+    """llama.cpp's `deepseek2` files: V2-Lite's shape in Q8_0 (a plain attn_q, kv_b whole, no
+    gating key: softmax, in groups), V3's in Q4_K_M (a query rank, sigmoid routing with
+    `exp_probs_b`, kv_b split per head into attn_k_b / attn_v_b as newer converters write it);
+    the ranks, head widths and YaRN's mscale from the keys; the interleaved rope rows of the
+    kept blocks put in halves; against transformers' DeepSeek on the dequantized values."""
+    loaded = assert_family_gguf_matches_reference(f"tiny-deepseek2-{mix}", formats)
+    cfg = loaded.model.cfg
+    assert type(loaded.model).__name__ == arch and cfg.kv_lora_rank == 128 < cfg.hidden_size
+    assert (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_row) == (32, 32, 64, (1, 160))
+    assert cfg.rope_scaling.factor == 4 and cfg.attention_scale != 64 ** -0.5
+    assert cfg.topk_method == ("noaux_tc" if mix == "Q4_K_M" else "group_limited_greedy")
+    assert cfg.q_lora_rank == (128 if mix == "Q4_K_M" else None)
+    attention = loaded.model.model.layers[1].self_attn
+    assert isinstance(attention.q_b_proj, QuantizedLinear) and isinstance(attention.kv_a_proj_with_mqa, QuantizedLinear)
 
 
 def test_tensor_parallelism_is_refused_saying_why(tiny_deepseek_v3_path):

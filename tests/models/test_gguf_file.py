@@ -216,3 +216,25 @@ def test_bfloat16_dequantizes_unless_asked_to_keep_the_blocks(built, monkeypatch
     monkeypatch.setenv("FREETOKEN_GGUF_WEIGHTS", "quantized")
     kept = registry.load_model(path, dtype="bfloat16", device="cpu")
     assert isinstance(kept.model.get_submodule("model.layers.0.mlp.down_proj"), QuantizedLinear)
+
+
+_EXPERTS = {"expert_count": 8, "expert_used_count": 2, "expert_feed_forward_length": 32, "rope.dimension_count": 8}
+
+
+@pytest.mark.parametrize("arch, keys, message", [
+    ("granite", {"attention.sliding_window": 8}, r"granite\.attention\.sliding_window=8 is not supported"),
+    ("granite", {"rope.dimension_count": 8}, r"granite\.rope\.dimension_count=8 \(rotary on part of each head\)"),
+    ("glm4_moe", {**_EXPERTS, "expert_gating_func": 1}, r"glm4moe\.expert_gating_func=1 \(GLM-4\.5 routes by sigmoid"),
+    ("deepseek2", _EXPERTS, r"a deepseek2 GGUF without deepseek2\.attention\.kv_lora_rank"),
+    ("deepseek2", {**_EXPERTS, "attention.kv_lora_rank": 16, "rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+                   "rope.scaling.original_context_length": 128}, r"YaRN without rope\.scaling\.yarn_log_multiplier"),
+    ("deepseek2", {**_EXPERTS, "attention.kv_lora_rank": 16, "nextn_predict_layers": 1},
+     r"deepseek2\.nextn_predict_layers=1 is not supported"),
+])
+def test_a_family_gguf_key_freetoken_does_not_compute_is_refused_by_name(tmp_path, arch, keys, message):
+    """The GGUF architectures whose configs our code builds (models/gguf_families.py): a key of
+    theirs that the build does not read, or a value it does not compute, or a key it needs
+    missing, is refused by name before anything loads."""
+    path = bm.build_config_only_gguf(tmp_path, arch, keys) / "model.gguf"
+    with pytest.raises(ModelNotFound, match=f"^model.gguf: .*{message}"):
+        registry.model_folder(path)

@@ -2,7 +2,8 @@
 transformers' Glm4MoeTopkRouter (groups, correction bias), and the tiny Glm4MoeForCausalLM (a
 dense first layer, then experts in 4 groups with a shared one, q/k/v biases, q/k norm, rotary on
 half of each head, an MTP layer beside) batched and each alone, after a prefix-cache hit and in
-prefill chunks; its router held in float32 under bfloat16; its GGUF refused by name."""
+prefill chunks; its router held in float32 under bfloat16; the GGUFs of it llama.cpp makes (Q8_0,
+Q4_K_M) against transformers on their blocks."""
 
 from __future__ import annotations
 
@@ -12,10 +13,8 @@ import torch
 from freetoken.models.glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
 from freetoken.layers.sigmoid_moe import SigmoidMoeBlock, sigmoid_group_topk
 from freetoken.models.registry import check_supported, load_model
-from freetoken.paths import ModelNotFound
-from tests.fixtures import build_models as bm
 from tests.model_fixtures import (HARMONY_TEXTS, assert_batch_matches_alone_and_reference,
-                                  assert_harmony_cache_hit_and_chunks)
+                                  assert_family_gguf_matches_reference, assert_harmony_cache_hit_and_chunks)
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +120,18 @@ def test_bfloat16_keeps_the_router_in_float32_as_transformers_does(tiny_glm4_moe
     assert moe(x).dtype == torch.bfloat16
 
 
-def test_a_glm4moe_gguf_is_refused_by_name_before_anything_loads(tmp_path):
-    path = bm.build_config_only_gguf(tmp_path, "glm4_moe") / "model.gguf"
-    with pytest.raises(ModelNotFound, match="^model.gguf: a GGUF of glm4moe: freetoken serves Glm4MoeForCausalLM from "
-                       "its HF folder only"):
-        load_model(path)
+@pytest.mark.parametrize("mix, formats", [("Q8_0", {"Q8_0", "float32"}),
+                                          ("Q4_K_M", {"Q4_K", "Q6_K", "float32"})])
+def test_a_glm4moe_gguf_keeps_its_blocks_and_matches_transformers_on_them(mix, formats):
+    """llama.cpp's `glm4moe` file: its config built by our code from the keys (rotary on
+    `rope.dimension_count` of a head, the router's groups, scale and renormalisation, the MTP
+    block after the decoder's, not read), the q/k/v biases and q/k norms found by their tensors,
+    the router and its correction bias (`exp_probs_b`) F32, the experts stacked; the blocks
+    kept as stored, against transformers' Glm4Moe on their dequantized values."""
+    loaded = assert_family_gguf_matches_reference(f"tiny-glm4moe-{mix}", formats)
+    cfg = loaded.model.cfg
+    assert loaded.hf_config["num_nextn_predict_layers"] == 1 and cfg.num_layers == 2
+    assert (cfg.rotary_dim, cfg.head_dim, cfg.qk_norm, cfg.attention_bias, cfg.o_proj_bias) == (32, 64, True, True, False)
+    assert (cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor, cfg.norm_topk_prob) == (4, 2, 2.5, True)
+    gate = loaded.model.model.layers[1].mlp.gate
+    assert gate.weight.dtype == torch.float32 and gate.e_score_correction_bias.abs().min() > 0

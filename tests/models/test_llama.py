@@ -3,8 +3,8 @@ default model, tiny Qwen3 and Qwen2, and tiny Mistral (a sliding window on every
 than the prompts), SmolLM3 (a layer without rotary embedding), Llama 3.1-style Llama (the
 `llama3` rotary schedule), Granite (its four scales) and Phi-4-mini-style Phi-3 (fused
 projections, a window, partial rotary, longrope), those also batched, after a prefix-cache hit,
-in prefill chunks, Mistral, Llama 3 and Phi-3 as the GGUFs llama.cpp makes of them, SmolLM3 and
-Phi-4-mini on the kernel of the decoder layer's C call."""
+in prefill chunks, Mistral, Llama 3, Phi-3 and Granite (Q8_0, Q4_K_M) as the GGUFs llama.cpp
+makes of them, SmolLM3 and Phi-4-mini on the kernel of the decoder layer's C call."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from freetoken.models.registry import load_model, model_folder
 from freetoken.paths import ModelNotFound
 from freetoken.scheduler.factory import build_scheduler
 from tests.model_fixtures import (HARMONY_TEXTS, assert_batch_matches_alone_and_reference,
-                                  assert_harmony_cache_hit_and_chunks, assert_greedy_matches_hf,
+                                  assert_family_gguf_matches_reference, assert_harmony_cache_hit_and_chunks,
+                                  assert_greedy_matches_hf,
                                   assert_matches_reference, assert_same_run, default_model, greedy_run,
                                   tiny_random_folder)
 
@@ -166,14 +167,17 @@ def test_a_longrope_phi3_gguf_is_refused_by_its_schedule():
         model_folder(gguf)
 
 
-def test_a_granite_gguf_is_refused_naming_its_architecture(tmp_path):
-    """transformers' GGUF parse knows no `granite` (llama.cpp's name for Granite 3.x): the file
-    is refused, not read as a llama without its scales."""
-    from tests.fixtures import build_models as bm
-
-    gguf = bm.build_config_only_gguf(tmp_path, "granite") / "model.gguf"
-    with pytest.raises(ModelNotFound, match="could not convert this GGUF architecture 'granite'"):
-        model_folder(gguf)
+@pytest.mark.parametrize("mix, formats", [("Q8_0", {"Q8_0", "float32"}),
+                                          ("Q4_K_M", {"Q4_K", "Q6_K", "float32"})])
+def test_a_granite_gguf_keeps_its_blocks_and_matches_transformers_on_them(mix, formats):
+    """llama.cpp's `granite` file (q/k rows permuted as a llama's, the four scales as keys, the
+    head tied): its config built by our code (transformers' GGUF parse has none), its blocks
+    kept as stored, against transformers' Granite on their dequantized values."""
+    loaded = assert_family_gguf_matches_reference(f"tiny-granite-{mix}", formats)
+    cfg = loaded.model.cfg
+    assert loaded.hf_config["architectures"] == ["GraniteForCausalLM"] and cfg.tie_word_embeddings
+    scales = (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.attention_scale, cfg.logits_scaling)
+    assert scales == pytest.approx((12.0, 0.22, 1 / 32, 6.0)) and cfg.attention_scale != cfg.head_dim ** -0.5
 
 
 @pytest.mark.parametrize("path", ["tiny_smollm3_path", "tiny_phi3_path"])

@@ -50,9 +50,9 @@ def test_an_unsupported_architecture_is_named_with_the_supported_list(tmp_path):
         registry.load_model(tmp_path)
 
 
-# deepseek2: transformers (5.24) lists no such GGUF architecture; qwen35: none either, and its
+# olmo2: transformers (5.25) lists no such GGUF architecture; qwen35: none either, and its
 # tokenizer reader fails on a metadata key first. Both used to end the server in a traceback.
-@pytest.mark.parametrize("arch", ["deepseek2", "qwen35"])
+@pytest.mark.parametrize("arch", ["olmo2", "qwen35"])
 def test_a_gguf_transformers_cannot_convert_is_named_with_both_lists(tmp_path, arch):
     import gguf
     import numpy as np

@@ -11,8 +11,9 @@ interleaved); the permutation is over whole output rows, so it is undone by gath
 quantized or not (a copy of those two tensors only). The Llama-family decoders (models/llama.py),
 the Qwen MoE ones (models/qwen3_moe.py: a sparse layer's experts stacked [E, out, in], kept
 quantized by layers/moe.py's take_stacked_experts) and gpt-oss (models/gpt_oss.py: its experts
-so too, MXFP4, with biases) are read here; the others go through transformers' conversion
-(loader.py).
+so too, MXFP4, with biases), and Granite, GLM-4.5 and DeepSeek-V2/V3, whose configs our code
+builds (models/gguf_families.py), are read here; the others go through transformers'
+conversion (loader.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from freetoken.kernels.quant import FORMATS, QuantizedWeight, dequantize, supported
+from freetoken.models import gguf_families as families
 from freetoken.paths import ModelNotFound
 
 log = logging.getLogger(__name__)
@@ -61,11 +63,17 @@ GPT_OSS_LAYER = {**LAYER, "ffn_gate_inp": "mlp.router", "post_attention_norm": "
 # norms (transformers scales by 1 + weight), which read_tensors takes off again.
 GEMMA3_LAYER = {**LAYER, "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                 "post_ffw_norm": "post_feedforward_layernorm"}
-LAYERS = {"gpt-oss": GPT_OSS_LAYER, "gemma3": GEMMA3_LAYER}
+LAYERS = {"gpt-oss": GPT_OSS_LAYER, "gemma3": GEMMA3_LAYER, "glm4moe": {**LAYER, **families.GLM4MOE_LAYER},
+          "deepseek2": {**LAYER, **families.DEEPSEEK2_LAYER}}
+# Leaves named otherwise: gpt-oss's sinks (a parameter of the attention), a sigmoid router's
+# correction bias (`exp_probs_b.bias`).
+LEAVES = {"attn_sinks": "sinks", "exp_probs_b": "e_score_correction_bias"}
+# llama.cpp's converter permutes the q/k rows of these architectures (LlamaModel.permute).
+PERMUTED = ("llama", "granite")
 # A tokenizer's end-of-generation tokens beyond the one a GGUF names, by model type (the HF
 # release's generation config names them): a gpt-oss reply ends in <|return|>, or <|call|>
-# before a tool runs.
-STOP_TOKENS = {"gpt_oss": ("<|return|>", "<|call|>")}
+# before a tool runs; a GLM-4.5 turn in <|user|>, or <|observation|> before a tool runs.
+STOP_TOKENS = {"gpt_oss": ("<|return|>", "<|call|>"), "glm4_moe": ("<|user|>", "<|observation|>")}
 
 
 def config_folder(gguf: Path, cache: Path, link: str) -> Path:
@@ -75,23 +83,28 @@ def config_folder(gguf: Path, cache: Path, link: str) -> Path:
     if (cache / "config.json").is_file() and (cache / link).exists():
         return cache
     reader = open_gguf(gguf)
+    arch = architecture(reader)
     # transformers' parse gives such a file the default schedule: served so, it is another model.
     if scaled := sorted(t.name for t in reader.tensors if t.name in LONGROPE):
         raise ModelNotFound(f"{gguf.name}: its rotary frequencies are scaled ({', '.join(scaled)}: Phi-3's "
                             "longrope), which transformers' GGUF parse drops from the config; load the model's "
                             "HF folder")
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    with _hidden(YARN_PREFIX):
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
-    config.pop("quantization_config", None)
-    # transformers ties the head where its parse saw no `output.weight`: in the first part's
-    # tensors alone, for a split file.
-    config["tie_word_embeddings"] = all(t.name != "output.weight" for t in reader.tensors)
-    config["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config["model_type"], "?")]
-    fill_dropped_fields(reader, config)
+    if arch in families.CONFIGS:  # the tokenizer alone from transformers, which has no config of them
+        config = families.config_from_metadata(reader, arch, gguf.name)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    else:
+        with _hidden(YARN_PREFIX):
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
+        config.pop("quantization_config", None)
+        # transformers ties the head where its parse saw no `output.weight`: in the first part's
+        # tensors alone, for a split file.
+        config["tie_word_embeddings"] = all(t.name != "output.weight" for t in reader.tensors)
+        config["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config["model_type"], "?")]
+        fill_dropped_fields(reader, config)
     vocab = tokenizer.get_vocab()
     stops = [vocab[t] for t in STOP_TOKENS.get(config["model_type"], ()) if t in vocab]
     if stops:
@@ -187,17 +200,17 @@ def hf_name(gguf_name: str, arch: str = "") -> str | None:
     parts = gguf_name.split(".")
     layer = LAYERS.get(arch, LAYER)
     if parts[0] == "blk" and len(parts) == 4 and parts[2] in layer:
-        leaf = "sinks" if parts[2] == "attn_sinks" else parts[3]
+        leaf = LEAVES.get(parts[2], parts[3])
         return f"model.layers.{parts[1]}.{layer[parts[2]]}.{leaf}"
     if len(parts) == 2 and parts[0] in TOP:
         return f"{TOP[parts[0]]}.{parts[1]}"
     return None
 
 
-def expected_shapes(cfg, arch: str = "") -> dict[str, tuple[int, ...]]:
+def expected_shapes(cfg, arch: str = "", tensors: frozenset[str] = frozenset()) -> dict[str, tuple[int, ...]]:
     """Each HF tensor of a models/llama.py ModelConfig `cfg` (models/qwen3_moe.py's, or for GGUF
-    architecture `arch` "gpt-oss" models/gpt_oss.py's), by name: its shape; a sparse layer's
-    experts stacked as a GGUF stores them."""
+    architecture `arch` "gpt-oss" models/gpt_oss.py's; gguf_families.SHAPES' of a file of GGUF
+    names `tensors`), by name: its shape; a sparse layer's experts stacked as a GGUF stores them."""
     h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
@@ -208,6 +221,8 @@ def expected_shapes(cfg, arch: str = "") -> dict[str, tuple[int, ...]]:
              "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
              "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
              "mlp.down_proj.weight": (h, inter)}
+    if arch in families.SHAPES:
+        return shapes | families.SHAPES[arch](cfg, tensors)
     if cfg.attention_bias:
         layer |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
     if cfg.o_proj_bias:
@@ -370,20 +385,32 @@ def experts_block(reader: GGUFModel, quantized: bool) -> int:
 
 
 def _held(reader: GGUFModel, dtype: torch.dtype, quantized: bool) -> list[tuple[object, torch.dtype | None]]:
-    """Each tensor, and the dtype the loader holds it as (None: its blocks as stored): a layer's
-    experts kept as stored only where all three weights are (`_widened_experts`), their biases
-    then float32 (Experts.use_quantized adds them to the kernel's float32 sums); any other
-    tensor kept where kept_as_stored says, else cast to `dtype`."""
+    """Each tensor read, and the dtype the loader holds it as (None: its blocks as stored): those
+    gguf_families.FLOAT32 names float32; a layer's experts kept as stored only where all three
+    weights are (`_widened_experts`), their biases then float32 (Experts.use_quantized adds them
+    to the kernel's float32 sums); any other tensor kept where `_kept` says, else cast to `dtype`."""
     widened = _widened_experts(reader, quantized)
+    arch = architecture(reader)
+    skipped = families.skipped(reader, arch)
     held: list[tuple[object, torch.dtype | None]] = []
     for t in reader.tensors:
-        if _EXPERTS in t.name and _layer(t.name) not in widened:
+        if t.name in skipped:
+            continue
+        if t.name.split(".")[-2] in families.FLOAT32.get(arch, ()):
+            held.append((t, torch.float32))
+        elif _EXPERTS in t.name and _layer(t.name) not in widened:
             held.append((t, None if t.name.endswith(".weight") else torch.float32))
-        elif _EXPERTS not in t.name and kept_as_stored(t.tensor_type, quantized):
+        elif _EXPERTS not in t.name and _kept(t, arch, quantized):
             held.append((t, None))
         else:
             held.append((t, dtype))
     return held
+
+
+def _kept(t, arch: str, quantized: bool) -> bool:
+    """kept_as_stored, but for the tensors gguf_families.DEQUANTIZED names, which their layers hold
+    as floats."""
+    return kept_as_stored(t.tensor_type, quantized) and t.name.split(".")[-2] not in families.DEQUANTIZED.get(arch, ())
 
 
 def _widened_experts(reader: GGUFModel, quantized: bool) -> set[str]:
@@ -399,18 +426,20 @@ def _layer(name: str) -> str:
     return name.split(".")[1]
 
 
-def read_tensors(path: Path, reader: GGUFModel, cfg, permuted: bool,
-                 quantized: bool) -> dict[str, torch.Tensor | QuantizedWeight]:
+def read_tensors(path: Path, reader: GGUFModel, cfg, quantized: bool) -> dict[str, torch.Tensor | QuantizedWeight]:
     """The file's tensors by HF name, each checked against `cfg`'s shapes (a ModelNotFound
     naming the first that does not fit, or is missing), and under ROPE_FREQS the frequencies'
-    divisors where the file has them; `permuted`: a llama's q/k rows are in llama.cpp's order;
+    divisors where the file has them; rows llama.cpp reordered put back (`_row_order`);
     `quantized`: block formats kept as stored where a kernel runs them, else all dequantized
     (float32, as transformers' conversion gives them)."""
     arch = architecture(reader)
-    expected = expected_shapes(cfg, arch)
+    expected = expected_shapes(cfg, arch, frozenset(t.name for t in reader.tensors))
     state: dict[str, torch.Tensor | QuantizedWeight] = {}
     widened: dict[str, list[str]] = {}
+    skipped = families.skipped(reader, arch)
     for t in reader.tensors:
+        if t.name in skipped:
+            continue
         if t.name == ROPE_FREQS and t.tensor_type == GGMLQuantizationType.F32 and t.n_elements == cfg.rotary_dim // 2:
             state[ROPE_FREQS] = _float(t, None)
             continue
@@ -423,16 +452,17 @@ def read_tensors(path: Path, reader: GGUFModel, cfg, permuted: bool,
         if shape != expected[name]:
             raise ModelNotFound(f"{path.name}: tensor {t.name} is {list(shape)}, the config says "
                                 f"{list(expected[name])}")
-        rows = _unpermute(name, cfg, shape[0]) if permuted else None
+        rows = _row_order(arch, name, cfg, shape[0])
         if t.tensor_type in FLOATS:
             state[name] = _float(t, rows).reshape(shape)
             if arch == "gemma3" and name.endswith("norm.weight"):
                 state[name] = state[name].float() - 1  # as transformers' GGUF conversion takes it off
-        elif kept_as_stored(t.tensor_type, quantized):
+        elif _kept(t, arch, quantized):
             data = _view(t.data) if rows is None else torch.from_numpy(t.data[rows])
             state[name] = QuantizedWeight(t.tensor_type, data.reshape(*shape[:-1], -1), shape)
         else:
             why = ("quantized weights not asked for" if not quantized
+                   else "its layer holds floats" if kept_as_stored(t.tensor_type, quantized)
                    else "no kernel for it on this CPU" if t.tensor_type in FORMATS
                    else "a format kept quantized only as " + ", ".join(f.name for f in FORMATS))
             widened.setdefault(f"{t.tensor_type.name} ({why})", []).append(t.name)
@@ -445,6 +475,8 @@ def read_tensors(path: Path, reader: GGUFModel, cfg, permuted: bool,
     if missing := sorted(set(expected) - set(state)):
         raise ModelNotFound(f"{path.name}: no tensor for {len(missing)} weights ({', '.join(missing[:3])}"
                             f"{', ...' if len(missing) > 3 else ''})")
+    if arch == "deepseek2":
+        families.join_kv_b(state, cfg)
     for kind, names in widened.items():
         log.info("%s: dequantized at load, %s: %d tensors (%s%s)", path.name, kind, len(names),
                  ", ".join(names[:3]), ", ..." if len(names) > 3 else "")
@@ -479,6 +511,14 @@ def _view(array: np.ndarray) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         return torch.from_numpy(array)
+
+
+def _row_order(arch: str, name: str, cfg, n: int) -> np.ndarray | None:
+    """The order of the `n` rows of HF tensor `name` that undoes llama.cpp's (None: as stored):
+    a llama's or granite's q/k permutation, deepseek2's interleaved rope (put in halves)."""
+    if arch in PERMUTED:
+        return _unpermute(name, cfg, n)
+    return families.rope_rows(name, cfg, n) if arch == "deepseek2" else None
 
 
 def _unpermute(name: str, cfg, n: int) -> np.ndarray | None:

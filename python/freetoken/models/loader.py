@@ -1,9 +1,10 @@
 """Find a model's files, and build a family's module from them (models/registry.py says which
 family).
 
-A GGUF file of a Llama-family decoder, a Qwen MoE or gpt-oss is read as it is stored
-(models/gguf_file.py): its config and tokenizer, which transformers parses, are cached as a
-folder without weights, and its tensors are read from the memory-mapped file, the block formats
+A GGUF file of a Llama-family decoder, a Qwen MoE, gpt-oss, Gemma 3, Granite, GLM-4.5 or
+DeepSeek-V2/V3 is read as it is stored (models/gguf_file.py): its config and tokenizer, which
+transformers parses (the last three's configs our code builds, models/gguf_families.py), are
+cached as a folder without weights, and its tensors are read from the memory-mapped file, the block formats
 kept quantized where asked (layers/quantized.py, the experts layers/moe.py); a
 tensor-parallel rank keeps its slices of them, cut along whole blocks. Other GGUFs (the hybrids)
 are converted once by transformers into a float32 HF folder (safetensors + config + tokenizer)
@@ -173,19 +174,10 @@ def _cache_folder(gguf: Path, kind: str = "") -> Path:
     return cache_root() / "gguf" / f"{gguf.stem}-{key[:16]}{'-' + kind if kind else ''}"
 
 
-# GGUF architectures of families served from their HF folders alone: transformers' GGUF loader
-# parses no config of them, and models/gguf_file.py does not read them.
-FOLDER_ONLY = {"glm4moe": "Glm4MoeForCausalLM"}
-
-
 def _unconvertible(gguf: Path, served: tuple[str, ...], exc: Exception) -> ModelNotFound:
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
     arch = _gguf_architecture(gguf)
-    if arch in FOLDER_ONLY:
-        return ModelNotFound(f"{gguf.name}: a GGUF of {arch}: freetoken serves {FOLDER_ONLY[arch]} from its HF "
-                             "folder only (transformers' GGUF loader cannot parse such a file); pass the "
-                             "model's HF folder")
     return ModelNotFound(
         f"{gguf.name}: transformers' GGUF loader could not convert this GGUF architecture "
         f"{arch!r} ({exc!r}). It lists "
@@ -240,7 +232,9 @@ def build_gguf(model_class: type, gguf: Path, hf_config: dict, tokenizer, dtype:
     kv = pool_bytes(cfg, cfg.num_layers, kv_slots, dtype)
     check_memory(gguf.name, sum(planned_bytes(reader, dtype, quantized).values()), kv,
                  working_bytes(reader, dtype, quantized))
-    state = read_tensors(gguf, reader, cfg, hf_config.get("model_type") == "llama", quantized)
+    state = read_tensors(gguf, reader, cfg, quantized)
+    if hasattr(cfg, "rope_interleaved"):  # read_tensors put DeepSeek's rope rows in halves
+        module.cfg = replace(cfg, rope_interleaved=False)
     if (divisors := state.pop(ROPE_FREQS, None)) is not None:
         # Llama 3.1's schedule as llama.cpp computes it, which transformers' parse of the config
         # drops: each frequency divided by its factor, as longrope's are.

@@ -142,7 +142,8 @@ QUIRKS = {
 # process or by each tensor-parallel rank (its slices), kept quantized on the CPU where asked;
 # the others are converted by transformers first.
 GGUF_READ = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-             "Qwen2MoeForCausalLM", "GptOssForCausalLM", "Gemma3ForCausalLM")
+             "Qwen2MoeForCausalLM", "GptOssForCausalLM", "Gemma3ForCausalLM", "GraniteForCausalLM",
+             "Glm4MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 
 @dataclass

@@ -1,0 +1,276 @@
+"""The GGUF architectures whose config transformers' GGUF parse does not build (llama.cpp's
+`granite`, `glm4moe`, `deepseek2`: IBM's Granite, GLM-4.5, DeepSeek-V2/V3), read by our own
+code: the config of the HF checkpoint llama.cpp's converter made the file from, out of its
+metadata (llama.cpp's keys, and its defaults where a key is absent), and where their tensors
+go (our HF names and shapes, for models/gguf_file.py's reader).
+
+Every key of the architecture's own (`{arch}.*`) is read; one that is not, or a value of one
+that freetoken does not compute (a gating function, a rope without its YaRN scale, ...), is
+refused by name: a file is never served as another model. What llama.cpp's converter changed:
+
+- granite: q/k rows permuted as a llama's (undone by gguf_file's reader); its four scales as
+  `embedding_scale`, `residual_scale`, `attention.scale` and `logit_scale` (an absent one is
+  llama.cpp's default: 1, the attention's 1 / sqrt(head width)).
+- glm4moe: the multi-token-prediction layers as blocks after the decoder's
+  (`nextn_predict_layers`; not read, as transformers reads none), rotary on
+  `rope.dimension_count` of each head, the router's correction bias as `exp_probs_b.bias`.
+- deepseek2: V3's sigmoid routing and V2's softmax by `expert_gating_func`; one kv head (the
+  latent as MQA); the heads' widths as `attention.key_length_mla` / `value_length_mla` (older
+  files: `key_length` / `value_length`) and kv_b_proj whole (`attn_kv_b`) or split per head into
+  `attn_k_b` (transposed) and `attn_v_b`; YaRN's mscale as `0.1 * mscale_all_dim`
+  (`rope.scaling.yarn_log_multiplier`), the only one llama.cpp computes (transformers'
+  `mscale` taken equal to it); the rope dimensions interleaved as released.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGUFValueType
+
+from freetoken.layers.mla import deinterleave_rope
+from freetoken.paths import ModelNotFound
+
+SIGMOID, SOFTMAX = 2, 1  # llama.cpp's expert_gating_func values
+# Tensors held in float32 whatever the model's dtype: GLM's router and its correction bias, as
+# transformers holds them (models/glm4_moe.py's float32_weights).
+FLOAT32 = {"glm4moe": ("ffn_gate_inp", "exp_probs_b")}
+# Tensors dequantized at load whatever the file stores: those, and the latent's per-head
+# up-projections (per-head float Linears, layers/mla.py).
+DEQUANTIZED = {"deepseek2": ("attn_kv_b", "attn_k_b", "attn_v_b"), **FLOAT32}
+
+
+class Metadata:
+    """The `{arch}.*` keys of a file, each read at most through `get`; `unread` names the rest."""
+
+    def __init__(self, reader, arch: str, name: str):
+        self.fields, self.arch, self.name = reader.fields, arch, name
+        self.read: set[str] = set()
+
+    def get(self, key: str, default=None):
+        full = f"{self.arch}.{key}"
+        self.read.add(full)
+        field = self.fields.get(full)
+        if field is None:
+            return default
+        if field.types[0] == GGUFValueType.ARRAY:
+            raise self.refused(f"{full} (a value per layer)")
+        if field.types[0] == GGUFValueType.STRING:
+            return bytes(field.parts[field.data[0]]).decode()
+        return field.parts[field.data[0]].tolist()[0]
+
+    def need(self, key: str):
+        value = self.get(key)
+        if value is None:
+            raise ModelNotFound(f"{self.name}: a {self.arch} GGUF without {self.arch}.{key}")
+        return value
+
+    def refused(self, what: str) -> ModelNotFound:
+        return ModelNotFound(f"{self.name}: {what} is not supported: freetoken's {self.arch} does not "
+                             "compute it and would serve another model")
+
+    def check_all_read(self) -> None:
+        unread = sorted(k for k in self.fields if k.startswith(f"{self.arch}.") and k not in self.read)
+        if unread:
+            raise self.refused(", ".join(f"{k}={self.get(k.removeprefix(self.arch + '.'))!r}" for k in unread))
+
+
+def _dense(meta: Metadata, tensors: set[str], head_dim: int | None = None) -> dict:
+    """The fields of every decoder: sizes, norm epsilon, context, rotary base and schedule, tied head."""
+    hidden, heads = meta.need("embedding_length"), meta.need("attention.head_count")
+    config = {"hidden_size": hidden, "num_attention_heads": heads, "num_hidden_layers": meta.need("block_count"),
+              "num_key_value_heads": meta.get("attention.head_count_kv", heads),
+              "intermediate_size": meta.need("feed_forward_length"),
+              "max_position_embeddings": meta.need("context_length"),
+              "rms_norm_eps": meta.need("attention.layer_norm_rms_epsilon"),
+              "tie_word_embeddings": "output.weight" not in tensors}
+    if head_dim is None:
+        head_dim = meta.get("attention.key_length", hidden // heads)
+        if meta.get("attention.value_length", head_dim) != head_dim:
+            raise meta.refused(f"{meta.arch}.attention.value_length != key_length")
+    config["head_dim"] = head_dim
+    rope = {"rope_type": "default", "rope_theta": meta.get("rope.freq_base", 10000.0)}
+    scaling = meta.get("rope.scaling.type", "none")
+    if scaling != "none":  # a type its family lacks is refused by registry.check_supported, named
+        rope |= {"rope_type": scaling, "factor": meta.need("rope.scaling.factor")}
+    if scaling == "yarn":
+        rope["original_max_position_embeddings"] = meta.need("rope.scaling.original_context_length")
+        rope |= {name: value for name in ("beta_fast", "beta_slow")
+                 if (value := meta.get(f"rope.scaling.yarn_{name}")) is not None}
+    config["rope_parameters"] = rope
+    return config
+
+
+def granite_config(meta: Metadata, tensors: set[str]) -> dict:
+    config = _dense(meta, tensors)
+    head_dim = config["head_dim"]
+    if (rotary := meta.get("rope.dimension_count", head_dim)) != head_dim:
+        raise meta.refused(f"granite.rope.dimension_count={rotary} (rotary on part of each head)")
+    if not meta.get("rope.scaling.finetuned", True):  # llama.cpp's switch turning rope off
+        raise meta.refused("granite.rope.scaling.finetuned=False (no rotary embedding)")
+    return config | {"architectures": ["GraniteForCausalLM"], "model_type": "granite",
+                     "embedding_multiplier": meta.get("embedding_scale") or 1.0,
+                     "residual_multiplier": meta.get("residual_scale") or 1.0,
+                     "attention_multiplier": meta.get("attention.scale") or head_dim ** -0.5,
+                     "logits_scaling": meta.get("logit_scale") or 1.0}
+
+
+def _experts(meta: Metadata) -> dict:
+    """The routed and shared experts' fields (llama.cpp's defaults: no groups, not renormalised)."""
+    return {"n_routed_experts": meta.need("expert_count"), "num_experts_per_tok": meta.need("expert_used_count"),
+            "moe_intermediate_size": meta.need("expert_feed_forward_length"),
+            "n_shared_experts": meta.get("expert_shared_count", 0),
+            "first_k_dense_replace": meta.get("leading_dense_block_count", 0),
+            "routed_scaling_factor": meta.get("expert_weights_scale", 1.0),
+            "norm_topk_prob": bool(meta.get("expert_weights_norm", False)),
+            "n_group": meta.get("expert_group_count", 1), "topk_group": meta.get("expert_group_used_count", 1)}
+
+
+def glm4moe_config(meta: Metadata, tensors: set[str]) -> dict:
+    config = _dense(meta, tensors) | _experts(meta)
+    if (gating := meta.get("expert_gating_func", SIGMOID)) != SIGMOID:
+        raise meta.refused(f"glm4moe.expert_gating_func={gating} (GLM-4.5 routes by sigmoid, 2)")
+    mtp = meta.get("nextn_predict_layers", 0)
+    rotary = meta.need("rope.dimension_count")
+    return config | {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
+                     "num_hidden_layers": config["num_hidden_layers"] - mtp, "num_nextn_predict_layers": mtp,
+                     "partial_rotary_factor": rotary / config["head_dim"],
+                     "attention_bias": "blk.0.attn_q.bias" in tensors,
+                     "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors}
+
+
+def deepseek2_config(meta: Metadata, tensors: set[str]) -> dict:
+    rope_dim, latent = meta.need("rope.dimension_count"), meta.need("attention.kv_lora_rank")
+    heads = meta.need("attention.head_count")
+    key, value = meta.need("attention.key_length"), meta.need("attention.value_length")
+    if meta.get("attention.key_length_mla") is not None:  # key/value_length then the latent's
+        key, value = meta.need("attention.key_length_mla"), meta.need("attention.value_length_mla")
+    config = _dense(meta, tensors, head_dim=rope_dim) | _experts(meta)
+    rope = config["rope_parameters"]
+    if rope["rope_type"] == "yarn":
+        if not (log_mul := meta.get("rope.scaling.yarn_log_multiplier")):
+            raise meta.refused("deepseek2's YaRN without rope.scaling.yarn_log_multiplier (mscale_all_dim)")
+        rope |= {"mscale": log_mul / 0.1, "mscale_all_dim": log_mul / 0.1}
+    gating = meta.get("expert_gating_func", SOFTMAX)  # llama.cpp's default: V2's files name none
+    if gating not in (SIGMOID, SOFTMAX):
+        raise meta.refused(f"deepseek2.expert_gating_func={gating}")
+    if gating == SOFTMAX and config["norm_topk_prob"]:
+        raise meta.refused("deepseek2.expert_weights_norm=True under softmax routing (V2 does not renormalise)")
+    v3 = gating == SIGMOID
+    return config | {
+        "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v3" if v3 else "deepseek_v2", "num_key_value_heads": heads,
+        "q_lora_rank": meta.get("attention.q_lora_rank"), "kv_lora_rank": latent,
+        "qk_rope_head_dim": rope_dim, "qk_nope_head_dim": key - rope_dim, "v_head_dim": value,
+        "rope_interleave": True, "scoring_func": "sigmoid" if v3 else "softmax",
+        # V2's groups: the best experts' (transformers' group_limited_greedy).
+        "topk_method": "noaux_tc" if v3 else "group_limited_greedy" if config["n_group"] > 1 else "greedy"}
+
+
+CONFIGS = {"granite": granite_config, "glm4moe": glm4moe_config, "deepseek2": deepseek2_config}
+
+
+def config_from_metadata(reader, arch: str, name: str) -> dict:
+    """The HF config of a file of one of CONFIGS' architectures (a ModelNotFound naming the key
+    or value freetoken does not compute)."""
+    meta = Metadata(reader, arch, name)
+    config = CONFIGS[arch](meta, {t.name for t in reader.tensors})
+    # The embedding's rows where the key is absent (gguf_file's shapes check the two agree).
+    rows = [int(t.shape[-1]) for t in reader.tensors if t.name == "token_embd.weight"]
+    config["vocab_size"] = meta.get("vocab_size") or (rows or [0])[0]
+    meta.check_all_read()
+    return config
+
+
+# Their layers' GGUF names -> HF names (gguf_file.hf_name reads them over its LAYER).
+_SHARED = {"ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
+           "ffn_down_shexp": "mlp.shared_experts.down_proj", "exp_probs_b": "mlp.gate"}
+GLM4MOE_LAYER = {"post_attention_norm": "post_attention_layernorm", **_SHARED}
+# V2-Lite's attn_q is our q_b_proj over the hidden state (the llama family's q_proj is fused).
+DEEPSEEK2_LAYER = {"attn_q": "self_attn.q_b_proj", "attn_q_a": "self_attn.q_a_proj",
+                   "attn_q_a_norm": "self_attn.q_a_layernorm", "attn_q_b": "self_attn.q_b_proj",
+                   "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa", "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+                   "attn_kv_b": "self_attn.kv_b_proj", "attn_k_b": "self_attn.k_b_proj",
+                   "attn_v_b": "self_attn.v_b_proj", **_SHARED}
+
+
+def _moe_shapes(cfg, names: dict, shared: int, routed_bias: bool) -> dict:
+    """`names` (a layer's attention and norms) with the dense MLP below first_k_dense_replace,
+    the sparse one (router, stacked experts, `shared` experts' width of shared MLP) from there:
+    every layer's HF shapes."""
+    h, e, moe, inter = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.intermediate_size
+    dense = {"mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h), "mlp.down_proj.weight": (h, inter)}
+    experts = {"mlp.gate.weight": (e, h), "mlp.experts.gate_proj.weight": (e, moe, h),
+               "mlp.experts.up_proj.weight": (e, moe, h), "mlp.experts.down_proj.weight": (e, h, moe),
+               "mlp.shared_experts.gate_proj.weight": (shared, h), "mlp.shared_experts.up_proj.weight": (shared, h),
+               "mlp.shared_experts.down_proj.weight": (h, shared)}
+    if routed_bias:
+        experts["mlp.gate.e_score_correction_bias"] = (e,)
+    shapes = {}
+    for i in range(cfg.num_layers):
+        layer = names | (dense if i < cfg.first_k_dense_replace else experts)
+        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
+    return shapes
+
+
+def glm4moe_shapes(cfg, tensors: set[str]) -> dict:
+    h, d = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    names = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+             "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+             "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q)}
+    if cfg.attention_bias:
+        names |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
+    if cfg.qk_norm:
+        names |= {"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
+    return _moe_shapes(cfg, names, cfg.moe_intermediate_size * cfg.n_shared_experts, routed_bias=True)
+
+
+def deepseek2_shapes(cfg, tensors: set[str]) -> dict:
+    h, heads, latent, rope = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    nope, v = cfg.qk_nope_head_dim, cfg.v_head_dim
+    names = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+             "self_attn.q_b_proj.weight": (heads * (nope + rope), cfg.q_lora_rank or h),
+             "self_attn.kv_a_proj_with_mqa.weight": (latent + rope, h), "self_attn.kv_a_layernorm.weight": (latent,),
+             "self_attn.o_proj.weight": (h, heads * v)}
+    if cfg.q_lora_rank:
+        names |= {"self_attn.q_a_proj.weight": (cfg.q_lora_rank, h), "self_attn.q_a_layernorm.weight": (cfg.q_lora_rank,)}
+    if "blk.0.attn_k_b.weight" in tensors:  # newer converters: kv_b_proj split per head
+        names |= {"self_attn.k_b_proj.weight": (heads, latent, nope), "self_attn.v_b_proj.weight": (heads, v, latent)}
+    else:
+        names["self_attn.kv_b_proj.weight"] = (heads * (nope + v), latent)
+    return _moe_shapes(cfg, names, cfg.shared_intermediate_size, routed_bias=cfg.topk_method == "noaux_tc")
+
+
+SHAPES = {"glm4moe": glm4moe_shapes, "deepseek2": deepseek2_shapes}
+
+
+def skipped(reader, arch: str) -> set[str]:
+    """The file's tensors not read: a glm4moe's multi-token-prediction blocks (the last
+    `nextn_predict_layers`)."""
+    if arch != "glm4moe":
+        return set()
+    meta = Metadata(reader, arch, "")
+    first = meta.get("block_count", 0) - meta.get("nextn_predict_layers", 0)
+    return {t.name for t in reader.tensors if t.name.startswith("blk.") and int(t.name.split(".")[1]) >= first}
+
+
+def rope_rows(name: str, cfg, n: int) -> np.ndarray | None:
+    """deepseek2: the row order that puts a projection's interleaved rope outputs in halves
+    (layers/mla.py's deinterleave_rope; the model then reads them as such), or None."""
+    if name.endswith("self_attn.q_b_proj.weight"):
+        width = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    elif name.endswith("self_attn.kv_a_proj_with_mqa.weight"):
+        width = n
+    else:
+        return None
+    return deinterleave_rope(torch.arange(n)[:, None], width, cfg.qk_rope_head_dim)[:, 0].numpy()
+
+
+def join_kv_b(state: dict, cfg) -> None:
+    """A newer deepseek2 file's per-head k_b ([heads, latent, nope]: transposed) and v_b ([heads,
+    v, latent]) back into kv_b_proj ([heads * (nope + v), latent]), in place."""
+    for name in [n for n in state if n.endswith("self_attn.k_b_proj.weight")]:
+        prefix = name.removesuffix("k_b_proj.weight")
+        k_b, v_b = state.pop(name), state.pop(f"{prefix}v_b_proj.weight")
+        state[f"{prefix}kv_b_proj.weight"] = torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, cfg.kv_lora_rank)
