@@ -33,8 +33,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # [TOOL_CALLS] and [ARGS] are control tokens, which a skipping decode would drop.
     Family("mistral", detector=MistralDetector, detect=("[TOOL_CALLS]",),
            keeps_special_tokens=True, call_id=mistral_call_id),
-    # Granite's <|tool_call|> is a special token; Phi-4-mini's functools is plain text. Both
-    # vocabularies hold <|tool_call|>: Granite's template tells them apart.
+    # Granite's <|tool_call|> is a special token; Phi-4-mini's functools is plain text. Phi-4-mini's
+    # vocabulary holds <|tool_call|> too: Granite's template hint tells them apart.
     Family("granite", detector=GraniteDetector, detect=("<|tool_call|>",),
            template_hint="<|start_of_role|>", keeps_special_tokens=True),
     Family("phi4_mini_json", detector=Phi4MiniDetector, detect=("<|tool|>", "<|/tool|>")),
