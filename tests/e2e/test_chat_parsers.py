@@ -2,7 +2,8 @@
 
 Servers: `scripted_server` (default script; auto = qwen3 + hermes), `chat_server` (qwen3 +
 qwen3_coder), `harmony_server` (a scripted model on the Harmony tokenizer; auto = gpt_oss), and
-chat_model_path again with glm45's and with mistral's parsers (`parsed_by`).
+chat_model_path again with glm45's, mistral's, granite's and phi4_mini_json's parsers
+(`parsed_by`).
 Every case is asked for once with the openai client and once streamed, and the two messages must
 be the same.
 """
@@ -143,6 +144,21 @@ def test_mistral_calls_with_nine_character_ids(parsed_by):
     assert out["finish_reason"] == "tool_calls" and _content_tokens(out) == "Checking.\n"
     ids = [c["id"] for c in out["choice"]["message"]["tool_calls"]]
     assert all(len(i) == 9 and i.isalnum() for i in ids), ids
+
+
+def test_granite_call_list(parsed_by):
+    out = chat(parsed_by("off", "granite"), "[granite]", tools=[WEATHER, TIME], logprobs=True)
+    assert (out["content"], out["reasoning"]) == ("", "")
+    assert out["calls"] == [("get_weather", '{"city": "Paris", "days": 3}'),
+                            ("get_time", '{"zone": "CET"}')]
+    assert out["finish_reason"] == "tool_calls" and out["logprobs"] == []
+
+
+def test_phi4_mini_functools_list(parsed_by):
+    out = chat(parsed_by("off", "phi4_mini_json"), "[phi4_mini]", tools=[TIME], logprobs=True)
+    assert (out["content"], out["reasoning"]) == ("Checking.\n", "")
+    assert out["calls"] == [("get_time", '{"zone": "CET"}')]
+    assert out["finish_reason"] == "tool_calls" and _content_tokens(out) == "Checking.\n"
 
 
 def test_harmony_analysis_and_final(harmony_server):

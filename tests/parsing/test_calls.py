@@ -1,7 +1,7 @@
 """The tool-call stage through the output parser on text alone: turns generated from known
 calls and rendered in each format must parse back to those calls, in one piece and in any
-chunking; plus truncation, typed qwen3_coder and glm45 values, Harmony, mistral's two layouts
-and the reasoning -> tool pipeline."""
+chunking; plus truncation, typed qwen3_coder and glm45 values, Harmony, mistral's two layouts,
+the JSON lists of granite and phi4_mini_json and the reasoning -> tool pipeline."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from freetoken.parsing import registry
+from freetoken.parsing.call_list import GraniteDetector, Phi4MiniDetector
 from freetoken.parsing.calls import Detector, ToolCallItem
 from freetoken.parsing.glm45 import Glm45Detector, glm_value
 from freetoken.parsing.harmony import HarmonyDetector
@@ -22,7 +23,7 @@ from tests.parsing.support import TOOLS
 FAST = settings(max_examples=120, deadline=None)
 
 
-FORMATS = ["hermes", "qwen3_coder", "gpt_oss", "glm45", "mistral"]
+FORMATS = ["hermes", "qwen3_coder", "gpt_oss", "glm45", "mistral", "granite", "phi4_mini_json"]
 
 
 def split(text: str, cuts: list[int]) -> list[str]:
@@ -88,6 +89,9 @@ def render_call(fmt: str, name: str, args: dict, variant: int = 0) -> str:
             return "[TOOL_CALLS] " + json.dumps([{"name": name, "arguments": args}])
         call_id = "[CALL_ID]a1B2c3D4e" if variant % 3 == 2 else ""
         return f"[TOOL_CALLS]{name}{call_id}[ARGS]{json.dumps(args)}"
+    if fmt in ("granite", "phi4_mini_json"):  # a one-call list; Granite 3.1's <tool_call> too
+        opener = "functools" if fmt == "phi4_mini_json" else ("<tool_call>", "<|tool_call|>")[variant % 2]
+        return opener + json.dumps([{"name": name, "arguments": args}], ensure_ascii=False)
     start = "<|start|>assistant" if variant % 2 else ""
     constrain = " <|constrain|>json" if variant % 3 else ""
     return f"{start}<|channel|>commentary to=functions.{name}{constrain}<|message|>{json.dumps(args)}<|call|>"
@@ -158,7 +162,8 @@ NOISE = ["<tool_call>", "</tool_call>", "<function=get_weather>", "<function=", 
          "<|constrain|>json", "<|message|>", "<|call|>", "<|end|>", '{"name": "get_weather", "arguments": ', "{", "}",
          '"city": ', '"Oslo"', ", ", "12", "true", "\n", " ", "<", "</", "<|", "x", "é",
          "<tool_call>get_weather\n", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "city",
-         "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "get_weather", "[", "]", '{"city": "Oslo"}']
+         "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "get_weather", "[", "]", '{"city": "Oslo"}',
+         "<|tool_call|>", "functools", "func", "tools", '[{"name": "get_weather", "arguments": ']
 
 
 @FAST
@@ -284,6 +289,32 @@ SCRIPTED = [
     ("mistral", "[TOOL_CALLS]get_wea", "[TOOL_CALLS]get_wea", []),
     # an array left open ends at the end of the output
     ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"days": 1}},', "", [("get_weather", {"days": 1})]),
+    (
+        "granite",
+        '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
+        '{"name": "write_file", "arguments": {"path": "a", "content": "x]"}}]',
+        "",
+        [("get_weather", {"city": "Paris", "days": 3}), ("write_file", {"path": "a", "content": "x]"})],
+    ),
+    # text before the list is text; Granite 3.1's <tool_call> before a list; a list left open
+    ("granite", 'Sure.\n<tool_call> [{"name": "get_weather", "parameters": {"city": "Oslo"}}]', "Sure.\n",
+     [("get_weather", {"city": "Oslo"})]),
+    ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": {"days": 1}}, ', "", [("get_weather", {"days": 1})]),
+    # an opener with no list after it (Granite 3.1's hermes-like <tool_call>{...}) stays text
+    ("granite", '<tool_call>{"name": "get_weather"}', '<tool_call>{"name": "get_weather"}', []),
+    ("granite", "<|tool_call|>hello", "<|tool_call|>hello", []),
+    (
+        "phi4_mini_json",
+        'functools[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "configure", '
+        '"arguments": {"tags": ["x", "y"], "opts": {"a": [1]}}}] Done.',
+        "Done.",
+        [("get_weather", {"city": "Paris"}), ("configure", {"tags": ["x", "y"], "opts": {"a": [1]}})],
+    ),
+    ("phi4_mini_json", "I used functools.partial here.", "I used functools.partial here.", []),
+    ("phi4_mini_json", 'functools [{"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\"}"}]', "",
+     [("get_weather", {"city": "Rome"})]),
+    ("phi4_mini_json", "See functools", "See functools", []),
+    ("phi4_mini_json", "functools[1, 2]", "functools[1, 2]", []),
 ]
 
 
@@ -309,6 +340,8 @@ HARMONY_HEAD = "<|channel|>commentary to=functions.get_weather<|message|>"
     ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Par', '{"city": "Par'),
     ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Nice", "da',
      '{"city": "Nice", "da'),
+    ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Par', '{"city": "Par'),
+    ("phi4_mini_json", 'functools[{"name": "get_weather", "arguments": {"days": 2, "ci', '{"days": 2, "ci'),
 ])
 def test_a_call_cut_short_keeps_its_arguments_as_far_as_they_came(fmt, text, arguments):
     expected = ("", [("get_weather", arguments)])
@@ -449,15 +482,18 @@ def test_has_tool_call_and_registry():
     assert has_tool_call("qwen3_coder", "<function=f>")
     assert has_tool_call("gpt_oss", "<|channel|>commentary to=functions.f")
     assert has_tool_call("mistral", "x [TOOL_CALLS]")
-    assert {"hermes", "qwen25", "qwen", "qwen3_coder", "gpt_oss", "glm45", "mistral"} == set(
-        registry.TOOL_CALL_PARSERS)
+    assert has_tool_call("granite", "<|tool_call|>[") and has_tool_call("phi4_mini_json", "x functools[")
+    assert {"hermes", "qwen25", "qwen", "qwen3_coder", "gpt_oss", "glm45", "mistral", "granite",
+            "phi4_mini_json"} == set(registry.TOOL_CALL_PARSERS)
     assert detector("qwen") is HermesDetector
     assert detector("qwen3_coder") is Qwen3CoderDetector
     assert detector("gpt_oss") is HarmonyDetector
     assert detector("glm45") is Glm45Detector and detector("mistral") is MistralDetector
+    assert detector("granite") is GraniteDetector and detector("phi4_mini_json") is Phi4MiniDetector
     assert all(issubclass(detector(n), Detector) for n in registry.TOOL_CALL_PARSERS)
     tags = {m for n in registry.TOOL_CALL_PARSERS for m in detector(n).start_markers}
-    assert {"<tool_call>", "<function=", "<|channel|>", "<|start|>", "[TOOL_CALLS]"} == tags
+    assert {"<tool_call>", "<function=", "<|channel|>", "<|start|>", "[TOOL_CALLS]", "<|tool_call|>",
+            "functools"} == tags
     with pytest.raises(ValueError):
         tool_parser("auto")
 

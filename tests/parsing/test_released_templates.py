@@ -1,4 +1,4 @@
-"""The glm45 and mistral parsers on what the released chat templates write (tests/fixtures/
+"""The glm45, mistral, granite and phi4_mini_json parsers on what the released chat templates write (tests/fixtures/
 templates): a conversation whose last assistant turn holds reasoning, text and tool calls is
 rendered by transformers' apply_chat_template, that turn is tokenized with a vocabulary holding
 the format's tokens (special as in the released tokenizers), and the parser, driven as
@@ -187,3 +187,81 @@ def test_forced_call_grammars_take_the_templates_calls(glm_tok, mistral_tok, too
         matcher = llguidance.LLMatcher(ll, llguidance.grammar_from("lark", grammar), log_level=0)
         assert matcher.consume_tokens(tok.encode(one, add_special_tokens=False)), matcher.get_error()
         assert matcher.is_accepting()
+
+
+@pytest.fixture(scope="module")
+def granite_tok(tiny_harmony_path):
+    # Granite 3.x's role markers and <|tool_call|> are special; <|end_of_text|> is BOS and EOS.
+    return tokenizer(tiny_harmony_path, ["<|end_of_text|>", "<|end_of_text|>", "<|start_of_role|>",
+                                         "<|end_of_role|>", "<|tool_call|>"])
+
+
+@pytest.fixture(scope="module")
+def phi4_tok(tiny_harmony_path):
+    # Phi-4-mini's role and tool markers are special; functools is plain text.
+    return tokenizer(tiny_harmony_path, ["<|endoftext|>", "<|endoftext|>", "<|system|>", "<|user|>",
+                                         "<|assistant|>", "<|end|>", "<|tool|>", "<|/tool|>",
+                                         "<|tool_call|>", "<|/tool_call|>", "<|tool_response|>"])
+
+
+def call_list(calls=CALLS) -> str:
+    return json.dumps([{"name": n, "arguments": a} for n, a in calls], ensure_ascii=False)
+
+
+@pytest.mark.parametrize("name", ["granite-3.0-8b-instruct.jinja", "granite-3.3-2b-instruct.jinja"])
+def test_granite_calls(granite_tok, name):
+    """3.0's template writes an `assistant_tool_call` turn as <|tool_call|> and the list; 3.3's
+    system prompt asks for that, and its assistant turn is the content as written."""
+    prompt = render(granite_tok, name, [USER], add_generation_prompt=True)
+    assert prompt.endswith("<|start_of_role|>assistant<|end_of_role|>")
+    assert '"name": "get_weather"' in prompt  # the tools are shown
+    if name.startswith("granite-3.3"):
+        assert "respond only with <|tool_call|> followed by a JSON list of tools used" in prompt
+    turn = {"role": "assistant_tool_call", "content": call_list()} if "3.0" in name else \
+        {"role": "assistant", "content": "<|tool_call|>" + call_list()}
+    text = render(granite_tok, name, [USER, turn])
+    head = "<|start_of_role|>assistant<|end_of_role|>"
+    turn = text[text.rindex(head) + len(head):].removesuffix("\n").removesuffix("<|end_of_text|>")
+    assert turn.startswith('<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"')
+    assert registry.keeps_special_tokens(None, "granite")  # <|tool_call|> is a special token
+    got = parse_turn(granite_tok, turn, None, "granite")
+    assert got == {"reasoning": "", "content": "", "calls": CALLS, "content_tokens": ""}
+    # tool_choice "required": the grammar (<|tool_call|> matched as its token) takes the turn.
+    import llguidance
+
+    from freetoken.parsing import tool_grammar
+    from freetoken.structured.grammar import ll_tokenizer
+
+    grammar, _ = registry.tool_call_grammar("granite", TOOLS, None, True, tool_grammar.token_literal(granite_tok))
+    assert grammar.startswith("start: <[")
+    ll = ll_tokenizer(granite_tok, len(granite_tok), [granite_tok.eos_token_id])
+    matcher = llguidance.LLMatcher(ll, llguidance.grammar_from("lark", grammar), log_level=0)
+    assert matcher.consume_tokens(granite_tok.encode(turn, add_special_tokens=False)), matcher.get_error()
+    assert matcher.is_accepting()
+
+
+def test_phi4_mini_calls(phi4_tok):
+    """Phi-4-mini's template shows the tools of a system message's `tools` field and writes a
+    turn as its content; the calls as vLLM's phi4_mini_json reads them (functools[...])."""
+    tools = json.dumps([t["function"] for t in TOOLS])
+    system = {"role": "system", "content": "You are a helpful assistant with some tools.", "tools": tools}
+    prompt = render(phi4_tok, "phi-4-mini-instruct.jinja", [system, USER], add_generation_prompt=True)
+    assert f"<|tool|>{tools}<|/tool|><|end|><|user|>" in prompt and prompt.endswith("<|assistant|>")
+    content = "Checking both.\n"  # no token of this vocabulary spans "\nf"
+    text = render(phi4_tok, "phi-4-mini-instruct.jinja",
+                  [system, USER, {"role": "assistant", "content": content + "functools" + call_list()}])
+    turn = text[text.rindex("<|assistant|>") + len("<|assistant|>"):].removesuffix("<|endoftext|>")
+    turn = turn.removesuffix("<|end|>")  # the model's <|end|> stops it
+    assert not registry.keeps_special_tokens(None, "phi4_mini_json")
+    got = parse_turn(phi4_tok, turn, None, "phi4_mini_json")
+    assert got == {"reasoning": "", "content": content, "calls": CALLS, "content_tokens": content}
+
+
+def test_auto_tells_granite_and_phi4_mini_apart(granite_tok, phi4_tok):
+    """Both vocabularies hold <|tool_call|>: Granite's template tells them apart. (These tiny
+    vocabularies hold Harmony's markers too, which `auto` would prefer: each family is asked.)"""
+    granite, phi4 = registry.FAMILIES["granite"], registry.FAMILIES["phi4_mini_json"]
+    granite_template, phi4_template = template("granite-3.3-2b-instruct.jinja"), template("phi-4-mini-instruct.jinja")
+    assert granite.detected(granite_tok, granite_template) and not phi4.detected(granite_tok, granite_template)
+    assert granite.detected(granite_tok, template("granite-3.0-8b-instruct.jinja"))
+    assert phi4.detected(phi4_tok, phi4_template) and not granite.detected(phi4_tok, phi4_template)

@@ -26,6 +26,11 @@ GLM45 = ("\n<think>I need the weather.</think>\nOne moment.\n<tool_call>get_weat
          "<arg_value>3</arg_value>\n</tool_call>")
 MISTRAL = ('Checking.\n[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}'
            '[TOOL_CALLS]get_time[ARGS]{"zone": "CET"}')
+# Granite 3.x's calls (--tool-call-parser granite) and Phi-4-mini's (phi4_mini_json): an opener,
+# then a JSON list of calls; here <|tool_call|> is plain text too.
+GRANITE = ('<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
+           '{"name": "get_time", "arguments": {"zone": "CET"}}]')
+PHI4_MINI = 'Checking.\nfunctools[{"name": "get_time", "arguments": {"zone": "CET"}}]'
 # Meant for enable_thinking false + tool_choice "none": markers inside content stay text.
 RULE6 = ' Plain </think> text\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call> done.'
 
@@ -42,6 +47,8 @@ def chat_scripts(tok) -> dict[str, list[int]]:
         "[rule6]": enc(RULE6),
         "[glm45]": enc(GLM45),
         "[mistral]": enc(MISTRAL),
+        "[granite]": enc(GRANITE),
+        "[phi4_mini]": enc(PHI4_MINI),
         # The emoji as four one-byte tokens: a character split across tokens.
         "[emoji]": [*enc("Thinking.</think>\n\nHot "), *byte_ids(tok, "🙂"),
                     *enc(" day. Nice weather today.")],

@@ -9,8 +9,9 @@ import re
 import secrets
 import string
 
-from freetoken.parsing.calls import DONE, PENDING, TEXT, CallScan, Detector
-from freetoken.parsing.json_args import args_json, call_arguments, scan_object, skip_ws
+from freetoken.parsing.call_list import CallListDetector
+from freetoken.parsing.calls import DONE, PENDING, TEXT, CallScan
+from freetoken.parsing.json_args import args_json, skip_ws
 
 _NAME = re.compile(r"[A-Za-z0-9_-]*")
 _ID_CHARS = string.ascii_letters + string.digits
@@ -21,67 +22,18 @@ def mistral_call_id() -> str:
     return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
 
 
-class MistralDetector(Detector):
-    """``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`` or
-    ``[TOOL_CALLS]NAME[ARGS]{...}`` (``[CALL_ID]ID`` before ``[ARGS]`` skipped; a bare
-    ``NAME{...}`` too).
-
-    Each element of the array is one call: after its object, a ``,`` continues the array and
-    ``]`` ends it. Array elements read as hermes's objects (``"parameters"`` and arguments as a
-    JSON string accepted). A named call ends with its arguments' object; text after it is text.
+class MistralDetector(CallListDetector):
+    """``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`` (the JSON list that granite and
+    phi4_mini_json share) or ``[TOOL_CALLS]NAME[ARGS]{...}`` (``[CALL_ID]ID`` before ``[ARGS]``
+    skipped; a bare ``NAME{...}`` too). A named call ends with its arguments' object; text
+    after it is text.
     """
 
     BOT, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
     start_markers = (BOT,)
 
-    def __init__(self, tools: list[dict] | None) -> None:
-        super().__init__(tools)
-        self._in_array = False  # an array element ended with ",": the next call is its next
-
-    def find_start(self, text: str) -> int:
-        if self._in_array:
-            p = skip_ws(text, 0)
-            return p if p < len(text) else -1
-        return super().find_start(text)
-
-    def scan_call(self, text: str, final: bool) -> CallScan:
-        if self._in_array:
-            return self._element(text, 0, final)
-        p = skip_ws(text, len(self.BOT))
-        if p == len(text):
-            return CallScan(TEXT, consumed=len(self.BOT)) if final else CallScan(PENDING)
-        if text[p] != "[":
-            return self._named(text, p, final)
-        q = skip_ws(text, p + 1)
-        if q == len(text) and not final:
-            return CallScan(PENDING)
-        return self._element(text, q, final)
-
-    def _element(self, text: str, start: int, final: bool) -> CallScan:
-        """One object of the array at ``text[start]``; the block runs through the ``,`` or
-        ``]`` after it."""
-        if not text.startswith("{", start):
-            self._in_array = False  # a later element that is no object: text from there
-            return CallScan(TEXT, consumed=len(self.BOT) if start else 0)
-        scan = scan_object(text, start, final)
-        name = next((v for k, v, _ in scan.members if k == "name" and isinstance(v, str)), None)
-        args = call_arguments(text, scan, final)
-        if scan.end is None:
-            if not final:
-                return CallScan(PENDING, name, args)
-            self._in_array = False
-            if name is None:
-                return CallScan(TEXT, consumed=len(text))
-            return CallScan(DONE, name, args, len(text))  # cut short: as generated
-        after = skip_ws(text, scan.end)
-        if after == len(text) and not final:
-            return CallScan(PENDING, name, args)
-        self._in_array = text.startswith(",", after)
-        end = after + 1 if text.startswith((",", "]"), after) else scan.end
-        if name is None:
-            self._in_array = False
-            return CallScan(TEXT, consumed=end)
-        return CallScan(DONE, name, args or "{}", end)
+    def not_a_list(self, text: str, head: int, p: int, final: bool) -> CallScan:
+        return self._named(text, p, final)
 
     def _named(self, text: str, p: int, final: bool) -> CallScan:
         """``NAME[ARGS]{...}`` from ``text[p]``; the name is sent once its arguments begin."""

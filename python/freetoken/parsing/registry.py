@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from freetoken.parsing import tool_grammar
+from freetoken.parsing.call_list import GraniteDetector, Phi4MiniDetector
 from freetoken.parsing.calls import CallStream
 from freetoken.parsing.family import Family, check_logprobs as _check_logprobs, openai_call_id
 from freetoken.parsing.glm45 import Glm45Detector, Glm45Splitter
@@ -32,6 +33,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # [TOOL_CALLS] and [ARGS] are control tokens, which a skipping decode would drop.
     Family("mistral", detector=MistralDetector, detect=("[TOOL_CALLS]",),
            keeps_special_tokens=True, call_id=mistral_call_id),
+    # Granite's <|tool_call|> is a special token; Phi-4-mini's functools is plain text. Phi-4-mini's
+    # vocabulary holds <|tool_call|> too: Granite's template hint tells them apart.
+    Family("granite", detector=GraniteDetector, detect=("<|tool_call|>",),
+           template_hint="<|start_of_role|>", keeps_special_tokens=True),
+    Family("phi4_mini_json", detector=Phi4MiniDetector, detect=("<|tool|>", "<|/tool|>")),
 )}  # fmt: skip
 ALIASES = {"qwen25": "hermes", "qwen": "hermes"}  # more names of tool-call parsers
 REASONING_PARSERS = tuple(n for n, f in FAMILIES.items() if f.splitter is not None)
@@ -126,6 +132,8 @@ TOOL_GRAMMARS = {"hermes": (tool_grammar.hermes, False),
                  "qwen3_coder": (tool_grammar.qwen3_coder, False),
                  "glm45": (tool_grammar.glm45, False),
                  "mistral": (tool_grammar.mistral, False),
+                 "granite": (tool_grammar.granite, False),
+                 "phi4_mini_json": (tool_grammar.phi4_mini, False),
                  "gpt_oss": (tool_grammar.harmony, True)}
 
 

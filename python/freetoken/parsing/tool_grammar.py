@@ -201,12 +201,32 @@ def mistral(tools: list[dict], name: str | None, parallel: bool, literal: Litera
             rules.append(f"call_{i}: {bot} {quote(tool['function']['name'])} {args} "
                          f"{_json(_params(tool))}")
     else:
-        more = ' (", " call)*' if many else ""
-        rules = [f'start: {bot} " [" call{more} "]"', _alternatives(chosen)]
-        for i, tool in enumerate(chosen):
-            head = quote('{"name": ' + json.dumps(tool["function"]["name"]) + ', "arguments": ')
-            rules.append(f"call_{i}: {head} {_json(_params(tool))} \"}}\"")
+        rules = _call_list(chosen, f'{bot} " ["', many)
     return "\n".join(rules) + "\n"
+
+
+def _call_list(chosen: list[dict], opener: str, many: bool) -> list[str]:
+    """`opener` (a grammar expression ending in the list's ``[``), then
+    ``{"name": NAME, "arguments": ARGS}``, more after ``, `` with `many`, and ``]``."""
+    more = ' (", " call)*' if many else ""
+    rules = [f'start: {opener} call{more} "]"', _alternatives(chosen)]
+    for i, tool in enumerate(chosen):
+        head = quote('{"name": ' + json.dumps(tool["function"]["name"]) + ', "arguments": ')
+        rules.append(f"call_{i}: {head} {_json(_params(tool))} \"}}\"")
+    return rules
+
+
+def granite(tools: list[dict], name: str | None, parallel: bool, literal: Literal) -> str:
+    """``<|tool_call|>[{"name": NAME, "arguments": ARGS}, ...]``, as Granite 3.x's templates
+    ask for its calls."""
+    opener = f'{literal("<|tool_call|>")} "["'
+    return "\n".join(_call_list(_chosen(tools, name), opener, parallel and name is None)) + "\n"
+
+
+def phi4_mini(tools: list[dict], name: str | None, parallel: bool, literal: Literal) -> str:
+    """``functools[{"name": NAME, "arguments": ARGS}, ...]`` (plain text, no added tokens)."""
+    opener = quote("functools[")
+    return "\n".join(_call_list(_chosen(tools, name), opener, parallel and name is None)) + "\n"
 
 
 def harmony(tools: list[dict], name: str | None, parallel: bool, literal: Literal) -> str:
