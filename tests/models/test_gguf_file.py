@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from freetoken.config import WeightsConfig
-from freetoken.models import loader, registry
+from freetoken.models import files, loader, registry
 from freetoken.distributed.parts import RowParts
 from freetoken.layers.quantized import QuantizedEmbedding, QuantizedLinear
 from freetoken.paths import ModelNotFound
@@ -115,7 +115,7 @@ def test_a_bad_file_is_one_error_naming_the_tensor_with_nothing_cached(built, tm
     with pytest.raises(ModelNotFound, match=f"bad.gguf: {message}") as err:
         registry.load_model(path, device="cpu")
     assert err.value.__cause__ is None and err.value.__suppress_context__
-    assert not loader._cache_folder(path, "config").exists() and not loader._cache_folder(path).exists()
+    assert not files.gguf_cache_folder(path, "config").exists() and not files.gguf_cache_folder(path).exists()
 
 
 def test_a_tensor_that_does_not_fit_the_config_is_named(built, tmp_path):
@@ -162,7 +162,7 @@ def test_a_gguf_caches_its_config_and_tokenizer_only(built):
     folder, name = registry.model_folder(built["qwen3"] / "model.gguf")
     assert name == "model" and (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
     assert not list(folder.glob("*.safetensors"))
-    assert loader.gguf_source(folder) == (built["qwen3"] / "model.gguf").resolve()
+    assert files.gguf_source(folder) == (built["qwen3"] / "model.gguf").resolve()
     assert registry.model_folder(folder) == (folder, name)
 
 

@@ -78,10 +78,9 @@ STOP_TOKENS = {"gpt_oss": ("<|return|>", "<|call|>"), "glm4_moe": ("<|user|>", "
 
 def config_folder(gguf: Path, cache: Path, link: str) -> Path:
     """`cache`: config.json, the tokenizer's files and a link `link` to `gguf` (no weights),
-    written once; transformers parses the file's metadata (its tensors are not read), once
-    our reader has found every tensor's type and extent sound (a bad file names its tensor)."""
-    if (cache / "config.json").is_file() and (cache / link).exists():
-        return cache
+    written (files.cached_config_folder finds it later); transformers parses the file's
+    metadata (its tensors are not read), once our reader has found every tensor's type and
+    extent sound (a bad file names its tensor)."""
     reader = open_gguf(gguf)
     arch = architecture(reader)
     # transformers' parse gives such a file the default schedule: served so, it is another model.

