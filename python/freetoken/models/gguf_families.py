@@ -1,6 +1,7 @@
-"""The GGUF architectures whose config transformers' GGUF parse does not build (llama.cpp's
-`granite`, `glm4moe`, `deepseek2`: IBM's Granite, GLM-4.5, DeepSeek-V2/V3), read by our own
-code: the config of the HF checkpoint llama.cpp's converter made the file from, out of its
+"""The GGUF architectures whose config transformers' GGUF parse does not build, or builds
+without what changes their results (llama.cpp's `granite`, `glm4moe`, `deepseek2`, `smollm3`:
+IBM's Granite, GLM-4.5, DeepSeek-V2/V3, SmolLM3; `phi3`: Phi-3, Phi-4, Phi-4-mini, whose
+longrope factors transformers' parse drops), read by our own code: the config of the HF checkpoint llama.cpp's converter made the file from, out of its
 metadata (llama.cpp's keys, and its defaults where a key is absent), and where their tensors
 go (our HF names and shapes, for models/gguf_file.py's reader).
 
@@ -26,10 +27,13 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from gguf import GGUFValueType
+from gguf import GGMLQuantizationType, GGUFValueType
 
 from freetoken.layers.mla import deinterleave_rope
 from freetoken.paths import ModelNotFound
+
+# llama.cpp writes longrope's factors as tensors (one set each, shared by every layer).
+LONGROPE = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 SIGMOID, SOFTMAX = 2, 1  # llama.cpp's expert_gating_func values
 # Tensors held in float32 whatever the model's dtype: GLM's router and its correction bias, as
@@ -75,7 +79,7 @@ class Metadata:
             raise self.refused(", ".join(f"{k}={self.get(k.removeprefix(self.arch + '.'))!r}" for k in unread))
 
 
-def _dense(meta: Metadata, tensors: set[str], head_dim: int | None = None) -> dict:
+def _dense(meta: Metadata, tensors: dict, head_dim: int | None = None) -> dict:
     """The fields of every decoder: sizes, norm epsilon, context, rotary base and schedule, tied head."""
     hidden, heads = meta.need("embedding_length"), meta.need("attention.head_count")
     config = {"hidden_size": hidden, "num_attention_heads": heads, "num_hidden_layers": meta.need("block_count"),
@@ -101,11 +105,15 @@ def _dense(meta: Metadata, tensors: set[str], head_dim: int | None = None) -> di
     return config
 
 
-def granite_config(meta: Metadata, tensors: set[str]) -> dict:
+def _whole_rotary(meta: Metadata, head_dim: int) -> None:
+    if (rotary := meta.get("rope.dimension_count", head_dim)) != head_dim:
+        raise meta.refused(f"{meta.arch}.rope.dimension_count={rotary} (rotary on part of each head)")
+
+
+def granite_config(meta: Metadata, tensors: dict) -> dict:
     config = _dense(meta, tensors)
     head_dim = config["head_dim"]
-    if (rotary := meta.get("rope.dimension_count", head_dim)) != head_dim:
-        raise meta.refused(f"granite.rope.dimension_count={rotary} (rotary on part of each head)")
+    _whole_rotary(meta, head_dim)
     if not meta.get("rope.scaling.finetuned", True):  # llama.cpp's switch turning rope off
         raise meta.refused("granite.rope.scaling.finetuned=False (no rotary embedding)")
     return config | {"architectures": ["GraniteForCausalLM"], "model_type": "granite",
@@ -113,6 +121,39 @@ def granite_config(meta: Metadata, tensors: set[str]) -> dict:
                      "residual_multiplier": meta.get("residual_scale") or 1.0,
                      "attention_multiplier": meta.get("attention.scale") or head_dim ** -0.5,
                      "logits_scaling": meta.get("logit_scale") or 1.0}
+
+
+def smollm3_config(meta: Metadata, tensors: dict) -> dict:
+    config = _dense(meta, tensors)
+    _whole_rotary(meta, config["head_dim"])
+    return config | {"architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", "no_rope_layer_interval": 4}
+
+
+def phi3_config(meta: Metadata, tensors: dict) -> dict:
+    config = _dense(meta, tensors)
+    rotary = meta.get("rope.dimension_count", config["head_dim"])
+    original = meta.get("rope.scaling.original_context_length", config["max_position_embeddings"])
+    rope, scale = config["rope_parameters"], meta.get("rope.scaling.attn_factor", 1.0)
+    factors = {name: _factors(meta, tensors[name], rotary) for name in LONGROPE if name in tensors}
+    if factors:
+        if len(factors) == 1:
+            raise meta.refused(f"longrope with {', '.join(factors)} alone")
+        long, short = factors.values()
+        rope |= {"rope_type": "longrope", "long_factor": long, "short_factor": short, "attention_factor": scale,
+                 "original_max_position_embeddings": original}
+    elif scale != 1:
+        raise meta.refused(f"phi3.rope.scaling.attn_factor={scale} without longrope's factors")
+    return config | {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
+                     "original_max_position_embeddings": original, "partial_rotary_factor": rotary / config["head_dim"],
+                     "sliding_window": meta.get("attention.sliding_window") or None}
+
+
+def _factors(meta: Metadata, tensor, rotary: int) -> list[float]:
+    """A longrope factor tensor's values: one per rotary frequency."""
+    if tensor.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) or tensor.n_elements != rotary // 2:
+        raise meta.refused(f"{tensor.name} of {tensor.n_elements} {tensor.tensor_type.name} values "
+                           f"(longrope's factors: {rotary // 2} floats, one per rotary frequency)")
+    return np.asarray(tensor.data, dtype=np.float32).tolist()
 
 
 def _experts(meta: Metadata) -> dict:
@@ -126,7 +167,7 @@ def _experts(meta: Metadata) -> dict:
             "n_group": meta.get("expert_group_count", 1), "topk_group": meta.get("expert_group_used_count", 1)}
 
 
-def glm4moe_config(meta: Metadata, tensors: set[str]) -> dict:
+def glm4moe_config(meta: Metadata, tensors: dict) -> dict:
     config = _dense(meta, tensors) | _experts(meta)
     if (gating := meta.get("expert_gating_func", SIGMOID)) != SIGMOID:
         raise meta.refused(f"glm4moe.expert_gating_func={gating} (GLM-4.5 routes by sigmoid, 2)")
@@ -139,7 +180,7 @@ def glm4moe_config(meta: Metadata, tensors: set[str]) -> dict:
                      "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors}
 
 
-def deepseek2_config(meta: Metadata, tensors: set[str]) -> dict:
+def deepseek2_config(meta: Metadata, tensors: dict) -> dict:
     rope_dim, latent = meta.need("rope.dimension_count"), meta.need("attention.kv_lora_rank")
     heads = meta.need("attention.head_count")
     key, value = meta.need("attention.key_length"), meta.need("attention.value_length")
@@ -167,14 +208,15 @@ def deepseek2_config(meta: Metadata, tensors: set[str]) -> dict:
         "topk_method": "noaux_tc" if v3 else "group_limited_greedy" if config["n_group"] > 1 else "greedy"}
 
 
-CONFIGS = {"granite": granite_config, "glm4moe": glm4moe_config, "deepseek2": deepseek2_config}
+CONFIGS = {"granite": granite_config, "glm4moe": glm4moe_config, "deepseek2": deepseek2_config,
+           "phi3": phi3_config, "smollm3": smollm3_config}
 
 
 def config_from_metadata(reader, arch: str, name: str) -> dict:
     """The HF config of a file of one of CONFIGS' architectures (a ModelNotFound naming the key
-    or value freetoken does not compute)."""
+    or value freetoken does not compute). Each of CONFIGS is given the file's tensors by name."""
     meta = Metadata(reader, arch, name)
-    config = CONFIGS[arch](meta, {t.name for t in reader.tensors})
+    config = CONFIGS[arch](meta, {t.name: t for t in reader.tensors})
     # The embedding's rows where the key is absent (gguf_file's shapes check the two agree).
     rows = [int(t.shape[-1]) for t in reader.tensors if t.name == "token_embd.weight"]
     config["vocab_size"] = meta.get("vocab_size") or (rows or [0])[0]
@@ -183,6 +225,7 @@ def config_from_metadata(reader, arch: str, name: str) -> dict:
 
 
 # Their layers' GGUF names -> HF names (gguf_file.hf_name reads them over its LAYER).
+PHI3_LAYER = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _SHARED = {"ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
            "ffn_down_shexp": "mlp.shared_experts.down_proj", "exp_probs_b": "mlp.gate"}
 GLM4MOE_LAYER = {"post_attention_norm": "post_attention_layernorm", **_SHARED}
@@ -242,12 +285,28 @@ def deepseek2_shapes(cfg, tensors: set[str]) -> dict:
     return _moe_shapes(cfg, names, cfg.shared_intermediate_size, routed_bias=cfg.topk_method == "noaux_tc")
 
 
-SHAPES = {"glm4moe": glm4moe_shapes, "deepseek2": deepseek2_shapes}
+def phi3_shapes(cfg, tensors: set[str]) -> dict:
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    names = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+             "self_attn.o_proj.weight": (h, q), "mlp.gate_up_proj.weight": (2 * inter, h),
+             "mlp.down_proj.weight": (h, inter)}
+    if "blk.0.attn_qkv.weight" in tensors:
+        names["self_attn.qkv_proj.weight"] = (q + 2 * kv, h)
+    else:
+        names |= {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+                  "self_attn.v_proj.weight": (kv, h)}
+    return {f"model.layers.{i}.{name}": shape for i in range(cfg.num_layers) for name, shape in names.items()}
+
+
+SHAPES = {"glm4moe": glm4moe_shapes, "deepseek2": deepseek2_shapes, "phi3": phi3_shapes}
 
 
 def skipped(reader, arch: str) -> set[str]:
-    """The file's tensors not read: a glm4moe's multi-token-prediction blocks (the last
-    `nextn_predict_layers`)."""
+    """The file's tensors not read as weights: phi3's longrope factors (read into the config), a
+    glm4moe's multi-token-prediction blocks (the last `nextn_predict_layers`)."""
+    if arch == "phi3":
+        return set(LONGROPE)
     if arch != "glm4moe":
         return set()
     meta = Metadata(reader, arch, "")

@@ -11,9 +11,9 @@ interleaved); the permutation is over whole output rows, so it is undone by gath
 quantized or not (a copy of those two tensors only). The Llama-family decoders (models/llama.py),
 the Qwen MoE ones (models/qwen3_moe.py: a sparse layer's experts stacked [E, out, in], kept
 quantized by layers/moe.py's take_stacked_experts) and gpt-oss (models/gpt_oss.py: its experts
-so too, MXFP4, with biases), and Granite, GLM-4.5 and DeepSeek-V2/V3, whose configs our code
-builds (models/gguf_families.py), are read here; the others go through transformers'
-conversion (loader.py).
+so too, MXFP4, with biases), and Granite, GLM-4.5, DeepSeek-V2/V3, Phi-3/4 and SmolLM3, whose
+configs our code builds (models/gguf_families.py), are read here; the others go through
+transformers' conversion (loader.py).
 """
 
 from __future__ import annotations
@@ -64,12 +64,12 @@ GPT_OSS_LAYER = {**LAYER, "ffn_gate_inp": "mlp.router", "post_attention_norm": "
 GEMMA3_LAYER = {**LAYER, "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                 "post_ffw_norm": "post_feedforward_layernorm"}
 LAYERS = {"gpt-oss": GPT_OSS_LAYER, "gemma3": GEMMA3_LAYER, "glm4moe": {**LAYER, **families.GLM4MOE_LAYER},
-          "deepseek2": {**LAYER, **families.DEEPSEEK2_LAYER}}
+          "deepseek2": {**LAYER, **families.DEEPSEEK2_LAYER}, "phi3": {**LAYER, **families.PHI3_LAYER}}
 # Leaves named otherwise: gpt-oss's sinks (a parameter of the attention), a sigmoid router's
 # correction bias (`exp_probs_b.bias`).
 LEAVES = {"attn_sinks": "sinks", "exp_probs_b": "e_score_correction_bias"}
 # llama.cpp's converter permutes the q/k rows of these architectures (LlamaModel.permute).
-PERMUTED = ("llama", "granite")
+PERMUTED = ("llama", "granite", "smollm3")
 # A tokenizer's end-of-generation tokens beyond the one a GGUF names, by model type (the HF
 # release's generation config names them): a gpt-oss reply ends in <|return|>, or <|call|>
 # before a tool runs; a GLM-4.5 turn in <|user|>, or <|observation|> before a tool runs.
@@ -85,14 +85,15 @@ def config_folder(gguf: Path, cache: Path, link: str) -> Path:
     reader = open_gguf(gguf)
     arch = architecture(reader)
     # transformers' parse gives such a file the default schedule: served so, it is another model.
-    if scaled := sorted(t.name for t in reader.tensors if t.name in LONGROPE):
-        raise ModelNotFound(f"{gguf.name}: its rotary frequencies are scaled ({', '.join(scaled)}: Phi-3's "
-                            "longrope), which transformers' GGUF parse drops from the config; load the model's "
-                            "HF folder")
+    scaled = sorted(t.name for t in reader.tensors if t.name in families.LONGROPE)
+    if scaled and arch not in families.CONFIGS:
+        raise ModelNotFound(f"{gguf.name}: its rotary frequencies are scaled ({', '.join(scaled)}: "
+                            f"longrope) in a {arch} file, whose config transformers' GGUF parse builds without "
+                            "them; load the model's HF folder")
     from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    if arch in families.CONFIGS:  # the tokenizer alone from transformers, which has no config of them
+    if arch in families.CONFIGS:  # the tokenizer alone from transformers, whose config lacks them
         config = families.config_from_metadata(reader, arch, gguf.name)
         tokenizer = PreTrainedTokenizerFast.from_pretrained(gguf.parent, gguf_file=gguf.name)
     else:
@@ -127,8 +128,8 @@ def config_folder(gguf: Path, cache: Path, link: str) -> Path:
 
 
 # llama.cpp writes a scaled rotary schedule as tensors of a factor per frequency: longrope's two
-# sets, and Llama 3.1-3.3's llama3 as the divisor of each (ROPE_FREQS, read into the model).
-LONGROPE = ("rope_factors_long.weight", "rope_factors_short.weight")
+# sets (gguf_families.LONGROPE, read into a phi3's config), and Llama 3.1-3.3's llama3 as the
+# divisor of each (ROPE_FREQS, read into the model).
 ROPE_FREQS = "rope_freqs.weight"
 
 

@@ -1,12 +1,12 @@
 """Find a model's files, and build a family's module from them (models/registry.py says which
 family).
 
-A GGUF file of a Llama-family decoder, a Qwen MoE, gpt-oss, Gemma 3, Granite, GLM-4.5 or
-DeepSeek-V2/V3 is read as it is stored (models/gguf_file.py): its config and tokenizer, which
-transformers parses (the last three's configs our code builds, models/gguf_families.py), are
-cached as a folder without weights, and its tensors are read from the memory-mapped file, the block formats
-kept quantized where asked (layers/quantized.py, the experts layers/moe.py); a
-tensor-parallel rank keeps its slices of them, cut along whole blocks. Other GGUFs (the hybrids)
+A GGUF file of a Llama-family decoder, a Qwen MoE, gpt-oss, Gemma 3, Granite, GLM-4.5,
+DeepSeek-V2/V3, Phi-3/4 or SmolLM3 is read as it is stored (models/gguf_file.py): its config and
+tokenizer, which transformers parses (the last five's configs our code builds,
+models/gguf_families.py), are cached as a folder without weights, and its tensors are read from
+the memory-mapped file, the block formats kept quantized where asked (layers/quantized.py, the
+experts layers/moe.py); a tensor-parallel rank keeps its slices of them, cut along whole blocks. Other GGUFs (the hybrids)
 are converted once by transformers into a float32 HF folder (safetensors + config + tokenizer)
 in a cache keyed by the file's identity: parsing and dequantising takes transformers about 13 s.
 A folder's weights are read tensor by tensor (models/checkpoint.py) into the module built on
