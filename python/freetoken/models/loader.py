@@ -66,7 +66,8 @@ def default_model_path() -> Path:
 # Added to transformers' own table, which its loader reads while parsing the file once.
 # gpt-oss: transformers' table names its sliding window `sliding_window` (llama.cpp writes
 # `attention.sliding_window`) and leaves out the head width (64 released, not hidden / heads);
-# phi3: it leaves out the window, which transformers' Phi-3 honours.
+# phi3: it leaves out the window, which transformers' Phi-3 honours (weights_folder's conversion of a
+# phi3 file, which freetoken itself reads: gguf_families.py).
 GGUF_CONFIG_EXTRAS = {
     "qwen3_moe": {"expert_feed_forward_length": "moe_intermediate_size"},
     "qwen2_moe": {"expert_feed_forward_length": "moe_intermediate_size",
