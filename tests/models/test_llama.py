@@ -141,8 +141,8 @@ def test_prefix_hit_and_chunked_prefill_give_the_cold_result(on_harmony):
 def test_a_gguf_as_llama_cpp_writes_it_loads_as_its_hf_folder(name, builder, as_arch):
     """llama.cpp writes a Mistral as a `llama` GGUF (q/k rows permuted; read in place), a Llama
     3.1 so with its schedule as a `rope_freqs` tensor (which transformers' parse drops) and a
-    Phi-3 as a `phi3` one (q/k/v and gate/up fused, its window a key transformers' parse leaves
-    out; converted by transformers): each runs as its HF folder does, which matches transformers."""
+    Phi-3 as a `phi3` one (q/k/v and gate/up fused, read as stored; its window a key, read into
+    the config our code builds): each runs as its HF folder does, which matches transformers."""
     from tests.fixtures import build_models as bm
 
     built = bm.cached(name, getattr(bm, builder))
