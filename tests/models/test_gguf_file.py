@@ -230,6 +230,11 @@ _EXPERTS = {"expert_count": 8, "expert_used_count": 2, "expert_feed_forward_leng
                    "rope.scaling.original_context_length": 128}, r"YaRN without rope\.scaling\.yarn_log_multiplier"),
     ("deepseek2", {**_EXPERTS, "attention.kv_lora_rank": 16, "nextn_predict_layers": 1},
      r"deepseek2\.nextn_predict_layers=1 is not supported"),
+
+    ("smollm3", {"attention.sliding_window": 8}, r"smollm3\.attention\.sliding_window=8 is not supported"),
+    ("smollm3", {"rope.dimension_count": 8}, r"smollm3\.rope\.dimension_count=8 \(rotary on part of each head\)"),
+    ("phi3", {"rope.scaling.attn_factor": 1.5}, r"phi3\.rope\.scaling\.attn_factor=1\.5 without longrope's factors"),
+    ("phi3", {"rope.scaling.yarn_log_multiplier": 0.5}, r"phi3\.rope\.scaling\.yarn_log_multiplier=0\.5 is not"),
 ])
 def test_a_family_gguf_key_freetoken_does_not_compute_is_refused_by_name(tmp_path, arch, keys, message):
     """The GGUF architectures whose configs our code builds (models/gguf_families.py): a key of

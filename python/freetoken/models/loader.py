@@ -1,12 +1,12 @@
 """Build a family's module from a model's files (models/files.py finds them, models/registry.py
 says which family).
 
-A GGUF file of a Llama-family decoder, a Qwen MoE, gpt-oss, Gemma 3, Granite, GLM-4.5 or
-DeepSeek-V2/V3 is read as it is stored (models/gguf_file.py): its config and tokenizer, which
-transformers parses (the last three's configs our code builds, models/gguf_families.py), are
-cached as a folder without weights, and its tensors are read from the memory-mapped file, the block formats
-kept quantized where asked (layers/quantized.py, the experts layers/moe.py); a
-tensor-parallel rank keeps its slices of them, cut along whole blocks. Other GGUFs (the hybrids)
+A GGUF file of a Llama-family decoder, a Qwen MoE, gpt-oss, Gemma 3, Granite, GLM-4.5,
+DeepSeek-V2/V3, Phi-3/4 or SmolLM3 is read as it is stored (models/gguf_file.py): its config and
+tokenizer, which transformers parses (the last five's configs our code builds,
+models/gguf_families.py), are cached as a folder without weights, and its tensors are read from
+the memory-mapped file, the block formats kept quantized where asked (layers/quantized.py, the
+experts layers/moe.py); a tensor-parallel rank keeps its slices of them, cut along whole blocks. Other GGUFs (the hybrids)
 are converted once by transformers into a float32 HF folder (safetensors + config + tokenizer)
 in a cache keyed by the file's identity: parsing and dequantising takes transformers about 13 s.
 A folder's weights are read tensor by tensor (models/checkpoint.py) into the module built on
@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 # Added to transformers' own table, which its loader reads while parsing the file once.
 # gpt-oss: transformers' table names its sliding window `sliding_window` (llama.cpp writes
 # `attention.sliding_window`) and leaves out the head width (64 released, not hidden / heads);
-# phi3: it leaves out the window, which transformers' Phi-3 honours.
+# phi3: it leaves out the window, which transformers' Phi-3 honours (weights_folder's conversion of a
+# phi3 file, which freetoken itself reads: gguf_families.py).
 GGUF_CONFIG_EXTRAS = {
     "qwen3_moe": {"expert_feed_forward_length": "moe_intermediate_size"},
     "qwen2_moe": {"expert_feed_forward_length": "moe_intermediate_size",

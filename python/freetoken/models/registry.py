@@ -144,7 +144,8 @@ QUIRKS = {
 # the others are converted by transformers first.
 GGUF_READ = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
              "Qwen2MoeForCausalLM", "GptOssForCausalLM", "Gemma3ForCausalLM", "GraniteForCausalLM",
-             "Glm4MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+             "Glm4MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Phi3ForCausalLM",
+             "SmolLM3ForCausalLM")
 
 
 @dataclass
