@@ -73,8 +73,10 @@ LEAVES = {"attn_sinks": "sinks", "exp_probs_b": "e_score_correction_bias"}
 PERMUTED = ("llama", "granite", "smollm3")
 # A tokenizer's end-of-generation tokens beyond the one a GGUF names, by model type (the HF
 # release's generation config names them): a gpt-oss reply ends in <|return|>, or <|call|>
-# before a tool runs; a GLM-4.5 turn in <|user|>, or <|observation|> before a tool runs.
-STOP_TOKENS = {"gpt_oss": ("<|return|>", "<|call|>"), "glm4_moe": ("<|user|>", "<|observation|>")}
+# before a tool runs; a GLM-4.5 turn in <|user|>, or <|observation|> before a tool runs; a
+# Phi-3 or Phi-4-mini turn in <|end|>.
+STOP_TOKENS = {"gpt_oss": ("<|return|>", "<|call|>"), "glm4_moe": ("<|user|>", "<|observation|>"),
+               "phi3": ("<|end|>",)}
 
 
 def config_folder(gguf: Path, cache: Path, link: str) -> Path:
