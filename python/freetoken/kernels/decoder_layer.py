@@ -1,5 +1,5 @@
-"""A llama-family decoder layer in one C call (decoder_layer.c, built at first use like
-grouped_gemm.c and sharing its build), for models/llama.py's DecoderLayer.
+"""A llama-family decoder layer in one C call (csrc/decoder_layer.c, built at first use by
+build.py), for models/llama.py's DecoderLayer. Its structs are kernels.h's, mirrored by build.py.
 
 The C file calls the kernels the Python layer calls, in the same order on the same values, through
 their addresses in the libraries quant.py, grouped_gemm.py and pool_attention.py load (one home
@@ -19,45 +19,18 @@ from __future__ import annotations
 
 import ctypes
 from functools import cache
-from pathlib import Path
 
 import torch
 
 from freetoken import envs
 from freetoken.kvcache.forward_context import ForwardContext
-from freetoken.kernels import bf16_linear, grouped_gemm, pool_attention, quant
-from freetoken.kernels.grouped_gemm import open_library
+from freetoken.kernels import bf16_linear, build, grouped_gemm, pool_attention, quant
 
-SOURCE = Path(__file__).with_name("decoder_layer.c")
-_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-QUANT, GROUPED = 0, 1  # decoder_layer.c's kinds of linear layer, then its bfloat16 units
-UNIT_KINDS = {"amx": 2, "avx512_bf16": 3}
+_C = build.declarations()
+Kernels, LinearArgs, LayerArgs, StepArgs = (_C.structs[name] for name in ("kernels", "linear", "layer", "step"))
+QUANT, GROUPED = _C.enums["QUANT"], _C.enums["GROUPED"]  # kinds of linear layer, then the bfloat16 units'
+UNIT_KINDS = {"amx": _C.enums["AMX"], "avx512_bf16": _C.enums["DOT"]}
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
-
-
-class Kernels(ctypes.Structure):
-    _fields_ = [(name, _PTR) for name in ("quant_parts", "grouped_f32", "grouped_bf16", "amx", "dot", "rms_norm",
-                                           "add_rms_norm", "norm_rotate", "silu_mul", "attention", "round")]
-
-
-class LinearArgs(ctypes.Structure):
-    _fields_ = [("kind", _I64), ("parts", _I64), ("types", _PTR), ("w", _PTR), ("ldw", _PTR), ("n", _PTR),
-                ("bias", _PTR), ("k_parts", _I64), ("k_cuts", _PTR), ("weight", _PTR), ("weight_bias", _PTR), ("in_features", _I64),
-                ("out_features", _I64)]
-
-
-class LayerArgs(ctypes.Structure):
-    _fields_ = [("qkv", LinearArgs), ("o", LinearArgs), ("gate_up", LinearArgs), ("down", LinearArgs),
-                ("input_norm", _PTR), ("post_norm", _PTR), ("q_norm", _PTR), ("k_norm", _PTR),
-                ("eps", _F32), ("post_eps", _F32), ("qk_eps", _F32), ("scale", _F32), ("residual", _F32),
-                ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64),
-                ("intermediate", _I64), ("sliding", _I64), ("rotary", _I64)]
-
-
-class StepArgs(ctypes.Structure):
-    _fields_ = [("isa", _I64), ("tokens", _I64), ("bf16", _I64), *((name, _PTR) for name in (
-        "cos", "sin", "out_slots", "slots", "ranges", "window_ranges", "groups", "x32", "y32",
-        "h", "qkv", "q", "attn32", "attn", "gate_up", "act", "delta"))]
 
 
 @cache
@@ -65,20 +38,14 @@ def load() -> ctypes.CDLL | None:
     """The built library, or None where the kernels it calls cannot run here."""
     if grouped_gemm.load() is None or pool_attention.load() is None:
         return None
-    return open_library(SOURCE, "decoder_layer_supported", "nothing more", "layers run in Python",
-                        {"decoder_layer": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR],
-                         "decoder_layers": [_PTR, _PTR, _I64, _PTR, _PTR, _PTR]})
+    return build.open_library("decoder_layer", "decoder_layer_supported", "nothing more", "layers run in Python")
 
 
 @cache
 def kernels(dtype: torch.dtype) -> Kernels:
     """The addresses of the kernels a layer of `dtype` calls (None: one this CPU lacks)."""
     grouped, attention, quantized = grouped_gemm.load(), pool_attention.load(), quant._kernel()
-    suffix = SUFFIX[dtype]
-
-    def address(lib: ctypes.CDLL | None, name: str) -> int | None:
-        return None if lib is None else ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-
+    suffix, address = SUFFIX[dtype], build.address
     return Kernels(address(quantized, "quant_gemm_parts"), address(grouped, "grouped_gemm_f32"),
                    address(grouped, "grouped_gemm_bf16"),
                    *map(bf16_linear.address, UNIT_KINDS),

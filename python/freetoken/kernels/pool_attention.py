@@ -1,5 +1,5 @@
-"""Attention read straight from the KV pool by slot (pool_attention.c, built at first use like
-grouped_gemm.c and sharing its build), for layers/attention.py's prompt and decoding rows.
+"""Attention read straight from the KV pool by slot (csrc/pool_attention.c, built at first use by
+build.py), for layers/attention.py's prompt and decoding rows.
 
 The torch path copies every request's keys and values out of the pool (`index_select`) each
 layer and step, and pads a decode's queries for SDPA's rounding; the kernel reads each key where
@@ -15,28 +15,20 @@ from __future__ import annotations
 import ctypes
 import math
 from functools import cache
-from pathlib import Path
 
 import torch
 
-from freetoken.kernels.grouped_gemm import open_library
+from freetoken.kernels import build
 
-SOURCE = Path(__file__).with_name("pool_attention.c")
 KERNELS = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 @cache
 def load() -> ctypes.CDLL | None:
     """The built kernel, or None where it cannot run here (logged once)."""
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    signature = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float]
-    latent = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float]
-    lib = open_library(SOURCE, "pool_attention_supported", "AVX2/FMA", "attention runs on torch's SDPA",
-                       {f"pool_attention_{suffix}": signature for suffix in KERNELS.values()}
-                       | {f"pool_attention_{suffix}_latent": latent for suffix in KERNELS.values()}
-                       | {"pool_attention_set_isa": [ctypes.c_int]})
+    lib = build.open_library("pool_attention", "pool_attention_supported", "AVX2/FMA",
+                             "attention runs on torch's SDPA")
     if lib is not None:
-        lib.pool_attention_set_isa.restype = ctypes.c_int
         lib.pool_attention_set_isa(2)  # AVX-512 where the CPU has it: the same bits as AVX2
     return lib
 

@@ -41,7 +41,7 @@ import torch
 
 from freetoken import envs
 from freetoken.paths import cache_root
-from freetoken.kernels import bf16_linear, grouped_gemm
+from freetoken.kernels import bf16_linear, build, grouped_gemm
 
 Run = Callable[[torch.Tensor], torch.Tensor]
 
@@ -53,7 +53,8 @@ PROBE_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 13, 15, 16, 17, 31, 32, 33, 48, 57, 64, 65
 TIMED_ROWS = (1, 8, 64, 256)
 TIMING_REPEATS = 7
 RULE_TIE = 0.05
-OUR_KERNELS = (grouped_gemm.SOURCE, bf16_linear.SOURCE)  # the C sources of the candidates that are ours
+# The C sources of the candidates that are ours, and the header they include.
+OUR_KERNELS = (grouped_gemm.SOURCE, bf16_linear.SOURCE, build.HEADER)
 ISA_CAPS = (*envs.ISA_CAPS, envs.NO_KERNELS)
 
 
