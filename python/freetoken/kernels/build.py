@@ -5,7 +5,7 @@ csrc/kernels.h: each signature is written once, there, and read here for the arg
 Where a library cannot run (no C compiler, a CPU its `*_supported` function refuses, or
 FREETOKEN_NO_KERNELS set), `open_library` returns None and says why in the log; the wrappers
 (grouped_gemm.py, pool_attention.py, quant.py, bf16_linear.py, decoder_layer.py) load through it
-once each.
+once each, and kernels/plan.py records what loaded.
 """
 
 from __future__ import annotations

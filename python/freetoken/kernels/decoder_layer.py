@@ -9,10 +9,10 @@ kernel (QuantParts) or the grouped one, bfloat16 rows on a bfloat16 unit's (bf16
 rest stays in Python.
 
 `prepare` makes a layer's fixed arguments once, `stack` a model's layers' (one call runs them
-all); `step` makes a step's once (kept on its ForwardContext) and returns None where the step
-cannot run so: FREETOKEN_LAYER_KERNEL=0 (the Python path, for tests and benchmarks), rows or
-cache off the CPU or of another dtype, groups without key ranges, or rotary on part of each head
-(Phi-4-mini's).
+all), both at load where the kernel plan allows the call (kernels/plan.py: the library runs here
+and FREETOKEN_LAYER_KERNEL=0 does not ask for the Python path); `step` makes a step's once (kept
+on its ForwardContext) and returns None where the step cannot run so: rows or cache off the CPU or
+of another dtype, groups without key ranges.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from functools import cache
 
 import torch
 
-from freetoken import envs
 from freetoken.kvcache.forward_context import ForwardContext
 from freetoken.kernels import bf16_linear, build, grouped_gemm, pool_attention, quant
 
@@ -66,10 +65,10 @@ class Step:
 class LayerCall:
     """A layer's fixed arguments, and the call that runs it on a step."""
 
-    def __init__(self, args: LayerArgs, dtype: torch.dtype, keep: list):
+    def __init__(self, args: LayerArgs, dtype: torch.dtype, keep: list, lib: ctypes.CDLL):
         self.args, self.dtype, self.keep = args, dtype, keep  # keep: what the arguments point into
         self.shape = (dtype, args.hidden, args.qkv.out_features, args.heads * args.head_dim, args.intermediate)
-        self.run, self.kernels = load().decoder_layer, ctypes.addressof(kernels(dtype))
+        self.lib, self.run, self.kernels = lib, lib.decoder_layer, ctypes.addressof(kernels(dtype))
         self.address = ctypes.addressof(args)
 
     def __call__(self, x: torch.Tensor, delta: torch.Tensor | None, step: Step,
@@ -89,7 +88,7 @@ class Stack:
     def __init__(self, calls: list[LayerCall], caches: list[int]):
         self.first, self.count, self.caches = calls[0], len(calls), caches
         self.layers = (ctypes.c_void_p * len(calls))(*(call.address for call in calls))
-        self.run = load().decoder_layers
+        self.run = self.first.lib.decoder_layers
 
     def __call__(self, x: torch.Tensor, step: Step, kv_cache: list[torch.Tensor]) -> torch.Tensor:
         """x [T, hidden] through every layer, updated in place but for the last layer's MLP
@@ -132,22 +131,22 @@ def _linear(run, dtype: torch.dtype) -> tuple[LinearArgs, object] | None:
     return None
 
 
-def prepare(linears: tuple, norms: tuple, heads: int, kv_heads: int, head_dim: int,
+def prepare(lib: ctypes.CDLL | None, linears: tuple, norms: tuple, heads: int, kv_heads: int, head_dim: int,
             sliding: bool, rotary: bool, scale: float | None, residual: float) -> LayerCall | None:
     """A layer with projections `linears` (q/k/v, o, gate/up, down: see `_linear`) and RMSNorms
     `norms` (input, post-attention, then q's and k's, or not), q and k turned by the rotary
     embedding or not, its attention scores scaled by `scale` (pool_attention.softmax_scale), the
-    attention's and MLP's outputs by `residual`, or None where the C layer cannot run it (or
-    FREETOKEN_LAYER_KERNEL=0 asks for the Python path: read once, as the layer is prepared)."""
+    attention's and MLP's outputs by `residual`, on `lib` (the plan's: `load()`, or None where
+    the layers run in Python), or None where the C layer cannot run it."""
     weights = [n.weight for n in norms]
     dtype = weights[0].dtype
-    if (envs.LAYER_KERNEL.get() == "0" or dtype not in SUFFIX
+    if (lib is None or dtype not in SUFFIX
             or any(w.dtype != dtype or w.device.type != "cpu" or not w.is_contiguous() for w in weights)
             # norm_rotate norms q and k only on the way to turning them (no family has one without)
             or (len(norms) == 4 and (norms[2].eps != norms[3].eps or not rotary))):
         return None
     made = [_linear(run, dtype) for run in linears]
-    if any(m is None for m in made) or load() is None:
+    if any(m is None for m in made):
         return None
     (qkv, _), (o, _), (gate_up, _), (down, _) = made
     hidden, intermediate = qkv.in_features, down.in_features
@@ -161,7 +160,7 @@ def prepare(linears: tuple, norms: tuple, heads: int, kv_heads: int, head_dim: i
                      norms[0].eps, norms[1].eps, norms[2].eps if len(norms) == 4 else 0.0,
                      pool_attention.softmax_scale(head_dim, scale), residual, hidden, heads, kv_heads, head_dim,
                      intermediate, sliding, rotary)
-    return LayerCall(args, dtype, [made, weights])
+    return LayerCall(args, dtype, [made, weights], lib)
 
 
 def step(ctx: ForwardContext, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -180,7 +179,8 @@ def _make_step(ctx: ForwardContext, x: torch.Tensor, cos: torch.Tensor, sin: tor
     if (x.dtype != dtype or x.device.type != "cpu"
             or x.dim() != 2 or not x.is_contiguous() or cos.dtype != dtype or not cos.is_contiguous()
             or cos.shape[-1] != layer.args.head_dim
-            or not sin.is_contiguous() or kv_cache.dtype != dtype or not pool_attention.usable(kv_cache)):
+            or not sin.is_contiguous() or kv_cache.dtype != dtype or kv_cache.device.type != "cpu"
+            or not kv_cache.is_contiguous()):
         return None
     tokens = x.shape[0]
     keys = ctx.merged_keys(tokens)

@@ -16,7 +16,7 @@ Weights are read as float32 or bfloat16 (widened exactly), rows and sums are flo
 bfloat16 model reads half the bytes and accumulates as a float32 GEMM does. Where it cannot be
 used (no C compiler, not x86-64 with AVX2/FMA, another dtype, not a CPU tensor, or
 FREETOKEN_NO_KERNELS set), `load()` returns None and the layers run on torch's kernels; the
-server logs why."""
+server logs why (kernels/plan.py records it)."""
 
 from __future__ import annotations
 

@@ -5,8 +5,8 @@ The torch path copies every request's keys and values out of the pool (`index_se
 layer and step, and pads a decode's queries for SDPA's rounding; the kernel reads each key where
 it lies, and computes every row alone in a fixed order, so a row's bits never depend on its batch
 (see the C file). Where it cannot run (no C compiler, not x86-64 with AVX2/FMA, a cache dtype
-other than float32/bfloat16, a tensor off the CPU, or FREETOKEN_NO_KERNELS set), the layer keeps
-the torch path. `attend_latent` reads multi-head latent attention's cache (layers/mla.py)
+other than float32/bfloat16, a tensor off the CPU, or FREETOKEN_NO_KERNELS set), the kernel plan
+(kernels/plan.py) keeps the layer on the torch path. `attend_latent` reads multi-head latent attention's cache (layers/mla.py)
 by the same code: one kv head, a slot's whole row its key and the row's first elements its value.
 """
 
@@ -33,12 +33,6 @@ def load() -> ctypes.CDLL | None:
     return lib
 
 
-def usable(kv_cache: torch.Tensor) -> bool:
-    """Can the kernel attend over this layer cache [slots, 2 * kv heads, D]?"""
-    return (kv_cache.device.type == "cpu" and kv_cache.dtype in KERNELS
-            and kv_cache.shape[-1] % 8 == 0 and kv_cache.is_contiguous() and load() is not None)
-
-
 def softmax_scale(dim: int, scale: float | None) -> float:
     """The factor of the scores: `scale`, or 1 / sqrt(dim) where None (SDPA's default)."""
     return 1.0 / math.sqrt(dim) if scale is None else scale
@@ -46,7 +40,8 @@ def softmax_scale(dim: int, scale: float | None) -> float:
 
 def attend(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, ranges: torch.Tensor,
            sinks: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
-    """Queries q [R, heads, D] over the cache (see `usable`): row r's keys are
+    """Queries q [R, heads, D] over a contiguous CPU cache [slots, 2 * kv heads, D] (D % 8 == 0,
+    a dtype of KERNELS; where the kernel plan put a layer on it): row r's keys are
     slots[first + j] for j in [lo, hi), ranges [R, 3] int64 = (first, lo, hi), slots int64.
     `sinks`: float32 [heads] logits the softmax counts with no value, or None; `scale`: see
     `softmax_scale`. Returns q's dtype."""
@@ -61,17 +56,10 @@ def attend(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, ranges:
     return out.to(q.dtype)
 
 
-def usable_latent(cache: torch.Tensor, latent: int) -> bool:
-    """Can `attend_latent` read this multi-head latent attention cache [slots, 1, D] whose values
-    are each row's first `latent` elements?"""
-    return (cache.device.type == "cpu" and cache.dtype in KERNELS and cache.shape[1] == 1
-            and cache.shape[-1] % 8 == 0 and latent % 8 == 0 and cache.is_contiguous() and load() is not None)
-
-
 def attend_latent(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, ranges: torch.Tensor, latent: int,
                   scale: float | None) -> torch.Tensor:
-    """As `attend`, over a latent cache (`usable_latent`): queries q [R, heads, D] against each
-    row whole, softmax-weighted sums of its first `latent` elements, [R, heads, latent] in q's dtype."""
+    """As `attend`, over a multi-head latent attention cache [slots, 1, D] (D and `latent`
+    multiples of 8): queries q [R, heads, D] against each row whole, softmax-weighted sums of its first `latent` elements, [R, heads, latent] in q's dtype."""
     rows, heads, dim = q.shape
     q32 = q.float().contiguous()
     out = torch.empty(rows, heads, latent, dtype=torch.float32)

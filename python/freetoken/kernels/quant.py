@@ -64,8 +64,10 @@ def _kernel() -> ctypes.CDLL | None:
     return lib
 
 
+@cache
 def isa() -> int:
-    """The kernel path this process runs: 2 AVX-512, 1 AVX2, 0 none (FREETOKEN_QUANT_ISA caps it)."""
+    """The kernel path this process runs: 2 AVX-512, 1 AVX2, 0 none (FREETOKEN_QUANT_ISA caps it,
+    read once: the kernel plan's choice, never asked again in a step)."""
     lib = _kernel()
     if lib is None:
         return 0
