@@ -40,7 +40,7 @@ def test_each_op_runs_where_the_plan_put_it(caplog, monkeypatch):
     lines = [r.getMessage() for r in caplog.records if "kernel plan" in r.getMessage()]
     assert len(lines) == 1 and all(f"{op}: " in lines[0] for op in OPS)
     plan = loaded.model.kernel_plan
-    assert list(plan.stats()) == list(OPS)
+    assert list(plan.stats) == list(OPS)
     assert plan.ops["norm"] == "grouped_gemm.c rms_norm_f32" and plan.ops["attention"] == "pool_attention.c (f32 pool)"
     assert plan.ops["moe_experts"] == "none" and plan.ops["sampler"].startswith("argmax: numpy")
 

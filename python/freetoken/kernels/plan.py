@@ -1,16 +1,16 @@
 """Which kernel runs each op of a model, decided once at load: the one place that says it.
 
-Two steps. `available()` probes this process once: which of our C libraries build, open and
-run on this CPU (build.py; FREETOKEN_NO_KERNELS turns them all off; the bfloat16 units of
-bf16_linear.c are the linear probe's candidates), and whether the whole-layer call may run (FREETOKEN_LAYER_KERNEL=0 keeps layers in Python): no
-other module reads the environment or asks a library whether it runs. `plan_model` then walks a
-loaded model and asks each module that runs a choosable op (`plan_kernels(kernels, dtype,
-device)`: the norms, the attention's rotation and its reading of the KV pool, SwiGLU, the
-experts, the whole-layer call) to settle on its kernel for the model's dtype and device and say
-which; the module keeps its choice and reads it on every step. The linear layers' choice, by
-probe and timing (layers/linear.py, kernel_choice.py), and the quantized layers'
-(layers/quantized.py) come in as a KernelPlan; the sampler's reductions join it where the engine
-builds its sampler.
+Two steps. `available()` probes the process once: which of our C libraries build, open and run
+on this CPU (build.py; FREETOKEN_NO_KERNELS turns them all off), the quantized kernel's path
+(FREETOKEN_QUANT_ISA caps it) and whether the whole-layer call may run (FREETOKEN_LAYER_KERNEL=0
+keeps layers in Python). `plan_model` then walks a loaded model and asks each module that runs a
+choosable op (`plan_kernels(kernels, dtype, device)`: the norms, the attention's rotation and its
+reading of the KV pool, SwiGLU, the experts, the quantized layers, the whole-layer call) to settle
+on its kernel for the model's dtype and device and name it; the module keeps its choice and reads
+it on every step, so no step asks a library whether it runs or reads the environment. The linear
+layers' choice, by probe and timing (layers/linear.py, kernel_choice.py; the bfloat16 units of
+bf16_linear.c are among its candidates), comes in as a KernelPlan; the sampler's argmax
+(`sampler_reductions`) is chosen by the device.
 
 The plan is printed in one start-up line, served in `/v1/stats` (`engine.kernel_plan`) and in
 `/metrics` (`freetoken:kernel_info{op, kernel}`).
@@ -21,7 +21,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from dataclasses import dataclass, field, replace
-from functools import cache
+from functools import cache, cached_property
 
 import torch
 from torch import nn
@@ -67,9 +67,6 @@ class KernelPlan:
     kernels: dict[str, str]
     ops: dict[str, str] = field(default_factory=dict)
 
-    def with_op(self, op: str, kernel: str) -> KernelPlan:
-        return replace(self, ops={**self.ops, op: kernel})
-
     def line(self) -> str:
         """The start-up log line: every op's kernel, the linear layers by kind."""
         claim = "batch-invariant" if self.invariant else "NOT batch-invariant"
@@ -77,8 +74,10 @@ class KernelPlan:
         ops = "; ".join(f"{op}: {self.ops.get(op, 'none')}" for op in OPS if op != "linear")
         return f"kernel plan ({claim}): {ops}; linear: {linears}"
 
+    @cached_property
     def stats(self) -> dict[str, str]:
-        """Op -> kernel, for /v1/stats and /metrics (linear: each kind's, joined)."""
+        """Op -> kernel, for /v1/stats and /metrics (linear: each kind's, joined); made once, as
+        the engine sends it with every message."""
         linear = "; ".join(sorted(set(self.kernels.values()))) or "none"
         return {op: linear if op == "linear" else self.ops.get(op, "none") for op in OPS}
 

@@ -8,10 +8,10 @@ multi-head latent attention (layers/mla.py) its pool's layout too (`_keys_values
 `_on_pool`), and reuses `_attend_cached`.
 
 Prompt and decoding rows attend through kernels/pool_attention.py where the kernel plan put them
-(kernels/plan.py: a CPU cache of float32 or bfloat16, where the kernel runs): it reads the keys where they lie in the pool and computes each row
-alone, so a row's bits depend neither on its batch nor on whether it came as a prompt or a
-decoding row; elsewhere torch's SDPA over the group's gathered keys (forward_context.py's groups
-keep its rows batch-invariant).
+(kernels/plan.py: a CPU cache of float32 or bfloat16, where the kernel runs): it reads the keys
+where they lie in the pool and computes each row alone, so a row's bits depend neither on its
+batch nor on whether it came as a prompt or a decoding row; elsewhere torch's SDPA over the
+group's gathered keys (forward_context.py's groups keep its rows batch-invariant).
 """
 
 from __future__ import annotations

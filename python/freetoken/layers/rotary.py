@@ -195,13 +195,12 @@ def norm_rotate(qk: torch.Tensor, split: int, norms: tuple[RMSNorm, RMSNorm] | N
     with the bits of the separate steps; returns the result."""
     if lib is NotImplemented:
         lib = rotary_kernel(qk.dtype, qk.device)
-    if cos is None or not _fits(qk, cos, sin):
-        lib = None
-    if lib is not None and (norms is None or (
+    fused = lib if cos is not None and _fits(qk, cos, sin) else None
+    if fused is not None and (norms is None or (
             norms[0].kernel(qk) is not None and norms[0].eps == norms[1].eps
             and norms[0].weight.dtype == norms[1].weight.dtype)):
         weights = None if norms is None else (norms[0].weight, norms[1].weight)
-        norm_rotate_kernel(lib, qk, split, weights, norms[0].eps if norms else 0.0, cos, sin)
+        norm_rotate_kernel(fused, qk, split, weights, norms[0].eps if norms else 0.0, cos, sin)
         return qk
     if norms is not None:
         qk = torch.cat([norms[0](qk[:, :split]), norms[1](qk[:, split:])], dim=1)
