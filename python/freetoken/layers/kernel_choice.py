@@ -41,7 +41,7 @@ import torch
 
 from freetoken import envs
 from freetoken.paths import cache_root
-from freetoken.kernels import bf16_linear, grouped_gemm
+from freetoken.kernels import bf16_linear, build, grouped_gemm
 
 Run = Callable[[torch.Tensor], torch.Tensor]
 
@@ -57,7 +57,8 @@ TIMING_REPEATS = 7
 TIMING_BUDGET_S = 2.0
 MIN_TIMING_REPEATS = 3
 RULE_TIE = 0.05
-OUR_KERNELS = (grouped_gemm.SOURCE, bf16_linear.SOURCE)  # the C sources of the candidates that are ours
+# The C sources of the candidates that are ours, and the header they include.
+OUR_KERNELS = (grouped_gemm.SOURCE, bf16_linear.SOURCE, build.HEADER)
 ISA_CAPS = (*envs.ISA_CAPS, envs.NO_KERNELS)
 
 

@@ -29,12 +29,12 @@ import torch
 from torch import nn
 
 from freetoken.kernels.grouped_gemm import KERNELS, PackedLinears, grouped_gemm, pack
-from freetoken.kernels.grouped_gemm import load as load_kernel
+from freetoken.kernels.plan import Available, available
 from freetoken.kernels.quant import QuantizedWeight, dequantize, grouped_quant_gemm, supported
 from freetoken.layers.kernel_choice import RowRule, probe_weight, rule_holds
 from freetoken.layers.elementwise import lanewise, silu_and_mul
 from freetoken.layers.linear import Linear
-from freetoken.layers.mlp import MLP
+from freetoken.layers.mlp import MLP, swiglu_name
 from freetoken.layers.skeleton import on_meta
 
 log = logging.getLogger(__name__)
@@ -110,6 +110,17 @@ class Experts(nn.Module):
         self.num_experts = num_experts
         self.experts = nn.ModuleList(Expert(hidden, intermediate, bias) for _ in range(num_experts))
         self.activation = activation
+
+    def plan_kernels(self, kernels: Available, dtype: torch.dtype, device: torch.device | str) -> dict[str, str]:
+        """kernels/plan.py's question: the experts' kernel (`stack_experts` and the GGUF loader
+        chose it) and SwiGLU's, where the activation is plain SwiGLU."""
+        experts = ("quant_gemm.c" if self.quantized is not None else "grouped_gemm.c" if self.stacked
+                   else "torch (a Linear per expert)")
+        if getattr(self.activation, "func", self.activation) is not silu_and_mul:
+            return {"moe_experts": experts}
+        lib = kernels.elementwise(dtype, device)
+        self.activation = partial(silu_and_mul, lib=lib)
+        return {"moe_experts": experts, "swiglu": swiglu_name(lib, dtype)}
 
     def stack(self, kernel: ctypes.CDLL) -> None:
         """Run on the grouped kernel from now on: its packed weights replace the Linears."""
@@ -273,7 +284,7 @@ def stack_experts(model: nn.Module) -> None:
     weight = layers[0].experts[0].down_proj.weight if layers else None
     if weight is None or weight.dtype not in KERNELS or weight.device.type != "cpu":
         return
-    kernel = load_kernel()
+    kernel = available().grouped
     if kernel is None:
         return
     for name in ("gate_up_proj", "down_proj"):

@@ -14,9 +14,10 @@ import logging
 import torch
 from torch import nn
 
-from freetoken.kernels.quant import (QuantizedWeight, QuantParts, dequantize_rows, quant_linear,
+from freetoken.kernels.plan import Available, KernelPlan
+from freetoken.kernels.quant import (ISAS, QuantizedWeight, QuantParts, dequantize_rows, quant_linear,
                                      quant_linear_parts, supported)
-from freetoken.layers.linear import LAYER_INDEX, KernelPlan
+from freetoken.layers.linear import LAYER_INDEX
 from freetoken.layers.moe import Experts
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,11 @@ class QuantizedLinear(nn.Module):
         # Every part on the kernel: one call for them all, its arguments made here once.
         self.fused = QuantParts(parts, self.part_bias) if all(
             isinstance(p, QuantizedWeight) and supported(p.qtype) for p in parts) else None
+
+    def plan_kernels(self, kernels: Available, dtype: torch.dtype, device: torch.device | str) -> dict[str, str]:
+        """kernels/plan.py's question (answered when the layer was built: `fused`)."""
+        isa = {code: name for name, code in ISAS.items()}.get(kernels.quant_isa)
+        return {"quantized": f"quant_gemm.c ({isa})" if self.fused else "quant_linear (a part on F.linear)"}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -155,7 +161,8 @@ def plan_quantized(model: nn.Module, plan: KernelPlan, dtype: torch.dtype) -> Ke
         return plan
     alike = {qtype: _rows_alike(weight, dtype) for qtype, weight in probes.items()}
     invariant = all(alike.values()) and not widened
-    log.log(logging.INFO if invariant else logging.WARNING, "quantized layers: %s; rows alike at "
+    # The kinds go into the plan's start-up line (kernels/plan.py); the per-format verdict here.
+    log.log(logging.DEBUG if invariant else logging.WARNING, "quantized layers: %s; rows alike at "
             "every row count: %s", "; ".join(f"{k}: {v}" for k, v in kinds.items()),
             ", ".join(f"{q} {'yes' if ok else 'NO'}" for q, ok in alike.items()))
     return KernelPlan(plan.invariant and invariant, {**plan.kernels, **kinds})

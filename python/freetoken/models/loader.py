@@ -25,8 +25,10 @@ from pathlib import Path
 
 import torch
 
+from freetoken.kernels.plan import log_plan, plan_model
 from freetoken.kvcache.kv_pool import pool_bytes
 from freetoken.models.checkpoint import read_weights
+from freetoken.layers.kernel_choice import cpu_name
 from freetoken.layers.linear import only_kernel, pack_linears
 from freetoken.layers.mla import stack_heads
 from freetoken.layers.moe import stack_experts, take_stacked_experts
@@ -222,7 +224,7 @@ def _assign(module: torch.nn.Module, state: dict[str, torch.Tensor], quantized: 
     """`state` assigned to `module`'s parameters, the `quantized` layers (our module name ->
     weight parts) put in place, the head tied, the linear layers packed (`in_parts`: the sliced
     ones computed as tensor-parallel ranks compute them, distributed/parts.py; None: where
-    that costs about nothing, parts.free_in_parts)."""
+    that costs about nothing, parts.free_in_parts), every op's kernel planned."""
     tied = module.ties_head(state)
     if tied:
         state.pop("lm_head.weight", None)
@@ -256,7 +258,10 @@ def _assign(module: torch.nn.Module, state: dict[str, torch.Tensor], quantized: 
             compute_in_parts(module)
         plan = pack_linears(module)
     if quantized:
-        module.kernel_plan = plan_quantized(module, plan, dtype)
+        plan = plan_quantized(module, plan, dtype)
+    # Every other op's kernel, chosen once here and kept by its module (kernels/plan.py).
+    module.kernel_plan = plan_model(module, plan, dtype, device)
+    log_plan(module.kernel_plan, cpu_name())
     return module
 
 

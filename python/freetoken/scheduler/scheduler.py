@@ -97,6 +97,8 @@ class Scheduler:
                 # A model without a plan has no linear layers (the scripted test model).
                 "batch_invariant": int(plan is None or plan.invariant),
                 "linear_kernels": plan.kernels if plan is not None else {},
+                # Every op's kernel (kernels/plan.py); empty for a model without a plan.
+                "kernel_plan": plan.stats if plan is not None else {},
                 # By format: a GGUF's block formats as stored, the other weights by dtype.
                 "weight_bytes": getattr(self.engine.model, "weight_bytes", {}),
                 "kv_free": self.engine.kv.num_free, "kv_total": self.engine.kv.num_slots,

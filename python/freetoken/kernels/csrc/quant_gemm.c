@@ -35,11 +35,12 @@
  * block's one dequantization (at 8 rows the FMAs, eight per 16 weights of a column, are most of
  * the work; a second pass of 4 rows would dequantize each block again).
  *
- * Built at first use by kernels/quant.py; x86-64 with AVX2, FMA and F16C, else unsupported.
+ * Built at first use by kernels/build.py for quant.py; x86-64 with AVX2, FMA and F16C, else
+ * unsupported. Signatures: kernels.h.
  */
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
+
+#include "kernels.h"
 
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, MXFP4 = 39 };
 
@@ -941,8 +942,5 @@ void quant_gemm(int isa, int type, const float *x, int64_t ldx, const uint8_t *w
 #else
 
 int quant_isa(void) { return 0; }
-void quant_dequantize_rows(void) {}
-void quant_gemm(void) {}
-void quant_gemm_parts(void) {}
 
 #endif
