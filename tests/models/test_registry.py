@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from freetoken.models import registry
+from freetoken.models import loader, registry
 from freetoken.models.registry import SERVED, check_supported
 from freetoken.paths import ModelNotFound
 
@@ -117,7 +117,7 @@ def test_a_gguf_of_an_unserved_architecture_is_refused_before_it_is_converted(tm
     def converted(*args):
         raise AssertionError("converted before the refusal")
 
-    monkeypatch.setattr(registry, "gguf_to_folder", converted)
+    monkeypatch.setattr(loader, "gguf_to_folder", converted)
     path = bm.build_config_only_gguf(tmp_path, "gemma2") / "model.gguf"
     with pytest.raises(ModelNotFound, match="^architecture Gemma2ForCausalLM is not supported"):
         registry.load_model(path)
