@@ -1,0 +1,68 @@
+"""The int8-activation arithmetic on GGUF blocks (`--quantized-arithmetic int8`, int8_gemm.c,
+built at first use like quant_gemm.c and sharing its build): each row of x quantized to int8 per
+block of 32 values along K with one float32 scale, multiplied on integer dot products, as
+llama.cpp multiplies its Q8_0 / Q8_K rows, in a fixed order per output element, so a row's bits
+depend neither on its batch, its thread nor the path (AVX2 or scalar). Less exact than
+quant.py's float32 products on the dequantized weights (the activations are rounded to 8 bits),
+faster where the multiply-adds bind (a prefill). Formats: Q8_0, Q4_K, Q5_K, Q6_K (Q4_K_M's);
+a layer with a part in another format runs on quant.py's exact kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+from pathlib import Path
+
+import torch
+from gguf import GGMLQuantizationType
+
+from freetoken.kernels.grouped_gemm import open_library
+from freetoken.kernels.quant import QuantizedWeight, QuantParts
+
+SOURCE = Path(__file__).with_name("int8_gemm.c")
+FORMATS = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
+           GGMLQuantizationType.Q6_K)
+PATHS = {"scalar": 0, "avx2": 1}  # int8_gemm.c's `path` argument
+
+
+@cache
+def _kernel() -> ctypes.CDLL | None:
+    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib = open_library(SOURCE, "int8_supported", "nothing", "quantized layers run the exact arithmetic", {
+        "int8_gemm_parts": [i32, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64]})
+    if lib is not None:
+        lib.best_path = lib.int8_path()  # asked once: CPUID is slow under a hypervisor
+    return lib
+
+
+def best_path() -> int:
+    """The path this CPU runs: 1 AVX2, 0 scalar (PATHS)."""
+    return _kernel().best_path
+
+
+def supported(weight: QuantizedWeight) -> bool:
+    return weight.qtype in FORMATS and _kernel() is not None
+
+
+class Int8Parts:
+    """QuantParts (the same arguments: parts each in its own format, biases, K parts) on the int8
+    arithmetic; `path` None: the best this CPU runs."""
+
+    name = "int8_linear"
+
+    def __init__(self, parts: list[QuantizedWeight], biases: list[torch.Tensor | None],
+                 k_parts: list[range] | None = None, path: int | None = None):
+        self.exact = QuantParts(parts, biases, k_parts)  # (its arrays: the kernel reads the same)
+        self.k, self.n = self.exact.k, self.exact.n
+        self.path = best_path() if path is None else path
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [R, K] (float32 or bfloat16): [R, sum N_p] in x's dtype."""
+        rows = x.float().contiguous()
+        if rows.shape[1] != self.k or self.k % 32:
+            raise ValueError(f"x has {rows.shape[1]} features, the weight {self.k}")
+        y = torch.empty(rows.shape[0], self.n, dtype=torch.float32)
+        _kernel().int8_gemm_parts(self.path, *self.exact.args, rows.data_ptr(), rows.stride(0), y.data_ptr(),
+                                  self.n, rows.shape[0], self.k)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
