@@ -97,6 +97,8 @@ class Scheduler:
                 # A model without a plan has no linear layers (the scripted test model).
                 "batch_invariant": int(plan is None or plan.invariant),
                 "linear_kernels": plan.kernels if plan is not None else {},
+                # How a GGUF's kept blocks multiply (--quantized-arithmetic): exact or int8.
+                "quantized_arithmetic": getattr(self.engine.model, "quantized_arithmetic", "exact"),
                 # By format: a GGUF's block formats as stored, the other weights by dtype.
                 "weight_bytes": getattr(self.engine.model, "weight_bytes", {}),
                 "kv_free": self.engine.kv.num_free, "kv_total": self.engine.kv.num_slots,
