@@ -179,41 +179,97 @@ AVX2 INLINE __m256i dot(__m256i c, __m256i x, __m256i ab, int sign) {
     return _mm256_madd_epi16(p, ab);
 }
 
-/* Lane n: the sum of p[n]'s eight lanes. */
-AVX2 INLINE __m256i lane_sums(const __m256i p[NT]) {
-    const __m256i s0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-    const __m256i s1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+/* Lane n: the sum of column n's eight lanes, from h[i] = hadd(column 2i's, column 2i + 1's). */
+AVX2 INLINE __m256i lane_sums(const __m256i h[NT / 2]) {
+    const __m256i s0 = _mm256_hadd_epi32(h[0], h[1]), s1 = _mm256_hadd_epi32(h[2], h[3]);
     return _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20), _mm256_permute2x128_si256(s0, s1, 0x31));
 }
 
+/* Rows r to r + NR - 1 (NR 1 or 2: two rows share each load of the tile) over tile blocks [0, count). */
+AVX2 INLINE void rows_at(const tile_t *t, int count, int64_t j0, const int8_t *q, const float *dx, const float *bs,
+                         int64_t K, int64_t r, int NR, int sign, float (*acc)[NT]) {
+    __m256 a[2];
+    for (int i = 0; i < NR; i++) a[i] = _mm256_loadu_ps(acc[r + i]);
+    for (int u = 0; u < count; u++) {
+        const int64_t j = j0 + u;
+        __m256i x[2], h[2][NT / 2];
+        for (int i = 0; i < NR; i++) x[i] = _mm256_loadu_si256((const __m256i *)(q + (r + i) * K + 32 * j));
+        for (int n = 0; n < NT; n += 2) {
+            const __m256i c0 = _mm256_loadu_si256((const __m256i *)t->c[u][n]);
+            const __m256i c1 = _mm256_loadu_si256((const __m256i *)t->c[u][n + 1]);
+            const __m256i ab0 = _mm256_loadu_si256((const __m256i *)t->ab[u][n]);
+            const __m256i ab1 = _mm256_loadu_si256((const __m256i *)t->ab[u][n + 1]);
+            for (int i = 0; i < NR; i++)
+                h[i][n / 2] = _mm256_hadd_epi32(dot(c0, x[i], ab0, sign), dot(c1, x[i], ab1, sign));
+        }
+        const __m256 s = _mm256_loadu_ps(t->s[u]), m = _mm256_loadu_ps(t->m[u]);
+        for (int i = 0; i < NR; i++) {
+            const int64_t at = (r + i) * (K / 32) + j;
+            const __m256 w = _mm256_add_ps(_mm256_mul_ps(s, _mm256_cvtepi32_ps(lane_sums(h[i]))),
+                                           _mm256_mul_ps(m, _mm256_set1_ps(bs[at])));
+            a[i] = _mm256_add_ps(a[i], _mm256_mul_ps(_mm256_set1_ps(dx[at]), w));
+        }
+    }
+    for (int i = 0; i < NR; i++) _mm256_storeu_ps(acc[r + i], a[i]);
+}
+
+/* The AVX2 path: rows_scalar's sums, eight columns in a vector's lanes. */
 #define ROWS_AVX2(SIGN)                                                                                  \
     AVX2 static void rows_avx2_##SIGN(const tile_t *t, int count, int64_t j0, const int8_t *q,          \
                                       const float *dx, const float *bs, int64_t K, int64_t rows,        \
                                       float (*acc)[NT]) {                                               \
-        for (int64_t r = 0; r < rows; r++) {                                                            \
-            __m256 a = _mm256_loadu_ps(acc[r]);                                                         \
-            for (int u = 0; u < count; u++) {                                                           \
-                const int64_t j = j0 + u;                                                               \
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(q + r * K + 32 * j));            \
-                __m256i p[NT];                                                                          \
-                for (int n = 0; n < NT; n++)                                                            \
-                    p[n] = dot(_mm256_loadu_si256((const __m256i *)t->c[u][n]), x,                      \
-                               _mm256_loadu_si256((const __m256i *)t->ab[u][n]), SIGN);                 \
-                const __m256 I = _mm256_cvtepi32_ps(lane_sums(p));                                      \
-                const __m256 w = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(t->s[u]), I),              \
-                                               _mm256_mul_ps(_mm256_loadu_ps(t->m[u]),                  \
-                                                             _mm256_set1_ps(bs[r * (K / 32) + j])));     \
-                a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_set1_ps(dx[r * (K / 32) + j]), w));           \
-            }                                                                                           \
-            _mm256_storeu_ps(acc[r], a);                                                                \
-        }                                                                                               \
+        int64_t r = 0;                                                                                  \
+        for (; r + 1 < rows; r += 2) rows_at(t, count, j0, q, dx, bs, K, r, 2, SIGN, acc);              \
+        if (r < rows) rows_at(t, count, j0, q, dx, bs, K, r, 1, SIGN, acc);                              \
     }
 ROWS_AVX2(0)
 ROWS_AVX2(1)
 
+AVX2 INLINE void set_ab_avx2(tile_t *t, int u, int n, int a, int b) {
+    _mm256_storeu_si256((__m256i *)t->ab[u][n], _mm256_setr_m128i(_mm_set1_epi16((short)a), _mm_set1_epi16((short)b)));
+}
+
+/* unpack's super-block formats in vector registers (the same integers; a decode step's rows
+ * are too few to amortise the plain loops). */
+AVX2 static void unpack_k_avx2(int type, const uint8_t *b, tile_t *t, int n) {
+    const __m256i four = _mm256_set1_epi8(15);
+    if (type == Q6_K) {
+        const float d = half(b + 208);
+        for (int u = 0; u < 8; u++) {
+            const int h = u / 4, g = u % 4;
+            const __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (g & 1)));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+            const __m256i low = g >> 1 ? _mm256_and_si256(_mm256_srli_epi16(ql, 4), four) : _mm256_and_si256(ql, four);
+            const __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), _mm256_set1_epi8(3)), 4);
+            _mm256_storeu_si256((__m256i *)t->c[u][n], _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32)));
+            set_ab_avx2(t, u, n, (int8_t)b[192 + 2 * u], (int8_t)b[193 + 2 * u]);
+            t->s[u][n] = d, t->m[u][n] = 0.0f;
+        }
+        return;
+    }
+    const float d = half(b), dmin = half(b + 2);
+    const uint8_t *qs = b + (type == Q4_K ? 16 : 48);
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+    for (int u = 0; u < 8; u++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * (u / 2)));
+        __m256i c = u & 1 ? _mm256_and_si256(_mm256_srli_epi16(q, 4), four) : _mm256_and_si256(q, four);
+        if (type == Q5_K)
+            c = _mm256_or_si256(c, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, u), _mm256_set1_epi8(1)), 4));
+        _mm256_storeu_si256((__m256i *)t->c[u][n], c);
+        int sc, mn;
+        k_scale_min(b + 4, u, &sc, &mn);
+        set_ab_avx2(t, u, n, sc, sc);
+        t->s[u][n] = d, t->m[u][n] = -(dmin * (float)mn);
+    }
+}
+
 AVX2 static void unpack_tile_avx2(int type, const uint8_t *w, int64_t ldw, int cols, int64_t j0, int count,
                                   tile_t *t) {
-    unpack_tile(type, w, ldw, cols, j0, count, t);
+    if (type == Q8_0 || cols < NT) {
+        unpack_tile(type, w, ldw, cols, j0, count, t);
+        return;
+    }
+    for (int n = 0; n < NT; n++) unpack_k_avx2(type, w + n * ldw + j0 / 8 * block_bytes(type), t, n);
 }
 
 AVX2 static void quantize_avx2(const float *x, int64_t K, int8_t *q, float *dx, float *bs) {

@@ -91,7 +91,7 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def stats(self) -> dict[str, int | float | dict[str, str] | dict[str, int]]:
+    def stats(self) -> dict[str, int | float | str | dict[str, str] | dict[str, int]]:
         plan = getattr(self.engine.model, "kernel_plan", None)
         return {"running": len(self.running), "waiting": len(self.waiting),
                 # A model without a plan has no linear layers (the scripted test model).
