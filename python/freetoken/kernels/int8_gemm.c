@@ -247,29 +247,51 @@ AVX2 static void unpack_k_avx2(int type, const uint8_t *b, tile_t *t, int n) {
         }
         return;
     }
-    const float d = half(b), dmin = half(b + 2);
+    const float d = half(b);
     const uint8_t *qs = b + (type == Q4_K ? 16 : 48);
     const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+    /* k_scale_min's eight scales and mins at once: the 12 bytes shuffled to [0-3 | 8-11 | 4-7 |
+     * 8-11], each group masked to its part (scale_0-3's 6 bits, scale_4-7's low nibbles, min_0-3's
+     * 6 bits, min_4-7's high nibbles shifted down), bytes 0-3's and 4-7's top two bits shifted
+     * under groups 1 and 3: [scale_0-7 | min_0-7]. */
+    const __m128i q12 = _mm_loadu_si128((const __m128i *)(b + 4)); /* (its last 4 bytes: codes, unused) */
+    const __m128i low = _mm_shuffle_epi8(q12, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+    const __m128i top = _mm_shuffle_epi8(q12, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+    const __m128i six = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0);
+    const __m128i bytes = _mm_or_si128(
+        _mm_or_si128(_mm_and_si128(low, six), _mm_and_si128(_mm_srli_epi16(low, 4), _mm_setr_epi32(0, 0, 0, 0x0F0F0F0F))),
+        _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30)));
+    const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(bytes));
+    float m[8];
+    _mm256_storeu_ps(m, _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(half(b + 2)),
+                                                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)))),
+                                      _mm256_set1_ps(-0.0f)));
     for (int u = 0; u < 8; u++) {
         const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * (u / 2)));
         __m256i c = u & 1 ? _mm256_and_si256(_mm256_srli_epi16(q, 4), four) : _mm256_and_si256(q, four);
         if (type == Q5_K)
             c = _mm256_or_si256(c, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, u), _mm256_set1_epi8(1)), 4));
         _mm256_storeu_si256((__m256i *)t->c[u][n], c);
-        int sc, mn;
-        k_scale_min(b + 4, u, &sc, &mn);
-        set_ab_avx2(t, u, n, sc, sc);
-        t->s[u][n] = d, t->m[u][n] = -(dmin * (float)mn);
+        _mm256_storeu_si256((__m256i *)t->ab[u][n], _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)((2 * u + 1) << 8 | 2 * u))));
+        t->s[u][n] = d, t->m[u][n] = m[u];
     }
 }
 
 AVX2 static void unpack_tile_avx2(int type, const uint8_t *w, int64_t ldw, int cols, int64_t j0, int count,
                                   tile_t *t) {
-    if (type == Q8_0 || cols < NT) {
+    if (cols < NT) {
         unpack_tile(type, w, ldw, cols, j0, count, t);
-        return;
+    } else if (type == Q8_0) {
+        for (int n = 0; n < NT; n++)
+            for (int u = 0; u < count; u++) {
+                const uint8_t *b = w + n * ldw + (j0 + u) * 34;
+                _mm256_storeu_si256((__m256i *)t->c[u][n], _mm256_loadu_si256((const __m256i *)(b + 2)));
+                _mm256_storeu_si256((__m256i *)t->ab[u][n], _mm256_set1_epi16(1));
+                t->s[u][n] = half(b), t->m[u][n] = 0.0f;
+            }
+    } else {
+        for (int n = 0; n < NT; n++) unpack_k_avx2(type, w + n * ldw + j0 / 8 * block_bytes(type), t, n);
     }
-    for (int n = 0; n < NT; n++) unpack_k_avx2(type, w + n * ldw + j0 / 8 * block_bytes(type), t, n);
 }
 
 AVX2 static void quantize_avx2(const float *x, int64_t K, int8_t *q, float *dx, float *bs) {
