@@ -118,6 +118,12 @@ def test_avx2_and_scalar_paths_give_the_same_bits(qtype):
     assert torch.equal(int8.Int8Parts([w], [None], path=0)(x), int8.Int8Parts([w], [None], path=1)(x))
 
 
+def test_the_probe_picks_avx2_where_the_cpu_has_it():
+    with open("/proc/cpuinfo") as f:
+        avx2 = " avx2" in f.read()
+    assert int8.best_path() == int8.PATHS["avx2" if avx2 else "scalar"]
+
+
 def test_parts_in_one_call_are_each_part_alone():
     parts = [random_weight(T.Q4_K, (N, K), 8), random_weight(T.Q6_K, (20, K), 9), random_weight(T.Q8_0, (13, K), 10)]
     biases = [None, torch.randn(20, generator=torch.Generator().manual_seed(11)), None]

@@ -301,7 +301,7 @@ AVX2 static void quantize_avx2(const float *x, int64_t K, int8_t *q, float *dx, 
 /* 1: AVX2, 0: the scalar path only. */
 int int8_path(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2");
+    return __builtin_cpu_supports("avx2") ? 1 : 0;
 }
 #else
 int int8_path(void) { return 0; }
