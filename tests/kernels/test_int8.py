@@ -13,6 +13,9 @@ from gguf import quants as gguf_quants
 
 from freetoken.kernels.quant import QuantizedWeight, random_weight
 
+pytestmark = pytest.mark.skipif(not int8.supported(random_weight(T.Q8_0, (1, 32))),
+                                reason="int8_gemm.c is not built here (no C compiler, or FREETOKEN_NO_KERNELS)")
+
 N = 44  # not a multiple of the kernel's 8-column items
 K = 1280  # 5 super-blocks: 40 blocks of 32, Q8_0's in units of 8
 HALF = {T.Q8_0: 0, T.Q4_K: 0, T.Q5_K: 0, T.Q6_K: 208}  # each block's float16 d

@@ -37,8 +37,9 @@ def _kernel() -> ctypes.CDLL | None:
 
 
 def best_path() -> int:
-    """The path this CPU runs: 1 AVX2, 0 scalar (PATHS)."""
-    return _kernel().best_path
+    """The path this CPU runs: 1 AVX2, 0 scalar (PATHS); 0 too where the kernel is not built."""
+    lib = _kernel()
+    return lib.best_path if lib is not None else 0
 
 
 def supported(weight: QuantizedWeight) -> bool:

@@ -225,16 +225,17 @@ AVX2 INLINE void rows_at(const tile_t *t, int count, int64_t j0, const int8_t *q
 ROWS_AVX2(0)
 ROWS_AVX2(1)
 
-AVX2 INLINE void set_ab_avx2(tile_t *t, int u, int n, int a, int b) {
-    _mm256_storeu_si256((__m256i *)t->ab[u][n], _mm256_setr_m128i(_mm_set1_epi16((short)a), _mm_set1_epi16((short)b)));
-}
-
 /* unpack's super-block formats in vector registers (the same integers; a decode step's rows
  * are too few to amortise the plain loops). */
 AVX2 static void unpack_k_avx2(int type, const uint8_t *b, tile_t *t, int n) {
     const __m256i four = _mm256_set1_epi8(15);
     if (type == Q6_K) {
         const float d = half(b + 208);
+        /* The 16 int8 scales widened, scales 0-7 in both halves of one vector and 8-15 of the
+         * other: block u's [a x8 | b x8] is one byte shuffle of the first (u < 4) or second. */
+        const __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
+        const __m256i first = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc));
+        const __m256i second = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(sc, 8)));
         for (int u = 0; u < 8; u++) {
             const int h = u / 4, g = u % 4;
             const __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (g & 1)));
@@ -242,7 +243,11 @@ AVX2 static void unpack_k_avx2(int type, const uint8_t *b, tile_t *t, int n) {
             const __m256i low = g >> 1 ? _mm256_and_si256(_mm256_srli_epi16(ql, 4), four) : _mm256_and_si256(ql, four);
             const __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), _mm256_set1_epi8(3)), 4);
             _mm256_storeu_si256((__m256i *)t->c[u][n], _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32)));
-            set_ab_avx2(t, u, n, (int8_t)b[192 + 2 * u], (int8_t)b[193 + 2 * u]);
+            const int at = 4 * (u % 4); /* byte offset of int16 2(u % 4) */
+            _mm256_storeu_si256((__m256i *)t->ab[u][n],
+                                _mm256_shuffle_epi8(u < 4 ? first : second,
+                                                    _mm256_setr_m128i(_mm_set1_epi16((short)((at + 1) << 8 | at)),
+                                                                      _mm_set1_epi16((short)((at + 3) << 8 | (at + 2))))));
             t->s[u][n] = d, t->m[u][n] = 0.0f;
         }
         return;
