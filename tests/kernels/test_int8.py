@@ -121,6 +121,23 @@ def test_avx2_and_scalar_paths_give_the_same_bits(qtype):
     assert torch.equal(int8.Int8Parts([w], [None], path=0)(x), int8.Int8Parts([w], [None], path=1)(x))
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0], ids=lambda t: t.name)
+def test_grouped_experts_get_each_experts_bits_alone(qtype):
+    experts = 4
+    flat = random_weight(qtype, (experts * N, 512), seed=15)
+    stacked = QuantizedWeight(qtype, flat.data.view(experts, N, -1), (experts, N, 512))
+    counts = [(2, 3), (0, 1), (3, 0), (1, 70), (2, 5)]  # (expert, rows): a group past one item, an empty one
+    x = torch.randn(sum(c for _, c in counts), 512, generator=torch.Generator().manual_seed(16))
+    groups, first = [], 0
+    for expert, count in counts:
+        groups.append((expert, first, count))
+        first += count
+    y = int8.grouped_int8_gemm(x, stacked, torch.tensor(groups))
+    for expert, first, count in groups:
+        one = QuantizedWeight(qtype, stacked.data[expert], (N, 512))
+        assert torch.equal(y[first:first + count], int8.Int8Parts([one], [None])(x[first:first + count]))
+
+
 def test_the_probe_picks_avx2_where_the_cpu_has_it():
     with open("/proc/cpuinfo") as f:
         avx2 = " avx2" in f.read()

@@ -10,9 +10,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
 from freetoken.kernels.quant import QuantizedWeight
-from freetoken.kernels.int8 import Int8Parts
-from freetoken.layers.quantized import (QuantizedEmbedding, QuantizedLinear, arithmetic, take_quantized,
-                                        weight_bytes)
+from freetoken.kernels.int8 import Int8Parts, arithmetic
+from freetoken.layers.quantized import QuantizedEmbedding, QuantizedLinear, take_quantized, weight_bytes
 from freetoken.models.llama import FUSED
 from tests.fixtures.build_models import random_blocks
 

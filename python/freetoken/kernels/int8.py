@@ -6,11 +6,17 @@ depend neither on its batch, its thread nor the path (AVX2 or scalar). Less exac
 quant.py's float32 products on the dequantized weights (the activations are rounded to 8 bits),
 faster where the multiply-adds bind (a prefill). Formats: Q8_0, Q4_K, Q5_K, Q6_K (Q4_K_M's);
 a layer with a part in another format runs on quant.py's exact kernel.
+
+The arithmetic is chosen as a model's layers are made, inside `arithmetic()` (the loader's
+`--quantized-arithmetic`): `chosen()` tells layers/quantized.py's linears and layers/moe.py's
+experts which kernel to keep.
 """
 
 from __future__ import annotations
 
 import ctypes
+from contextlib import contextmanager
+from contextvars import ContextVar
 from functools import cache
 from pathlib import Path
 
@@ -24,13 +30,30 @@ SOURCE = Path(__file__).with_name("int8_gemm.c")
 FORMATS = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
            GGMLQuantizationType.Q6_K)
 PATHS = {"scalar": 0, "avx2": 1}  # int8_gemm.c's `path` argument
+_ARITHMETIC: ContextVar[str] = ContextVar("quantized_arithmetic", default="exact")
+
+
+@contextmanager
+def arithmetic(mode: str):
+    """The layers made inside multiply on `mode`'s kernel (config.QUANTIZED_ARITHMETIC)."""
+    token = _ARITHMETIC.set(mode)
+    try:
+        yield
+    finally:
+        _ARITHMETIC.reset(token)
+
+
+def chosen(weights: list[QuantizedWeight]) -> bool:
+    """Do layers made now run `weights` on this kernel (int8 asked for, every weight's format)?"""
+    return _ARITHMETIC.get() == "int8" and all(supported(w) for w in weights)
 
 
 @cache
 def _kernel() -> ctypes.CDLL | None:
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib = open_library(SOURCE, "int8_supported", "nothing", "quantized layers run the exact arithmetic", {
-        "int8_gemm_parts": [i32, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64]})
+        "int8_gemm_parts": [i32, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64],
+        "int8_gemm_grouped": [i32, i32, ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64, i64, i64]})
     if lib is not None:
         lib.best_path = lib.int8_path()  # asked once: CPUID is slow under a hypervisor
     return lib
@@ -67,3 +90,18 @@ class Int8Parts:
         _kernel().int8_gemm_parts(self.path, *self.exact.args, rows.data_ptr(), rows.stride(0), y.data_ptr(),
                                   self.n, rows.shape[0], self.k)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+def grouped_int8_gemm(x: torch.Tensor, experts: QuantizedWeight, groups: torch.Tensor) -> torch.Tensor:
+    """quant.grouped_quant_gemm on the int8 arithmetic: x [R, K], experts [E, N, K], groups [G, 3]
+    int64 (expert, first row, row count) covering every row of x; [R, N] float32."""
+    rows, groups = x.float().contiguous(), groups.to(torch.int64).contiguous()
+    n, k = experts.shape[-2:]
+    if rows.shape[1] != k or k % 32:
+        raise ValueError(f"x has {rows.shape[1]} features, the weight {k}")
+    data = experts.data if experts.data.stride(-1) == 1 else experts.data.contiguous()
+    y = torch.empty(rows.shape[0], n, dtype=torch.float32)
+    _kernel().int8_gemm_grouped(best_path(), int(experts.qtype), rows.data_ptr(), rows.stride(0), data.data_ptr(),
+                                data.stride(0), data.stride(1), y.data_ptr(), y.stride(0), groups.data_ptr(),
+                                groups.shape[0], rows.shape[0], k, n)
+    return y

@@ -385,3 +385,28 @@ void int8_gemm_parts(int path, int64_t P, const int *types, const uint8_t *const
     }
     free(q), free(dx), free(bs);
 }
+
+/* Experts' rows (quant_gemm's arguments: x [*, K] float32, w uint8 [E][N][K's blocks] at strides
+ * lde and ldw bytes, y [*, N], groups [G][3]: expert, first row, rows, covering rows [0, R)) on
+ * the int8 arithmetic, each row as int8_gemm_parts computes it alone. */
+void int8_gemm_grouped(int path, int type, const float *x, int64_t ldx, const uint8_t *w, int64_t lde, int64_t ldw,
+                       float *y, int64_t ldy, const int64_t *groups, int64_t G, int64_t R, int64_t K, int64_t N) {
+    const int64_t whole[2] = {0, K}, nb = K / 32, tiles = (N + NT - 1) / NT;
+    int8_t *q = malloc(R * K + 64);
+    float *dx = malloc((R * nb + 1) * sizeof(float)), *bs = malloc((R * nb + 1) * sizeof(float));
+    int64_t *start = malloc((G + 1) * sizeof(int64_t)); /* each group's first item */
+    _Pragma("omp parallel for schedule(static) if (R > 1)")
+    for (int64_t r = 0; r < R; r++) quantize(path, x + r * ldx, K, q + r * K, dx + r * nb, bs + r * nb);
+    start[0] = 0;
+    for (int64_t g = 0; g < G; g++) start[g + 1] = start[g] + (groups[3 * g + 2] + ROWS - 1) / ROWS * tiles;
+    _Pragma("omp parallel for schedule(guided) if (start[G] > 1)")
+    for (int64_t it = 0; it < start[G]; it++) {
+        int64_t g = 0;
+        while (start[g + 1] <= it) g++;
+        const int64_t local = it - start[g], c0 = local % tiles * NT;
+        const int64_t r0 = groups[3 * g + 1] + local / tiles * ROWS, left = groups[3 * g + 1] + groups[3 * g + 2] - r0;
+        item(path, type, w + groups[3 * g] * lde + c0 * ldw, ldw, N - c0 < NT ? (int)(N - c0) : NT, 0, q + r0 * K,
+             dx + r0 * nb, bs + r0 * nb, K, left < ROWS ? left : ROWS, 1, whole, y + r0 * ldy + c0, ldy);
+    }
+    free(q), free(dx), free(bs), free(start);
+}

@@ -30,6 +30,8 @@ from torch import nn
 
 from freetoken.kernels.grouped_gemm import KERNELS, PackedLinears, grouped_gemm, pack
 from freetoken.kernels.grouped_gemm import load as load_kernel
+from freetoken.kernels import int8
+from freetoken.kernels.int8 import grouped_int8_gemm
 from freetoken.kernels.quant import QuantizedWeight, dequantize, grouped_quant_gemm, supported
 from freetoken.layers.kernel_choice import RowRule, probe_weight, rule_holds
 from freetoken.layers.elementwise import lanewise, silu_and_mul
@@ -74,6 +76,7 @@ class QuantizedExperts:
     # Set by distributed/parts.py: down's parts of K (views of whole blocks), one per
     # Experts.down_parts, each run as a tensor-parallel rank runs its own.
     down_parts: tuple[QuantizedWeight, ...] = ()
+    on_int8: bool = False  # run on kernels/int8.py's arithmetic (`--quantized-arithmetic int8`)
 
     @property
     def downs(self) -> tuple[QuantizedWeight, ...]:
@@ -142,7 +145,7 @@ class Experts(nn.Module):
                 raise ValueError(f"quantized experts' {name} weight is {got[0] if len(got) == 1 else got}, "
                                  f"the layer's experts are {expected}")
         biases = [None if b is None else b.float().contiguous() for b in (gate_up_bias, down_bias)]
-        self.quantized = QuantizedExperts(parts, down, *biases)
+        self.quantized = QuantizedExperts(parts, down, *biases, on_int8=int8.chosen([*parts, down]))
         self.experts = None
 
     def widen(self, dtype: torch.dtype, device: torch.device) -> None:
@@ -201,11 +204,11 @@ class Experts(nn.Module):
         sizes = [part.shape[1] for part in q.gate_up]
         biases = [None] * len(sizes) if q.gate_up_bias is None else q.gate_up_bias.split(sizes, dim=1)
         # Each part's columns are their own sums: the same bits as one weight of all the rows.
-        gate_up = torch.cat([_quantized_projection(rows, part, bias, groups, expert_of_row)
+        gate_up = torch.cat([_quantized_projection(rows, part, bias, groups, expert_of_row, q.on_int8)
                              for part, bias in zip(q.gate_up, biases)], dim=1)
         hidden = self.activation(gate_up)
         return [_quantized_projection(hidden[:, cols].contiguous(), down, q.down_bias if part == 0 else None,
-                                      groups, expert_of_row)
+                                      groups, expert_of_row, q.on_int8)
                 for part, (down, cols) in enumerate(zip(q.downs, self.down_parts))]
 
     def _on_linears(self, counts: list[int], rows: torch.Tensor, name: str, part: int = 0) -> torch.Tensor:
@@ -233,10 +236,10 @@ def _groups(counts: list[int]) -> torch.Tensor:
 
 
 def _quantized_projection(rows: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
-                          groups: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
-    """float32 sums (rows widened exactly), plus each row's expert bias, rounded once to the
-    rows' dtype."""
-    y = grouped_quant_gemm(rows.float(), weight, groups)
+                          groups: torch.Tensor, expert_of_row: torch.Tensor, on_int8: bool) -> torch.Tensor:
+    """float32 sums (rows widened exactly; on int8's arithmetic, quantized), plus each row's
+    expert bias, rounded once to the rows' dtype."""
+    y = (grouped_int8_gemm if on_int8 else grouped_quant_gemm)(rows.float(), weight, groups)
     if bias is not None:
         y += bias.index_select(0, expert_of_row)
     return y.to(rows.dtype)

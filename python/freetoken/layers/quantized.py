@@ -6,16 +6,14 @@ each part apart, possibly in different formats (Q4_K_M keeps v in Q6_K, q and k 
 layer keeps the parts as stored, each run by its own matmul straight into its columns of the
 output, rather than copying them into one weight.
 
-The arithmetic (`--quantized-arithmetic`) is chosen as the layers are made, inside `arithmetic()`:
-"int8" runs a layer whose parts are all in kernels/int8.py's formats on that kernel, the
-others (and "exact") on quant.py's.
+The arithmetic (`--quantized-arithmetic`) is chosen as the layers are made, inside
+kernels/int8.py's `arithmetic()`: "int8" runs a layer whose parts are all in that kernel's
+formats on it, the others (and "exact") on quant.py's.
 """
 
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
-from contextvars import ContextVar
 
 import torch
 from torch import nn
@@ -30,24 +28,11 @@ log = logging.getLogger(__name__)
 
 PROBE_ROWS = (1, 3, 16)  # row counts checked against the rows of a 64-row product
 Part = QuantizedWeight | torch.Tensor  # a tensor: a part dequantized at load (no kernel for it)
-_ARITHMETIC: ContextVar[str] = ContextVar("quantized_arithmetic", default="exact")
-
-
-@contextmanager
-def arithmetic(mode: str):
-    """The layers made inside multiply on `mode`'s kernel (config.QUANTIZED_ARITHMETIC)."""
-    token = _ARITHMETIC.set(mode)
-    try:
-        yield
-    finally:
-        _ARITHMETIC.reset(token)
-
-
 def fused_run(parts: list[Part], biases: list[torch.Tensor | None]) -> QuantParts | int8.Int8Parts | None:
     """Every part on one kernel call (the arithmetic's; int8 where it takes every part), or None."""
     if not all(isinstance(p, QuantizedWeight) and supported(p.qtype) for p in parts):
         return None
-    if _ARITHMETIC.get() == "int8" and all(int8.supported(p) for p in parts):
+    if int8.chosen(parts):
         return int8.Int8Parts(parts, biases)
     return QuantParts(parts, biases)
 

@@ -34,8 +34,8 @@ from freetoken.layers.mla import stack_heads
 from freetoken.layers.moe import stack_experts, take_stacked_experts
 from freetoken.distributed.parts import compute_in_parts, free_in_parts
 from freetoken.layers.skeleton import on_meta
-from freetoken.layers.quantized import (QuantizedEmbedding, plan_quantized, take_quantized, weight_bytes,
-                                       arithmetic as quantized_arithmetic)
+from freetoken.kernels.int8 import arithmetic as quantized_arithmetic
+from freetoken.layers.quantized import QuantizedEmbedding, plan_quantized, take_quantized, weight_bytes
 from freetoken.distributed.quantized_parallel import (install_quantized, quantized_head, shard_state,
                                                       widen_cut_experts)
 from freetoken.distributed.tensor_parallel import shard_model
@@ -247,10 +247,10 @@ def build_gguf(model_class: type, gguf: Path, hf_config: dict, tokenizer, dtype:
         _log_widened(gguf.name, "in the parts of K tensor-parallel ranks hold",
                      widen_cut_experts(state, module.experts_block))
     state = place_in_huge_pages(state, reader.maps, huge_pages)
-    take_stacked_experts(module, state)
-    layers = take_quantized(state, FUSED)
-    state = module.convert_hf_weights(state)
-    with quantized_arithmetic(arithmetic):
+    with quantized_arithmetic(arithmetic):  # the quantized layers and experts are made in here
+        take_stacked_experts(module, state)
+        layers = take_quantized(state, FUSED)
+        state = module.convert_hf_weights(state)
         module = _assign(module, state, layers, tokenizer, dtype, device, in_parts, linear_kernel)
     module.quantized_arithmetic = arithmetic
     return module

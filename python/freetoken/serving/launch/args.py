@@ -223,7 +223,7 @@ def build_parser(prog: str = "freetoken serve") -> argparse.ArgumentParser:
                          help="how a GGUF's kept blocks multiply: exact (float32 on the dequantized "
                          "weights) or int8 (rows quantized to int8 per block of 32, integer dot "
                          "products: faster prefill, less exact, still batch-invariant; Q8_0, Q4_K, "
-                         "Q5_K and Q6_K layers, not the MoE experts)")
+                         "Q5_K and Q6_K layers and MoE experts)")
     return p
 
 
