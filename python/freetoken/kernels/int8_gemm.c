@@ -27,10 +27,11 @@
  * |q| <= 127). Eight columns' eight-lane vectors are summed across lanes by a tree of hadds, which
  * leaves the eight columns' I_j in one vector for the float part.
  *
- * How it runs: work items are (a block of rows, eight output columns), in parallel over torch's
- * OpenMP threads; an item unpacks its columns' weights eight blocks at a time into a tile in L1
- * (plain C, compiled once per path: integers, so both paths unpack alike) and runs each of its
- * rows over the tile. No VNNI, AVX512-VNNI or AMX path yet.
+ * How it runs: the rows are quantized once a call; work items are (a block of up to 64 rows, of
+ * one MoE group in int8_gemm_grouped, and eight output columns), in parallel over torch's OpenMP
+ * threads; an item unpacks its columns' weights eight blocks at a time into a tile in L1 (the
+ * scalar path in plain C, the AVX2 one in vector registers: the same integers) and runs its rows
+ * over the tile, two rows sharing each load (AVX2). No VNNI, AVX512-VNNI or AMX path yet.
  */
 #include <math.h>
 #include <stdint.h>
