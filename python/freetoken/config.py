@@ -106,8 +106,8 @@ QUANTIZED_ARITHMETIC = ("exact", "int8")
 @dataclass(frozen=True)
 class WeightsConfig:
     """How a model's weights are held and multiplied: `--gguf-weights`, `--linear-kernel`,
-    `--exact-tp`, `--huge-pages`, `--quantized-arithmetic`. None: the envs.py variable of the same name where set
-    (`resolved`), else automatic."""
+    `--exact-tp`, `--huge-pages` (None: the envs.py variable of the same name where set,
+    `resolved`, else automatic) and `--quantized-arithmetic`."""
 
     gguf_weights: str | None = None  # one of GGUF_WEIGHTS; automatic: by the dtype
     linear_kernel: str | None = None  # the one LINEAR_KERNELS member the probe may choose

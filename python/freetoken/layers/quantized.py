@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 PROBE_ROWS = (1, 3, 16)  # row counts checked against the rows of a 64-row product
 Part = QuantizedWeight | torch.Tensor  # a tensor: a part dequantized at load (no kernel for it)
+
+
 def fused_run(parts: list[Part], biases: list[torch.Tensor | None]) -> QuantParts | int8.Int8Parts | None:
     """Every part on one kernel call (the arithmetic's; int8 where it takes every part), or None."""
     if not all(isinstance(p, QuantizedWeight) and supported(p.qtype) for p in parts):

@@ -251,9 +251,7 @@ def build_gguf(model_class: type, gguf: Path, hf_config: dict, tokenizer, dtype:
         take_stacked_experts(module, state)
         layers = take_quantized(state, FUSED)
         state = module.convert_hf_weights(state)
-        module = _assign(module, state, layers, tokenizer, dtype, device, in_parts, linear_kernel)
-    module.quantized_arithmetic = arithmetic
-    return module
+        return _assign(module, state, layers, tokenizer, dtype, device, in_parts, linear_kernel)
 
 
 def _assign(module: torch.nn.Module, state: dict[str, torch.Tensor], quantized: dict,
