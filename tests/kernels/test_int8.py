@@ -124,17 +124,13 @@ def test_avx2_and_scalar_paths_give_the_same_bits(qtype):
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0], ids=lambda t: t.name)
 def test_grouped_experts_get_each_experts_bits_alone(qtype):
-    experts = 4
-    flat = random_weight(qtype, (experts * N, 512), seed=15)
-    stacked = QuantizedWeight(qtype, flat.data.view(experts, N, -1), (experts, N, 512))
-    counts = [(2, 3), (0, 1), (3, 0), (1, 70), (2, 5)]  # (expert, rows): a group past one item, an empty one
-    x = torch.randn(sum(c for _, c in counts), 512, generator=torch.Generator().manual_seed(16))
-    groups, first = [], 0
-    for expert, count in counts:
-        groups.append((expert, first, count))
-        first += count
-    y = int8.grouped_int8_gemm(x, stacked, torch.tensor(groups))
-    for expert, first, count in groups:
+    flat = random_weight(qtype, (4 * N, 512), seed=15)
+    stacked = QuantizedWeight(qtype, flat.data.view(4, N, -1), (4, N, 512))
+    # (expert, first row, rows): a group past one work item, an empty one, an expert twice.
+    groups = torch.tensor([(2, 0, 3), (0, 3, 1), (3, 4, 0), (1, 4, 70), (2, 74, 5)])
+    x = torch.randn(79, 512, generator=torch.Generator().manual_seed(16))
+    y = int8.grouped_int8_gemm(x, stacked, groups)
+    for expert, first, count in groups.tolist():
         one = QuantizedWeight(qtype, stacked.data[expert], (N, 512))
         assert torch.equal(y[first:first + count], int8.Int8Parts([one], [None])(x[first:first + count]))
 
