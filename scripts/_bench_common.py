@@ -106,7 +106,7 @@ def model_folder() -> Path:
 
 
 def default_gguf() -> Path:
-    from freetoken.models.loader import default_model_path
+    from freetoken.models.files import default_model_path
 
     return default_model_path()
 

@@ -36,7 +36,7 @@ from _bench_common import base_parser, best_time, print_table, ratio, setup
 from gguf import GGMLQuantizationType
 
 from freetoken.kernels import int8, quant
-from freetoken.kernels.grouped_gemm import build
+from freetoken.kernels.build import build
 from freetoken.layers.kernel_choice import cpu_name
 
 SHAPES = ((4096, 4096), (576, 1536))  # (N, K): a 7B-class projection, the default model's down_proj

@@ -12,12 +12,12 @@ PACKAGE = ROOT / "python" / "freetoken"
 def _modules() -> set[str]:
     """Source files as paths under python/freetoken/; an empty __init__.py is no module."""
     return {path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*")
-            if path.suffix in (".py", ".c") and "__pycache__" not in path.parts
+            if path.suffix in (".py", ".c", ".h") and "__pycache__" not in path.parts
             and not (path.name == "__init__.py" and not path.read_text().strip())}
 
 
 def test_the_module_table_lists_exactly_the_packages_modules():
-    rows = re.findall(r"^\| `([\w/]+\.(?:py|c))` \|", (ROOT / "docs" / "architecture.md").read_text(),
+    rows = re.findall(r"^\| `([\w/]+\.(?:py|c|h))` \|", (ROOT / "docs" / "architecture.md").read_text(),
                       flags=re.M)
     assert len(rows) == len(set(rows)), "a module listed twice"
     assert sorted(_modules() - set(rows)) == [], "modules missing from docs/architecture.md"

@@ -12,6 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from freetoken.kernels.plan import OPS
 from tests.support.servers import ROOT, Server
 
 pytestmark = pytest.mark.slow
@@ -107,14 +108,22 @@ def test_metrics_after_a_few_requests(own_server):
 
 
 def test_kernel_choice_is_reported_and_holds(own_server):
-    """/v1/stats names each layer kind's kernel and /metrics says whether they are all
-    batch-invariant; where they are, a request's logprobs are the same alone and among others."""
+    """/v1/stats names each layer kind's kernel and every op's (the kernel plan, also in /metrics
+    and the start-up log), /metrics says whether they are all batch-invariant; where they are, a request's logprobs are the same alone and among others."""
     url = own_server.url
     engine = httpx.get(f"{url}/v1/stats").json()["engine"]
     kernels = engine["linear_kernels"]
     assert "lm_head 576x49152" in kernels and any("mlp.down_proj" in kind for kind in kernels)
     assert all(v.split()[0] in ("onednn", "torch", "grouped", "amx", "avx512_bf16", "quant_linear") for v in kernels.values())
-    assert _scrape(url)[("freetoken:batch_invariant", ())] == engine["batch_invariant"]
+    scraped = _scrape(url)
+    assert scraped[("freetoken:batch_invariant", ())] == engine["batch_invariant"]
+    # The kernel plan: every op in /v1/stats, one kernel_info series each, one start-up line.
+    plan = engine["kernel_plan"]
+    assert list(plan) == list(OPS) and plan["linear"] != "none" and plan["attention"] != "none"
+    assert {labels for name, labels in scraped if name == "freetoken:kernel_info"} == {
+        (("kernel", kernel), ("op", op)) for op, kernel in plan.items()}
+    lines = [line for line in own_server.output().splitlines() if "kernel plan (" in line]
+    assert len(lines) == 1 and all(f"{op}: {plan[op]}" in lines[0] for op in OPS if op != "linear")
     if not engine["batch_invariant"]:
         pytest.skip(f"no batch-invariant kernel for every shape on this CPU: {kernels}")
     body = {"prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0, "logprobs": 3,

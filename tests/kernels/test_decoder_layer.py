@@ -15,6 +15,7 @@ from freetoken.config import WeightsConfig
 from freetoken.engine.engine import Engine, StepPlan
 from freetoken.models import registry
 from freetoken.kernels import bf16_linear, decoder_layer
+from freetoken.kernels.plan import available
 from freetoken.models.registry import load_model
 from tests.fixtures import build_models as bm
 from tests.model_fixtures import tiny_random_folder
@@ -44,7 +45,7 @@ def steps(model, engine: Engine) -> tuple[list[torch.Tensor], object]:
 
 @pytest.mark.parametrize("arch, layer0", [("llama", None), ("llama", "sliding"), ("llama", "unrotated"),
                                          ("qwen3", None), ("qwen2", None)])
-def test_a_layer_in_one_call_gives_the_python_layers_bits(arch, layer0, monkeypatch):
+def test_a_layer_in_one_call_gives_the_python_layers_bits(arch, layer0):
     path = bm.cached_gguf(f"tiny-quantized-{arch}")
     # The llama file's layer 1 has a Q5_0 projection (no kernel: dequantized at load), kept on
     # F.linear here (where the probe picks the grouped kernel, that layer runs as one call too).
@@ -55,7 +56,8 @@ def test_a_layer_in_one_call_gives_the_python_layers_bits(arch, layer0, monkeypa
         model.model.layers[0].self_attn.sliding = True
     if layer0 == "unrotated":  # as SmolLM3's NoPE layers
         model.model.layers[0].self_attn.rotary = False
-    assert_same_bits(model, torch.float32, monkeypatch, [True, arch != "llama"])
+    model.model.plan_kernels(available(), torch.float32, "cpu")  # the layer calls made anew for it
+    assert_same_bits(model, torch.float32, [True, arch != "llama"])
 
 
 @pytest.mark.parametrize("arch, dtype, kernel", [("qwen2", torch.float32, "grouped"),
@@ -64,26 +66,24 @@ def test_a_layer_in_one_call_gives_the_python_layers_bits(arch, layer0, monkeypa
                                                  ("granite", torch.bfloat16, "grouped"),
                                                  ("qwen3", torch.bfloat16, "amx"),
                                                  ("qwen3", torch.bfloat16, "avx512_bf16")])
-def test_a_layer_on_our_dense_kernels_in_one_call_gives_the_python_layers_bits(arch, dtype, kernel,
-                                                                               monkeypatch):
+def test_a_layer_on_our_dense_kernels_in_one_call_gives_the_python_layers_bits(arch, dtype, kernel):
     if kernel in bf16_linear.UNITS and not bf16_linear.available(kernel):
         pytest.skip(f"this CPU has no {kernel} unit")
     folder = bm.cached("tiny-granite", bm.build_tiny_granite) if arch == "granite" else tiny_random_folder(arch)
     model = load_model(folder, dtype=str(dtype).removeprefix("torch."), device="cpu",
                        weights=WeightsConfig(linear_kernel=kernel)).model
-    assert_same_bits(model, dtype, monkeypatch, [True, True])
+    assert_same_bits(model, dtype, [True, True])
 
 
-def assert_same_bits(model, dtype: torch.dtype, monkeypatch, one_call: list[bool]) -> None:
+def assert_same_bits(model, dtype: torch.dtype, one_call: list[bool]) -> None:
     engine = Engine(model, 128, torch.device("cpu"), dtype)
     fast, ctx = steps(model, engine)
     assert ctx.layer_step
     assert [layer.one_call is not None for layer in model.model.layers] == one_call
     assert (model.model.stack is not None) == all(one_call)  # every layer one call: all in one
-    monkeypatch.setenv("FREETOKEN_LAYER_KERNEL", "0")  # read as a layer's call is made: made anew
-    for layer in model.model.layers:
-        layer.one_call = NotImplemented
-    model.model.stack = NotImplemented
+    # Planned as under FREETOKEN_LAYER_KERNEL=0: every layer on the Python path.
+    assert model.kernel_plan.ops["layer"].startswith("decoder_layer.c")
+    assert model.model.plan_kernels(dataclasses.replace(available(), layer=None), dtype, "cpu") == {"layer": "Python"}
     python, ctx = steps(model, engine)
     assert ctx.layer_step is None and all(layer.one_call is None for layer in model.model.layers)
     assert all(torch.equal(a, b) for a, b in zip(fast, python))

@@ -1,4 +1,4 @@
-"""The grouped expert kernel (kernels/grouped_gemm.c) against float64 matmuls computed by
+"""The grouped expert kernel (kernels/csrc/grouped_gemm.c) against float64 matmuls computed by
 torch, and the property the experts rely on: a row's bits depend neither on its group, nor on the
 other groups, nor on the thread count."""
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from freetoken.kernels import grouped_gemm as gg
+from freetoken.kernels.build import build
 from freetoken.layers import kernel_choice
 
 KERNEL = gg.load()
@@ -94,13 +95,13 @@ def test_without_a_compiler_the_build_fails_cleanly(monkeypatch):
     monkeypatch.setenv("PATH", "")
     monkeypatch.setenv("CC", "no-such-compiler")
     with pytest.raises(FileNotFoundError):
-        gg.build()
+        build(gg.SOURCE)
 
 
 def test_a_failing_compiler_is_an_os_error_that_load_reports(monkeypatch):
     monkeypatch.setenv("CC", "false")  # exits 1, as a compiler that rejects the source
     with pytest.raises(OSError, match="failed"):
-        gg.build()
+        build(gg.SOURCE)
 
 
 def test_freetoken_no_kernels_turns_the_kernel_off(monkeypatch):

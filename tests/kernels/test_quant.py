@@ -43,7 +43,10 @@ def isa_cap(request, monkeypatch):
     if quant.ISAS[request.param] > quant._kernel().quant_isa():
         pytest.skip(f"this CPU lacks {request.param}")
     monkeypatch.setenv("FREETOKEN_QUANT_ISA", request.param)
-    return request.param
+    quant.isa.cache_clear()  # read once a process, as a load reads it
+    yield request.param
+    monkeypatch.delenv("FREETOKEN_QUANT_ISA")
+    quant.isa.cache_clear()
 
 
 @pytest.mark.parametrize("qtype", quant.FORMATS, ids=lambda t: t.name)
@@ -141,8 +144,13 @@ def test_avx2_and_avx512_paths_give_the_same_bits(qtype, monkeypatch):
     x = torch.randn(70, w.shape[1], generator=torch.Generator().manual_seed(4))
     wide = quant.quant_linear(x, w, None)
     monkeypatch.setenv("FREETOKEN_QUANT_ISA", "avx2")
-    assert quant.isa() == quant.ISAS["avx2"]
-    assert torch.equal(quant.quant_linear(x, w, None), wide)
+    quant.isa.cache_clear()
+    try:
+        assert quant.isa() == quant.ISAS["avx2"]
+        assert torch.equal(quant.quant_linear(x, w, None), wide)
+    finally:
+        monkeypatch.delenv("FREETOKEN_QUANT_ISA")
+        quant.isa.cache_clear()
 
 
 @pytest.mark.parametrize("qtype", quant.FORMATS, ids=lambda t: t.name)

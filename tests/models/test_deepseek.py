@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 
-from freetoken.kernels import pool_attention
 from freetoken.layers.mla import HeadLinears
 from freetoken.layers.quantized import QuantizedLinear
 from freetoken.models.registry import load_model
@@ -45,7 +44,8 @@ def test_the_pool_holds_each_tokens_latent_and_rope_key_not_its_heads(deepseek):
     assert cfg.q_lora_rank == 48 < cfg.hidden_size and cfg.kv_lora_rank == 32 < cfg.hidden_size
     assert layers[1].mlp.e_score_correction_bias.abs().min() > 0 and not hasattr(layers[0].mlp, "gate")
     assert cfg.rope_scaling.attention_factor != 1 and cfg.attention_scale != 32 ** -0.5
-    assert pool_attention.usable_latent(pool[0], cfg.kv_lora_rank)
+    assert all(layer.self_attn.pool for layer in layers)
+    assert deepseek.model.kernel_plan.ops["attention"] == "pool_attention.c (f32 pool)"
     assert all(m.packed is not None for m in deepseek.model.modules() if isinstance(m, HeadLinears))
     greedy_run(scheduler, {0: deepseek.tokenizer.encode("Hi")}, steps=1)
     assert all(layer.prepared_call() is None for layer in layers) and deepseek.model.model.stack is None
@@ -62,7 +62,8 @@ def test_prefix_hit_and_chunked_prefill_give_the_cold_result(deepseek):
 def test_torchs_sdpa_over_the_gathered_latents_matches_too(deepseek, monkeypatch):
     """Where the pool kernel cannot run, SDPA over the gathered rows (keys and values the whole
     row, the latent part kept): transformers' result, alone and batched alike."""
-    monkeypatch.setattr(pool_attention, "usable_latent", lambda cache, latent: False)
+    for layer in deepseek.model.model.layers:  # as the plan leaves a layer the kernel cannot read
+        monkeypatch.setattr(layer.self_attn, "pool", False)
     prompts = {uid: deepseek.tokenizer.encode(text) for uid, text in enumerate(HARMONY_TEXTS[:3])}
     together, _ = greedy_run(build_scheduler(deepseek, kv_slots=256, prefix_cache=False), prompts, steps=6)
     alone, _ = greedy_run(build_scheduler(deepseek, kv_slots=256, prefix_cache=False), {2: prompts[2]}, steps=6)

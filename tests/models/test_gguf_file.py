@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from freetoken.config import WeightsConfig
-from freetoken.models import loader, registry
+from freetoken.models import files, loader, registry
 from freetoken.distributed.parts import RowParts
 from freetoken.layers.quantized import QuantizedEmbedding, QuantizedLinear
 from freetoken.paths import ModelNotFound
@@ -115,7 +115,7 @@ def test_a_bad_file_is_one_error_naming_the_tensor_with_nothing_cached(built, tm
     with pytest.raises(ModelNotFound, match=f"bad.gguf: {message}") as err:
         registry.load_model(path, device="cpu")
     assert err.value.__cause__ is None and err.value.__suppress_context__
-    assert not loader._cache_folder(path, "config").exists() and not loader._cache_folder(path).exists()
+    assert not files.gguf_cache_folder(path, "config").exists() and not files.gguf_cache_folder(path).exists()
 
 
 def test_a_tensor_that_does_not_fit_the_config_is_named(built, tmp_path):
@@ -162,7 +162,7 @@ def test_a_gguf_caches_its_config_and_tokenizer_only(built):
     folder, name = registry.model_folder(built["qwen3"] / "model.gguf")
     assert name == "model" and (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
     assert not list(folder.glob("*.safetensors"))
-    assert loader.gguf_source(folder) == (built["qwen3"] / "model.gguf").resolve()
+    assert files.gguf_source(folder) == (built["qwen3"] / "model.gguf").resolve()
     assert registry.model_folder(folder) == (folder, name)
 
 
@@ -230,6 +230,11 @@ _EXPERTS = {"expert_count": 8, "expert_used_count": 2, "expert_feed_forward_leng
                    "rope.scaling.original_context_length": 128}, r"YaRN without rope\.scaling\.yarn_log_multiplier"),
     ("deepseek2", {**_EXPERTS, "attention.kv_lora_rank": 16, "nextn_predict_layers": 1},
      r"deepseek2\.nextn_predict_layers=1 is not supported"),
+
+    ("smollm3", {"attention.sliding_window": 8}, r"smollm3\.attention\.sliding_window=8 is not supported"),
+    ("smollm3", {"rope.dimension_count": 8}, r"smollm3\.rope\.dimension_count=8 \(rotary on part of each head\)"),
+    ("phi3", {"rope.scaling.attn_factor": 1.5}, r"phi3\.rope\.scaling\.attn_factor=1\.5 without longrope's factors"),
+    ("phi3", {"rope.scaling.yarn_log_multiplier": 0.5}, r"phi3\.rope\.scaling\.yarn_log_multiplier=0\.5 is not"),
 ])
 def test_a_family_gguf_key_freetoken_does_not_compute_is_refused_by_name(tmp_path, arch, keys, message):
     """The GGUF architectures whose configs our code builds (models/gguf_families.py): a key of

@@ -50,6 +50,10 @@ def _distributions(model, sequences: dict[int, list[int]]) -> torch.Tensor:
 def test_int8_agrees_with_exact_on_most_greedy_steps_at_a_small_kl(models):
     kinds = models["int8"].model.kernel_plan.kernels
     assert sum(kind.startswith("int8_linear") for kind in kinds.values()) >= 3, kinds
+    # The plan's quantized op (and the MoE's experts) name the int8 kernel; exact's never do.
+    ops = {mode: models[mode].model.kernel_plan.ops for mode in ("exact", "int8")}
+    assert "int8_gemm.c (" in ops["int8"]["quantized"] and "int8_gemm.c" not in ops["exact"]["quantized"], ops
+    assert ("int8_gemm.c (" in ops["int8"]["moe_experts"]) == (ops["exact"]["moe_experts"] != "none"), ops
     assert build_scheduler(models["int8"], kv_slots=64).stats()["quantized_arithmetic"] == "int8"
     runs, _ = greedy_run(build_scheduler(models["exact"], kv_slots=512, prefix_cache=False), PROMPTS, steps=16)
     sequences = {uid: ids + [t for t, _ in runs[uid]] for uid, ids in PROMPTS.items()}

@@ -3,8 +3,9 @@ default model, tiny Qwen3 and Qwen2, and tiny Mistral (a sliding window on every
 than the prompts), SmolLM3 (a layer without rotary embedding), Llama 3.1-style Llama (the
 `llama3` rotary schedule), Granite (its four scales) and Phi-4-mini-style Phi-3 (fused
 projections, a window, partial rotary, longrope), those also batched, after a prefix-cache hit,
-in prefill chunks, Mistral, Llama 3, Phi-3 and Granite (Q8_0, Q4_K_M) as the GGUFs llama.cpp
-makes of them, SmolLM3 and Phi-4-mini on the kernel of the decoder layer's C call."""
+in prefill chunks, Mistral, Llama 3, Phi-3, Phi-4-mini, SmolLM3 and Granite (Q8_0, Q4_K_M) as
+the GGUFs llama.cpp makes of them, SmolLM3 and Phi-4-mini on the kernel of the decoder layer's C
+call."""
 
 from __future__ import annotations
 
@@ -15,8 +16,7 @@ import torch
 
 from freetoken.config import WeightsConfig
 from freetoken.models.llama import LlamaForCausalLM, ModelConfig
-from freetoken.models.registry import load_model, model_folder
-from freetoken.paths import ModelNotFound
+from freetoken.models.registry import load_model
 from freetoken.scheduler.factory import build_scheduler
 from tests.model_fixtures import (HARMONY_TEXTS, assert_batch_matches_alone_and_reference,
                                   assert_family_gguf_matches_reference, assert_harmony_cache_hit_and_chunks,
@@ -141,8 +141,8 @@ def test_prefix_hit_and_chunked_prefill_give_the_cold_result(on_harmony):
 def test_a_gguf_as_llama_cpp_writes_it_loads_as_its_hf_folder(name, builder, as_arch):
     """llama.cpp writes a Mistral as a `llama` GGUF (q/k rows permuted; read in place), a Llama
     3.1 so with its schedule as a `rope_freqs` tensor (which transformers' parse drops) and a
-    Phi-3 as a `phi3` one (q/k/v and gate/up fused, its window a key transformers' parse leaves
-    out; converted by transformers): each runs as its HF folder does, which matches transformers."""
+    Phi-3 as a `phi3` one (q/k/v and gate/up fused, read as stored; its window a key, read into
+    the config our code builds): each runs as its HF folder does, which matches transformers."""
     from tests.fixtures import build_models as bm
 
     built = bm.cached(name, getattr(bm, builder))
@@ -157,14 +157,34 @@ def test_a_gguf_as_llama_cpp_writes_it_loads_as_its_hf_folder(name, builder, as_
     assert_matches_reference(built / "hf", prompt, runs[1])
 
 
-def test_a_longrope_phi3_gguf_is_refused_by_its_schedule():
-    """llama.cpp writes longrope's factors as rope_factors_* tensors, which transformers' GGUF
-    parse leaves out of the config: converted so, it would turn q and k by the default schedule."""
-    from tests.fixtures import build_models as bm
+@pytest.mark.parametrize("family, mix, formats", [
+    ("phi3", "Q8_0", {"Q8_0", "float32"}), ("phi3", "Q4_K_M", {"Q4_K", "Q5_K", "Q6_K", "float32"}),
+    ("smollm3", "Q8_0", {"Q8_0", "float32"}), ("smollm3", "Q4_K_M", {"Q4_K", "Q6_K", "float32"})])
+def test_phi3_and_smollm3_ggufs_keep_their_blocks_and_match_transformers_on_them(family, mix, formats):
+    """llama.cpp's `phi3` file (q/k/v and gate/up fused as stored; Phi-4-mini's longrope factors
+    as tensors, its scale and original context as keys) and `smollm3` file (q/k rows permuted,
+    no key for its unrotated layers): configs built by our code, blocks kept as stored, against
+    transformers on their dequantized values. Phi-4-mini's prompts stay within its original
+    context of 128, where transformers turns q and k by the short factors (past it, the long
+    ones over the whole sequence, which a KV cache cannot: served within it)."""
+    from freetoken.layers.quantized import QuantizedLinear
 
-    gguf = bm.cached("tiny-phi4-mini-gguf", bm.build_phi3_gguf, phi4_mini=True) / "model.gguf"
-    with pytest.raises(ModelNotFound, match=r"^model.gguf: its rotary frequencies are scaled \(rope_factors_long"):
-        model_folder(gguf)
+    loaded = assert_family_gguf_matches_reference(f"tiny-{family}-{mix}", formats)
+    cfg, layer = loaded.model.cfg, loaded.model.model.layers[0]
+    if family == "smollm3":
+        assert cfg.unrotated_layers == {3} and not cfg.sliding_layers and cfg.tie_word_embeddings
+        return
+    qkv = layer.self_attn.qkv_proj
+    assert isinstance(qkv, QuantizedLinear) and len(qkv.parts) == 1
+    assert qkv.parts[0].qtype.name == ("Q8_0" if mix == "Q8_0" else "Q5_K")
+    if mix == "Q8_0":  # Phi-3-mini-4k: every layer in its window
+        assert cfg.sliding_window == 8 and cfg.sliding_layers == {0, 1} and cfg.rope_scaling is None
+        return
+    rope = loaded.hf_config["rope_parameters"]
+    assert loaded.max_model_len == 128 and cfg.rotary_dim == 48 and cfg.sliding_window is None
+    assert cfg.rope_scaling.short_factor == pytest.approx([1 + 0.4 * i for i in range(24)])
+    assert rope["long_factor"] == pytest.approx([1 + 2.0 * i for i in range(24)])
+    assert cfg.rope_scaling.attention_factor == pytest.approx((1 + math.log(8) / math.log(128)) ** 0.5)
 
 
 @pytest.mark.parametrize("mix, formats", [("Q8_0", {"Q8_0", "float32"}),
@@ -184,7 +204,8 @@ def test_a_granite_gguf_keeps_its_blocks_and_matches_transformers_on_them(mix, f
 def test_on_the_grouped_kernel_smollm3_and_phi4_mini_match_transformers(path, request, monkeypatch):
     """On the grouped kernel every SmolLM3 layer, the unrotated one too, runs in decoder_layer.c's
     one call a step (kernels/decoder_layer.py), where the machine has the C kernels;
-    Phi-4-mini's rotary on part of each head the C layer does not compute: its steps run in Python."""
+    Phi-4-mini's rotary on part of each head the C layer does not compute: the plan keeps its
+    layers in Python."""
     from freetoken.kernels import decoder_layer
 
     if decoder_layer.load() is None:
@@ -192,5 +213,7 @@ def test_on_the_grouped_kernel_smollm3_and_phi4_mini_match_transformers(path, re
     on_grouped = load_model(request.getfixturevalue(path), dtype="float32", device="cpu",
                             weights=WeightsConfig(linear_kernel="grouped"))
     assert_batch_matches_alone_and_reference(on_grouped, HARMONY_TEXTS[:4])
-    assert all(layer.one_call is not None for layer in on_grouped.model.model.layers)
-    assert on_grouped.model.model.stack is not None
+    whole = path == "tiny_smollm3_path"
+    assert all((layer.one_call is not None) == whole for layer in on_grouped.model.model.layers)
+    assert (on_grouped.model.model.stack is not None) == whole
+    assert on_grouped.model.kernel_plan.ops["layer"].startswith("decoder_layer.c") == whole

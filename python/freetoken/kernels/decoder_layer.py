@@ -1,5 +1,5 @@
-"""A llama-family decoder layer in one C call (decoder_layer.c, built at first use like
-grouped_gemm.c and sharing its build), for models/llama.py's DecoderLayer.
+"""A llama-family decoder layer in one C call (csrc/decoder_layer.c, built at first use by
+build.py), for models/llama.py's DecoderLayer. Its structs are kernels.h's, mirrored by build.py.
 
 The C file calls the kernels the Python layer calls, in the same order on the same values, through
 their addresses in the libraries quant.py, grouped_gemm.py and pool_attention.py load (one home
@@ -9,55 +9,27 @@ kernel (QuantParts) or the grouped one, bfloat16 rows on a bfloat16 unit's (bf16
 rest stays in Python.
 
 `prepare` makes a layer's fixed arguments once, `stack` a model's layers' (one call runs them
-all); `step` makes a step's once (kept on its ForwardContext) and returns None where the step
-cannot run so: FREETOKEN_LAYER_KERNEL=0 (the Python path, for tests and benchmarks), rows or
-cache off the CPU or of another dtype, groups without key ranges, or rotary on part of each head
-(Phi-4-mini's).
+all), both at load where the kernel plan allows the call (kernels/plan.py: the library runs here
+and FREETOKEN_LAYER_KERNEL=0 does not ask for the Python path); `step` makes a step's once (kept
+on its ForwardContext) and returns None where the step cannot run so: rows or cache off the CPU or
+of another dtype, groups without key ranges.
 """
 
 from __future__ import annotations
 
 import ctypes
 from functools import cache
-from pathlib import Path
 
 import torch
 
-from freetoken import envs
 from freetoken.kvcache.forward_context import ForwardContext
-from freetoken.kernels import bf16_linear, grouped_gemm, pool_attention, quant
-from freetoken.kernels.grouped_gemm import open_library
+from freetoken.kernels import bf16_linear, build, grouped_gemm, pool_attention, quant
 
-SOURCE = Path(__file__).with_name("decoder_layer.c")
-_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-QUANT, GROUPED = 0, 1  # decoder_layer.c's kinds of linear layer, then its bfloat16 units
-UNIT_KINDS = {"amx": 2, "avx512_bf16": 3}
+_C = build.declarations()
+Kernels, LinearArgs, LayerArgs, StepArgs = (_C.structs[name] for name in ("kernels", "linear", "layer", "step"))
+QUANT, GROUPED = _C.enums["QUANT"], _C.enums["GROUPED"]  # kinds of linear layer, then the bfloat16 units'
+UNIT_KINDS = {"amx": _C.enums["AMX"], "avx512_bf16": _C.enums["DOT"]}
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
-
-
-class Kernels(ctypes.Structure):
-    _fields_ = [(name, _PTR) for name in ("quant_parts", "grouped_f32", "grouped_bf16", "amx", "dot", "rms_norm",
-                                           "add_rms_norm", "norm_rotate", "silu_mul", "attention", "round")]
-
-
-class LinearArgs(ctypes.Structure):
-    _fields_ = [("kind", _I64), ("parts", _I64), ("types", _PTR), ("w", _PTR), ("ldw", _PTR), ("n", _PTR),
-                ("bias", _PTR), ("k_parts", _I64), ("k_cuts", _PTR), ("weight", _PTR), ("weight_bias", _PTR), ("in_features", _I64),
-                ("out_features", _I64)]
-
-
-class LayerArgs(ctypes.Structure):
-    _fields_ = [("qkv", LinearArgs), ("o", LinearArgs), ("gate_up", LinearArgs), ("down", LinearArgs),
-                ("input_norm", _PTR), ("post_norm", _PTR), ("q_norm", _PTR), ("k_norm", _PTR),
-                ("eps", _F32), ("post_eps", _F32), ("qk_eps", _F32), ("scale", _F32), ("residual", _F32),
-                ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64),
-                ("intermediate", _I64), ("sliding", _I64), ("rotary", _I64)]
-
-
-class StepArgs(ctypes.Structure):
-    _fields_ = [("isa", _I64), ("tokens", _I64), ("bf16", _I64), *((name, _PTR) for name in (
-        "cos", "sin", "out_slots", "slots", "ranges", "window_ranges", "groups", "x32", "y32",
-        "h", "qkv", "q", "attn32", "attn", "gate_up", "act", "delta"))]
 
 
 @cache
@@ -65,20 +37,14 @@ def load() -> ctypes.CDLL | None:
     """The built library, or None where the kernels it calls cannot run here."""
     if grouped_gemm.load() is None or pool_attention.load() is None:
         return None
-    return open_library(SOURCE, "decoder_layer_supported", "nothing more", "layers run in Python",
-                        {"decoder_layer": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR],
-                         "decoder_layers": [_PTR, _PTR, _I64, _PTR, _PTR, _PTR]})
+    return build.open_library("decoder_layer", "decoder_layer_supported", "nothing more", "layers run in Python")
 
 
 @cache
 def kernels(dtype: torch.dtype) -> Kernels:
     """The addresses of the kernels a layer of `dtype` calls (None: one this CPU lacks)."""
     grouped, attention, quantized = grouped_gemm.load(), pool_attention.load(), quant._kernel()
-    suffix = SUFFIX[dtype]
-
-    def address(lib: ctypes.CDLL | None, name: str) -> int | None:
-        return None if lib is None else ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-
+    suffix, address = SUFFIX[dtype], build.address
     return Kernels(address(quantized, "quant_gemm_parts"), address(grouped, "grouped_gemm_f32"),
                    address(grouped, "grouped_gemm_bf16"),
                    *map(bf16_linear.address, UNIT_KINDS),
@@ -99,10 +65,10 @@ class Step:
 class LayerCall:
     """A layer's fixed arguments, and the call that runs it on a step."""
 
-    def __init__(self, args: LayerArgs, dtype: torch.dtype, keep: list):
+    def __init__(self, args: LayerArgs, dtype: torch.dtype, keep: list, lib: ctypes.CDLL):
         self.args, self.dtype, self.keep = args, dtype, keep  # keep: what the arguments point into
         self.shape = (dtype, args.hidden, args.qkv.out_features, args.heads * args.head_dim, args.intermediate)
-        self.run, self.kernels = load().decoder_layer, ctypes.addressof(kernels(dtype))
+        self.lib, self.run, self.kernels = lib, lib.decoder_layer, ctypes.addressof(kernels(dtype))
         self.address = ctypes.addressof(args)
 
     def __call__(self, x: torch.Tensor, delta: torch.Tensor | None, step: Step,
@@ -122,7 +88,7 @@ class Stack:
     def __init__(self, calls: list[LayerCall], caches: list[int]):
         self.first, self.count, self.caches = calls[0], len(calls), caches
         self.layers = (ctypes.c_void_p * len(calls))(*(call.address for call in calls))
-        self.run = load().decoder_layers
+        self.run = self.first.lib.decoder_layers
 
     def __call__(self, x: torch.Tensor, step: Step, kv_cache: list[torch.Tensor]) -> torch.Tensor:
         """x [T, hidden] through every layer, updated in place but for the last layer's MLP
@@ -165,22 +131,22 @@ def _linear(run, dtype: torch.dtype) -> tuple[LinearArgs, object] | None:
     return None
 
 
-def prepare(linears: tuple, norms: tuple, heads: int, kv_heads: int, head_dim: int,
+def prepare(lib: ctypes.CDLL | None, linears: tuple, norms: tuple, heads: int, kv_heads: int, head_dim: int,
             sliding: bool, rotary: bool, scale: float | None, residual: float) -> LayerCall | None:
     """A layer with projections `linears` (q/k/v, o, gate/up, down: see `_linear`) and RMSNorms
     `norms` (input, post-attention, then q's and k's, or not), q and k turned by the rotary
     embedding or not, its attention scores scaled by `scale` (pool_attention.softmax_scale), the
-    attention's and MLP's outputs by `residual`, or None where the C layer cannot run it (or
-    FREETOKEN_LAYER_KERNEL=0 asks for the Python path: read once, as the layer is prepared)."""
+    attention's and MLP's outputs by `residual`, on `lib` (the plan's: `load()`, or None where
+    the layers run in Python), or None where the C layer cannot run it."""
     weights = [n.weight for n in norms]
     dtype = weights[0].dtype
-    if (envs.LAYER_KERNEL.get() == "0" or dtype not in SUFFIX
+    if (lib is None or dtype not in SUFFIX
             or any(w.dtype != dtype or w.device.type != "cpu" or not w.is_contiguous() for w in weights)
             # norm_rotate norms q and k only on the way to turning them (no family has one without)
             or (len(norms) == 4 and (norms[2].eps != norms[3].eps or not rotary))):
         return None
     made = [_linear(run, dtype) for run in linears]
-    if any(m is None for m in made) or load() is None:
+    if any(m is None for m in made):
         return None
     (qkv, _), (o, _), (gate_up, _), (down, _) = made
     hidden, intermediate = qkv.in_features, down.in_features
@@ -194,7 +160,7 @@ def prepare(linears: tuple, norms: tuple, heads: int, kv_heads: int, head_dim: i
                      norms[0].eps, norms[1].eps, norms[2].eps if len(norms) == 4 else 0.0,
                      pool_attention.softmax_scale(head_dim, scale), residual, hidden, heads, kv_heads, head_dim,
                      intermediate, sliding, rotary)
-    return LayerCall(args, dtype, [made, weights])
+    return LayerCall(args, dtype, [made, weights], lib)
 
 
 def step(ctx: ForwardContext, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -213,7 +179,8 @@ def _make_step(ctx: ForwardContext, x: torch.Tensor, cos: torch.Tensor, sin: tor
     if (x.dtype != dtype or x.device.type != "cpu"
             or x.dim() != 2 or not x.is_contiguous() or cos.dtype != dtype or not cos.is_contiguous()
             or cos.shape[-1] != layer.args.head_dim
-            or not sin.is_contiguous() or kv_cache.dtype != dtype or not pool_attention.usable(kv_cache)):
+            or not sin.is_contiguous() or kv_cache.dtype != dtype or kv_cache.device.type != "cpu"
+            or not kv_cache.is_contiguous()):
         return None
     tokens = x.shape[0]
     keys = ctx.merged_keys(tokens)

@@ -1,5 +1,5 @@
-"""The kernels of grouped_gemm.c, built with the system's C compiler at first use and called
-through ctypes. The grouped GEMM runs the MoE experts (layers/moe.py: one call per projection
+"""The kernels of csrc/grouped_gemm.c, built at first use (build.py) and called through
+ctypes. The grouped GEMM runs the MoE experts (layers/moe.py: one call per projection
 for all of a layer's experts) and, where the load-time probe picks it, the dense layers
 (layers/linear.py: one group each); `rms_norm` and `rotate` run layers/norm.py's RMSNorm
 and rotary.py's rotation, `add_rms_norm`, `norm_rotate` and `silu_mul` a layer's residual add
@@ -16,31 +16,19 @@ Weights are read as float32 or bfloat16 (widened exactly), rows and sums are flo
 bfloat16 model reads half the bytes and accumulates as a float32 GEMM does. Where it cannot be
 used (no C compiler, not x86-64 with AVX2/FMA, another dtype, not a CPU tensor, or
 FREETOKEN_NO_KERNELS set), `load()` returns None and the layers run on torch's kernels; the
-server logs why."""
+server logs why (kernels/plan.py records it)."""
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
 from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
 
 import torch
 
-from freetoken import envs
-from freetoken.paths import cache_root
+from freetoken.kernels import build
 
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("grouped_gemm.c")
-# -ffp-contract=off: no multiply and add fused where the source does not ask for it (rotate_*
-# rounds as torch does). -fopenmp links libgomp.so.1, which resolves to the copy torch loaded.
-FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+SOURCE = build.source("grouped_gemm")
 STRIP = 16
 
 
@@ -94,47 +82,10 @@ def grouped_gemm(lib: ctypes.CDLL, x: torch.Tensor, experts: PackedLinears,
     return y.to(x.dtype)
 
 
-def open_library(source: Path, supported: str, needs: str, instead: str,
-                 functions: dict[str, list]) -> ctypes.CDLL | None:
-    """One of our C files built and opened, its `functions` (name: argument types, returning
-    nothing) declared; None where it cannot run here (logged: call it once, from a cached
-    loader): FREETOKEN_NO_KERNELS set, no C compiler, or a CPU on which the library's `supported`
-    function returns 0 (it lacks `needs`). `instead`: what runs then."""
-    if envs.NO_KERNELS.get():
-        return None
-    try:
-        lib = ctypes.CDLL(str(build(source)))
-    except OSError as exc:  # FileNotFoundError too: no compiler
-        log.warning("%s unavailable (%s); %s", source.name, exc, instead)
-        return None
-    if not getattr(lib, supported)():
-        log.info("this CPU lacks %s, which %s needs; %s", needs, source.name, instead)
-        return None
-    for name, argtypes in functions.items():
-        function = getattr(lib, name)
-        function.argtypes, function.restype = argtypes, None
-    return lib
-
-
-_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-# Each function once per weight dtype (suffix of KERNELS).
-_PER_DTYPE = {
-    "grouped_gemm": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64],
-    "rms_norm": [_PTR, _I64, _PTR, _PTR, _I64, _I64, _F32],
-    "rotate": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64],
-    "add_rms_norm": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _F32],
-    "norm_rotate": [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _F32, _PTR, _PTR, _I64],
-    "silu_mul": [_PTR, _I64, _PTR, _I64, _I64],
-}
-
-
 @cache
 def load() -> ctypes.CDLL | None:
     """The built kernel, or None where it cannot run here (logged once)."""
-    functions = {f"{name}_{suffix}": argtypes for name, argtypes in _PER_DTYPE.items()
-                 for suffix in KERNELS.values()}
-    return open_library(SOURCE, "grouped_gemm_supported", "AVX2/FMA", "layers run on torch kernels",
-                        functions)
+    return build.open_library("grouped_gemm", "grouped_gemm_supported", "AVX2/FMA", "layers run on torch kernels")
 
 
 def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -190,26 +141,3 @@ def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
     getattr(lib, f"silu_mul_{KERNELS[gate_up.dtype]}")(gate_up.data_ptr(), gate_up.stride(0), y.data_ptr(),
                                                        rows, half)
     return y
-
-
-def build(source_path: Path = SOURCE) -> Path:
-    """Compile a kernel source (this file's, or quant.py's) once per content into the cache
-    folder (atomic: concurrent first uses each compile to their own file and keep whichever
-    lands)."""
-    source = source_path.read_bytes()
-    compiler = shutil.which(envs.CC.get() or "cc") or shutil.which("gcc")
-    if compiler is None:
-        raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
-    digest = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"{source_path.stem}-{digest}.so"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
-    command = [compiler, *FLAGS, "-o", str(tmp), str(source_path)]
-    try:
-        subprocess.run(command, check=True, capture_output=True, text=True)
-    except subprocess.CalledProcessError as exc:
-        raise OSError(f"{compiler} failed: {exc.stderr.strip()[-500:]}") from exc
-    os.replace(tmp, target)
-    return target

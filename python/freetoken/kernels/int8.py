@@ -1,5 +1,5 @@
-"""The int8-activation arithmetic on GGUF blocks (`--quantized-arithmetic int8`, int8_gemm.c,
-built at first use like quant_gemm.c and sharing its build): each row of x quantized to int8 per
+"""The int8-activation arithmetic on GGUF blocks (`--quantized-arithmetic int8`, csrc/int8_gemm.c,
+built at first use by build.py like quant_gemm.c): each row of x quantized to int8 per
 block of 32 values along K with one float32 scale, multiplied on integer dot products, as
 llama.cpp multiplies its Q8_0 / Q8_K rows, in a fixed order per output element, so a row's bits
 depend neither on its batch, its thread nor the path (AVX2 or scalar). Less exact than
@@ -18,15 +18,13 @@ import ctypes
 from contextlib import contextmanager
 from contextvars import ContextVar
 from functools import cache
-from pathlib import Path
 
 import torch
 from gguf import GGMLQuantizationType
 
-from freetoken.kernels.grouped_gemm import open_library
+from freetoken.kernels import build
 from freetoken.kernels.quant import QuantizedWeight, QuantParts
 
-SOURCE = Path(__file__).with_name("int8_gemm.c")
 FORMATS = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
            GGMLQuantizationType.Q6_K)
 PATHS = {"scalar": 0, "avx2": 1}  # int8_gemm.c's `path` argument
@@ -50,10 +48,8 @@ def chosen(weights: list[QuantizedWeight]) -> bool:
 
 @cache
 def _kernel() -> ctypes.CDLL | None:
-    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib = open_library(SOURCE, "int8_supported", "nothing", "quantized layers run the exact arithmetic", {
-        "int8_gemm_parts": [i32, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64],
-        "int8_gemm_grouped": [i32, i32, ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64, i64, i64]})
+    lib = build.open_library("int8_gemm", "int8_supported", "nothing",
+                             "quantized layers run the exact arithmetic")
     if lib is not None:
         lib.best_path = lib.int8_path()  # asked once: CPUID is slow under a hypervisor
     return lib
@@ -63,6 +59,11 @@ def best_path() -> int:
     """The path this CPU runs: 1 AVX2, 0 scalar (PATHS); 0 too where the kernel is not built."""
     lib = _kernel()
     return lib.best_path if lib is not None else 0
+
+
+def kernel_name(path: int) -> str:
+    """How the kernel plan (kernels/plan.py) names this kernel on `path`."""
+    return f"int8_gemm.c ({next(name for name, code in PATHS.items() if code == path)})"
 
 
 def supported(weight: QuantizedWeight) -> bool:
@@ -92,16 +93,19 @@ class Int8Parts:
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
-def grouped_int8_gemm(x: torch.Tensor, experts: QuantizedWeight, groups: torch.Tensor) -> torch.Tensor:
+def grouped_int8_gemm(x: torch.Tensor, experts: QuantizedWeight, groups: torch.Tensor,
+                      path: int | None = None) -> torch.Tensor:
     """quant.grouped_quant_gemm on the int8 arithmetic: x [R, K], experts [E, N, K], groups [G, 3]
-    int64 (expert, first row, row count) covering every row of x; [R, N] float32."""
+    int64 (expert, first row, row count) covering every row of x; [R, N] float32. `path` None:
+    the best this CPU runs (layers/moe.py passes the one it kept)."""
     rows, groups = x.float().contiguous(), groups.to(torch.int64).contiguous()
     n, k = experts.shape[-2:]
     if rows.shape[1] != k or k % 32:
         raise ValueError(f"x has {rows.shape[1]} features, the weight {k}")
     data = experts.data if experts.data.stride(-1) == 1 else experts.data.contiguous()
     y = torch.empty(rows.shape[0], n, dtype=torch.float32)
-    _kernel().int8_gemm_grouped(best_path(), int(experts.qtype), rows.data_ptr(), rows.stride(0), data.data_ptr(),
+    path = best_path() if path is None else path
+    _kernel().int8_gemm_grouped(path, int(experts.qtype), rows.data_ptr(), rows.stride(0), data.data_ptr(),
                                 data.stride(0), data.stride(1), y.data_ptr(), y.stride(0), groups.data_ptr(),
                                 groups.shape[0], rows.shape[0], k, n)
     return y

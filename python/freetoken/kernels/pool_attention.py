@@ -1,12 +1,12 @@
-"""Attention read straight from the KV pool by slot (pool_attention.c, built at first use like
-grouped_gemm.c and sharing its build), for layers/attention.py's prompt and decoding rows.
+"""Attention read straight from the KV pool by slot (csrc/pool_attention.c, built at first use by
+build.py), for layers/attention.py's prompt and decoding rows.
 
 The torch path copies every request's keys and values out of the pool (`index_select`) each
 layer and step, and pads a decode's queries for SDPA's rounding; the kernel reads each key where
 it lies, and computes every row alone in a fixed order, so a row's bits never depend on its batch
 (see the C file). Where it cannot run (no C compiler, not x86-64 with AVX2/FMA, a cache dtype
-other than float32/bfloat16, a tensor off the CPU, or FREETOKEN_NO_KERNELS set), the layer keeps
-the torch path. `attend_latent` reads multi-head latent attention's cache (layers/mla.py)
+other than float32/bfloat16, a tensor off the CPU, or FREETOKEN_NO_KERNELS set), the kernel plan
+(kernels/plan.py) keeps the layer on the torch path. `attend_latent` reads multi-head latent attention's cache (layers/mla.py)
 by the same code: one kv head, a slot's whole row its key and the row's first elements its value.
 """
 
@@ -15,36 +15,22 @@ from __future__ import annotations
 import ctypes
 import math
 from functools import cache
-from pathlib import Path
 
 import torch
 
-from freetoken.kernels.grouped_gemm import open_library
+from freetoken.kernels import build
 
-SOURCE = Path(__file__).with_name("pool_attention.c")
 KERNELS = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 @cache
 def load() -> ctypes.CDLL | None:
     """The built kernel, or None where it cannot run here (logged once)."""
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    signature = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float]
-    latent = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float]
-    lib = open_library(SOURCE, "pool_attention_supported", "AVX2/FMA", "attention runs on torch's SDPA",
-                       {f"pool_attention_{suffix}": signature for suffix in KERNELS.values()}
-                       | {f"pool_attention_{suffix}_latent": latent for suffix in KERNELS.values()}
-                       | {"pool_attention_set_isa": [ctypes.c_int]})
+    lib = build.open_library("pool_attention", "pool_attention_supported", "AVX2/FMA",
+                             "attention runs on torch's SDPA")
     if lib is not None:
-        lib.pool_attention_set_isa.restype = ctypes.c_int
         lib.pool_attention_set_isa(2)  # AVX-512 where the CPU has it: the same bits as AVX2
     return lib
-
-
-def usable(kv_cache: torch.Tensor) -> bool:
-    """Can the kernel attend over this layer cache [slots, 2 * kv heads, D]?"""
-    return (kv_cache.device.type == "cpu" and kv_cache.dtype in KERNELS
-            and kv_cache.shape[-1] % 8 == 0 and kv_cache.is_contiguous() and load() is not None)
 
 
 def softmax_scale(dim: int, scale: float | None) -> float:
@@ -54,7 +40,8 @@ def softmax_scale(dim: int, scale: float | None) -> float:
 
 def attend(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, ranges: torch.Tensor,
            sinks: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
-    """Queries q [R, heads, D] over the cache (see `usable`): row r's keys are
+    """Queries q [R, heads, D] over a contiguous CPU cache [slots, 2 * kv heads, D] (D % 8 == 0,
+    a dtype of KERNELS; where the kernel plan put a layer on it): row r's keys are
     slots[first + j] for j in [lo, hi), ranges [R, 3] int64 = (first, lo, hi), slots int64.
     `sinks`: float32 [heads] logits the softmax counts with no value, or None; `scale`: see
     `softmax_scale`. Returns q's dtype."""
@@ -69,17 +56,10 @@ def attend(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, ranges:
     return out.to(q.dtype)
 
 
-def usable_latent(cache: torch.Tensor, latent: int) -> bool:
-    """Can `attend_latent` read this multi-head latent attention cache [slots, 1, D] whose values
-    are each row's first `latent` elements?"""
-    return (cache.device.type == "cpu" and cache.dtype in KERNELS and cache.shape[1] == 1
-            and cache.shape[-1] % 8 == 0 and latent % 8 == 0 and cache.is_contiguous() and load() is not None)
-
-
 def attend_latent(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, ranges: torch.Tensor, latent: int,
                   scale: float | None) -> torch.Tensor:
-    """As `attend`, over a latent cache (`usable_latent`): queries q [R, heads, D] against each
-    row whole, softmax-weighted sums of its first `latent` elements, [R, heads, latent] in q's dtype."""
+    """As `attend`, over a multi-head latent attention cache [slots, 1, D] (D and `latent`
+    multiples of 8): queries q [R, heads, D] against each row whole, softmax-weighted sums of its first `latent` elements, [R, heads, latent] in q's dtype."""
     rows, heads, dim = q.shape
     q32 = q.float().contiguous()
     out = torch.empty(rows, heads, latent, dtype=torch.float32)

@@ -1,7 +1,7 @@
 """Quantized weights kept in GGUF's block layouts, as the file stores them, and the matmuls that
 read them.
 
-The kernels (quant_gemm.c, built at first use like grouped_gemm.c and sharing its build) read the
+The kernels (csrc/quant_gemm.c, built at first use by build.py) read the
 blocks in place and dequantize them in registers, to exactly gguf's float32 values. Each output
 element is one sum in a fixed order (sixteen lanes of FMA chains along K, then a fixed tree; see
 the C file) whatever the row count, tile, thread or group, and the AVX2 and AVX-512 paths give the
@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -24,9 +23,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from freetoken import envs
-from freetoken.kernels.grouped_gemm import open_library
-
-SOURCE = Path(__file__).with_name("quant_gemm.c")
+from freetoken.kernels import build
 
 # The block formats kept quantized (the others are dequantized at load).
 FORMATS = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
@@ -61,18 +58,16 @@ def row_bytes(qtype: GGMLQuantizationType, k: int) -> int:
 @cache
 def _kernel() -> ctypes.CDLL | None:
     """The built kernel, or None where it cannot run here (logged once)."""
-    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib = open_library(SOURCE, "quant_isa", "AVX2/FMA/F16C", "quantized layers are dequantized at load", {
-        "quant_gemm": [i32, i32, ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64, i64],
-        "quant_gemm_parts": [i32, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64],
-        "quant_dequantize_rows": [i32, i32, ptr, i64, ptr, i64, i64, ptr]})
+    lib = build.open_library("quant_gemm", "quant_isa", "AVX2/FMA/F16C", "quantized layers are dequantized at load")
     if lib is not None:
         lib.best_isa = lib.quant_isa()  # asked once more, then kept: CPUID is slow under a hypervisor
     return lib
 
 
+@cache
 def isa() -> int:
-    """The kernel path this process runs: 2 AVX-512, 1 AVX2, 0 none (FREETOKEN_QUANT_ISA caps it)."""
+    """The kernel path this process runs: 2 AVX-512, 1 AVX2, 0 none (FREETOKEN_QUANT_ISA caps it,
+    read once: the kernel plan's choice, never asked again in a step)."""
     lib = _kernel()
     if lib is None:
         return 0

@@ -7,14 +7,16 @@ or the projections by overriding `forward` (the hybrids' gated attention), and r
 multi-head latent attention (layers/mla.py) its pool's layout too (`_keys_values`, `_pool_kernel`,
 `_on_pool`), and reuses `_attend_cached`.
 
-Prompt and decoding rows attend through kernels/pool_attention.py where it runs (a CPU
-cache of float32 or bfloat16): it reads the keys where they lie in the pool and computes each row
-alone, so a row's bits depend neither on its batch nor on whether it came as a prompt or a
-decoding row; elsewhere torch's SDPA over the group's gathered keys (forward_context.py's groups
-keep its rows batch-invariant).
+Prompt and decoding rows attend through kernels/pool_attention.py where the kernel plan put them
+(kernels/plan.py: a CPU cache of float32 or bfloat16, where the kernel runs): it reads the keys
+where they lie in the pool and computes each row alone, so a row's bits depend neither on its
+batch nor on whether it came as a prompt or a decoding row; elsewhere torch's SDPA over the
+group's gathered keys (forward_context.py's groups keep its rows batch-invariant).
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 import torch.nn.functional as F
@@ -22,9 +24,10 @@ from torch import nn
 
 from freetoken.kvcache.forward_context import DecodeGroup, ForwardContext, PromptGroup
 from freetoken.kernels import pool_attention
+from freetoken.kernels.plan import DTYPES, Available, available
 from freetoken.layers.linear import Linear
 from freetoken.layers.norm import RMSNorm
-from freetoken.layers.rotary import norm_rotate
+from freetoken.layers.rotary import norm_rotate, rotary_name
 
 # CPU attention kernels round a row differently when a call has fewer than 4 queries per head:
 # on SDPA, a decoding request's queries per kv head are padded to 4 by repeating the last one.
@@ -35,6 +38,11 @@ class Attention(nn.Module):
     sliding = False  # a sliding-window layer (subclasses with their own __init__ have none)
     rotary = True  # q and k turned by the rotary embedding (not in SmolLM3's NoPE layers)
     scale: float | None = None  # of the scores; None: 1 / sqrt(head_dim) (Granite's is its own)
+    # Chosen once by `plan_kernels` (kernels/plan.py; a layer built outside a load: at its first
+    # step): grouped_gemm.c's library for the rotation (None: torch's ops), and whether the rows
+    # attend on pool_attention.c (else torch's SDPA).
+    rotary_lib: ctypes.CDLL | None = NotImplemented
+    pool: bool = NotImplemented
 
     def __init__(self, cfg, layer: int):
         """`cfg`: models/llama.py's ModelConfig, or a family's with its attention fields."""
@@ -50,12 +58,28 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
+    def plan_kernels(self, kernels: Available, dtype: torch.dtype, device: torch.device | str) -> dict[str, str]:
+        """kernels/plan.py's question: the rotation's kernel and the attention's, for rows and a
+        KV pool of `dtype` on `device`."""
+        self.rotary_lib = kernels.elementwise(dtype, device)
+        self.pool = kernels.attention is not None and self._pool_kernel(dtype, device)
+        qk_norm = getattr(self.cfg, "qk_norm", False)
+        return {"rotary": rotary_name(self.rotary_lib, dtype, "norm_rotate" if qk_norm else "rotate"),
+                "attention": f"pool_attention.c ({DTYPES[dtype]} pool)" if self.pool else "torch SDPA"}
+
+    def planned(self, x: torch.Tensor) -> None:
+        """Plan a layer built outside a load (a test's), at its first step."""
+        if self.pool is NotImplemented:
+            self.plan_kernels(available(), x.dtype, x.device)
+
     def forward(self, x, cos, sin, ctx: ForwardContext) -> torch.Tensor:
+        self.planned(x)
         cfg, t = self.cfg, x.shape[0]
         heads, kvh = cfg.num_heads, cfg.num_kv_heads
         qkv = self.qkv_proj(x).view(t, heads + 2 * kvh, cfg.head_dim)
         norms = (self.q_norm, self.k_norm) if cfg.qk_norm else None
-        qk = norm_rotate(qkv[:, : heads + kvh], heads, norms, *((cos, sin) if self.rotary else (None, None)))
+        qk = norm_rotate(qkv[:, : heads + kvh], heads, norms, *((cos, sin) if self.rotary else (None, None)),
+                         self.rotary_lib)
         out = self._attend(qk[:, :heads], qk[:, heads:], qkv[:, heads + kvh :], ctx)
         return self.o_proj(out.reshape(t, -1))
 
@@ -81,7 +105,7 @@ class Attention(nn.Module):
         return kv_cache
 
     def _prompt(self, q, kv_cache, group: PromptGroup) -> torch.Tensor:
-        if group.key_ranges is not None and self._pool_kernel(kv_cache):
+        if group.key_ranges is not None and self.pool:
             ranges = group.window_key_ranges if self.sliding else group.key_ranges
             return self._on_pool(q.index_select(0, group.out_rows), kv_cache, group.kv_slots, ranges)
         cfg = self.cfg
@@ -94,7 +118,7 @@ class Attention(nn.Module):
         return attn.transpose(1, 2).reshape(-1, cfg.num_heads, attn.shape[-1]).index_select(0, group.kept)
 
     def _decode(self, q, kv_cache, group: DecodeGroup) -> torch.Tensor:
-        if group.key_ranges is not None and self._pool_kernel(kv_cache):
+        if group.key_ranges is not None and self.pool:
             ranges = group.window_key_ranges if self.sliding else group.key_ranges
             return self._on_pool(q, kv_cache, group.kv_slots, ranges)
         cfg, b = self.cfg, q.shape[0]
@@ -113,9 +137,10 @@ class Attention(nn.Module):
         kv = rows.view(*rows.shape[:2], 2 * kvh, -1).permute(0, 2, 1, 3)
         return kv[:, :kvh], kv[:, kvh:]
 
-    def _pool_kernel(self, kv_cache: torch.Tensor) -> bool:
-        """Do the rows attend on kernels/pool_attention.py (`_on_pool`)?"""
-        return pool_attention.usable(kv_cache)
+    def _pool_kernel(self, dtype: torch.dtype, device: torch.device | str) -> bool:
+        """Can kernels/pool_attention.py (`_on_pool`) read this layer's pool, [slots, 2 * kv heads,
+        head_dim] of `dtype` on `device` (the engine's pool: contiguous)?"""
+        return torch.device(device).type == "cpu" and dtype in DTYPES and self.cfg.head_dim % 8 == 0
 
     def _on_pool(self, q, kv_cache, slots, ranges) -> torch.Tensor:
         """Queries q [R, heads, d] over the pool, row r's keys as pool_attention.attend reads them."""

@@ -17,13 +17,14 @@ rank's share of a feed-forward width need not be such a multiple (distributed/pa
 
 from __future__ import annotations
 
+import ctypes
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from freetoken.kernels.grouped_gemm import KERNELS, silu_mul
-from freetoken.kernels.grouped_gemm import load as load_kernel
+from freetoken.kernels.plan import available
 
 LANES = 64
 GRAIN = 32768  # at::internal::GRAIN_SIZE: elements below which an op runs on one thread
@@ -41,12 +42,15 @@ def lanewise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> tor
     return out[:, :width].reshape(*x.shape[:-1], -1)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU over a fused projection whose first half is the gate (Llama, Qwen): in one pass on
-    CPUs where kernels/grouped_gemm.c runs (its silu_mul_*, torch's vector path's bits)."""
+def silu_and_mul(gate_up: torch.Tensor, lib: ctypes.CDLL | None = NotImplemented) -> torch.Tensor:
+    """SwiGLU over a fused projection whose first half is the gate (Llama, Qwen): in one pass
+    where the caller's kernel plan gives `lib` (grouped_gemm.c's silu_mul_*, torch's vector
+    path's bits; None: torch's ops; unplanned: this process's, kernels/plan.py)."""
+    if lib is NotImplemented:
+        lib = available().elementwise(gate_up.dtype, gate_up.device)
     half = gate_up.shape[-1] // 2
-    if (gate_up.device.type == "cpu" and gate_up.dim() == 2 and gate_up.dtype in KERNELS
-            and half % 8 == 0 and gate_up.stride(-1) == 1 and (lib := load_kernel()) is not None):
+    if (lib is not None and gate_up.dim() == 2 and gate_up.dtype in KERNELS and half % 8 == 0
+            and gate_up.stride(-1) == 1):
         return silu_mul(lib, gate_up)
     gate, up = gate_up[:, :half], gate_up[:, half:]
     if gate_up.device.type != "cpu" or half % LANES:

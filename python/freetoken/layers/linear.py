@@ -12,11 +12,10 @@ FREETOKEN_LINEAR_KERNEL=<name> restricts the choice to one of them (benchmarks, 
 
 from __future__ import annotations
 
-import logging
 import re
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import cache, partial
 
 import torch
@@ -29,10 +28,10 @@ from freetoken.kernels.bf16_linear import pack_pairs, unit_linear, unpack_column
 from freetoken.kernels.grouped_gemm import KERNELS, grouped_gemm
 from freetoken.kernels.grouped_gemm import load as load_kernel
 from freetoken.kernels.grouped_gemm import pack as pack_strips
-from freetoken.layers.kernel_choice import (UNCAPPED, Measured, Run, RowRule, cpu_name, measure,
+from freetoken.kernels.plan import KernelPlan
+from freetoken.layers.kernel_choice import (UNCAPPED, Measured, Run, RowRule, measure,
                                             measured_with_cache, probe_weight, ranked, run_by_rule)
 
-log = logging.getLogger(__name__)
 
 CANDIDATES = LINEAR_KERNELS  # config.py names them: a flag's choices, read without loading torch
 # Our kernels give a row the same operations in the same order at any row count (grouped_gemm.c):
@@ -76,15 +75,6 @@ class Linear(nn.Linear):
                 self._subsets = {}
             self._subsets[key] = subset
         return subset(x).float()
-
-
-@dataclass(frozen=True)
-class KernelPlan:
-    """What `pack_linears` chose: whether every layer's rows are batch-invariant, and per layer
-    kind its kernel and row rule (the start-up log, /v1/stats)."""
-
-    invariant: bool
-    kernels: dict[str, str]
 
 
 def may_run(kernel: str, layer: Linear) -> bool:
@@ -203,7 +193,8 @@ def _probe_layer(layer: Linear) -> Linear:
 def pack_linears(model: nn.Module) -> KernelPlan:
     """Put every Linear of `model` on the kernel chosen for its shape, free the plain weights
     those kernels copied (unless another module shares them, as a tied embedding does); the
-    plan is kept as `model.kernel_plan` too."""
+    plan (its linear layers', which kernels/plan.py's plan_model completes) is kept as
+    `model.kernel_plan` too."""
     by_shape: dict[tuple, list[tuple[str, Linear]]] = {}
     for name, module in model.named_modules():
         if isinstance(module, Linear):
@@ -228,12 +219,6 @@ def pack_linears(model: nn.Module) -> KernelPlan:
         rows = "any" if rule.most == UNCAPPED else f"{rule.minimum}-{rule.most}"
         kernels[kind] = f"{best.kernel} (rows {rows})" if best.rule else f"{best.kernel} (not invariant)"
     model.kernel_plan = plan = KernelPlan(invariant, kernels)
-    if kernels:
-        log.log(logging.INFO if invariant else logging.WARNING,
-                "linear kernels on %s, %s: %s", cpu_name(),
-                "batch-invariant" if invariant else "NOT batch-invariant (no kernel's rows come "
-                "out alike at every row count on some shape)",
-                "; ".join(f"{k}: {v}" for k, v in kernels.items()))
     return plan
 
 

@@ -36,7 +36,7 @@ from torch import nn
 from freetoken.kvcache.forward_context import ForwardContext
 from freetoken.kernels import pool_attention
 from freetoken.kernels.grouped_gemm import KERNELS, PackedLinears, grouped_gemm, pack
-from freetoken.kernels.grouped_gemm import load as load_kernel
+from freetoken.kernels.plan import available
 from freetoken.layers.attention import Attention
 from freetoken.layers.kernel_choice import RowRule, probe_weight, rule_holds
 from freetoken.layers.linear import Linear
@@ -96,15 +96,15 @@ class LatentAttention(Attention):
     def forward(self, x, cos, sin, ctx: ForwardContext) -> torch.Tensor:
         cfg, t = self.cfg, x.shape[0]
         nope, latent_width = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        self.planned(x)
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)) if cfg.q_lora_rank else x).view(t, cfg.num_heads, -1)
         compressed = self.kv_a_proj_with_mqa(x)
         latent = self.kv_a_layernorm(compressed[:, :latent_width])
-        k_pe = rotate(compressed[:, None, latent_width:], cos, sin)
-        query = torch.cat([self.q_to_latent(q[..., :nope]), rotate(q[..., nope:], cos, sin)], dim=-1)
+        k_pe = rotate(compressed[:, None, latent_width:], cos, sin, self.rotary_lib)
+        query = torch.cat([self.q_to_latent(q[..., :nope]), rotate(q[..., nope:], cos, sin, self.rotary_lib)], dim=-1)
         kv_cache = ctx.kv_cache[self.layer]
         kv_cache.index_copy_(0, ctx.out_slots, torch.cat([latent[:, None], k_pe], dim=-1).to(kv_cache.dtype))
-        kernel = self._pool_kernel(kv_cache)
-        out = self._attend_cached(query, kv_cache, ctx, latent_width if kernel else None)
+        out = self._attend_cached(query, kv_cache, ctx, latent_width if self.pool else None)
         return self.o_proj(self.latent_to_v(out[..., :latent_width]).reshape(t, -1))
 
     def _keys_values(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,8 +112,12 @@ class LatentAttention(Attention):
         kv = rows[:, None]
         return kv, kv
 
-    def _pool_kernel(self, kv_cache: torch.Tensor) -> bool:
-        return pool_attention.usable_latent(kv_cache, self.cfg.kv_lora_rank)
+    def _pool_kernel(self, dtype: torch.dtype, device: torch.device | str) -> bool:
+        """Can `attend_latent` read this layer's pool, [slots, 1, kv_lora_rank + rope dims] of
+        `dtype` on `device`, whose values are each row's first kv_lora_rank elements?"""
+        cfg = self.cfg
+        return (torch.device(device).type == "cpu" and dtype in KERNELS and cfg.kv_lora_rank % 8 == 0
+                and (cfg.kv_lora_rank + cfg.qk_rope_head_dim) % 8 == 0)
 
     def _on_pool(self, q, kv_cache, slots, ranges) -> torch.Tensor:
         return pool_attention.attend_latent(q, kv_cache, slots, ranges, self.cfg.kv_lora_rank, self.scale)
@@ -146,7 +150,7 @@ def stack_heads(model: nn.Module) -> None:
     if not layers:
         return
     weight = layers[0].heads[0].weight
-    kernel = load_kernel() if weight.dtype in KERNELS and weight.device.type == "cpu" else None
+    kernel = available().elementwise(weight.dtype, weight.device)
     if kernel is None:
         return
     shapes = {(m.heads[0].in_features, m.out_features) for m in layers}

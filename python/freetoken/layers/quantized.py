@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from freetoken.kernels import int8
-from freetoken.kernels.quant import (QuantizedWeight, QuantParts, dequantize_rows, quant_linear_parts,
-                                     supported)
-from freetoken.layers.linear import LAYER_INDEX, KernelPlan
+from freetoken.kernels.plan import Available, KernelPlan
+from freetoken.kernels.quant import ISAS, QuantizedWeight, QuantParts, dequantize_rows, quant_linear_parts, supported
+from freetoken.layers.linear import LAYER_INDEX
 from freetoken.layers.moe import Experts
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,14 @@ class QuantizedLinear(nn.Module):
         self.part_bias = [None] * len(parts) if bias is None else list(bias.split(sizes))
         # Every part on the kernel: one call for them all, its arguments made here once.
         self.fused = fused_run(parts, self.part_bias)
+
+    def plan_kernels(self, kernels: Available, dtype: torch.dtype, device: torch.device | str) -> dict[str, str]:
+        """kernels/plan.py's question (answered when the layer was built: `fused`, on the int8
+        arithmetic's kernel or the exact one)."""
+        if isinstance(self.fused, int8.Int8Parts):
+            return {"quantized": int8.kernel_name(self.fused.path)}
+        isa = {code: name for name, code in ISAS.items()}.get(kernels.quant_isa)
+        return {"quantized": f"quant_gemm.c ({isa})" if self.fused else "quant_linear (a part on F.linear)"}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -172,7 +180,8 @@ def plan_quantized(model: nn.Module, plan: KernelPlan, dtype: torch.dtype) -> Ke
         return plan
     alike = {qtype: _rows_alike(weight, run, dtype) for (qtype, run), weight in probes.items()}
     invariant = all(alike.values()) and not widened
-    log.log(logging.INFO if invariant else logging.WARNING, "quantized layers: %s; rows alike at "
+    # The kinds go into the plan's start-up line (kernels/plan.py); the per-format verdict here.
+    log.log(logging.DEBUG if invariant else logging.WARNING, "quantized layers: %s; rows alike at "
             "every row count: %s", "; ".join(f"{k}: {v}" for k, v in kinds.items()),
             ", ".join(f"{q} {'yes' if ok else 'NO'}" for q, ok in alike.items()))
     return KernelPlan(plan.invariant and invariant, {**plan.kernels, **kinds})

@@ -31,9 +31,9 @@ from functools import cache
 import torch
 
 from freetoken.kernels.grouped_gemm import KERNELS
-from freetoken.kernels.grouped_gemm import load as load_kernel
 from freetoken.kernels.grouped_gemm import norm_rotate as norm_rotate_kernel
 from freetoken.kernels.grouped_gemm import rotate as rotate_kernel
+from freetoken.kernels.plan import available
 from freetoken.layers.norm import RMSNorm
 
 
@@ -169,14 +169,18 @@ def cos_sin(positions: torch.Tensor, dim: int, base: float, scaling: Schedule | 
     return cos.to(dtype), sin.to(dtype)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lib: ctypes.CDLL | None = NotImplemented
+           ) -> torch.Tensor:
     """x [..., dim] turned by the angles of `cos_sin` (halves rotated, as transformers does), its
-    first cos.shape[-1] dims only (partial rotary), the rest as they are: in one pass on CPUs
-    where kernels/grouped_gemm.c runs, with torch's bits."""
+    first cos.shape[-1] dims only (partial rotary), the rest as they are: in one pass where the
+    caller's kernel plan gives `lib` (grouped_gemm.c's; None: torch's ops; unplanned: this
+    process's, `rotary_kernel`), with torch's bits."""
+    if lib is NotImplemented:
+        lib = rotary_kernel(x.dtype, x.device)
     turned = cos.shape[-1]
     if turned < x.shape[-1]:
-        return torch.cat([rotate(x[..., :turned], cos, sin), x[..., turned:]], dim=-1)
-    if (lib := _kernel(x, cos, sin)) is not None:
+        return torch.cat([rotate(x[..., :turned], cos, sin, lib), x[..., turned:]], dim=-1)
+    if lib is not None and _fits(x, cos, sin):
         return rotate_kernel(lib, x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -184,27 +188,39 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def norm_rotate(qk: torch.Tensor, split: int, norms: tuple[RMSNorm, RMSNorm] | None, cos: torch.Tensor | None,
-                sin: torch.Tensor | None) -> torch.Tensor:
+                sin: torch.Tensor | None, lib: ctypes.CDLL | None = NotImplemented) -> torch.Tensor:
     """Attention's query and key heads qk [T, heads, dim] (the first `split` q's), each RMS-normed
     by its norm of `norms` (q's, k's; None: not normed), then turned by the angles of `cos_sin`
-    (None: not turned): where kernels/grouped_gemm.c runs, in place in one pass with the
-    bits of the separate steps; returns the result."""
-    lib = None if cos is None else _kernel(qk, cos, sin)
-    if lib is not None and (norms is None or (
+    (None: not turned): where the kernel plan gives `lib` (see `rotate`), in place in one pass
+    with the bits of the separate steps; returns the result."""
+    if lib is NotImplemented:
+        lib = rotary_kernel(qk.dtype, qk.device)
+    fused = lib if cos is not None and _fits(qk, cos, sin) else None
+    if fused is not None and (norms is None or (
             norms[0].kernel(qk) is not None and norms[0].eps == norms[1].eps
             and norms[0].weight.dtype == norms[1].weight.dtype)):
         weights = None if norms is None else (norms[0].weight, norms[1].weight)
-        norm_rotate_kernel(lib, qk, split, weights, norms[0].eps if norms else 0.0, cos, sin)
+        norm_rotate_kernel(fused, qk, split, weights, norms[0].eps if norms else 0.0, cos, sin)
         return qk
     if norms is not None:
         qk = torch.cat([norms[0](qk[:, :split]), norms[1](qk[:, split:])], dim=1)
-    return qk if cos is None else rotate(qk, cos, sin)
+    return qk if cos is None else rotate(qk, cos, sin, lib)
 
 
-def _kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> ctypes.CDLL | None:
-    """grouped_gemm.c's library where its rotate_* runs x [T, H, D] by cos and sin, else None."""
-    if (x.device.type == "cpu" and x.dim() == 3 and x.dtype in KERNELS and x.dtype == cos.dtype
-            and x.shape[-1] % 16 == 0 and x.stride(-1) == 1 and cos.is_contiguous()
-            and sin.is_contiguous() and cos.shape == sin.shape == (x.shape[0], 1, x.shape[-1])):
-        return load_kernel()
-    return None
+def rotary_kernel(dtype: torch.dtype, device: torch.device | str) -> ctypes.CDLL | None:
+    """The plan's choice for rotating rows of `dtype` on `device`: grouped_gemm.c's where it runs
+    them, else None (kernels/plan.py)."""
+    return available().elementwise(dtype, device)
+
+
+def rotary_name(lib: ctypes.CDLL | None, dtype: torch.dtype, fused: str = "rotate") -> str:
+    """The plan's name of a rotation on `lib` (fused: norm_rotate, the q/k norms with it)."""
+    return f"grouped_gemm.c {fused}_{KERNELS[dtype]}" if lib is not None else "torch"
+
+
+def _fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Do x [T, H, D], cos and sin meet rotate_*'s contract (D % 16 == 0, one dtype, the last dim
+    contiguous, cos and sin [T, 1, D] contiguous)?"""
+    return (x.dim() == 3 and x.dtype in KERNELS and x.dtype == cos.dtype and x.shape[-1] % 16 == 0
+            and x.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous()
+            and cos.shape == sin.shape == (x.shape[0], 1, x.shape[-1]))

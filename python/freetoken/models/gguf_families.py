@@ -1,8 +1,9 @@
-"""The GGUF architectures whose config transformers' GGUF parse does not build (llama.cpp's
-`granite`, `glm4moe`, `deepseek2`: IBM's Granite, GLM-4.5, DeepSeek-V2/V3), read by our own
-code: the config of the HF checkpoint llama.cpp's converter made the file from, out of its
-metadata (llama.cpp's keys, and its defaults where a key is absent), and where their tensors
-go (our HF names and shapes, for models/gguf_file.py's reader).
+"""The GGUF architectures whose config transformers' GGUF parse does not build, or builds
+without what changes their results (llama.cpp's `granite`, `glm4moe`, `deepseek2`, `smollm3`:
+IBM's Granite, GLM-4.5, DeepSeek-V2/V3, SmolLM3; `phi3`: Phi-3, Phi-4, Phi-4-mini, whose
+longrope factors transformers' parse drops), read by our own code: the config of the HF
+checkpoint llama.cpp's converter made the file from, out of its metadata (llama.cpp's keys, and
+its defaults where a key is absent); where their tensors go, models/gguf_layouts.py.
 
 Every key of the architecture's own (`{arch}.*`) is read; one that is not, or a value of one
 that freetoken does not compute (a gating function, a rope without its YaRN scale, ...), is
@@ -20,24 +21,28 @@ refused by name: a file is never served as another model. What llama.cpp's conve
   `attn_k_b` (transposed) and `attn_v_b`; YaRN's mscale as `0.1 * mscale_all_dim`
   (`rope.scaling.yarn_log_multiplier`), the only one llama.cpp computes (transformers'
   `mscale` taken equal to it); the rope dimensions interleaved as released.
+- phi3: q/k/v fused as `attn_qkv` (or apart: llama.cpp reads either), gate/up as `ffn_up`
+  ([gate | up] rows), as the checkpoint stores them; longrope's factors as the tensors
+  `rope_factors_long` / `rope_factors_short` (one per rotary frequency) with
+  `rope.scaling.attn_factor` (cos and sin's scale; llama.cpp's default 1) and
+  `rope.scaling.original_context_length`; rotary on `rope.dimension_count` of each head
+  (Phi-4-mini's 3/4); `attention.sliding_window` 0 for none (Phi-4). transformers' Phi-3 slides
+  in its window, as served here; llama.cpp turns Phi's window off.
+- smollm3: q/k rows permuted as a llama's; no key for its layers without rotary embedding:
+  llama.cpp's rule, every 4th (`n_no_rope_layer_step`), transformers' default interval.
 """
 
 from __future__ import annotations
 
 import numpy as np
-import torch
-from gguf import GGUFValueType
+from gguf import GGMLQuantizationType, GGUFValueType
 
-from freetoken.layers.mla import deinterleave_rope
 from freetoken.paths import ModelNotFound
 
+# llama.cpp writes longrope's factors as tensors (one set each, shared by every layer).
+LONGROPE = ("rope_factors_long.weight", "rope_factors_short.weight")
+
 SIGMOID, SOFTMAX = 2, 1  # llama.cpp's expert_gating_func values
-# Tensors held in float32 whatever the model's dtype: GLM's router and its correction bias, as
-# transformers holds them (models/glm4_moe.py's float32_weights).
-FLOAT32 = {"glm4moe": ("ffn_gate_inp", "exp_probs_b")}
-# Tensors dequantized at load whatever the file stores: those, and the latent's per-head
-# up-projections (per-head float Linears, layers/mla.py).
-DEQUANTIZED = {"deepseek2": ("attn_kv_b", "attn_k_b", "attn_v_b"), **FLOAT32}
 
 
 class Metadata:
@@ -75,7 +80,7 @@ class Metadata:
             raise self.refused(", ".join(f"{k}={self.get(k.removeprefix(self.arch + '.'))!r}" for k in unread))
 
 
-def _dense(meta: Metadata, tensors: set[str], head_dim: int | None = None) -> dict:
+def _dense(meta: Metadata, tensors: dict, head_dim: int | None = None) -> dict:
     """The fields of every decoder: sizes, norm epsilon, context, rotary base and schedule, tied head."""
     hidden, heads = meta.need("embedding_length"), meta.need("attention.head_count")
     config = {"hidden_size": hidden, "num_attention_heads": heads, "num_hidden_layers": meta.need("block_count"),
@@ -101,11 +106,15 @@ def _dense(meta: Metadata, tensors: set[str], head_dim: int | None = None) -> di
     return config
 
 
-def granite_config(meta: Metadata, tensors: set[str]) -> dict:
+def _whole_rotary(meta: Metadata, head_dim: int) -> None:
+    if (rotary := meta.get("rope.dimension_count", head_dim)) != head_dim:
+        raise meta.refused(f"{meta.arch}.rope.dimension_count={rotary} (rotary on part of each head)")
+
+
+def granite_config(meta: Metadata, tensors: dict) -> dict:
     config = _dense(meta, tensors)
     head_dim = config["head_dim"]
-    if (rotary := meta.get("rope.dimension_count", head_dim)) != head_dim:
-        raise meta.refused(f"granite.rope.dimension_count={rotary} (rotary on part of each head)")
+    _whole_rotary(meta, head_dim)
     if not meta.get("rope.scaling.finetuned", True):  # llama.cpp's switch turning rope off
         raise meta.refused("granite.rope.scaling.finetuned=False (no rotary embedding)")
     return config | {"architectures": ["GraniteForCausalLM"], "model_type": "granite",
@@ -113,6 +122,39 @@ def granite_config(meta: Metadata, tensors: set[str]) -> dict:
                      "residual_multiplier": meta.get("residual_scale") or 1.0,
                      "attention_multiplier": meta.get("attention.scale") or head_dim ** -0.5,
                      "logits_scaling": meta.get("logit_scale") or 1.0}
+
+
+def smollm3_config(meta: Metadata, tensors: dict) -> dict:
+    config = _dense(meta, tensors)
+    _whole_rotary(meta, config["head_dim"])
+    return config | {"architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", "no_rope_layer_interval": 4}
+
+
+def phi3_config(meta: Metadata, tensors: dict) -> dict:
+    config = _dense(meta, tensors)
+    rotary = meta.get("rope.dimension_count", config["head_dim"])
+    original = meta.get("rope.scaling.original_context_length", config["max_position_embeddings"])
+    rope, scale = config["rope_parameters"], meta.get("rope.scaling.attn_factor", 1.0)
+    factors = {name: _factors(meta, tensors[name], rotary) for name in LONGROPE if name in tensors}
+    if factors:
+        if len(factors) == 1:
+            raise meta.refused(f"longrope with {', '.join(factors)} alone")
+        long, short = factors.values()
+        rope |= {"rope_type": "longrope", "long_factor": long, "short_factor": short, "attention_factor": scale,
+                 "original_max_position_embeddings": original}
+    elif scale != 1:
+        raise meta.refused(f"phi3.rope.scaling.attn_factor={scale} without longrope's factors")
+    return config | {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
+                     "original_max_position_embeddings": original, "partial_rotary_factor": rotary / config["head_dim"],
+                     "sliding_window": meta.get("attention.sliding_window") or None}
+
+
+def _factors(meta: Metadata, tensor, rotary: int) -> list[float]:
+    """A longrope factor tensor's values: one per rotary frequency."""
+    if tensor.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) or tensor.n_elements != rotary // 2:
+        raise meta.refused(f"{tensor.name} of {tensor.n_elements} {tensor.tensor_type.name} values "
+                           f"(longrope's factors: {rotary // 2} floats, one per rotary frequency)")
+    return np.asarray(tensor.data, dtype=np.float32).tolist()
 
 
 def _experts(meta: Metadata) -> dict:
@@ -126,7 +168,7 @@ def _experts(meta: Metadata) -> dict:
             "n_group": meta.get("expert_group_count", 1), "topk_group": meta.get("expert_group_used_count", 1)}
 
 
-def glm4moe_config(meta: Metadata, tensors: set[str]) -> dict:
+def glm4moe_config(meta: Metadata, tensors: dict) -> dict:
     config = _dense(meta, tensors) | _experts(meta)
     if (gating := meta.get("expert_gating_func", SIGMOID)) != SIGMOID:
         raise meta.refused(f"glm4moe.expert_gating_func={gating} (GLM-4.5 routes by sigmoid, 2)")
@@ -139,7 +181,7 @@ def glm4moe_config(meta: Metadata, tensors: set[str]) -> dict:
                      "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors}
 
 
-def deepseek2_config(meta: Metadata, tensors: set[str]) -> dict:
+def deepseek2_config(meta: Metadata, tensors: dict) -> dict:
     rope_dim, latent = meta.need("rope.dimension_count"), meta.need("attention.kv_lora_rank")
     heads = meta.need("attention.head_count")
     key, value = meta.need("attention.key_length"), meta.need("attention.value_length")
@@ -167,110 +209,17 @@ def deepseek2_config(meta: Metadata, tensors: set[str]) -> dict:
         "topk_method": "noaux_tc" if v3 else "group_limited_greedy" if config["n_group"] > 1 else "greedy"}
 
 
-CONFIGS = {"granite": granite_config, "glm4moe": glm4moe_config, "deepseek2": deepseek2_config}
+CONFIGS = {"granite": granite_config, "glm4moe": glm4moe_config, "deepseek2": deepseek2_config,
+           "phi3": phi3_config, "smollm3": smollm3_config}
 
 
 def config_from_metadata(reader, arch: str, name: str) -> dict:
     """The HF config of a file of one of CONFIGS' architectures (a ModelNotFound naming the key
-    or value freetoken does not compute)."""
+    or value freetoken does not compute). Each of CONFIGS is given the file's tensors by name."""
     meta = Metadata(reader, arch, name)
-    config = CONFIGS[arch](meta, {t.name for t in reader.tensors})
+    config = CONFIGS[arch](meta, {t.name: t for t in reader.tensors})
     # The embedding's rows where the key is absent (gguf_file's shapes check the two agree).
     rows = [int(t.shape[-1]) for t in reader.tensors if t.name == "token_embd.weight"]
     config["vocab_size"] = meta.get("vocab_size") or (rows or [0])[0]
     meta.check_all_read()
     return config
-
-
-# Their layers' GGUF names -> HF names (gguf_file.hf_name reads them over its LAYER).
-_SHARED = {"ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
-           "ffn_down_shexp": "mlp.shared_experts.down_proj", "exp_probs_b": "mlp.gate"}
-GLM4MOE_LAYER = {"post_attention_norm": "post_attention_layernorm", **_SHARED}
-# V2-Lite's attn_q is our q_b_proj over the hidden state (the llama family's q_proj is fused).
-DEEPSEEK2_LAYER = {"attn_q": "self_attn.q_b_proj", "attn_q_a": "self_attn.q_a_proj",
-                   "attn_q_a_norm": "self_attn.q_a_layernorm", "attn_q_b": "self_attn.q_b_proj",
-                   "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa", "attn_kv_a_norm": "self_attn.kv_a_layernorm",
-                   "attn_kv_b": "self_attn.kv_b_proj", "attn_k_b": "self_attn.k_b_proj",
-                   "attn_v_b": "self_attn.v_b_proj", **_SHARED}
-
-
-def _moe_shapes(cfg, names: dict, shared: int, routed_bias: bool) -> dict:
-    """`names` (a layer's attention and norms) with the dense MLP below first_k_dense_replace,
-    the sparse one (router, stacked experts, `shared` experts' width of shared MLP) from there:
-    every layer's HF shapes."""
-    h, e, moe, inter = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.intermediate_size
-    dense = {"mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h), "mlp.down_proj.weight": (h, inter)}
-    experts = {"mlp.gate.weight": (e, h), "mlp.experts.gate_proj.weight": (e, moe, h),
-               "mlp.experts.up_proj.weight": (e, moe, h), "mlp.experts.down_proj.weight": (e, h, moe),
-               "mlp.shared_experts.gate_proj.weight": (shared, h), "mlp.shared_experts.up_proj.weight": (shared, h),
-               "mlp.shared_experts.down_proj.weight": (h, shared)}
-    if routed_bias:
-        experts["mlp.gate.e_score_correction_bias"] = (e,)
-    shapes = {}
-    for i in range(cfg.num_layers):
-        layer = names | (dense if i < cfg.first_k_dense_replace else experts)
-        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
-    return shapes
-
-
-def glm4moe_shapes(cfg, tensors: set[str]) -> dict:
-    h, d = cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
-    names = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-             "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
-             "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q)}
-    if cfg.attention_bias:
-        names |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
-    if cfg.qk_norm:
-        names |= {"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
-    return _moe_shapes(cfg, names, cfg.moe_intermediate_size * cfg.n_shared_experts, routed_bias=True)
-
-
-def deepseek2_shapes(cfg, tensors: set[str]) -> dict:
-    h, heads, latent, rope = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    nope, v = cfg.qk_nope_head_dim, cfg.v_head_dim
-    names = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-             "self_attn.q_b_proj.weight": (heads * (nope + rope), cfg.q_lora_rank or h),
-             "self_attn.kv_a_proj_with_mqa.weight": (latent + rope, h), "self_attn.kv_a_layernorm.weight": (latent,),
-             "self_attn.o_proj.weight": (h, heads * v)}
-    if cfg.q_lora_rank:
-        names |= {"self_attn.q_a_proj.weight": (cfg.q_lora_rank, h), "self_attn.q_a_layernorm.weight": (cfg.q_lora_rank,)}
-    if "blk.0.attn_k_b.weight" in tensors:  # newer converters: kv_b_proj split per head
-        names |= {"self_attn.k_b_proj.weight": (heads, latent, nope), "self_attn.v_b_proj.weight": (heads, v, latent)}
-    else:
-        names["self_attn.kv_b_proj.weight"] = (heads * (nope + v), latent)
-    return _moe_shapes(cfg, names, cfg.shared_intermediate_size, routed_bias=cfg.topk_method == "noaux_tc")
-
-
-SHAPES = {"glm4moe": glm4moe_shapes, "deepseek2": deepseek2_shapes}
-
-
-def skipped(reader, arch: str) -> set[str]:
-    """The file's tensors not read: a glm4moe's multi-token-prediction blocks (the last
-    `nextn_predict_layers`)."""
-    if arch != "glm4moe":
-        return set()
-    meta = Metadata(reader, arch, "")
-    first = meta.get("block_count", 0) - meta.get("nextn_predict_layers", 0)
-    return {t.name for t in reader.tensors if t.name.startswith("blk.") and int(t.name.split(".")[1]) >= first}
-
-
-def rope_rows(name: str, cfg, n: int) -> np.ndarray | None:
-    """deepseek2: the row order that puts a projection's interleaved rope outputs in halves
-    (layers/mla.py's deinterleave_rope; the model then reads them as such), or None."""
-    if name.endswith("self_attn.q_b_proj.weight"):
-        width = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    elif name.endswith("self_attn.kv_a_proj_with_mqa.weight"):
-        width = n
-    else:
-        return None
-    return deinterleave_rope(torch.arange(n)[:, None], width, cfg.qk_rope_head_dim)[:, 0].numpy()
-
-
-def join_kv_b(state: dict, cfg) -> None:
-    """A newer deepseek2 file's per-head k_b ([heads, latent, nope]: transposed) and v_b ([heads,
-    v, latent]) back into kv_b_proj ([heads * (nope + v), latent]), in place."""
-    for name in [n for n in state if n.endswith("self_attn.k_b_proj.weight")]:
-        prefix = name.removesuffix("k_b_proj.weight")
-        k_b, v_b = state.pop(name), state.pop(f"{prefix}v_b_proj.weight")
-        state[f"{prefix}kv_b_proj.weight"] = torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, cfg.kv_lora_rank)

@@ -11,9 +11,9 @@ interleaved); the permutation is over whole output rows, so it is undone by gath
 quantized or not (a copy of those two tensors only). The Llama-family decoders (models/llama.py),
 the Qwen MoE ones (models/qwen3_moe.py: a sparse layer's experts stacked [E, out, in], kept
 quantized by layers/moe.py's take_stacked_experts) and gpt-oss (models/gpt_oss.py: its experts
-so too, MXFP4, with biases), and Granite, GLM-4.5 and DeepSeek-V2/V3, whose configs our code
-builds (models/gguf_families.py), are read here; the others go through transformers'
-conversion (loader.py).
+so too, MXFP4, with biases), and Granite, GLM-4.5, DeepSeek-V2/V3, Phi-3/4 and SmolLM3, whose
+configs our code builds (models/gguf_families.py; where their tensors go: gguf_layouts.py),
+are read here; the others go through transformers' conversion (loader.py).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueTy
 
 from freetoken.kernels.quant import FORMATS, QuantizedWeight, dequantize, supported
 from freetoken.models import gguf_families as families
+from freetoken.models import gguf_layouts as layouts
 from freetoken.paths import ModelNotFound
 
 log = logging.getLogger(__name__)
@@ -63,36 +64,38 @@ GPT_OSS_LAYER = {**LAYER, "ffn_gate_inp": "mlp.router", "post_attention_norm": "
 # norms (transformers scales by 1 + weight), which read_tensors takes off again.
 GEMMA3_LAYER = {**LAYER, "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                 "post_ffw_norm": "post_feedforward_layernorm"}
-LAYERS = {"gpt-oss": GPT_OSS_LAYER, "gemma3": GEMMA3_LAYER, "glm4moe": {**LAYER, **families.GLM4MOE_LAYER},
-          "deepseek2": {**LAYER, **families.DEEPSEEK2_LAYER}}
+LAYERS = {"gpt-oss": GPT_OSS_LAYER, "gemma3": GEMMA3_LAYER, "glm4moe": {**LAYER, **layouts.GLM4MOE_LAYER},
+          "deepseek2": {**LAYER, **layouts.DEEPSEEK2_LAYER}, "phi3": {**LAYER, **layouts.PHI3_LAYER}}
 # Leaves named otherwise: gpt-oss's sinks (a parameter of the attention), a sigmoid router's
 # correction bias (`exp_probs_b.bias`).
 LEAVES = {"attn_sinks": "sinks", "exp_probs_b": "e_score_correction_bias"}
 # llama.cpp's converter permutes the q/k rows of these architectures (LlamaModel.permute).
-PERMUTED = ("llama", "granite")
+PERMUTED = ("llama", "granite", "smollm3")
 # A tokenizer's end-of-generation tokens beyond the one a GGUF names, by model type (the HF
 # release's generation config names them): a gpt-oss reply ends in <|return|>, or <|call|>
-# before a tool runs; a GLM-4.5 turn in <|user|>, or <|observation|> before a tool runs.
-STOP_TOKENS = {"gpt_oss": ("<|return|>", "<|call|>"), "glm4_moe": ("<|user|>", "<|observation|>")}
+# before a tool runs; a GLM-4.5 turn in <|user|>, or <|observation|> before a tool runs; a
+# Phi-3 or Phi-4-mini turn in <|end|>.
+STOP_TOKENS = {"gpt_oss": ("<|return|>", "<|call|>"), "glm4_moe": ("<|user|>", "<|observation|>"),
+               "phi3": ("<|end|>",)}
 
 
 def config_folder(gguf: Path, cache: Path, link: str) -> Path:
     """`cache`: config.json, the tokenizer's files and a link `link` to `gguf` (no weights),
-    written once; transformers parses the file's metadata (its tensors are not read), once
-    our reader has found every tensor's type and extent sound (a bad file names its tensor)."""
-    if (cache / "config.json").is_file() and (cache / link).exists():
-        return cache
+    written (files.cached_config_folder finds it later); transformers parses the file's
+    metadata (its tensors are not read), once our reader has found every tensor's type and
+    extent sound (a bad file names its tensor)."""
     reader = open_gguf(gguf)
     arch = architecture(reader)
     # transformers' parse gives such a file the default schedule: served so, it is another model.
-    if scaled := sorted(t.name for t in reader.tensors if t.name in LONGROPE):
-        raise ModelNotFound(f"{gguf.name}: its rotary frequencies are scaled ({', '.join(scaled)}: Phi-3's "
-                            "longrope), which transformers' GGUF parse drops from the config; load the model's "
-                            "HF folder")
+    scaled = sorted(t.name for t in reader.tensors if t.name in families.LONGROPE)
+    if scaled and arch not in families.CONFIGS:
+        raise ModelNotFound(f"{gguf.name}: its rotary frequencies are scaled ({', '.join(scaled)}: "
+                            f"longrope) in a {arch} file, whose config transformers' GGUF parse builds without "
+                            "them; load the model's HF folder")
     from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    if arch in families.CONFIGS:  # the tokenizer alone from transformers, which has no config of them
+    if arch in families.CONFIGS:  # the tokenizer alone from transformers, whose config lacks them
         config = families.config_from_metadata(reader, arch, gguf.name)
         tokenizer = PreTrainedTokenizerFast.from_pretrained(gguf.parent, gguf_file=gguf.name)
     else:
@@ -127,8 +130,8 @@ def config_folder(gguf: Path, cache: Path, link: str) -> Path:
 
 
 # llama.cpp writes a scaled rotary schedule as tensors of a factor per frequency: longrope's two
-# sets, and Llama 3.1-3.3's llama3 as the divisor of each (ROPE_FREQS, read into the model).
-LONGROPE = ("rope_factors_long.weight", "rope_factors_short.weight")
+# sets (gguf_families.LONGROPE, read into a phi3's config), and Llama 3.1-3.3's llama3 as the
+# divisor of each (ROPE_FREQS, read into the model).
 ROPE_FREQS = "rope_freqs.weight"
 
 
@@ -209,7 +212,7 @@ def hf_name(gguf_name: str, arch: str = "") -> str | None:
 
 def expected_shapes(cfg, arch: str = "", tensors: frozenset[str] = frozenset()) -> dict[str, tuple[int, ...]]:
     """Each HF tensor of a models/llama.py ModelConfig `cfg` (models/qwen3_moe.py's, or for GGUF
-    architecture `arch` "gpt-oss" models/gpt_oss.py's; gguf_families.SHAPES' of a file of GGUF
+    architecture `arch` "gpt-oss" models/gpt_oss.py's; gguf_layouts.SHAPES' of a file of GGUF
     names `tensors`), by name: its shape; a sparse layer's experts stacked as a GGUF stores them."""
     h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
@@ -221,8 +224,8 @@ def expected_shapes(cfg, arch: str = "", tensors: frozenset[str] = frozenset()) 
              "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
              "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
              "mlp.down_proj.weight": (h, inter)}
-    if arch in families.SHAPES:
-        return shapes | families.SHAPES[arch](cfg, tensors)
+    if arch in layouts.SHAPES:
+        return shapes | layouts.SHAPES[arch](cfg, tensors)
     if cfg.attention_bias:
         layer |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
     if cfg.o_proj_bias:
@@ -386,17 +389,17 @@ def experts_block(reader: GGUFModel, quantized: bool) -> int:
 
 def _held(reader: GGUFModel, dtype: torch.dtype, quantized: bool) -> list[tuple[object, torch.dtype | None]]:
     """Each tensor read, and the dtype the loader holds it as (None: its blocks as stored): those
-    gguf_families.FLOAT32 names float32; a layer's experts kept as stored only where all three
+    gguf_layouts.FLOAT32 names float32; a layer's experts kept as stored only where all three
     weights are (`_widened_experts`), their biases then float32 (Experts.use_quantized adds them
     to the kernel's float32 sums); any other tensor kept where `_kept` says, else cast to `dtype`."""
     widened = _widened_experts(reader, quantized)
     arch = architecture(reader)
-    skipped = families.skipped(reader, arch)
+    skipped = layouts.skipped(reader, arch)
     held: list[tuple[object, torch.dtype | None]] = []
     for t in reader.tensors:
         if t.name in skipped:
             continue
-        if t.name.split(".")[-2] in families.FLOAT32.get(arch, ()):
+        if t.name.split(".")[-2] in layouts.FLOAT32.get(arch, ()):
             held.append((t, torch.float32))
         elif _EXPERTS in t.name and _layer(t.name) not in widened:
             held.append((t, None if t.name.endswith(".weight") else torch.float32))
@@ -408,9 +411,9 @@ def _held(reader: GGUFModel, dtype: torch.dtype, quantized: bool) -> list[tuple[
 
 
 def _kept(t, arch: str, quantized: bool) -> bool:
-    """kept_as_stored, but for the tensors gguf_families.DEQUANTIZED names, which their layers hold
+    """kept_as_stored, but for the tensors gguf_layouts.DEQUANTIZED names, which their layers hold
     as floats."""
-    return kept_as_stored(t.tensor_type, quantized) and t.name.split(".")[-2] not in families.DEQUANTIZED.get(arch, ())
+    return kept_as_stored(t.tensor_type, quantized) and t.name.split(".")[-2] not in layouts.DEQUANTIZED.get(arch, ())
 
 
 def _widened_experts(reader: GGUFModel, quantized: bool) -> set[str]:
@@ -436,7 +439,7 @@ def read_tensors(path: Path, reader: GGUFModel, cfg, quantized: bool) -> dict[st
     expected = expected_shapes(cfg, arch, frozenset(t.name for t in reader.tensors))
     state: dict[str, torch.Tensor | QuantizedWeight] = {}
     widened: dict[str, list[str]] = {}
-    skipped = families.skipped(reader, arch)
+    skipped = layouts.skipped(reader, arch)
     for t in reader.tensors:
         if t.name in skipped:
             continue
@@ -476,7 +479,7 @@ def read_tensors(path: Path, reader: GGUFModel, cfg, quantized: bool) -> dict[st
         raise ModelNotFound(f"{path.name}: no tensor for {len(missing)} weights ({', '.join(missing[:3])}"
                             f"{', ...' if len(missing) > 3 else ''})")
     if arch == "deepseek2":
-        families.join_kv_b(state, cfg)
+        layouts.join_kv_b(state, cfg)
     for kind, names in widened.items():
         log.info("%s: dequantized at load, %s: %d tensors (%s%s)", path.name, kind, len(names),
                  ", ".join(names[:3]), ", ..." if len(names) > 3 else "")
@@ -518,7 +521,7 @@ def _row_order(arch: str, name: str, cfg, n: int) -> np.ndarray | None:
     a llama's or granite's q/k permutation, deepseek2's interleaved rope (put in halves)."""
     if arch in PERMUTED:
         return _unpermute(name, cfg, n)
-    return families.rope_rows(name, cfg, n) if arch == "deepseek2" else None
+    return layouts.rope_rows(name, cfg, n) if arch == "deepseek2" else None
 
 
 def _unpermute(name: str, cfg, n: int) -> np.ndarray | None:

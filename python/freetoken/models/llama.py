@@ -24,6 +24,7 @@ from freetoken.core import Batch
 from freetoken.kvcache.forward_context import ForwardContext
 from freetoken.models.causal_lm import CausalLM
 from freetoken.kernels import decoder_layer
+from freetoken.kernels.plan import Available, available
 from freetoken.layers.attention import Attention
 from freetoken.layers.kernel_choice import UNCAPPED
 from freetoken.layers.linear import Linear
@@ -115,8 +116,9 @@ class ModelConfig:
 
 
 class DecoderLayer(nn.Module):
-    # kernels/decoder_layer.py's call for this layer, made at its first step (None: the
-    # layer always runs in Python).
+    # kernels/decoder_layer.py's call for this layer, made by the kernel plan at load
+    # (Backbone.plan_kernels; a layer built outside a load: at its first step); None: the layer
+    # always runs in Python.
     one_call: Any = NotImplemented
 
     def __init__(self, cfg: ModelConfig, layer: int):
@@ -143,17 +145,18 @@ class DecoderLayer(nn.Module):
         return delta if multiplier == 1 else delta.mul_(multiplier)
 
     def prepared_call(self) -> decoder_layer.LayerCall | None:
-        """This layer's one C call (made at the first ask), or None."""
+        """This layer's one C call (planned, or made at the first ask), or None."""
         if self.one_call is NotImplemented:
-            self.one_call = self._prepare_call()
+            self.one_call = self.prepare_call(available().layer)
         return self.one_call
 
-    def _prepare_call(self) -> decoder_layer.LayerCall | None:
-        """The whole layer as one C call, with the bits of the calls below: a plain attention and
-        MLP (not a family's own) whose linear layers all run on our kernels, whole calls (a
-        row-parallel layer's K parts in one: RowParts.fused)."""
+    def prepare_call(self, lib) -> decoder_layer.LayerCall | None:
+        """The whole layer as one C call on `lib` (decoder_layer.c's, None: in Python), with the
+        bits of the calls below: a plain attention and MLP (not a family's own) whose linear layers
+        all run on our kernels, whole calls (a row-parallel layer's K parts in one:
+        RowParts.fused), rotary on whole heads (not Phi-4-mini's part of each)."""
         attn, mlp = self.self_attn, self.mlp
-        if type(attn) is not Attention or type(mlp) is not MLP:
+        if type(attn) is not Attention or type(mlp) is not MLP or attn.cfg.rotary_dim != attn.cfg.head_dim:
             return None
         runs = []
         for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
@@ -167,13 +170,14 @@ class DecoderLayer(nn.Module):
         cfg = attn.cfg
         norms = (self.input_layernorm, self.post_attention_layernorm)
         norms += (attn.q_norm, attn.k_norm) if cfg.qk_norm else ()
-        return decoder_layer.prepare(tuple(runs), norms, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+        return decoder_layer.prepare(lib, tuple(runs), norms, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                      attn.sliding, attn.rotary, attn.scale, cfg.residual_multiplier)
 
 
 class Backbone(nn.Module):
-    # Every layer in one C call a step (kernels/decoder_layer.py's Stack), made at the first
-    # step (None: the layers are called one by one).
+    # Every layer in one C call a step (kernels/decoder_layer.py's Stack), made by the kernel
+    # plan at load (a model built outside a load: at its first step); None: the layers are
+    # called one by one.
     stack: Any = NotImplemented
 
     def __init__(self, cfg: ModelConfig, layer_class: type[nn.Module] = DecoderLayer):
@@ -182,15 +186,28 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleList(layer_class(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    def plan_kernels(self, kernels: Available, dtype: torch.dtype, device: torch.device | str) -> dict[str, str]:
+        """kernels/plan.py's question: which layers run as one C call each (kernels.layer: the
+        library, None under FREETOKEN_LAYER_KERNEL=0), and whether all as one."""
+        calls = []
+        for layer in self.layers:
+            call = layer.prepare_call(kernels.layer) if isinstance(layer, DecoderLayer) else None
+            if isinstance(layer, DecoderLayer):
+                layer.one_call = call
+            calls.append(call)
+        plain = all(type(layer) is DecoderLayer for layer in self.layers)
+        self.stack = decoder_layer.stack(calls, [layer.self_attn.layer for layer in self.layers]) if plain else None
+        made = sum(call is not None for call in calls)
+        if self.stack is not None:
+            return {"layer": f"decoder_layer.c, {made} layers in one call"}
+        return {"layer": f"decoder_layer.c, {made} of {len(calls)} layers one call each" if made else "Python"}
+
     def run_layers(self, x, cos, sin, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream x through every layer (DecoderLayer.forward's contract): x, and the
         last layer's MLP output, not yet added to it."""
+        if self.stack is NotImplemented:
+            self.plan_kernels(available(), x.dtype, x.device)
         stack = self.stack
-        if stack is NotImplemented:
-            plain = all(type(layer) is DecoderLayer for layer in self.layers)
-            stack = self.stack = decoder_layer.stack(
-                [layer.prepared_call() for layer in self.layers],
-                [layer.self_attn.layer for layer in self.layers]) if plain else None
         if stack is not None and (step := decoder_layer.step(ctx, x, cos, sin, stack.first)) is not None:
             return x, stack(x, step, ctx.kv_cache)
         delta = None

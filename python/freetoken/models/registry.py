@@ -15,16 +15,17 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from freetoken import envs
 from freetoken.config import WeightsConfig, native_context, rope_parameters, rope_type, text_config
-from freetoken.hub import HubOptions, resolve_model
-from freetoken.models.loader import (build, build_gguf, default_model_path, eos_ids, gguf_config_folder,
-                                     gguf_source, gguf_to_folder)
+from freetoken.hub import HubOptions, hub_name, resolve_model
+from freetoken.models.files import cached_config_folder, default_model_path, gguf_source
 from freetoken.paths import ModelNotFound
 from freetoken.tokenizer.load import load_tokenizer
+
+if TYPE_CHECKING:  # imported where a model loads: the server's process finds one without torch
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +144,8 @@ QUIRKS = {
 # the others are converted by transformers first.
 GGUF_READ = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
              "Qwen2MoeForCausalLM", "GptOssForCausalLM", "Gemma3ForCausalLM", "GraniteForCausalLM",
-             "Glm4MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+             "Glm4MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Phi3ForCausalLM",
+             "SmolLM3ForCausalLM")
 
 
 @dataclass
@@ -202,9 +204,12 @@ def find_model(model: str | os.PathLike | None, hub: HubOptions = HubOptions(), 
                device: str = "auto") -> tuple[Path, str]:
     """(HF folder, served name) of a local path, a Hub name (its files found in the cache or
     downloaded, hub.py; served under the name as typed) or None (the default model);
-    `dtype` and `device` as the model will load, for the memory check before a download."""
-    dev = resolve_device(device)
-    itemsize = resolve_dtype(dtype, dev).itemsize if dev.type == "cpu" else None
+    `dtype` and `device` as the model will load, for the memory check before a download (torch
+    imported for it alone: the server's process finds a local model without it)."""
+    itemsize = None
+    if hub_name(model) is not None:
+        dev = resolve_device(device)
+        itemsize = resolve_dtype(dtype, dev).itemsize if dev.type == "cpu" else None
     local, typed = resolve_model(model, hub, itemsize)
     folder, name = model_folder(local)
     return folder, typed or name
@@ -215,7 +220,12 @@ def model_folder(model: str | os.PathLike | None) -> tuple[Path, str]:
     folder once, which links to the file) or, for None, the default model."""
     path = default_model_path() if model is None else Path(model)
     if path.is_file() and path.suffix == ".gguf":
-        return gguf_config_folder(path, served=SERVED), path.stem
+        folder = cached_config_folder(path)
+        if folder is None:  # a first load: transformers or our reader parses the file
+            from freetoken.models.loader import gguf_config_folder
+
+            folder = gguf_config_folder(path, served=SERVED)
+        return folder, path.stem
     if not path.is_dir():
         raise ModelNotFound(f"Model not found: {path} (pass an HF model folder, a GGUF file or a Hub "
                             "name, ORG/NAME or ORG/NAME:TAG)")
@@ -229,6 +239,9 @@ def load_model(model: str | os.PathLike | None = None, dtype: str = "auto", devi
     rank's slices of it, read from the checkpoint as such (distributed/tensor_parallel.py).
     `kv_slots`: the KV pool to be allocated, counted in a GGUF's memory check; `weights`: how
     the weights are held and multiplied (config.WeightsConfig; unset fields from envs.py)."""
+    import torch
+
+    from freetoken.models.loader import build, build_gguf, eos_ids, gguf_to_folder
 
     folder, name = model_folder(model)
     dev = resolve_device(device)
@@ -292,6 +305,8 @@ def _reads_gguf(arch: str) -> bool:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    import torch
+
     if dtype == "auto":
         # float32 on CPU keeps greedy results exact and batch-invariant.
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -299,6 +314,8 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_device(device: str) -> torch.device:
+    import torch
+
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)

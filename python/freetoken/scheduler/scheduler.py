@@ -99,6 +99,8 @@ class Scheduler:
                 "linear_kernels": plan.kernels if plan is not None else {},
                 # How a GGUF's kept blocks multiply (--quantized-arithmetic): exact or int8.
                 "quantized_arithmetic": getattr(self.engine.model, "quantized_arithmetic", "exact"),
+                # Every op's kernel (kernels/plan.py); empty for a model without a plan.
+                "kernel_plan": plan.stats if plan is not None else {},
                 # By format: a GGUF's block formats as stored, the other weights by dtype.
                 "weight_bytes": getattr(self.engine.model, "weight_bytes", {}),
                 "kv_free": self.engine.kv.num_free, "kv_total": self.engine.kv.num_slots,

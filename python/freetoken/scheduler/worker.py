@@ -165,8 +165,8 @@ def _detach(parent: int | None) -> bool:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    # The one line that names the CPU and the kernel each kind of linear layer runs on.
-    logging.getLogger("freetoken.layers.linear").setLevel(logging.INFO)
+    # The one line that names the CPU and the kernel each op runs on (kernels/plan.py).
+    logging.getLogger("freetoken.kernels.plan").setLevel(logging.INFO)
     return True
 
 

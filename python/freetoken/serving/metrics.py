@@ -153,6 +153,13 @@ class _Snapshot(Collector):
             family = GaugeMetricFamily(f"freetoken:{name}", doc, labels=["model_name"])
             family.add_metric(self.model, value)
             yield family
+        if stats.get("kernel_plan"):
+            family = GaugeMetricFamily("freetoken:kernel_info", "1 for each op's kernel in the "
+                                       "load-time kernel plan (kernels/plan.py).",
+                                       labels=["model_name", "op", "kernel"])
+            for op, kernel in stats["kernel_plan"].items():
+                family.add_metric([*self.model, op, kernel], 1)
+            yield family
         for name, doc, value in counters:
             family = CounterMetricFamily(f"freetoken:{name}", doc, labels=["model_name"])
             family.add_metric(self.model, value)

@@ -12,38 +12,24 @@
  * (group, strip) pairs spread over torch's OpenMP threads (the process shares torch's libgomp,
  * so this reuses its thread team).
  *
- * Built at first use by kernels/grouped_gemm.py; x86-64 with AVX2 and FMA, else unsupported.
+ * Built at first use by kernels/build.py for grouped_gemm.py; x86-64 with AVX2 and FMA, else
+ * unsupported. Signatures and the bfloat16 helpers: kernels.h.
  * The file also holds rms_norm_* (RMSNorm in one pass per row), rotate_* (the rotary embedding in
  * one pass), add_rms_norm_*, norm_rotate_* and silu_mul_* (a layer's residual add and norm, its
  * q/k norms and rotation, its SwiGLU, each in one call) and round_to_bf16 (float32 rounded as torch
  * rounds to bfloat16). bfloat16 linears on the CPU's bfloat16 units are in bf16_linear.c.
  */
-#include <stdint.h>
+#include "kernels.h"
 
 #define STRIP 16
 #define MAX_ROWS 6
 
 #if defined(__x86_64__)
-#include <immintrin.h>
-
-int grouped_gemm_supported(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-
-/* Eight weights of a strip row as floats: float32 as stored, bfloat16 widened (exact). */
-__attribute__((target("avx2,fma"), always_inline)) static inline __m256 load_f32(const float *w) {
-    return _mm256_loadu_ps(w);
-}
-
-__attribute__((target("avx2,fma"), always_inline)) static inline __m256 load_bf16(const uint16_t *w) {
-    __m128i half = _mm_loadu_si128((const __m128i *)w);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-}
+int grouped_gemm_supported(void) { return has_avx2_fma(); }
 
 /* One tile: `rows` (<= MAX_ROWS) rows of x times one strip, `cols` (<= 16) columns stored. */
 #define DEFINE_TILE(NAME, WTYPE, LOAD)                                                           \
-    __attribute__((target("avx2,fma"), always_inline)) static inline void NAME(                  \
+    AVX2_INLINE void NAME(                                                                   \
         const float *x, int64_t ldx, const int rows, const WTYPE *w, int64_t K, float *y,        \
         int64_t ldy, int cols, const float *bias) {                                              \
         __m256 lo[MAX_ROWS], hi[MAX_ROWS];                                                       \
@@ -76,8 +62,9 @@ __attribute__((target("avx2,fma"), always_inline)) static inline __m256 load_bf1
  * float32 or NULL; y [*, N] float32 (row stride ldy); groups [G][3]: expert, first row, rows. */
 #define DEFINE_KERNEL(NAME, TILE, WTYPE)                                                         \
     __attribute__((target("avx2,fma"))) void NAME(                                               \
-        const float *x, int64_t ldx, const WTYPE *w, const float *bias, float *y, int64_t ldy,   \
+        const float *x, int64_t ldx, const void *weights, const float *bias, float *y, int64_t ldy, \
         const int64_t *groups, int64_t G, int64_t K, int64_t N) {                                \
+        const WTYPE *w = weights;                                                                \
         const int64_t strips = (N + STRIP - 1) / STRIP;                                          \
         _Pragma("omp parallel for schedule(dynamic, 4)")                                        \
         for (int64_t item = 0; item < G * strips; item++) {                                      \
@@ -101,8 +88,8 @@ __attribute__((target("avx2,fma"), always_inline)) static inline __m256 load_bf1
         }                                                                                        \
     }
 
-DEFINE_TILE(tile_f32, float, load_f32)
-DEFINE_TILE(tile_bf16, uint16_t, load_bf16)
+DEFINE_TILE(tile_f32, float, load8_f32)
+DEFINE_TILE(tile_bf16, uint16_t, load8_bf16)
 DEFINE_KERNEL(grouped_gemm_f32, tile_f32, float)
 DEFINE_KERNEL(grouped_gemm_bf16, tile_bf16, uint16_t)
 
@@ -112,60 +99,27 @@ DEFINE_KERNEL(grouped_gemm_bf16, tile_bf16, uint16_t)
  * transformers computes it per dtype: float32 rows as (x * r) * w; bfloat16 rows normalised in
  * float32, rounded to bfloat16, then multiplied by w and rounded again. One pass over a row where
  * torch's rms_norm makes six (pow, sum, div, add, rsqrt, mul) and the bfloat16 casts three more. */
-__attribute__((target("avx2,fma"), always_inline)) static inline __m256 widen_bf16(__m256i lanes) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(lanes, 16));
-}
-
-/* Eight floats rounded to bfloat16 as torch rounds (nearest-even, a NaN kept quiet), in the low
- * 16 bits of each lane. */
-__attribute__((target("avx2,fma"), always_inline)) static inline __m256i round_bf16(__m256 v) {
-    const __m256i bits = _mm256_castps_si256(v), high = _mm256_srli_epi32(bits, 16);
-    const __m256i lsb = _mm256_and_si256(high, _mm256_set1_epi32(1));
-    const __m256i rounded = _mm256_srli_epi32(
-        _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    return _mm256_blendv_epi8(rounded, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
-}
-
-__attribute__((target("avx2,fma"), always_inline)) static inline __m256 load8_f32(const float *p) {
-    return _mm256_loadu_ps(p);
-}
-
-__attribute__((target("avx2,fma"), always_inline)) static inline __m256 load8_bf16(const uint16_t *p) {
-    return widen_bf16(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
-
-__attribute__((target("avx2,fma"), always_inline)) static inline void store8_f32(
+AVX2_INLINE void store8_f32(
     float *y, __m256 x, __m256 scale, __m256 w) {
     _mm256_storeu_ps(y, _mm256_mul_ps(_mm256_mul_ps(x, scale), w));
 }
 
-/* round_bf16's eight lanes stored as eight bfloat16. */
-__attribute__((target("avx2,fma"), always_inline)) static inline void pack_bf16(uint16_t *y, __m256i rounded) {
-    const __m256i packed = _mm256_packus_epi32(rounded, _mm256_setzero_si256());
-    _mm_storeu_si128((__m128i *)y, _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
-}
-
-__attribute__((target("avx2,fma"), always_inline)) static inline void store8_bf16(
+AVX2_INLINE void store8_bf16(
     uint16_t *y, __m256 x, __m256 scale, __m256 w) {
     const __m256 normed = widen_bf16(round_bf16(_mm256_mul_ps(x, scale)));
     pack_bf16(y, round_bf16(_mm256_mul_ps(w, normed)));
 }
 
 /* 1 / sqrt(mean + eps) of a row of D whose squares `acc` summed in eight lanes (k % 8 each). */
-__attribute__((target("avx2,fma"), always_inline)) static inline float rms_scale(__m256 acc, int64_t D,
-                                                                                 float eps) {
-    __m128 sum = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
-    sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
-    const float mean = _mm_cvtss_f32(sum) / (float)D;
+AVX2_INLINE float rms_scale(__m256 acc, int64_t D, float eps) {
+    const float mean = hsum8(acc) / (float)D;
     const float root = _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(mean + eps)));
     return 1.0f / root;
 }
 
 /* One row x [D] normalised into y [D]. */
 #define DEFINE_RMS_ROW(NAME, T, LOAD, STORE)                                                     \
-    __attribute__((target("avx2,fma"), always_inline)) static inline void NAME(                  \
+    AVX2_INLINE void NAME(                                                                   \
         const T *xr, const T *w, T *y, int64_t D, float eps) {                                   \
         __m256 acc = _mm256_setzero_ps();                                                        \
         for (int64_t k = 0; k < D; k += 8) {                                                     \
@@ -180,8 +134,10 @@ DEFINE_RMS_ROW(rms_row_f32, float, load8_f32, store8_f32)
 DEFINE_RMS_ROW(rms_row_bf16, uint16_t, load8_bf16, store8_bf16)
 
 #define DEFINE_RMS_NORM(NAME, T, ROW)                                                            \
-    __attribute__((target("avx2,fma"))) void NAME(const T *x, int64_t ldx, const T *w, T *y,     \
-                                                  int64_t M, int64_t D, float eps) {             \
+    __attribute__((target("avx2,fma"))) void NAME(const void *xv, int64_t ldx, const void *wv,   \
+                                                  void *yv, int64_t M, int64_t D, float eps) {   \
+        const T *x = xv, *w = wv;                                                                \
+        T *y = yv;                                                                               \
         _Pragma("omp parallel for if (M >= 64)")                                                 \
         for (int64_t r = 0; r < M; r++) ROW(x + r * ldx, w, y + r * D, D, eps);                  \
     }
@@ -193,12 +149,12 @@ DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, rms_row_bf16)
  * [T, D] into y [T, H, D] contiguous: y = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1)
  * for halves x1, x2, with the roundings torch makes for each of the three operations in the
  * tensors' dtype (built with -ffp-contract=off: no multiply-add fused), so the bits are torch's. */
-__attribute__((target("avx2,fma"), always_inline)) static inline void rot8_f32(
+AVX2_INLINE void rot8_f32(
     float *y, __m256 x, __m256 c, __m256 other, __m256 s) {
     _mm256_storeu_ps(y, _mm256_add_ps(_mm256_mul_ps(x, c), _mm256_mul_ps(other, s)));
 }
 
-__attribute__((target("avx2,fma"), always_inline)) static inline void rot8_bf16(
+AVX2_INLINE void rot8_bf16(
     uint16_t *y, __m256 x, __m256 c, __m256 other, __m256 s) {
     const __m256 a = widen_bf16(round_bf16(_mm256_mul_ps(x, c)));
     const __m256 b = widen_bf16(round_bf16(_mm256_mul_ps(other, s)));
@@ -207,7 +163,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void rot8_bf16(
 
 /* One head's row x [D] turned into y [D] (y may be x: each step reads both halves first). */
 #define DEFINE_ROTATE_ROW(NAME, T, LOAD, ROT)                                                    \
-    __attribute__((target("avx2,fma"), always_inline)) static inline void NAME(                  \
+    AVX2_INLINE void NAME(                                                                   \
         const T *xr, const T *c, const T *s, T *yr, int64_t D) {                                 \
         const int64_t half = D / 2;                                                              \
         const __m256 sign = _mm256_set1_ps(-0.0f);                                               \
@@ -222,9 +178,11 @@ DEFINE_ROTATE_ROW(rotate_row_f32, float, load8_f32, rot8_f32)
 DEFINE_ROTATE_ROW(rotate_row_bf16, uint16_t, load8_bf16, rot8_bf16)
 
 #define DEFINE_ROTATE(NAME, T, ROW)                                                              \
-    __attribute__((target("avx2,fma"))) void NAME(const T *x, int64_t ldt, int64_t ldh,          \
-                                                  const T *cos, const T *sin, T *y,              \
+    __attribute__((target("avx2,fma"))) void NAME(const void *xv, int64_t ldt, int64_t ldh,      \
+                                                  const void *cosv, const void *sinv, void *yv,  \
                                                   int64_t tokens, int64_t heads, int64_t D) {   \
+        const T *x = xv, *cos = cosv, *sin = sinv;                                               \
+        T *y = yv;                                                                               \
         _Pragma("omp parallel for if (tokens * heads >= 512)")                                   \
         for (int64_t i = 0; i < tokens * heads; i++) {                                           \
             const int64_t t = i / heads, h = i % heads;                                          \
@@ -237,11 +195,11 @@ DEFINE_ROTATE(rotate_bf16, uint16_t, rotate_row_bf16)
 
 /* Eight sums x + d stored at x: float32 as is, bfloat16 rounded (torch adds two bfloat16 tensors
  * in float32 and rounds the sum). */
-__attribute__((target("avx2,fma"), always_inline)) static inline void add8_f32(float *x, const float *d) {
+AVX2_INLINE void add8_f32(float *x, const float *d) {
     _mm256_storeu_ps(x, _mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(d)));
 }
 
-__attribute__((target("avx2,fma"), always_inline)) static inline void add8_bf16(uint16_t *x, const uint16_t *d) {
+AVX2_INLINE void add8_bf16(uint16_t *x, const uint16_t *d) {
     pack_bf16(x, round_bf16(_mm256_add_ps(load8_bf16(x), load8_bf16(d))));
 }
 
@@ -268,7 +226,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void add8_bf16(
                        P##_castsi##W##_ps(P##_slli_epi32(P##_add_epi32(rest, bias), 23)));          \
     } while (0)
 
-__attribute__((target("avx2,fma"), always_inline)) static inline __m256 exp8(__m256 d) {
+AVX2_INLINE __m256 exp8(__m256 d) {
     __m256 u;
     EXP_CORE(_mm256, 256, d, u);
     u = _mm256_andnot_ps(_mm256_cmp_ps(d, _mm256_set1_ps(-104.0f), _CMP_LT_OQ), u);
@@ -277,19 +235,19 @@ __attribute__((target("avx2,fma"), always_inline)) static inline __m256 exp8(__m
 }
 
 /* torch's vectorised SiLU, x / (1 + e^-x), in float32. */
-__attribute__((target("avx2,fma"), always_inline)) static inline __m256 silu8(__m256 x) {
+AVX2_INLINE __m256 silu8(__m256 x) {
     const __m256 e = exp8(_mm256_xor_ps(x, _mm256_set1_ps(-0.0f)));
     return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
 
 /* silu(gate) * up into y, eight at a time: float32 as is; bfloat16 as torch runs the two ops
  * (SiLU in float32 rounded, the product in float32 rounded). */
-__attribute__((target("avx2,fma"), always_inline)) static inline void silu_mul8_f32(
+AVX2_INLINE void silu_mul8_f32(
     float *y, const float *gate, const float *up) {
     _mm256_storeu_ps(y, _mm256_mul_ps(silu8(_mm256_loadu_ps(gate)), _mm256_loadu_ps(up)));
 }
 
-__attribute__((target("avx2,fma"), always_inline)) static inline void silu_mul8_bf16(
+AVX2_INLINE void silu_mul8_bf16(
     uint16_t *y, const uint16_t *gate, const uint16_t *up) {
     const __m256 s = widen_bf16(round_bf16(silu8(load8_bf16(gate))));
     pack_bf16(y, round_bf16(_mm256_mul_ps(s, load8_bf16(up))));
@@ -297,7 +255,6 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void silu_mul8_
 
 /* The same, sixteen lanes at a time on AVX-512: each lane the operations above in the same order
  * (a compare's mask in place of a blend's), so the same bits. */
-#define AVX512_INLINE __attribute__((target("avx512f,avx2,fma"), always_inline)) static inline
 
 AVX512_INLINE __m512 exp16(__m512 d) {
     __m512 u;
@@ -312,27 +269,13 @@ AVX512_INLINE __m512 silu16(__m512 x) {
     return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
 }
 
-AVX512_INLINE __m512 load16_bf16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-/* round_bf16 on sixteen lanes. */
-AVX512_INLINE __m512i round16_bf16(__m512 v) {
-    const __m512i bits = _mm512_castps_si512(v), high = _mm512_srli_epi32(bits, 16);
-    const __m512i lsb = _mm512_and_si512(high, _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_srli_epi32(
-        _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded,
-                                   _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
-}
-
 AVX512_INLINE void silu_mul16_f32(float *y, const float *gate, const float *up) {
     _mm512_storeu_ps(y, _mm512_mul_ps(silu16(_mm512_loadu_ps(gate)), _mm512_loadu_ps(up)));
 }
 
 AVX512_INLINE void silu_mul16_bf16(uint16_t *y, const uint16_t *gate, const uint16_t *up) {
-    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(round16_bf16(silu16(load16_bf16(gate))), 16));
-    _mm256_storeu_si256((__m256i *)y, _mm512_cvtepi32_epi16(round16_bf16(_mm512_mul_ps(s, load16_bf16(up)))));
+    const __m512 s = widen16_bf16(round16_bf16(silu16(load16_bf16(gate))));
+    pack16_bf16(y, round16_bf16(_mm512_mul_ps(s, load16_bf16(up))));
 }
 
 /* Elements below which a call stays on 8 lanes: a decode step's few rows took longer on 16 (the
@@ -351,8 +294,10 @@ AVX512_INLINE void silu_mul16_bf16(uint16_t *y, const uint16_t *gate, const uint
         for (; k < half; k += 8)                                                                 \
             SILU_MUL(y + r * half + k, x + r * ldx + k, x + r * ldx + half + k);                 \
     }                                                                                            \
-    __attribute__((target("avx2,fma"))) void NAME(const T *x, int64_t ldx, T *y, int64_t M,      \
-                                                  int64_t half) {                                \
+    __attribute__((target("avx2,fma"))) void NAME(const void *xv, int64_t ldx, void *yv,         \
+                                                  int64_t M, int64_t half) {                     \
+        const T *x = xv;                                                                         \
+        T *y = yv;                                                                               \
         const int wide = M * half >= WIDE_WORK && __builtin_cpu_supports("avx512f");             \
         _Pragma("omp parallel for if (M * half >= 32768)")                                       \
         for (int64_t r = 0; r < M; r++) {                                                        \
@@ -371,14 +316,6 @@ DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, silu_mul8_bf16, silu_mul16_bf16)
 /* The rows of the norms and the rotation above on sixteen lanes: each element the operations of
  * its 8-lane twin in the same order (the squares still summed in eight lanes, k % 8 each, the
  * upper eight of sixteen after the lower), so the same bits at either width. */
-AVX512_INLINE __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
-
-AVX512_INLINE __m512 widen16_bf16(__m512i lanes) { return _mm512_castsi512_ps(_mm512_slli_epi32(lanes, 16)); }
-
-AVX512_INLINE void pack16_bf16(uint16_t *y, __m512i rounded) {
-    _mm256_storeu_si256((__m256i *)y, _mm512_cvtepi32_epi16(rounded));
-}
-
 AVX512_INLINE void add16_f32(float *x, const float *d) {
     _mm512_storeu_ps(x, _mm512_add_ps(_mm512_loadu_ps(x), _mm512_loadu_ps(d)));
 }
@@ -445,9 +382,11 @@ DEFINE_ROWS16(rms_row16_bf16, rotate_row16_bf16, uint16_t, load16_bf16, store16_
         for (int64_t k = 0; k < D; k += 16) ADD16(xr + k, dr + k);                               \
         ROW16(xr, w, y, D, eps);                                                                 \
     }                                                                                            \
-    __attribute__((target("avx2,fma"))) void NAME(T *x, int64_t ldx, const T *d, int64_t ldd,    \
-                                                  const T *w, T *y, int64_t M, int64_t D,        \
-                                                  float eps) {                                   \
+    __attribute__((target("avx2,fma"))) void NAME(void *xv, int64_t ldx, const void *dv,         \
+                                                  int64_t ldd, const void *wv, void *yv,         \
+                                                  int64_t M, int64_t D, float eps) {             \
+        T *x = xv, *y = yv;                                                                      \
+        const T *d = dv, *w = wv;                                                                \
         const int wide = D % 16 == 0 && M * D >= WIDE_WORK && __builtin_cpu_supports("avx512f"); \
         _Pragma("omp parallel for if (M >= 64)")                                                 \
         for (int64_t r = 0; r < M; r++) {                                                        \
@@ -478,10 +417,12 @@ DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, add8_bf16, rms_row_bf16, add16_
             ROTATE_ROW16(row, c, s, row, D);                                                     \
         }                                                                                        \
     }                                                                                            \
-    __attribute__((target("avx2,fma"))) void NAME(T *x, int64_t ldt, int64_t ldh, int64_t tokens, \
-                                                  int64_t heads, int64_t split, const T *wq,     \
-                                                  const T *wk, float eps, const T *cos,          \
-                                                  const T *sin, int64_t D) {                     \
+    __attribute__((target("avx2,fma"))) void NAME(void *xv, int64_t ldt, int64_t ldh,            \
+                                                  int64_t tokens, int64_t heads, int64_t split,  \
+                                                  const void *wqv, const void *wkv, float eps,   \
+                                                  const void *cosv, const void *sinv, int64_t D) { \
+        T *x = xv;                                                                               \
+        const T *wq = wqv, *wk = wkv, *cos = cosv, *sin = sinv;                                  \
         const int wide = D % 32 == 0 && tokens * heads * D >= WIDE_WORK                          \
                          && __builtin_cpu_supports("avx512f");                                   \
         _Pragma("omp parallel for if (tokens * heads >= 512)")                                   \
@@ -515,19 +456,5 @@ __attribute__((target("avx2,fma"))) void round_to_bf16(const float *x, uint16_t 
 #else
 
 int grouped_gemm_supported(void) { return 0; }
-
-void grouped_gemm_f32(void) {}
-void grouped_gemm_bf16(void) {}
-void rms_norm_f32(void) {}
-void rms_norm_bf16(void) {}
-void rotate_f32(void) {}
-void rotate_bf16(void) {}
-void add_rms_norm_f32(void) {}
-void add_rms_norm_bf16(void) {}
-void norm_rotate_f32(void) {}
-void norm_rotate_bf16(void) {}
-void silu_mul_f32(void) {}
-void silu_mul_bf16(void) {}
-void round_to_bf16(void) {}
 
 #endif

@@ -32,11 +32,13 @@
  * threads; an item unpacks its columns' weights eight blocks at a time into a tile in L1 (the
  * scalar path in plain C, the AVX2 one in vector registers: the same integers) and runs its rows
  * over the tile, two rows sharing each load (AVX2). No VNNI, AVX512-VNNI or AMX path yet.
+ *
+ * Built at first use by kernels/build.py for int8.py. Signatures: kernels.h.
  */
 #include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
+
+#include "kernels.h"
 
 enum { Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
@@ -67,8 +69,6 @@ INLINE float half(const uint8_t *p) { /* float16 as float32, exactly */
 static int block_bytes(int type) {
     return type == Q8_0 ? 34 : type == Q4_K ? 144 : type == Q5_K ? 176 : 210;
 }
-
-static int block_values(int type) { return type == Q8_0 ? 32 : 256; }
 
 /* Q4_K's and Q5_K's 6-bit scale and min of sub-block j (gguf's get_scale_min). */
 INLINE void k_scale_min(const uint8_t *q, int j, int *sc, int *mn) {
@@ -171,7 +171,6 @@ static void rows_scalar(const tile_t *t, int count, int64_t j0, const int8_t *q,
 }
 
 #if defined(__x86_64__)
-#include <immintrin.h>
 #define AVX2 __attribute__((target("avx2")))
 
 AVX2 INLINE __m256i dot(__m256i c, __m256i x, __m256i ab, int sign) {
@@ -367,17 +366,10 @@ void int8_gemm_parts(int path, int64_t P, const int *types, const uint8_t *const
     _Pragma("omp parallel for schedule(static) if (R > 1)")
     for (int64_t r = 0; r < R; r++) quantize(path, x + r * ldx, K, q + r * K, dx + r * nb, bs + r * nb);
     int64_t start[P + 1], col[P + 1]; /* each part's first item and first column */
-    const int64_t blocks = (R + ROWS - 1) / ROWS;
-    start[0] = col[0] = 0;
-    for (int64_t p = 0; p < P; p++) {
-        start[p + 1] = start[p] + blocks * ((n[p] + NT - 1) / NT);
-        col[p + 1] = col[p] + n[p];
-    }
+    part_items(P, n, (R + ROWS - 1) / ROWS, NT, start, col);
     _Pragma("omp parallel for schedule(guided) if (start[P] > 1)")
     for (int64_t it = 0; it < start[P]; it++) {
-        int64_t p = 0;
-        while (start[p + 1] <= it) p++;
-        const int64_t tiles = (n[p] + NT - 1) / NT, local = it - start[p];
+        const int64_t p = owner(start, P, it), tiles = (n[p] + NT - 1) / NT, local = it - start[p];
         const int64_t c0 = local % tiles * NT, r0 = local / tiles * ROWS;
         const int cols = n[p] - c0 < NT ? (int)(n[p] - c0) : NT;
         item(path, types[p], w[p] + c0 * ldw[p], ldw[p], cols, bias[p] ? bias[p] + c0 : 0, q + r0 * K,
@@ -402,9 +394,7 @@ void int8_gemm_grouped(int path, int type, const float *x, int64_t ldx, const ui
     for (int64_t g = 0; g < G; g++) start[g + 1] = start[g] + (groups[3 * g + 2] + ROWS - 1) / ROWS * tiles;
     _Pragma("omp parallel for schedule(guided) if (start[G] > 1)")
     for (int64_t it = 0; it < start[G]; it++) {
-        int64_t g = 0;
-        while (start[g + 1] <= it) g++;
-        const int64_t local = it - start[g], c0 = local % tiles * NT;
+        const int64_t g = owner(start, G, it), local = it - start[g], c0 = local % tiles * NT;
         const int64_t r0 = groups[3 * g + 1] + local / tiles * ROWS, left = groups[3 * g + 1] + groups[3 * g + 2] - r0;
         item(path, type, w + groups[3 * g] * lde + c0 * ldw, ldw, N - c0 < NT ? (int)(N - c0) : NT, 0, q + r0 * K,
              dx + r0 * nb, bs + r0 * nb, K, left < ROWS ? left : ROWS, 1, whole, y + r0 * ldy + c0, ldy);

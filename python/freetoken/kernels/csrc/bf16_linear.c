@@ -1,6 +1,6 @@
 /* bfloat16 linear layers on the CPU's bfloat16 units: y[M, N] = x[M, K] @ W^T + b, x and y
  * bfloat16, W packed once at load, sums in float32 rounded to bfloat16 once (nearest-even, as torch
- * rounds). Built at first use by kernels/bf16_linear.py.
+ * rounds). Built at first use by kernels/build.py for bf16_linear.py; signatures: kernels.h.
  *
  * Both kernels read one packing, [N/32][K/32][2][16][16][2]: per 32-column strip and 32-wide k
  * step, two blocks (columns 0-15, 16-31) of 16 k pairs by 16 columns. That is an AMX B tile for
@@ -12,7 +12,7 @@
  * it, their number or the thread, so a call takes any number of rows. Both units treat denormal
  * inputs and results as zero, whatever MXCSR says (torch's own bfloat16 GEMMs run on them too).
  */
-#include <stdint.h>
+#include "kernels.h"
 
 #if defined(__x86_64__) && defined(__linux__) && (defined(__clang__) || __GNUC__ >= 11)
 #include <immintrin.h>
@@ -140,8 +140,10 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"), always_inline)) static inlin
 }
 
 __attribute__((target("amx-tile,amx-bf16,avx512f"))) void amx_linear_bf16(
-    const uint16_t *x, int64_t ldx, const uint16_t *w, const float *bias, uint16_t *y, int64_t ldy,
-    int64_t M, int64_t K, int64_t N) {
+    const void *xv, int64_t ldx, const void *wv, const float *bias, void *yv, int64_t ldy, int64_t M, int64_t K,
+    int64_t N) {
+    const uint16_t *x = xv, *w = wv;
+    uint16_t *y = yv;
     const int64_t steps = K / 32, strips = (N + 31) / 32, tail = M % 32;
     _Pragma("omp parallel")
     {
@@ -236,8 +238,10 @@ __attribute__((target("avx512f,avx512bf16"), always_inline)) static inline void 
 /* The AMX kernel's loop (threads on contiguous strips, rows in chunks that stay in L2), in blocks
  * of DOT_ROWS rows. */
 __attribute__((target("avx512f,avx512bf16"))) void dot_linear_bf16(
-    const uint16_t *x, int64_t ldx, const uint16_t *w, const float *bias, uint16_t *y, int64_t ldy,
-    int64_t M, int64_t K, int64_t N) {
+    const void *xv, int64_t ldx, const void *wv, const float *bias, void *yv, int64_t ldy, int64_t M, int64_t K,
+    int64_t N) {
+    const uint16_t *x = xv, *w = wv;
+    uint16_t *y = yv;
     const int64_t steps = K / 32, strips = (N + 31) / 32;
     const int64_t fit = CHUNK_BYTES / (K * 2) / DOT_ROWS * DOT_ROWS, chunk = fit > DOT_ROWS ? fit : DOT_ROWS;
     _Pragma("omp parallel")
@@ -276,7 +280,5 @@ int bf16_linear_supported(void) { return amx_bf16_supported() || dot_bf16_suppor
 int bf16_linear_supported(void) { return 0; }
 int amx_bf16_supported(void) { return 0; }
 int dot_bf16_supported(void) { return 0; }
-void amx_linear_bf16(void) {}
-void dot_linear_bf16(void) {}
 
 #endif

@@ -35,11 +35,12 @@
  * block's one dequantization (at 8 rows the FMAs, eight per 16 weights of a column, are most of
  * the work; a second pass of 4 rows would dequantize each block again).
  *
- * Built at first use by kernels/quant.py; x86-64 with AVX2, FMA and F16C, else unsupported.
+ * Built at first use by kernels/build.py for quant.py; x86-64 with AVX2, FMA and F16C, else
+ * unsupported. Signatures: kernels.h.
  */
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
+
+#include "kernels.h"
 
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, MXFP4 = 39 };
 
@@ -869,18 +870,6 @@ static int64_t block_rows(int64_t R, int64_t K) {
     return rows > RB_MAX ? RB_MAX : rows;
 }
 
-/* Of the G spans of work items starting at start[0] = 0 < start[1] ..., the last starting at or
- * before item it. */
-static int64_t owner(const int64_t *start, int64_t G, int64_t it) {
-    int64_t g = 0, hi = G - 1;
-    while (g < hi) {
-        const int64_t mid = (g + hi + 1) / 2;
-        if (start[mid] <= it) g = mid;
-        else hi = mid - 1;
-    }
-    return g;
-}
-
 /* A projection of P parts, each y[:, its columns] = x @ W_p^T (+ bias_p), in one parallel loop over
  * every part's items (q/k/v or gate/up: one fork and join, not one per part). Part p: types[p],
  * w[p] uint8 [n[p]][K's blocks] (row stride ldw[p] bytes), bias[p] float32 [n[p]] or NULL, its
@@ -897,11 +886,7 @@ void quant_gemm_parts(int isa, int64_t P, const int *types, const uint8_t *const
      * lanes of four tiles between K ranges leave L1). */
     const int64_t wide = R > FEW && block_rows(R, K) * K > CAP, rb = block_rows(R, wide ? 0 : K);
     const int64_t blocks = (R + rb - 1) / rb, width = wide ? NT * WIDE : NT;
-    start[0] = col[0] = 0;
-    for (int64_t p = 0; p < P; p++) {
-        start[p + 1] = start[p] + blocks * ((n[p] + width - 1) / width);
-        col[p + 1] = col[p] + n[p];
-    }
+    part_items(P, n, blocks, width, start, col);
     _Pragma("omp parallel for schedule(guided) if (start[P] > 1)")
     for (int64_t it = 0; it < start[P]; it++) {
         const int64_t p = owner(start, P, it), local = it - start[p], tiles = (n[p] + width - 1) / width;
@@ -941,8 +926,5 @@ void quant_gemm(int isa, int type, const float *x, int64_t ldx, const uint8_t *w
 #else
 
 int quant_isa(void) { return 0; }
-void quant_dequantize_rows(void) {}
-void quant_gemm(void) {}
-void quant_gemm_parts(void) {}
 
 #endif

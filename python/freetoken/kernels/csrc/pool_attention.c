@@ -22,48 +22,28 @@
  * pool_attention_*_latent reads a multi-head latent attention cache (one row a slot, the key, whose
  * first Dv elements are the value) by the same operations.
  *
- * Built at first use by kernels/pool_attention.py; x86-64 with AVX2 and FMA, else
- * unsupported.
+ * Built at first use by kernels/build.py for pool_attention.py; x86-64 with AVX2 and FMA, else
+ * unsupported. Signatures and the bfloat16 helpers: kernels.h.
  */
-#include <stdint.h>
 #include <stdlib.h>
+
+#include "kernels.h"
 
 /* Keys x heads x head width below which a call runs on the calling thread: a few microseconds of
  * work (a decode step at batch 1 and a short context), less than waking the team costs. */
 #define PARALLEL_WORK (1 << 18)
 
 #if defined(__x86_64__)
-#include <immintrin.h>
-
 /* Set by pool_attention_set_isa (the Python side, once: the CPU's best unless capped). */
 static int use_avx512;
 
-int pool_attention_supported(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
+int pool_attention_supported(void) { return has_avx2_fma(); }
 
 /* 2: AVX-512 where the CPU has it, 1: AVX2; returns the path set. */
 int pool_attention_set_isa(int isa) {
     __builtin_cpu_init();
     use_avx512 = isa >= 2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
     return use_avx512 ? 2 : 1;
-}
-
-__attribute__((target("avx2,fma"), always_inline)) static inline __m256 load8_f32(const float *p) {
-    return _mm256_loadu_ps(p);
-}
-
-__attribute__((target("avx2,fma"), always_inline)) static inline __m256 load8_bf16(const uint16_t *p) {
-    __m128i half = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-}
-
-__attribute__((target("avx2,fma"), always_inline)) static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 static inline void prefetch_row(const void *p, int64_t bytes) {
@@ -73,7 +53,7 @@ static inline void prefetch_row(const void *p, int64_t bytes) {
 
 /* Lane u of the result: the sum of a[u]'s lanes, ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))
  * for every u, so a key's score does not depend on its place among the eight. */
-__attribute__((target("avx2,fma"), always_inline)) static inline __m256 hsum8x8(const __m256 *a) {
+AVX2_INLINE __m256 hsum8x8(const __m256 *a) {
     const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
     const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
     /* t0: [a0 lo, a1 lo, a2 lo, a3 lo | a0 hi, a1 hi, a2 hi, a3 hi]; t1 likewise for a4..a7. */
@@ -83,7 +63,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline __m256 hsum8x8(
 
 /* e^x for x <= 0 (scores minus their max), Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6
  * polynomial in r, times 2^n; within 2 ulp, and 0 below -87. */
-__attribute__((target("avx2,fma"), always_inline)) static inline __m256 exp8(__m256 x) {
+AVX2_INLINE __m256 exp8(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -158,7 +138,7 @@ static float *thread_scores(int64_t n) {
 /* Scores of q against eight keys (fewer: m), scaled, into s: each one FMA chain of 8 lanes
  * along D, then hsum8x8's tree. */
 #define DEFINE_SCORES8(NAME, T, LOAD)                                                                \
-    __attribute__((target("avx2,fma"), always_inline)) static inline void NAME(                      \
+    AVX2_INLINE void NAME(                                                                       \
         const float *qh, const T *const *kp, int m, int64_t D, float scale, float *s) {              \
         __m256 acc[8];                                                                               \
         _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();            \
@@ -223,16 +203,10 @@ static float *thread_scores(int64_t n) {
  * independent along D), so both paths give the same bits; sixteen lanes and two query heads of a
  * kv head at once (one load of a value row for both) keep eight chains in flight. */
 #define AVX512 __attribute__((target("avx512f,avx512dq,avx2,fma"), always_inline)) static inline
-AVX512 __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
-AVX512 __m512 load16_bf16(const uint16_t *p) {
-    const __m256i half = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
 
 AVX512 __m512 broadcast8_f32(const float *p) { return _mm512_broadcast_f32x8(_mm256_loadu_ps(p)); }
 AVX512 __m512 broadcast8_bf16(const uint16_t *p) {
-    const __m256 x = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-    return _mm512_broadcast_f32x8(x);
+    return _mm512_broadcast_f32x8(load8_bf16(p));
 }
 
 /* As SCORES8, for two query heads over the same keys: a key's eight lanes of D meet head 0's in
@@ -374,7 +348,7 @@ AVX512 __m512 broadcast8_bf16(const uint16_t *p) {
     }                                                                                                \
     /* The cache [slots, 2 * kv_heads, D]: keys then values. */                                     \
     __attribute__((target("avx2,fma"))) void NAME(                                                   \
-        const float *q, const T *cache, const int64_t *slots, const int64_t *ranges,                 \
+        const float *q, const void *cache, const int64_t *slots, const int64_t *ranges,              \
         const float *sinks, float *out, int64_t rows, int64_t heads, int64_t kv_heads,               \
         int64_t D, float scale) {                                                                    \
         NAME##_core(q, cache, slots, ranges, sinks, out, rows, heads, kv_heads, D, scale,            \
@@ -383,7 +357,7 @@ AVX512 __m512 broadcast8_bf16(const uint16_t *p) {
     /* Multi-head latent attention (layers/mla.py): the cache [slots, D], one kv head whose \
      * key is the whole row and whose value its first Dv elements (the latent); out [R, heads, Dv]. */ \
     __attribute__((target("avx2,fma"))) void NAME##_latent(                                          \
-        const float *q, const T *cache, const int64_t *slots, const int64_t *ranges, float *out,     \
+        const float *q, const void *cache, const int64_t *slots, const int64_t *ranges, float *out,  \
         int64_t rows, int64_t heads, int64_t D, int64_t Dv, float scale) {                           \
         NAME##_core(q, cache, slots, ranges, 0, out, rows, heads, 1, D, scale, D, 0, Dv);            \
     }
@@ -408,9 +382,5 @@ DEFINE_POOL_ATTENTION(pool_attention_bf16, uint16_t, scores8_bf16, scores8x2_512
 
 int pool_attention_supported(void) { return 0; }
 int pool_attention_set_isa(int isa) { return 0; }
-void pool_attention_f32(void) {}
-void pool_attention_bf16(void) {}
-void pool_attention_f32_latent(void) {}
-void pool_attention_bf16_latent(void) {}
 
 #endif
