@@ -16,7 +16,11 @@ second one thread gets through with the weight in its L2 (the kernel's own rate,
 threads: what the cores could do), against all threads reading weights from memory (a set of
 them larger than the L3), beside a plain read of the same bytes with torch's threads.
 
-    python scripts/bench_quant.py [--threads 2] [--formats Q4_1,Q8_0] [--quick]
+With --int8, only the int8 arithmetic (`--quantized-arithmetic int8`, kernels/int8.py) against
+the exact kernel on Qwen3-8B's gate/up shape in Q4_K_M's formats, at decode and prefill row
+counts, the two calls alternated so that a busy moment slows both.
+
+    python scripts/bench_quant.py [--threads 2] [--formats Q4_1,Q8_0] [--quick] [--int8]
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import torch.nn.functional as F
 from _bench_common import base_parser, best_time, print_table, ratio, setup
 from gguf import GGMLQuantizationType
 
-from freetoken.kernels import quant
+from freetoken.kernels import int8, quant
 from freetoken.kernels.build import build
 from freetoken.layers.kernel_choice import cpu_name
 
@@ -41,6 +45,7 @@ ROWS = (1, 8, 32, 512)
 MODEL_LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 MODEL_LAYERS, MODEL_HEAD = 30, (49152, 576)
 UNITS = ((0, "float32 FMA"), (1, "AVX512-BF16 dot"))  # unit_peaks.c's kinds
+INT8_SHAPE, INT8_ROWS = (12288, 4096), (1, 4, 8, 256)  # Qwen3-8B's gate/up (N x K)
 
 
 def unit_peaks() -> str:
@@ -68,8 +73,11 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=0.3, help="least time spent on each figure")
     p.add_argument("--ceilings", action=argparse.BooleanOptionalAction, default=True,
                    help="the compute-or-memory table at 1 and 8 rows")
+    p.add_argument("--int8", action="store_true", help="only the int8 arithmetic against the exact one")
     args = p.parse_args()
     setup(args)
+    if args.int8:
+        return int8_table(args)
     if not quant.supported(GGMLQuantizationType.Q4_0):
         raise SystemExit("no quantized-weight kernel on this CPU (see quant.py)")
     path = {v: k for k, v in quant.ISAS.items()}[quant.isa()]
@@ -97,6 +105,27 @@ def main() -> None:
     model_step(args)
     if args.ceilings:
         ceilings(args)
+
+
+def int8_table(args) -> None:
+    """The int8 arithmetic's kernel against the exact one, each figure the best of its calls, the
+    two alternated call by call."""
+    table = []
+    for qtype in int8.FORMATS:
+        weight = quant.random_weight(qtype, INT8_SHAPE)
+        runs = {"exact": quant.QuantParts([weight], [None]), "int8": int8.Int8Parts([weight], [None])}
+        for rows in INT8_ROWS:
+            x = torch.randn(rows, INT8_SHAPE[1])
+            best = dict.fromkeys(runs, float("inf"))
+            for _ in range(max(args.repeats, 3)):
+                for name, run in runs.items():
+                    best[name] = min(best[name], best_time(lambda: run(x), 1, args.seconds / 3))
+            table.append([qtype.name, rows, f"{best['exact'] * 1e3:.2f}", f"{best['int8'] * 1e3:.2f}",
+                          ratio(best["exact"], best["int8"])])
+    path = {v: k for k, v in int8.PATHS.items()}[int8.best_path()]
+    print_table(f"int8 arithmetic ({path}) against exact, {INT8_SHAPE[0]}x{INT8_SHAPE[1]} (N x K), "
+                f"{args.threads} thread(s), {cpu_name()}, {time.strftime('%Y-%m-%d')}",
+                ["format", "rows", "exact ms", "int8 ms", "exact / int8"], table)
 
 
 def model_step(args) -> None:

@@ -35,10 +35,16 @@ def test_frontend_and_engine_see_the_same_context_length(tiny, flags, expected):
 def test_the_weights_flags_reach_the_load_and_win_over_their_variables(tiny, monkeypatch):
     folder, _ = tiny
     args = parse_args([str(folder), "--gguf-weights", "float32", "--linear-kernel", "torch",
-                       "--exact-tp", "off", "--huge-pages", "off"])
+                       "--exact-tp", "off", "--huge-pages", "off", "--quantized-arithmetic", "int8"])
     weights = engine_config(args, str(folder)).weights
     assert weights == WeightsConfig(gguf_weights="float32", linear_kernel="torch", exact_tp=False,
-                                    huge_pages=False)
+                                    huge_pages=False, quantized_arithmetic="int8")
+    # The frontend says so in every response (the scores a client gets are int8's).
+    hf_config = json.loads((folder / "config.json").read_text())
+    assert frontend_config(args, hf_config, "tiny", (None, None)).system_fingerprint == "quantized-arithmetic:int8"
+    plain = parse_args([str(folder)])
+    assert frontend_config(plain, hf_config, "tiny", (None, None)).system_fingerprint is None
+    assert engine_config(plain, str(folder)).weights.quantized_arithmetic == "exact"
     monkeypatch.setenv("FREETOKEN_LINEAR_KERNEL", "grouped")
     monkeypatch.setenv("FREETOKEN_EXACT_TP", "1")
     monkeypatch.setenv("FREETOKEN_HUGE_PAGES", "0")
@@ -51,6 +57,10 @@ def test_the_weights_flags_reach_the_load_and_win_over_their_variables(tiny, mon
 def test_a_weights_value_outside_its_choices_is_refused_by_name(monkeypatch):
     with pytest.raises(SystemExit):
         parse_args(["--linear-kernel", "cublas"])
+    with pytest.raises(SystemExit):
+        parse_args(["--quantized-arithmetic", "int4"])
+    with pytest.raises(ValueError, match="quantized_arithmetic=int4: not one of exact, int8"):
+        WeightsConfig(quantized_arithmetic="int4")
     with pytest.raises(ValueError, match="linear_kernel=cublas: not one of onednn, torch"):
         WeightsConfig(linear_kernel="cublas")
     monkeypatch.setenv("FREETOKEN_LINEAR_KERNEL", "cublas")

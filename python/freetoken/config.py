@@ -97,13 +97,17 @@ GGUF_WEIGHTS = ("quantized", "float32")
 # The kernels a linear layer's load-time probe chooses among (layers/linear.py; the last
 # two are the bfloat16 units of kernels/bf16_linear.py).
 LINEAR_KERNELS = ("onednn", "torch", "grouped", "amx", "avx512_bf16")
+# How the quantized kernels multiply: "exact" in float32 on the exactly dequantized weights (the
+# scoring contract), "int8" on integer dot products with the rows quantized to int8 per block of
+# 32 (kernels/int8.py: llama.cpp's arithmetic, still batch-invariant, less exact).
+QUANTIZED_ARITHMETIC = ("exact", "int8")
 
 
 @dataclass(frozen=True)
 class WeightsConfig:
     """How a model's weights are held and multiplied: `--gguf-weights`, `--linear-kernel`,
-    `--exact-tp`, `--huge-pages`. None: the envs.py variable of the same name where set
-    (`resolved`), else automatic."""
+    `--exact-tp`, `--huge-pages` (None: the envs.py variable of the same name where set,
+    `resolved`, else automatic) and `--quantized-arithmetic`."""
 
     gguf_weights: str | None = None  # one of GGUF_WEIGHTS; automatic: by the dtype
     linear_kernel: str | None = None  # the one LINEAR_KERNELS member the probe may choose
@@ -111,9 +115,11 @@ class WeightsConfig:
     # theirs bit for bit); automatic: where that costs about nothing (parts.free_in_parts).
     exact_tp: bool | None = None
     huge_pages: bool | None = None  # a GGUF's blocks copied into huge pages; automatic: where given
+    quantized_arithmetic: str = "exact"  # one of QUANTIZED_ARITHMETIC
 
     def __post_init__(self):
         _check("gguf_weights", self.gguf_weights, GGUF_WEIGHTS)
+        _check("quantized_arithmetic", self.quantized_arithmetic, QUANTIZED_ARITHMETIC)
         _check("linear_kernel", self.linear_kernel, LINEAR_KERNELS)
 
     def resolved(self) -> WeightsConfig:
@@ -128,6 +134,7 @@ class WeightsConfig:
             linear_kernel=linear_kernel,
             exact_tp=self.exact_tp if self.exact_tp is not None else {"1": True, "0": False}.get(exact or ""),
             huge_pages=self.huge_pages if self.huge_pages is not None else (False if huge == "0" else None),
+            quantized_arithmetic=self.quantized_arithmetic,
         )
 
 
@@ -184,6 +191,7 @@ class FrontendConfig:
     max_labels: int = 64
     playground: bool = True
     pooling: PoolingConfig | None = None  # None: a generation model (serving/pooling/config.py)
+    system_fingerprint: str | None = None  # set on an int8-arithmetic server (serving/handling.py)
 
 
 def engine_config(args, model_folder: str) -> EngineConfig:
@@ -227,6 +235,7 @@ def frontend_config(args, hf_config: dict, name: str, parsers: tuple[str | None,
         max_labels=args.max_labels,
         playground=not args.no_playground,
         pooling=pooling,
+        system_fingerprint=("quantized-arithmetic:int8" if args.quantized_arithmetic == "int8" else None),
     )
 
 

@@ -10,6 +10,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
 from freetoken.kernels.quant import QuantizedWeight
+from freetoken.kernels.int8 import Int8Parts, arithmetic
 from freetoken.layers.quantized import QuantizedEmbedding, QuantizedLinear, take_quantized, weight_bytes
 from freetoken.models.llama import FUSED
 from tests.fixtures.build_models import random_blocks
@@ -79,3 +80,16 @@ def test_a_heads_outputs_at_some_columns_keep_the_whole_layers_bits():
         torch.testing.assert_close(got.double(), reference, rtol=0, atol=1e-4)
         assert torch.equal(layer.logits_at(x[2:3], columns), expected[2:3])
     assert QuantizedLinear([head, head], None).logits_at(x, columns) is None
+
+
+def test_an_int8_heads_columns_keep_the_whole_layers_bits():
+    """Under the int8 arithmetic a layer of its formats runs Int8Parts, `logits_at` too (the
+    scores of allowed_token_ids equal the whole head's); one with another format's part stays exact."""
+    head, _ = _weight(Q.Q6_K, 300, 256, 8)
+    with arithmetic("int8"):
+        layer, mixed = QuantizedLinear([head], None), QuantizedLinear([head, _weight(Q.Q4_1, 8, 256, 9)[0]], None)
+    assert isinstance(layer.fused, Int8Parts) and not isinstance(mixed.fused, Int8Parts)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(10))
+    columns = [0, 7, 8, 150, 299]
+    assert torch.equal(layer.logits_at(x, columns), layer(x)[:, columns])
+    assert not torch.equal(layer(x), QuantizedLinear([head], None)(x))  # not the exact arithmetic

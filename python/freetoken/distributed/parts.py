@@ -32,7 +32,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from torch import nn
 
-from freetoken.kernels.quant import QuantizedWeight, QuantParts, dequantize
+from freetoken.kernels.quant import QuantizedWeight, dequantize
 from freetoken.layers.kernel_choice import RowRule, probe_rows, probe_weight, probed_once
 from freetoken.layers.linear import Linear, candidates, choose
 from freetoken.layers.moe import Experts
@@ -130,9 +130,10 @@ class RowParts(nn.Module):
         self.cols = cols
         self.parts = nn.ModuleList(k_part(layer, c, p == 0, dtype) for p, c in enumerate(cols))
         # Every part whole blocks on the quantized kernel: one call computes the parts' sums and
-        # adds them in order (quant_gemm.c's item_parts), x read in place, with these very bits
-        # in float32 (other dtypes round each part's product first: the parts run apart).
-        self.fused = QuantParts(layer.parts, layer.part_bias, cols) if (
+        # adds them in order (quant_gemm.c's item_parts; int8_gemm.c alike, on the layer's
+        # arithmetic), x read in place, with these very bits in float32 (other dtypes round each
+        # part's product first: the parts run apart).
+        self.fused = type(layer.fused)(layer.parts, layer.part_bias, cols) if (
             isinstance(layer, QuantizedLinear) and layer.fused is not None
             and all(isinstance(part, QuantizedLinear) for part in self.parts)) else None
         self.in_features, self.out_features = layer.in_features, layer.out_features

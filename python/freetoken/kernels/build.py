@@ -4,7 +4,7 @@ csrc/kernels.h: each signature is written once, there, and read here for the arg
 
 Where a library cannot run (no C compiler, a CPU its `*_supported` function refuses, or
 FREETOKEN_NO_KERNELS set), `open_library` returns None and says why in the log; the wrappers
-(grouped_gemm.py, pool_attention.py, quant.py, bf16_linear.py, decoder_layer.py) load through it
+(grouped_gemm.py, pool_attention.py, quant.py, int8.py, bf16_linear.py, decoder_layer.py) load through it
 once each, and kernels/plan.py records what loaded.
 """
 
@@ -34,8 +34,8 @@ FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 
 def source(name: str) -> Path:
-    """The C file of library `name` (grouped_gemm, pool_attention, quant_gemm, bf16_linear,
-    decoder_layer)."""
+    """The C file of library `name` (grouped_gemm, pool_attention, quant_gemm, int8_gemm,
+    bf16_linear, decoder_layer)."""
     return CSRC / f"{name}.c"
 
 

@@ -5,7 +5,8 @@ on this CPU (build.py; FREETOKEN_NO_KERNELS turns them all off), the quantized k
 (FREETOKEN_QUANT_ISA caps it) and whether the whole-layer call may run (FREETOKEN_LAYER_KERNEL=0
 keeps layers in Python). `plan_model` then walks a loaded model and asks each module that runs a
 choosable op (`plan_kernels(kernels, dtype, device)`: the norms, the attention's rotation and its
-reading of the KV pool, SwiGLU, the experts, the quantized layers, the whole-layer call) to settle
+reading of the KV pool, SwiGLU, the experts, the quantized layers (quant_gemm.c, or int8_gemm.c
+where `--quantized-arithmetic int8` built them so), the whole-layer call) to settle
 on its kernel for the model's dtype and device and name it; the module keeps its choice and reads
 it on every step, so no step asks a library whether it runs or reads the environment. The linear
 layers' choice, by probe and timing (layers/linear.py, kernel_choice.py; the bfloat16 units of

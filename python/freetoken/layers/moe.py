@@ -4,7 +4,8 @@ A step's (token, expert) assignments are sorted by expert id, and the gathered r
 each active expert's projections. On CPU (float32 or bfloat16) that is the grouped kernel of
 grouped_gemm.c, one call per projection for all experts, whose rows never depend on their
 group; experts kept quantized (a GGUF file's, gpt-oss's MXFP4) run the same way through
-kernels/quant.py's `grouped_quant_gemm`. Elsewhere each active expert runs its `Linear`s
+kernels/quant.py's `grouped_quant_gemm` (kernels/int8.py's `grouped_int8_gemm` under
+`--quantized-arithmetic int8`). Elsewhere each active expert runs its `Linear`s
 over its rows (the kernel each expert shape runs on, and its row rule, are chosen at load by
 `pack_linears` as for the dense layers).
 The weighted outputs are then added into their tokens' rows in ascending expert id
@@ -29,6 +30,8 @@ import torch
 from torch import nn
 
 from freetoken.kernels.grouped_gemm import KERNELS, PackedLinears, grouped_gemm, pack
+from freetoken.kernels import int8
+from freetoken.kernels.int8 import grouped_int8_gemm
 from freetoken.kernels.plan import Available, available
 from freetoken.kernels.quant import QuantizedWeight, dequantize, grouped_quant_gemm, supported
 from freetoken.layers.kernel_choice import RowRule, probe_weight, rule_holds
@@ -74,6 +77,8 @@ class QuantizedExperts:
     # Set by distributed/parts.py: down's parts of K (views of whole blocks), one per
     # Experts.down_parts, each run as a tensor-parallel rank runs its own.
     down_parts: tuple[QuantizedWeight, ...] = ()
+    # kernels/int8.py's path where they run its arithmetic (`--quantized-arithmetic int8`), else None.
+    int8_path: int | None = None
 
     @property
     def downs(self) -> tuple[QuantizedWeight, ...]:
@@ -114,8 +119,9 @@ class Experts(nn.Module):
     def plan_kernels(self, kernels: Available, dtype: torch.dtype, device: torch.device | str) -> dict[str, str]:
         """kernels/plan.py's question: the experts' kernel (`stack_experts` and the GGUF loader
         chose it) and SwiGLU's, where the activation is plain SwiGLU."""
-        experts = ("quant_gemm.c" if self.quantized is not None else "grouped_gemm.c" if self.stacked
-                   else "torch (a Linear per expert)")
+        q = self.quantized
+        experts = (("quant_gemm.c" if q.int8_path is None else int8.kernel_name(q.int8_path)) if q is not None
+                   else "grouped_gemm.c" if self.stacked else "torch (a Linear per expert)")
         if getattr(self.activation, "func", self.activation) is not silu_and_mul:
             return {"moe_experts": experts}
         lib = kernels.elementwise(dtype, device)
@@ -153,7 +159,8 @@ class Experts(nn.Module):
                 raise ValueError(f"quantized experts' {name} weight is {got[0] if len(got) == 1 else got}, "
                                  f"the layer's experts are {expected}")
         biases = [None if b is None else b.float().contiguous() for b in (gate_up_bias, down_bias)]
-        self.quantized = QuantizedExperts(parts, down, *biases)
+        int8_path = int8.best_path() if int8.chosen([*parts, down]) else None
+        self.quantized = QuantizedExperts(parts, down, *biases, int8_path=int8_path)
         self.experts = None
 
     def widen(self, dtype: torch.dtype, device: torch.device) -> None:
@@ -212,11 +219,11 @@ class Experts(nn.Module):
         sizes = [part.shape[1] for part in q.gate_up]
         biases = [None] * len(sizes) if q.gate_up_bias is None else q.gate_up_bias.split(sizes, dim=1)
         # Each part's columns are their own sums: the same bits as one weight of all the rows.
-        gate_up = torch.cat([_quantized_projection(rows, part, bias, groups, expert_of_row)
+        gate_up = torch.cat([_quantized_projection(rows, part, bias, groups, expert_of_row, q.int8_path)
                              for part, bias in zip(q.gate_up, biases)], dim=1)
         hidden = self.activation(gate_up)
         return [_quantized_projection(hidden[:, cols].contiguous(), down, q.down_bias if part == 0 else None,
-                                      groups, expert_of_row)
+                                      groups, expert_of_row, q.int8_path)
                 for part, (down, cols) in enumerate(zip(q.downs, self.down_parts))]
 
     def _on_linears(self, counts: list[int], rows: torch.Tensor, name: str, part: int = 0) -> torch.Tensor:
@@ -244,10 +251,12 @@ def _groups(counts: list[int]) -> torch.Tensor:
 
 
 def _quantized_projection(rows: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
-                          groups: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
-    """float32 sums (rows widened exactly), plus each row's expert bias, rounded once to the
-    rows' dtype."""
-    y = grouped_quant_gemm(rows.float(), weight, groups)
+                          groups: torch.Tensor, expert_of_row: torch.Tensor,
+                          int8_path: int | None) -> torch.Tensor:
+    """float32 sums (rows widened exactly; on int8's arithmetic at `int8_path`, quantized), plus each row's
+    expert bias, rounded once to the rows' dtype."""
+    y = (grouped_quant_gemm(rows.float(), weight, groups) if int8_path is None
+         else grouped_int8_gemm(rows.float(), weight, groups, int8_path))
     if bias is not None:
         y += bias.index_select(0, expert_of_row)
     return y.to(rows.dtype)

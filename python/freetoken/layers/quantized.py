@@ -5,6 +5,10 @@ A fused projection (q/k/v, gate/up) is its parts' rows one after the other, and 
 each part apart, possibly in different formats (Q4_K_M keeps v in Q6_K, q and k in Q4_K): the
 layer keeps the parts as stored, each run by its own matmul straight into its columns of the
 output, rather than copying them into one weight.
+
+The arithmetic (`--quantized-arithmetic`) is chosen as the layers are made, inside
+kernels/int8.py's `arithmetic()`: "int8" runs a layer whose parts are all in that kernel's
+formats on it, the others (and "exact") on quant.py's.
 """
 
 from __future__ import annotations
@@ -14,9 +18,9 @@ import logging
 import torch
 from torch import nn
 
+from freetoken.kernels import int8
 from freetoken.kernels.plan import Available, KernelPlan
-from freetoken.kernels.quant import (ISAS, QuantizedWeight, QuantParts, dequantize_rows, quant_linear,
-                                     quant_linear_parts, supported)
+from freetoken.kernels.quant import ISAS, QuantizedWeight, QuantParts, dequantize_rows, quant_linear_parts, supported
 from freetoken.layers.linear import LAYER_INDEX
 from freetoken.layers.moe import Experts
 
@@ -24,6 +28,15 @@ log = logging.getLogger(__name__)
 
 PROBE_ROWS = (1, 3, 16)  # row counts checked against the rows of a 64-row product
 Part = QuantizedWeight | torch.Tensor  # a tensor: a part dequantized at load (no kernel for it)
+
+
+def fused_run(parts: list[Part], biases: list[torch.Tensor | None]) -> QuantParts | int8.Int8Parts | None:
+    """Every part on one kernel call (the arithmetic's; int8 where it takes every part), or None."""
+    if not all(isinstance(p, QuantizedWeight) and supported(p.qtype) for p in parts):
+        return None
+    if int8.chosen(parts):
+        return int8.Int8Parts(parts, biases)
+    return QuantParts(parts, biases)
 
 
 class QuantizedLinear(nn.Module):
@@ -38,11 +51,13 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.part_bias = [None] * len(parts) if bias is None else list(bias.split(sizes))
         # Every part on the kernel: one call for them all, its arguments made here once.
-        self.fused = QuantParts(parts, self.part_bias) if all(
-            isinstance(p, QuantizedWeight) and supported(p.qtype) for p in parts) else None
+        self.fused = fused_run(parts, self.part_bias)
 
     def plan_kernels(self, kernels: Available, dtype: torch.dtype, device: torch.device | str) -> dict[str, str]:
-        """kernels/plan.py's question (answered when the layer was built: `fused`)."""
+        """kernels/plan.py's question (answered when the layer was built: `fused`, on the int8
+        arithmetic's kernel or the exact one)."""
+        if isinstance(self.fused, int8.Int8Parts):
+            return {"quantized": int8.kernel_name(self.fused.path)}
         isa = {code: name for name, code in ISAS.items()}.get(kernels.quant_isa)
         return {"quantized": f"quant_gemm.c ({isa})" if self.fused else "quant_linear (a part on F.linear)"}
 
@@ -52,15 +67,16 @@ class QuantizedLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def logits_at(self, x: torch.Tensor, columns: list[int]) -> torch.Tensor | None:
-        """`Linear.logits_at` on the blocks: the kernel computes each output on its own
-        (quant_gemm.c), so the weight's rows at `columns` give those outputs the whole layer's
-        bits. None for a layer of several parts or one dequantized at load (a head has neither)."""
+        """`Linear.logits_at` on the blocks: either kernel computes each output on its own
+        (quant_gemm.c, int8_gemm.c), so the weight's rows at `columns` give those outputs the
+        whole layer's bits. None for a layer of several parts or one dequantized at load (a head
+        has neither)."""
         if self.fused is None or len(self.parts) != 1:
             return None
         weight, ids = self.parts[0], torch.tensor(columns)
         subset = QuantizedWeight(weight.qtype, weight.data.index_select(0, ids), (len(columns), self.in_features))
         bias = None if self.bias is None else self.bias.index_select(0, ids)
-        return quant_linear(x.reshape(-1, self.in_features), subset, bias).float()
+        return type(self.fused)([subset], [bias])(x.reshape(-1, self.in_features)).float()
 
 
 class QuantizedEmbedding(nn.Module):
@@ -137,29 +153,32 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
 
 
 def plan_quantized(model: nn.Module, plan: KernelPlan, dtype: torch.dtype) -> KernelPlan:
-    """`plan` (pack_linears') with `model`'s quantized layers added, by kind (their formats),
-    batch-invariant where quant_linear gives each format's rows alike at every row count
-    (probed once per format on the smallest weight of that format) and no part runs F.linear."""
+    """`plan` (pack_linears') with `model`'s quantized layers added, by kind (their formats, and
+    int8_linear where they run the int8 arithmetic), batch-invariant where each format's rows come
+    out alike at every row count on its kernel (probed once per format and kernel on the smallest
+    weight of that format) and no part runs F.linear."""
     kinds: dict[str, str] = {}
-    probes: dict[str, QuantizedWeight] = {}
+    probes: dict[tuple[str, type], QuantizedWeight] = {}
     widened = False
     for name, module in model.named_modules():
         if not isinstance(module, QuantizedLinear):
             continue
         formats = []
+        run = type(module.fused) if module.fused is not None else QuantParts
         for part in module.parts:
             if isinstance(part, QuantizedWeight):
                 formats.append(part.qtype.name)
-                if part.qtype.name not in probes or part.nbytes < probes[part.qtype.name].nbytes:
-                    probes[part.qtype.name] = part
+                key = (part.qtype.name, run)
+                if key not in probes or part.nbytes < probes[key].nbytes:
+                    probes[key] = part
             else:
                 formats.append(f"{str(part.dtype).removeprefix('torch.')} (F.linear)")
                 widened = True
         kinds[f"{LAYER_INDEX.sub('.*.', name)} {module.in_features}x{module.out_features}"] = \
-            f"quant_linear {'+'.join(dict.fromkeys(formats))}"
+            f"{getattr(run, 'name', 'quant_linear')} {'+'.join(dict.fromkeys(formats))}"
     if not kinds:
         return plan
-    alike = {qtype: _rows_alike(weight, dtype) for qtype, weight in probes.items()}
+    alike = {qtype: _rows_alike(weight, run, dtype) for (qtype, run), weight in probes.items()}
     invariant = all(alike.values()) and not widened
     # The kinds go into the plan's start-up line (kernels/plan.py); the per-format verdict here.
     log.log(logging.DEBUG if invariant else logging.WARNING, "quantized layers: %s; rows alike at "
@@ -168,7 +187,8 @@ def plan_quantized(model: nn.Module, plan: KernelPlan, dtype: torch.dtype) -> Ke
     return KernelPlan(plan.invariant and invariant, {**plan.kernels, **kinds})
 
 
-def _rows_alike(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
+def _rows_alike(weight: QuantizedWeight, run: type, dtype: torch.dtype) -> bool:
     x = torch.randn(64, weight.shape[-1], generator=torch.Generator().manual_seed(0)).to(dtype)
-    full = quant_linear(x, weight, None)
-    return all(torch.equal(quant_linear(x[:rows], weight, None), full[:rows]) for rows in PROBE_ROWS)
+    product = run([weight], [None])
+    full = product(x)
+    return all(torch.equal(product(x[:rows]), full[:rows]) for rows in PROBE_ROWS)

@@ -34,6 +34,7 @@ from freetoken.layers.mla import stack_heads
 from freetoken.layers.moe import stack_experts, take_stacked_experts
 from freetoken.distributed.parts import compute_in_parts, free_in_parts
 from freetoken.layers.skeleton import on_meta
+from freetoken.kernels.int8 import arithmetic as quantized_arithmetic
 from freetoken.layers.quantized import QuantizedEmbedding, plan_quantized, take_quantized, weight_bytes
 from freetoken.distributed.quantized_parallel import (install_quantized, quantized_head, shard_state,
                                                       widen_cut_experts)
@@ -176,14 +177,15 @@ def build(model_class: type, folder: Path, hf_config: dict, tokenizer, dtype: to
 def build_gguf(model_class: type, gguf: Path, hf_config: dict, tokenizer, dtype: torch.dtype,
                device: torch.device, quantized: bool, kv_slots: int = 0,
                in_parts: bool | None = False, group=None, linear_kernel: str | None = None,
-               huge_pages: bool | None = None) -> torch.nn.Module:
+               huge_pages: bool | None = None, arithmetic: str = "exact") -> torch.nn.Module:
     """`model_class` (models/llama.py's or models/qwen3_moe.py's) with `gguf`'s weights, read
     from the memory-mapped file: with `quantized` (on the CPU) the block formats kept as stored,
     else dequantized at load; refused before any weight is read where the weights and a KV pool
     of `kv_slots` (and what the load copies for a moment) would not fit in the memory available.
     With `group`, that tensor-parallel rank's slices, quantized ones cut along whole blocks
     (distributed/tensor_parallel.py). `huge_pages`: False keeps the blocks on the file's map
-    (None: copied into huge pages where the kernel gives them, models/huge_pages.py)."""
+    (None: copied into huge pages where the kernel gives them, models/huge_pages.py).
+    `arithmetic`: how the kept blocks multiply (config.QUANTIZED_ARITHMETIC)."""
     from freetoken.models.gguf_file import (ROPE_FREQS, experts_block, open_gguf, planned_bytes, read_tensors,
                                             working_bytes)
     from freetoken.models.huge_pages import place_in_huge_pages
@@ -212,10 +214,11 @@ def build_gguf(model_class: type, gguf: Path, hf_config: dict, tokenizer, dtype:
         _log_widened(gguf.name, "in the parts of K tensor-parallel ranks hold",
                      widen_cut_experts(state, module.experts_block))
     state = place_in_huge_pages(state, reader.maps, huge_pages)
-    take_stacked_experts(module, state)
-    layers = take_quantized(state, FUSED)
-    state = module.convert_hf_weights(state)
-    return _assign(module, state, layers, tokenizer, dtype, device, in_parts, linear_kernel)
+    with quantized_arithmetic(arithmetic):  # the quantized layers and experts are made in here
+        take_stacked_experts(module, state)
+        layers = take_quantized(state, FUSED)
+        state = module.convert_hf_weights(state)
+        return _assign(module, state, layers, tokenizer, dtype, device, in_parts, linear_kernel)
 
 
 def _assign(module: torch.nn.Module, state: dict[str, torch.Tensor], quantized: dict,

@@ -270,7 +270,10 @@ def load_model(model: str | os.PathLike | None = None, dtype: str = "auto", devi
         stored = weights.gguf_weights or ("quantized" if weights_dtype == torch.float32 else "float32")
         module = build_gguf(cls, gguf, hf_config, tokenizer, weights_dtype, dev,
                             stored == "quantized" and dev.type == "cpu", kv_slots, in_parts, group,
-                            weights.linear_kernel, weights.huge_pages)
+                            weights.linear_kernel, weights.huge_pages, weights.quantized_arithmetic)
+    # The mode asked for, as /v1/stats reports it (and the frontend's system_fingerprint):
+    # linear_kernels says which layers run it (none where nothing is kept quantized).
+    module.quantized_arithmetic = weights.quantized_arithmetic
     return LoadedModel(
         model=module.eval(),
         tokenizer=tokenizer,

@@ -91,12 +91,14 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def stats(self) -> dict[str, int | float | dict[str, str] | dict[str, int]]:
+    def stats(self) -> dict[str, int | float | str | dict[str, str] | dict[str, int]]:
         plan = getattr(self.engine.model, "kernel_plan", None)
         return {"running": len(self.running), "waiting": len(self.waiting),
                 # A model without a plan has no linear layers (the scripted test model).
                 "batch_invariant": int(plan is None or plan.invariant),
                 "linear_kernels": plan.kernels if plan is not None else {},
+                # How a GGUF's kept blocks multiply (--quantized-arithmetic): exact or int8.
+                "quantized_arithmetic": getattr(self.engine.model, "quantized_arithmetic", "exact"),
                 # Every op's kernel (kernels/plan.py); empty for a model without a plan.
                 "kernel_plan": plan.stats if plan is not None else {},
                 # By format: a GGUF's block formats as stored, the other weights by dtype.

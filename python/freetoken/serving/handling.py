@@ -28,6 +28,13 @@ def check_model(name: str | None, state: EngineClient) -> None:
                            code="model_not_found", status=404)
 
 
+def fingerprint(state: EngineClient) -> dict:
+    """The response's `system_fingerprint` where the server's arithmetic is not the exact one
+    (`--quantized-arithmetic int8`: a client tells such scores apart), else nothing."""
+    value = getattr(state.config, "system_fingerprint", None)
+    return {"system_fingerprint": value} if value else {}
+
+
 def sampling_defaults_refused() -> JSONResponse:
     """The answer to a caller of the handlers that passes per-model sampling defaults (the
     handlers' fourth argument, `model_sampling`): this server has none to apply, and says so

@@ -6,6 +6,7 @@ import asyncio
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -64,6 +65,14 @@ def test_seed_reproduction_fields_reach_the_engine():
     s = State()
     out = _run(s, prompt=[[1, 2, 3]])
     assert isinstance(out, dict) and s.sent[0].text == [1, 2, 3]
+
+
+def test_an_int8_server_marks_its_scores_in_the_system_fingerprint():
+    s = State()
+    s.config = replace(State.config, system_fingerprint="quantized-arithmetic:int8")
+    out = _run(s, prompt="Q:", allowed_token_ids=[9454, 2753], logprobs=2)
+    assert out["system_fingerprint"] == "quantized-arithmetic:int8"
+    assert "system_fingerprint" not in _run(State(), prompt="Q:")  # the exact arithmetic: as before
 
 
 def test_error_is_a_json_response_in_openai_shape():

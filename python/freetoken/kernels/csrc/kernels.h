@@ -1,5 +1,5 @@
 /* What the kernels share: every exported function's signature, decoder_layer.c's structs, and the
- * bfloat16 and ISA helpers more than one file uses.
+ * bfloat16, ISA and work-item helpers more than one file uses.
  *
  * Written once: kernels/build.py reads this file for the ctypes side too (each prototype's
  * argument types, each struct's fields, the enum's values), so a signature changed here changes
@@ -61,6 +61,15 @@ void quant_gemm_parts(int isa, int64_t P, const int *types, const uint8_t *const
                       int64_t ldx, float *y, int64_t ldy, int64_t R, int64_t K);
 void quant_dequantize_rows(int isa, int type, const uint8_t *w, int64_t ldw, const int64_t *ids, int64_t n, int64_t K,
                            float *out);
+
+/* ---------------------------------------------------------------- int8_gemm.c */
+int int8_supported(void);
+int int8_path(void);
+void int8_gemm_parts(int path, int64_t P, const int *types, const uint8_t *const *w, const int64_t *ldw,
+                     const int64_t *n, const float *const *bias, int64_t S, const int64_t *cuts, const float *x,
+                     int64_t ldx, float *y, int64_t ldy, int64_t R, int64_t K);
+void int8_gemm_grouped(int path, int type, const float *x, int64_t ldx, const uint8_t *w, int64_t lde, int64_t ldw,
+                       float *y, int64_t ldy, const int64_t *groups, int64_t G, int64_t R, int64_t K, int64_t N);
 
 /* ---------------------------------------------------------------- bf16_linear.c */
 int bf16_linear_supported(void);
@@ -147,6 +156,30 @@ static inline void widen_bf16_row(const uint16_t *x, float *y, int64_t n) {
         const uint32_t bits = (uint32_t)x[i] << 16;
         memcpy(y + i, &bits, sizeof bits);
     }
+}
+
+/* A projection's work items (quant_gemm_parts, int8_gemm_parts): part p of P (n[p] columns) has
+ * `blocks` row blocks times its tiles of `width` columns, its items starting at start[p] and its
+ * columns at col[p]; start[P] counts every item. */
+static inline void part_items(int64_t P, const int64_t *n, int64_t blocks, int64_t width, int64_t *start,
+                              int64_t *col) {
+    start[0] = col[0] = 0;
+    for (int64_t p = 0; p < P; p++) {
+        start[p + 1] = start[p] + blocks * ((n[p] + width - 1) / width);
+        col[p + 1] = col[p] + n[p];
+    }
+}
+
+/* Of the G spans of work items starting at start[0] = 0 <= start[1] ..., the last starting at or
+ * before item it (a part or group of no items is passed over). */
+static inline int64_t owner(const int64_t *start, int64_t G, int64_t it) {
+    int64_t g = 0, hi = G - 1;
+    while (g < hi) {
+        const int64_t mid = (g + hi + 1) / 2;
+        if (start[mid] <= it) g = mid;
+        else hi = mid - 1;
+    }
+    return g;
 }
 
 #if defined(__x86_64__)

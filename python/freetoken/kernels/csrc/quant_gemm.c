@@ -870,18 +870,6 @@ static int64_t block_rows(int64_t R, int64_t K) {
     return rows > RB_MAX ? RB_MAX : rows;
 }
 
-/* Of the G spans of work items starting at start[0] = 0 < start[1] ..., the last starting at or
- * before item it. */
-static int64_t owner(const int64_t *start, int64_t G, int64_t it) {
-    int64_t g = 0, hi = G - 1;
-    while (g < hi) {
-        const int64_t mid = (g + hi + 1) / 2;
-        if (start[mid] <= it) g = mid;
-        else hi = mid - 1;
-    }
-    return g;
-}
-
 /* A projection of P parts, each y[:, its columns] = x @ W_p^T (+ bias_p), in one parallel loop over
  * every part's items (q/k/v or gate/up: one fork and join, not one per part). Part p: types[p],
  * w[p] uint8 [n[p]][K's blocks] (row stride ldw[p] bytes), bias[p] float32 [n[p]] or NULL, its
@@ -898,11 +886,7 @@ void quant_gemm_parts(int isa, int64_t P, const int *types, const uint8_t *const
      * lanes of four tiles between K ranges leave L1). */
     const int64_t wide = R > FEW && block_rows(R, K) * K > CAP, rb = block_rows(R, wide ? 0 : K);
     const int64_t blocks = (R + rb - 1) / rb, width = wide ? NT * WIDE : NT;
-    start[0] = col[0] = 0;
-    for (int64_t p = 0; p < P; p++) {
-        start[p + 1] = start[p] + blocks * ((n[p] + width - 1) / width);
-        col[p + 1] = col[p] + n[p];
-    }
+    part_items(P, n, blocks, width, start, col);
     _Pragma("omp parallel for schedule(guided) if (start[P] > 1)")
     for (int64_t it = 0; it < start[P]; it++) {
         const int64_t p = owner(start, P, it), local = it - start[p], tiles = (n[p] + width - 1) / width;

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from freetoken.config import GGUF_WEIGHTS, LINEAR_KERNELS, SpeculativeConfig, WeightsConfig
+from freetoken.config import GGUF_WEIGHTS, LINEAR_KERNELS, QUANTIZED_ARITHMETIC, SpeculativeConfig, WeightsConfig
 from freetoken.hub import HubOptions
 from freetoken.parsing import registry
 from freetoken.serving.pooling.config import parse_overrides
@@ -56,6 +56,7 @@ class ServerArgs:
     linear_kernel: str | None = None
     exact_tp: str = "auto"
     huge_pages: str = "auto"
+    quantized_arithmetic: str = "exact"
 
     @property
     def hub(self) -> HubOptions:
@@ -65,7 +66,8 @@ class ServerArgs:
     def weights(self) -> WeightsConfig:
         return WeightsConfig(gguf_weights=self.gguf_weights, linear_kernel=self.linear_kernel,
                              exact_tp={"on": True, "off": False}.get(self.exact_tp),
-                             huge_pages=False if self.huge_pages == "off" else None)
+                             huge_pages=False if self.huge_pages == "off" else None,
+                             quantized_arithmetic=self.quantized_arithmetic)
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -217,6 +219,11 @@ def build_parser(prog: str = "freetoken serve") -> argparse.ArgumentParser:
     kernels.add_argument("--huge-pages", choices=["auto", "off"], default="auto",
                          help="copy a GGUF's quantized blocks into transparent huge pages where the "
                          "kernel gives them (off: they stay on the file's map)")
+    kernels.add_argument("--quantized-arithmetic", choices=QUANTIZED_ARITHMETIC, default="exact",
+                         help="how a GGUF's kept blocks multiply: exact (float32 on the dequantized "
+                         "weights) or int8 (rows quantized to int8 per block of 32, integer dot "
+                         "products: faster prefill, less exact, still batch-invariant; Q8_0, Q4_K, "
+                         "Q5_K and Q6_K layers and MoE experts)")
     return p
 
 
@@ -284,6 +291,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "freetoken serve") -> 
         linear_kernel=ns.linear_kernel,
         exact_tp=ns.exact_tp,
         huge_pages=ns.huge_pages,
+        quantized_arithmetic=ns.quantized_arithmetic,
     )
 
 

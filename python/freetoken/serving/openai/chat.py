@@ -21,6 +21,7 @@ from freetoken.serving.errors import RequestError, error_body, error_from
 from freetoken.serving.handling import (
     all_or_none,
     check_model,
+    fingerprint,
     merged,
     sampling_defaults_refused,
     sse,
@@ -87,6 +88,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw_request, state:
         "model": req.model or state.config.served_model_name,
         "choices": [choice(i, r) for i, r in enumerate(results)],
         "usage": _usage(results),
+        **fingerprint(state),
     }
     if spec.sampling_params.prompt_logprobs is not None:
         # One prompt for all choices: vLLM puts its logprobs beside the choices.
@@ -234,7 +236,7 @@ async def stream_chat_completion_chunks(state, req, spec, streams) -> AsyncItera
         if spec.include_reasoning_logprobs and reasoning_logprobs:
             choice["reasoning_logprobs"] = {"content": chat_entries(reasoning_logprobs, texts, as_ids)}
         return sse({"id": cid, "object": "chat.completion.chunk", "created": created,
-                     "model": model, "choices": [choice]})
+                     "model": model, "choices": [choice], **fingerprint(state)})
 
     for index in range(len(streams)):
         yield chunk(index, {"role": "assistant", "content": ""})
@@ -253,7 +255,7 @@ async def stream_chat_completion_chunks(state, req, spec, streams) -> AsyncItera
                             reasoning_logprobs=ev.reasoning_logprobs)
         if req.stream_options and req.stream_options.include_usage:
             yield sse({"id": cid, "object": "chat.completion.chunk", "created": created,
-                        "model": model, "choices": [], "usage": _usage(done)})
+                        "model": model, "choices": [], "usage": _usage(done), **fingerprint(state)})
     except RequestError as exc:
         yield sse(error_body(exc))
     yield "data: [DONE]\n\n"

@@ -18,6 +18,7 @@ from freetoken.serving.errors import RequestError, error_body, error_from, reply
 from freetoken.serving.handling import (
     all_or_none,
     check_model,
+    fingerprint,
     sampling_defaults_refused,
     sse,
     token_texts,
@@ -138,6 +139,7 @@ async def create_completion(req: CompletionRequest, raw_request, state: EngineCl
         "model": req.model or state.config.served_model_name,
         "choices": [choice(c) for c in choices],
         "usage": _sum_usage(choices),
+        **fingerprint(state),
     }
 
 
@@ -241,7 +243,7 @@ async def stream_completion_chunks(state, req, params: SamplingParams, choices: 
 
     def chunk(choices_payload: list[dict], **extra) -> str:
         return sse({"id": cid, "object": "text_completion", "created": created, "model": model,
-                     "choices": choices_payload, **extra})
+                     "choices": choices_payload, **fingerprint(state), **extra})
 
     async def body():
         echoed: set[int] = set()

@@ -10,7 +10,7 @@ import uuid
 from typing import TYPE_CHECKING
 
 from freetoken.serving.errors import AsciiJSONResponse, RequestError, error_from
-from freetoken.serving.handling import check_model, until_disconnected
+from freetoken.serving.handling import check_model, fingerprint, until_disconnected
 from freetoken.serving.limits import Limits
 from freetoken.serving.openai.labels import entries, score
 from freetoken.serving.pooling.protocol import GenerativeScoringRequest
@@ -36,4 +36,4 @@ async def create_generative_scoring(req: GenerativeScoringRequest, raw_request,
     return AsciiJSONResponse({  # not walked by jsonable_encoder
         "id": f"generative-scoring-{uuid.uuid4().hex}", "object": "list",
         "created": int(time.time()), "model": req.model or state.config.served_model_name,
-        "data": data, "usage": usage})
+        "data": data, "usage": usage, **fingerprint(state)})

@@ -1,0 +1,159 @@
+"""The int8-activation kernel (kernels/int8.py, int8_gemm.c) against its arithmetic computed
+independently in numpy: the rows quantized per block of 32 in float32, the weights' integer codes
+and scales read through gguf's own dequantizers (the blocks' float16 scales set to 1 and 0), the
+per-block sums in int64 and the float32 accumulation in the same order. Bit for bit, at every
+batch size, on both paths and thread counts."""
+
+import numpy as np
+import pytest
+import torch
+from freetoken.kernels import int8
+from gguf import GGMLQuantizationType as T
+from gguf import quants as gguf_quants
+
+from freetoken.kernels.quant import QuantizedWeight, random_weight
+
+pytestmark = pytest.mark.skipif(not int8.supported(random_weight(T.Q8_0, (1, 32))),
+                                reason="int8_gemm.c is not built here (no C compiler, or FREETOKEN_NO_KERNELS)")
+
+N = 44  # not a multiple of the kernel's 8-column items
+K = 1280  # 5 super-blocks: 40 blocks of 32, Q8_0's in units of 8
+HALF = {T.Q8_0: 0, T.Q4_K: 0, T.Q5_K: 0, T.Q6_K: 208}  # each block's float16 d
+ONE, ZERO = (np.array([v], np.float16).view(np.uint8) for v in (1, 0))
+
+
+def _with_scales(w: QuantizedWeight, d: np.ndarray, dmin: np.ndarray | None) -> np.ndarray:
+    """gguf's values of w's blocks with every d (and dmin) set to the given float16 bytes."""
+    size = {T.Q8_0: 34, T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}[w.qtype]
+    blocks = w.data.numpy().reshape(w.shape[0], -1, size).copy()
+    at = HALF[w.qtype]
+    blocks[..., at:at + 2] = d
+    if dmin is not None:
+        blocks[..., 2:4] = dmin
+    return gguf_quants.dequantize(blocks.reshape(w.shape[0], -1), w.qtype).reshape(w.shape)
+
+
+def reference(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None,
+              cuts: tuple[int, ...] | None = None) -> torch.Tensor:
+    x = x.numpy().astype(np.float32)
+    rows, k = x.shape
+    blocks = x.reshape(rows, k // 32, 32)
+    dx = np.abs(blocks).max(-1) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(dx != 0, np.float32(1) / dx, np.float32(0)).astype(np.float32)
+    q = np.rint(blocks * inv[..., None]).astype(np.int64)
+    bsum = q.sum(-1).astype(np.float32)
+    # a*c per value (integers): gguf's values with d = 1 (and dmin = 0); the float scales as stored.
+    size = w.data.shape[-1] // (k // int8_block(w.qtype))
+    raw = w.data.numpy().reshape(w.shape[0], -1, size)
+    at = HALF[w.qtype]
+    d = raw[..., at:at + 2].copy().view(np.float16).astype(np.float32)[..., 0]  # [N, blocks of the format]
+    per = int8_block(w.qtype) // 32
+    s = np.repeat(d, per, axis=1)
+    codes = _with_scales(w, ONE, ZERO if w.qtype in (T.Q4_K, T.Q5_K) else None).astype(np.int64)
+    m = np.zeros_like(s)
+    if w.qtype in (T.Q4_K, T.Q5_K):
+        dmin = raw[..., 2:4].copy().view(np.float16).astype(np.float32)[..., 0]
+        mins = np.abs(_with_scales(w, ZERO, ONE).reshape(w.shape[0], -1, 32)[..., 0]).astype(np.float32)
+        m = -(np.repeat(dmin, per, axis=1) * mins)
+    sums = np.einsum("rjv,njv->rnj", q, codes.reshape(w.shape[0], -1, 32))
+    cuts = cuts or (0, k)
+    y = None
+    for start, stop in zip(cuts, cuts[1:]):
+        acc = np.zeros((rows, w.shape[0]), np.float32)
+        for j in range(start // 32, stop // 32):
+            term = s[None, :, j] * sums[:, :, j].astype(np.float32) + m[None, :, j] * bsum[:, j, None]
+            acc = acc + dx[:, j, None] * term
+        if y is None:
+            y = acc if bias is None else acc + bias.numpy()
+        else:
+            y = y + acc
+    return torch.from_numpy(y)
+
+
+def int8_block(qtype: T) -> int:
+    return 32 if qtype == T.Q8_0 else 256
+
+
+def paths():
+    return [pytest.param(p, marks=pytest.mark.skipif(
+        p > int8.best_path(), reason=f"this CPU lacks {name.upper()}")) for name, p in int8.PATHS.items()]
+
+
+@pytest.fixture(params=paths(), ids=list(int8.PATHS))
+def path(request):
+    return request.param
+
+
+@pytest.mark.parametrize("qtype", int8.FORMATS, ids=lambda t: t.name)
+def test_matches_the_arithmetic_computed_in_numpy_bit_for_bit(qtype, path):
+    k = 1120 if qtype == T.Q8_0 else K  # Q8_0: 35 blocks, the last tile of 3
+    w = random_weight(qtype, (N, k), seed=1)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(2))
+    x[3, 64:96] = 0  # a block of zeros: scale 0
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(int8.Int8Parts([w], [bias], path=path)(x), reference(x, w, bias))
+    cuts = [range(0, 512), range(512, k)]  # a tensor-parallel group's parts of K
+    assert torch.equal(int8.Int8Parts([w], [bias], cuts, path=path)(x), reference(x, w, bias, (0, 512, k)))
+
+
+@pytest.mark.parametrize("qtype", int8.FORMATS, ids=lambda t: t.name)
+def test_every_row_gets_the_bits_it_gets_alone(qtype, path):
+    w = random_weight(qtype, (N, 512), seed=4)
+    x = torch.randn(300, 512, generator=torch.Generator().manual_seed(5))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        full = int8.Int8Parts([w], [None], path=path)(x)
+        torch.set_num_threads(1)
+        for first, rows in ((0, 1), (150, 1), (7, 8), (3, 64), (100, 65), (0, 300)):
+            assert torch.equal(int8.Int8Parts([w], [None], path=path)(x[first:first + rows]),
+                               full[first:first + rows]), rows
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("qtype", int8.FORMATS, ids=lambda t: t.name)
+def test_avx2_and_scalar_paths_give_the_same_bits(qtype):
+    if int8.best_path() < int8.PATHS["avx2"]:
+        pytest.skip("this CPU lacks AVX2: the scalar path only")
+    w = random_weight(qtype, (N, K), seed=6)
+    x = torch.randn(70, K, generator=torch.Generator().manual_seed(7)) * 3
+    assert torch.equal(int8.Int8Parts([w], [None], path=0)(x), int8.Int8Parts([w], [None], path=1)(x))
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0], ids=lambda t: t.name)
+def test_grouped_experts_get_each_experts_bits_alone(qtype):
+    flat = random_weight(qtype, (4 * N, 512), seed=15)
+    stacked = QuantizedWeight(qtype, flat.data.view(4, N, -1), (4, N, 512))
+    # (expert, first row, rows): a group past one work item, an empty one, an expert twice.
+    groups = torch.tensor([(2, 0, 3), (0, 3, 1), (3, 4, 0), (1, 4, 70), (2, 74, 5)])
+    x = torch.randn(79, 512, generator=torch.Generator().manual_seed(16))
+    y = int8.grouped_int8_gemm(x, stacked, groups)
+    for expert, first, count in groups.tolist():
+        one = QuantizedWeight(qtype, stacked.data[expert], (N, 512))
+        assert torch.equal(y[first:first + count], int8.Int8Parts([one], [None])(x[first:first + count]))
+
+
+def test_the_probe_picks_avx2_where_the_cpu_has_it():
+    with open("/proc/cpuinfo") as f:
+        avx2 = " avx2" in f.read()
+    assert int8.best_path() == int8.PATHS["avx2" if avx2 else "scalar"]
+
+
+def test_parts_in_one_call_are_each_part_alone():
+    parts = [random_weight(T.Q4_K, (N, K), 8), random_weight(T.Q6_K, (20, K), 9), random_weight(T.Q8_0, (13, K), 10)]
+    biases = [None, torch.randn(20, generator=torch.Generator().manual_seed(11)), None]
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(12))
+    alone = torch.cat([int8.Int8Parts([p], [b])(x) for p, b in zip(parts, biases)], dim=1)
+    assert torch.equal(int8.Int8Parts(parts, biases)(x), alone)
+    assert int8.Int8Parts(parts, biases)(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_error_against_the_float64_product_is_int8_rounding():
+    # Not the exactness contract: the activations' 8 bits set the error (a relative 2^-8 per block).
+    w = random_weight(T.Q4_K, (N, K), seed=13)
+    x = torch.randn(4, K, generator=torch.Generator().manual_seed(14))
+    dense = torch.from_numpy(gguf_quants.dequantize(w.data.numpy(), w.qtype)).double()
+    err = (int8.Int8Parts([w], [None])(x).double() - x.double() @ dense.T).abs()
+    assert (err <= 2 ** -8 * (x.double().abs() @ dense.abs().T)).all()
