@@ -424,8 +424,9 @@ class Run:
                     best[key] = min(best.get(key, math.inf), t)
                 if i == 0:
                     checked, checked_hf, usage = r.responses[0], hf_totals, r.responses[0]["usage"]
-            echo_lps = [x["choices"][0]["logprobs"]["token_logprobs"]
-                        for x in bc.run_load(comp, echo(ours_prompts[:8]), args.clients).responses]
+                    checked_prompts = ours_prompts
+            echo_lps = [x["choices"][0]["logprobs"]["token_logprobs"]  # round 0's first two
+                        for x in bc.run_load(comp, echo(checked_prompts[:2]), args.clients).responses]
         ours_totals = [[x["logprob"] for x in d["labels"]] for d in checked["data"]]
         rows = [[name, n / best[key], bc.ms(best[key]), bc.ratio(best["echo"], best[key]),
                  bc.ratio(best["hf"], best[key])]
