@@ -32,8 +32,9 @@ class TokenizeManager:
     def tokenize_texts(self, msgs: list[TokenizeMsg]) -> dict[int, list[int]]:
         """`tokenize` of the text prompts among `msgs`, by uid, in one call of the tokenizer
         for each `add_special_tokens` value: a fast tokenizer encodes a list in one pass of its
-        Rust code (64 short texts: ~3x less time than a call each), with the same ids. Empty
-        where the tokenizer fails on a list: each prompt then goes alone, for its own error."""
+        Rust code, with the same ids (64 texts of ~40 tokens: 6-7.5 ms of CPU, against 7.5-11
+        a call each). Empty where the tokenizer fails on a list: each prompt then goes alone,
+        for its own error."""
         out: dict[int, list[int]] = {}
         for special in (True, False):
             group = [m for m in msgs if isinstance(m.text, str) and m.add_special_tokens == special]
