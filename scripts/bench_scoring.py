@@ -19,8 +19,8 @@ Scenarios (all on the default model, same threads on every side, one run):
   E  embeddings: /v1/embeddings of 64 inputs (~40 tokens) in one request, a new set per request,
      one client (--runner pooling: last-token pooling, normalised). Peer: HF's final-norm hidden
      states of the same inputs in one left-padded batch, last position, normalised.
-  L  whole labels: 256 prompts x 4 labels of 1-4 tokens through /generative_scoring (one
-     request), against the same totals from one /v1/completions request per (prompt, label)
+  L  whole labels: 256 prompts (--quick: 64) x 4 labels of 1-4 tokens through
+     /generative_scoring (one request), against the same totals from one /v1/completions request per (prompt, label)
      (echo, max_tokens 0, logprobs 0: what clients do today; 16 clients), and against HF
      teacher-forcing every prompt + label in left-padded batches (--hf-batch).
 R and E run on --pooling-model: the default model, or `tiny`, the tests' tiny Qwen3 fixtures
