@@ -20,9 +20,10 @@ Scenarios (all on the default model, same threads on every side, one run):
      one client (--runner pooling: last-token pooling, normalised). Peer: HF's final-norm hidden
      states of the same inputs in one left-padded batch, last position, normalised.
   L  whole labels: 256 prompts (--quick: 64) x 4 labels of 1-4 tokens through
-     /generative_scoring (one request), against the same totals from one /v1/completions request per (prompt, label)
-     (echo, max_tokens 0, logprobs 0: what clients do today; 16 clients), and against HF
-     teacher-forcing every prompt + label in left-padded batches (--hf-batch).
+     /generative_scoring (one request), against the same totals from one /v1/completions
+     request per (prompt, label) (echo, max_tokens 0, logprobs 0: what clients do today; 16
+     clients), and against HF teacher-forcing every prompt + label in left-padded batches
+     (--hf-batch).
 R and E run on --pooling-model: the default model, or `tiny`, the tests' tiny Qwen3 fixtures
 (tiny-qwen3 as the reranker, tiny-qwen3-embedding as the embedder), where the per-request
 costs around the forward dominate.
