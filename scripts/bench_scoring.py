@@ -19,10 +19,11 @@ Scenarios (all on the default model, same threads on every side, one run):
   E  embeddings: /v1/embeddings of 64 inputs (~40 tokens) in one request, a new set per request,
      one client (--runner pooling: last-token pooling, normalised). Peer: HF's final-norm hidden
      states of the same inputs in one left-padded batch, last position, normalised.
-  L  whole labels: 256 prompts x 4 labels of 1-4 tokens through /generative_scoring (one
-     request), against the same totals from one /v1/completions request per (prompt, label)
-     (echo, max_tokens 0, logprobs 0: what clients do today; 16 clients), and against HF
-     teacher-forcing every prompt + label in left-padded batches (--hf-batch).
+  L  whole labels: 256 prompts (--quick: 64) x 4 labels of 1-4 tokens through
+     /generative_scoring (one request), against the same totals from one /v1/completions
+     request per (prompt, label) (echo, max_tokens 0, logprobs 0: what clients do today; 16
+     clients), and against HF teacher-forcing every prompt + label in left-padded batches
+     (--hf-batch).
 R and E run on --pooling-model: the default model, or `tiny`, the tests' tiny Qwen3 fixtures
 (tiny-qwen3 as the reranker, tiny-qwen3-embedding as the embedder), where the per-request
 costs around the forward dominate.
@@ -424,8 +425,9 @@ class Run:
                     best[key] = min(best.get(key, math.inf), t)
                 if i == 0:
                     checked, checked_hf, usage = r.responses[0], hf_totals, r.responses[0]["usage"]
-            echo_lps = [x["choices"][0]["logprobs"]["token_logprobs"]
-                        for x in bc.run_load(comp, echo(ours_prompts[:8]), args.clients).responses]
+                    checked_prompts = ours_prompts
+            echo_lps = [x["choices"][0]["logprobs"]["token_logprobs"]  # round 0's first two
+                        for x in bc.run_load(comp, echo(checked_prompts[:2]), args.clients).responses]
         ours_totals = [[x["logprob"] for x in d["labels"]] for d in checked["data"]]
         rows = [[name, n / best[key], bc.ms(best[key]), bc.ratio(best["echo"], best[key]),
                  bc.ratio(best["hf"], best[key])]

@@ -11,8 +11,7 @@ def test_num_used_leaves_out_slots_only_the_cache_holds():
     kv = KVPool(8, num_layers=1, row=(2, 2), dtype=torch.float32,
                 device=torch.device("cpu"))
     a = kv.allocate(3)
-    for s in a:
-        kv.cache_hold(s)  # the cache keeps the prompt's KV
+    kv.cache_hold(a)  # the cache keeps the prompt's KV
     assert kv.num_used == 3 and kv.num_free == 5
     kv.retain(a[:2])  # a second request reuses two of them
     kv.release(a)  # the first request ends: the cache and the second request still hold slots

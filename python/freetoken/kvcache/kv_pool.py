@@ -76,10 +76,13 @@ class KVPool:
             if self._refs[s] == 0:
                 self._free.append(s)
 
-    def cache_hold(self, slot: int) -> None:
-        """The prefix cache's reference on `slot` (one at most), which `num_used` leaves out."""
-        self._cached[slot] = 1
-        self._refs[slot] += 1
+    def cache_hold(self, slots: list[int]) -> None:
+        """The prefix cache's reference on each of `slots` (one at most), which `num_used`
+        leaves out."""
+        refs, cached = self._refs, self._cached
+        for s in slots:
+            cached[s] = 1
+            refs[s] += 1
 
     def cache_drop(self, slot: int) -> None:
         self._cached[slot] = 0

@@ -7,7 +7,9 @@ use is never evicted.
 Leaves wait in a heap ordered by last use. A touched node is pushed again rather than moved,
 so entries go stale; a stale one (the node was touched since, gained a child or left the trie)
 is dropped when it surfaces, and all of them once they outnumber the current ones. An evicted
-node then costs O(log n), plus one pop per leaf still held by a running request.
+node then costs O(log n), plus one pop per leaf still held by a running request; a leaf's
+parent that the leaf's removal leaves childless, last used with it, is the next leaf the heap
+would give, so it goes at once without the round trip (a prompt's tokens leave as a chain).
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from typing import Callable
 from freetoken.kvcache.kv_pool import KVPool
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Node:
     slot: int
     parent: _Node | None
+    token: int = -1  # its key in the parent's children
     children: dict[int, _Node] = field(default_factory=dict)
     last_used: int = 0
     snapshot: int | None = None  # hybrid models: state slot at this prefix (scheduler/states.py)
@@ -98,26 +101,38 @@ class PrefixCache:
         return slots, len(slots)
 
     def insert(self, ids: list[int], slots: list[int]) -> None:
-        node, path = self.root, []
-        for token, slot in zip(ids, slots):
-            child = node.children.get(token)
-            if child is None:
-                child = node.children[token] = _Node(slot=slot, parent=node)
-                self.kv.cache_hold(slot)
+        path = self._path(ids)
+        node, known = path[-1] if path else self.root, len(path)
+        for token, slot in zip(ids[known:], slots[known:]):
+            child = node.children[token] = _Node(slot, node, token)
+            path.append(child)
             node = child
-            path.append(node)
+        self.kv.cache_hold(slots[known : len(path)])
         self._touch(path)
 
     def evict(self, n: int) -> int:
         """Free up to `n` slots; returns how many were freed."""
         freed = 0
         while freed < n:
-            leaf = self._leaves.pop(lambda x: self.kv.refs(x.slot) == 1)
+            leaf = self._leaves.pop(self._unheld)
             if leaf is None:
                 break
-            self._remove(leaf)
-            freed += 1
+            stamp = leaf.last_used
+            while True:  # up the chain of nodes last used with the leaf (the module's docstring)
+                parent = leaf.parent
+                self._remove(leaf)
+                freed += 1
+                if parent is self.root or parent.children:
+                    break
+                if freed == n or parent.last_used != stamp or not self._unheld(parent):
+                    self._leaves.push(parent)
+                    break
+                leaf = parent
         return freed
+
+    def _unheld(self, node: _Node) -> bool:
+        """Held by the cache alone: no request reads its slot."""
+        return self.kv.refs(node.slot) == 1
 
     def _path(self, ids: list[int]) -> list[_Node]:
         node, path = self.root, []
@@ -140,9 +155,7 @@ class PrefixCache:
             self._leaves.push(path[-1])
 
     def _remove(self, leaf: _Node) -> None:
-        parent = leaf.parent
-        del parent.children[next(t for t, c in parent.children.items() if c is leaf)]
+        """Out of the trie; its parent, if that leaves it a leaf, is `evict`'s to queue."""
+        del leaf.parent.children[leaf.token]
         leaf.parent = None
         self.kv.cache_drop(leaf.slot)
-        if parent is not self.root and not parent.children:
-            self._leaves.push(parent)

@@ -47,7 +47,7 @@ class EngineClient(Protocol):
 
 @dataclass
 class _ReqState:
-    builder: ReplyBuilder
+    builder: ReplyBuilder | None  # None for a pooling request: its one reply has no text
     replies: list[UserReply] = field(default_factory=list)
     event: asyncio.Event = field(default_factory=asyncio.Event)
     done: bool = False
@@ -121,9 +121,9 @@ class FrontendManager:
             self._listener = asyncio.create_task(self.listen())
         params = msg.sampling_params
         # Parsed chat output needs each token's text (and Harmony's markers, special tokens).
-        state = self._states[msg.uid] = _ReqState(ReplyBuilder(
-            self.tokenizer, params.stop_strs,
-            **reply_options(self.config, _is_chat(msg), params)))
+        builder = None if params.pooling is not None else ReplyBuilder(
+            self.tokenizer, params.stop_strs, **reply_options(self.config, _is_chat(msg), params))
+        state = self._states[msg.uid] = _ReqState(builder)
         return state
 
     def _user_msg(self, msg: TokenizeMsg, state: _ReqState, ids: list[int]) -> UserMsg:
@@ -162,12 +162,19 @@ class FrontendManager:
             return
 
         def prepare() -> tuple[list[UserMsg], list[tuple[int, RequestError]]]:
-            ready, failed = [], []
+            ready, failed, sized = [], [], []
             for msg, state in zip(msgs, states):
                 param = "messages" if _is_chat(msg) else "prompt"
                 try:
                     self._check_size(msg, param)
-                    ready.append(self._user_msg(msg, state, self._tokenized(msg, param)))
+                    sized.append((msg, state, param))
+                except RequestError as exc:
+                    failed.append((msg.uid, exc))
+            texts = self.tokenize_manager.tokenize_texts([msg for msg, _, _ in sized])
+            for msg, state, param in sized:
+                try:  # an empty prompt goes to _tokenized, for its error
+                    ids = texts.get(msg.uid) or self._tokenized(msg, param)
+                    ready.append(self._user_msg(msg, state, ids))
                 except RequestError as exc:
                     failed.append((msg.uid, exc))
             return ready, failed
@@ -263,7 +270,7 @@ class FrontendManager:
             return  # aborted, or already ended by a stop string
         if msg.error:
             return self._fail(msg.uid, msg.error, msg.error_code or "error")
-        reply = state.builder.build(msg)
+        reply = state.builder.build(msg) if state.builder is not None else _pooled_reply(msg)
         if msg.token_ids:
             self.metrics.on_tokens(state.timer, msg.prompt_tokens, len(msg.token_ids))
         if reply.prompt_logprobs is not None:
@@ -271,6 +278,13 @@ class FrontendManager:
         if reply.finished and not msg.finished:  # a stop string matched
             await self._to_engine.send(pickle.dumps(AbortMsg(msg.uid)))
         self._push(msg.uid, reply)
+
+
+def _pooled_reply(msg: DetokenizeMsg) -> UserReply:
+    """A pooling request's reply: its vector and counts (the token it sampled is never read)."""
+    return UserReply(msg.uid, finished=msg.finished, finish_reason=msg.finish_reason,
+                     prompt_tokens_delta=msg.prompt_tokens, cached_tokens=msg.cached_tokens,
+                     embedding=msg.embedding)
 
 
 def reply_options(config: FrontendConfig, chat: bool, params: SamplingParams) -> dict:
