@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import freetoken  # noqa: F401  (before torch: the OpenMP wait the package sets, as a server has it)
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,7 +73,8 @@ def setup(args: argparse.Namespace) -> None:
     if repeats and args.repeats is None:
         args.repeats = 1 if args.quick else 3
     omp = os.environ.get("OMP_WAIT_POLICY")
-    print(f"# machine: {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} threads"
+    # The cores this process may run on (its affinity, as torch's default thread count), not the machine's.
+    print(f"# machine: {len(os.sched_getaffinity(0))} cores, torch {torch.__version__}, {args.threads} threads"
           + (f", OMP_WAIT_POLICY={omp}" if omp else "")
           + (f"; best of {args.repeats} repeat(s)" if repeats else "; each level runs once"),
           flush=True)

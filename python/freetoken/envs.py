@@ -44,10 +44,26 @@ HUGE_PAGES = Env("FREETOKEN_HUGE_PAGES", "0: a GGUF's quantized weights stay on 
 HUB_PROGRESS_BARS = Env("HF_HUB_DISABLE_PROGRESS_BARS", "huggingface_hub's own switch, set by "
                         "freetoken where stderr is no terminal (spawned processes inherit it)")
 CC = Env("CC", "the C compiler the kernels are built with (default cc, else gcc)")
+# libgomp's own (torch's OpenMP runtime, which our kernels share), read when torch loads it.
+SPIN_COUNT = Env("GOMP_SPINCOUNT", "turns an OpenMP thread spins waiting before it sleeps; set to "
+                 "1000 by `import freetoken` where it and OMP_WAIT_POLICY are unset (libgomp's own: 300000)")
+WAIT_POLICY = Env("OMP_WAIT_POLICY", "OpenMP's: PASSIVE threads sleep at once, ACTIVE spin; set, "
+                  "freetoken leaves GOMP_SPINCOUNT unset")
 # Other libraries' ISA caps: each changes which instructions a library kernel runs, so the probe's
 # verdict of a machine is kept per value (layers/kernel_choice.py).
 ISA_CAPS = tuple(Env(name, "an ISA cap of oneDNN, MKL or torch") for name in (
     "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "ATEN_CPU_CAPABILITY"))
+
+
+def bound_openmp_spin() -> None:
+    """Set GOMP_SPINCOUNT to 1000 turns where neither it nor OMP_WAIT_POLICY is set; to be run
+    before torch loads libgomp. libgomp's own 300,000 turns are milliseconds, in which a waiting
+    thread that shares its core with another busy process holds that core from the partner it
+    waits for: decode beside a process burning one core fell to 0.12-0.26x of its speed without
+    it, 0.45x and more with 1,000 turns, 0.24-0.66x with 10,000 (docs/performance.md, "Shared
+    machines"); processes spawned after inherit it."""
+    if SPIN_COUNT.get() is None and WAIT_POLICY.get() is None:
+        os.environ[SPIN_COUNT.name] = "1000"
 
 
 def quiet_hub_progress_bars() -> None:
