@@ -168,14 +168,27 @@ def test_quantized_gguf_tp2_keeps_its_blocks_and_matches_tp1(rank1, arch, monkey
     assert together == expected
 
 
-@pytest.mark.parametrize("mix", ["Q8_0", "Q4_K_M", "gpt-oss"])
+# Each file's TP=1 computes its experts' down projections in the parts of K two ranks hold, added
+# in rank order: by default (no FREETOKEN_EXACT_TP) where every sliced layer, experts included,
+# is kept quantized and each part is whole blocks (parts.free_in_parts); asked for in Q4_K_M.
+MOE_FILES = {"Q8_0": "tiny-quantized-moe-Q8_0", "Q4_K_M": "tiny-quantized-moe-Q4_K_M",
+             "qwen2moe": "tiny-quantized-moe-qwen2moe-Q8_0", "gpt-oss": "tiny-gpt-oss-gguf-released"}
+
+
+@pytest.mark.parametrize("mix", list(MOE_FILES))
 def test_quantized_moe_gguf_tp2_keeps_its_experts_blocks_and_matches_tp1(rank1, mix, monkeypatch, caplog):
     # Qwen3-MoE experts of 256: Q8_0's blocks of 32 split 4 and 4 per rank, kept; Q4_K_M's one
     # block of 256 is cut between the ranks, so its experts are dequantized on each rank (and in
-    # TP=1's parts). gpt-oss: MXFP4 experts of 64, one block of 32 a rank, and their biases.
-    path = bm.cached_gguf("tiny-gpt-oss-gguf" if mix == "gpt-oss" else f"tiny-quantized-moe-{mix}") / "model.gguf"
-    monkeypatch.setenv("FREETOKEN_EXACT_TP", "1")
+    # TP=1's parts). Qwen2-MoE: its shared expert whole on each rank. gpt-oss: MXFP4 experts of
+    # 64, one block of 32 a rank, and their biases; attention and head in Q8_0, as released.
+    path = bm.cached_gguf(MOE_FILES[mix]) / "model.gguf"
+    if mix == "Q4_K_M":
+        monkeypatch.setenv("FREETOKEN_EXACT_TP", "1")
+    else:
+        monkeypatch.delenv("FREETOKEN_EXACT_TP", raising=False)
     loaded = load_model(path, dtype="float32", device="cpu", weights=WeightsConfig(gguf_weights="quantized"))
+    if mix != "Q4_K_M":
+        assert all(len(layer.mlp.quantized.down_cuts) == 2 for layer in loaded.model.model.layers)
     tok, whole = loaded.tokenizer, loaded.model.weight_bytes
     expected = _entries(drain(build_scheduler(loaded, kv_slots=1024), _greedy_and_seeded(tok)))
     with caplog.at_level("INFO"), rank0(path, rank1[1]) as tp2:
@@ -188,7 +201,7 @@ def test_quantized_moe_gguf_tp2_keeps_its_experts_blocks_and_matches_tp1(rank1, 
         else:  # each rank's experts: half of every expert's rows of gate/up and K of down
             i, h = (32, 64) if mix == "gpt-oss" else (128, 256)
             assert [tuple(w.shape) for w in experts[0].weights] == [(8, i, h)] * 2 + [(8, h, i)]
-            kind = "MXFP4" if mix == "gpt-oss" else mix
+            kind = "MXFP4" if mix == "gpt-oss" else "Q8_0"
             assert 0 < held[kind] < whole[kind]
         together = _entries(drain(tp2, _greedy_and_seeded(tok)))
     assert together == expected

@@ -135,6 +135,26 @@ def test_grouped_experts_get_each_experts_bits_alone(qtype):
         assert torch.equal(y[first:first + count], int8.Int8Parts([one], [None])(x[first:first + count]))
 
 
+def test_grouped_k_parts_are_each_parts_blocks_alone():
+    """Experts' down projections as tensor-parallel ranks hold them (distributed/parts.py): each
+    part's sums are the int64 reference of that part's blocks alone."""
+    flat = random_weight(T.Q4_K, (3 * N, 768), seed=17)
+    stacked = QuantizedWeight(T.Q4_K, flat.data.view(3, N, -1), (3, N, 768))
+    k_parts = [range(256), range(256, 768)]  # uneven, as Qwen3-30B-A3B's 768 between two ranks
+    groups = torch.tensor([(1, 0, 2), (0, 2, 5), (2, 7, 1)])
+    x = torch.randn(8, 768, generator=torch.Generator().manual_seed(18))
+    y = int8.grouped_int8_gemm(x, stacked, groups, k_parts=k_parts)
+    assert y.shape == (2, 8, N)
+    for p, r in enumerate(k_parts):
+        for expert, first, count in groups.tolist():
+            blocks = flat.data.view(3, N, -1)[expert, :, r.start // 256 * 144:r.stop // 256 * 144]
+            one = QuantizedWeight(T.Q4_K, blocks.contiguous(), (N, len(r)))
+            expected = reference(x[first:first + count, r.start:r.stop].contiguous(), one, None)
+            assert torch.equal(y[p, first:first + count], expected)
+    with pytest.raises(ValueError, match="whole blocks"):
+        int8.grouped_int8_gemm(x, stacked, groups, k_parts=[range(128), range(128, 768)])
+
+
 def test_the_probe_picks_avx2_where_the_cpu_has_it():
     with open("/proc/cpuinfo") as f:
         avx2 = " avx2" in f.read()

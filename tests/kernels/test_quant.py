@@ -170,6 +170,31 @@ def test_grouped_matches_each_expert_alone_bit_for_bit(qtype, threads):
         assert torch.equal(y[first:first + count], quant.quant_linear(x[first:first + count], one, None))
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0, T.MXFP4], ids=lambda t: t.name)
+def test_grouped_k_parts_in_one_call_are_each_part_alone_bit_for_bit(qtype, threads):
+    """Experts' down projections as tensor-parallel ranks hold them (distributed/parts.py): one
+    call gives each K part's sums apart, the bits of that part's blocks run alone as a weight;
+    within float32 rounding of the whole product."""
+    experts, block = 3, GGML_QUANT_SIZES[qtype][0]
+    flat = weight(qtype, rows=experts * N, seed=7)
+    k = flat.shape[1]
+    stacked = quant.QuantizedWeight(qtype, flat.data.view(experts, N, -1), (experts, N, k))
+    cut = k // block // 3 * block  # uneven, as Qwen3-30B-A3B's 768 goes 256 + 512
+    k_parts = [range(cut), range(cut, k)]
+    groups = torch.tensor([(0, 0, 1), (2, 1, 9), (1, 10, 2)])
+    x = torch.randn(12, k, generator=torch.Generator().manual_seed(8))
+    y = quant.grouped_quant_gemm(x, stacked, groups, k_parts)
+    assert y.shape == (2, 12, N)
+    for p, r in enumerate(k_parts):
+        blocks = slice(quant.row_bytes(qtype, r.start), quant.row_bytes(qtype, r.stop))
+        part = quant.QuantizedWeight(qtype, stacked.data[..., blocks], (experts, N, len(r)))
+        assert torch.equal(y[p], quant.grouped_quant_gemm(x[:, r.start:r.stop].contiguous(), part, groups))
+    dense = gguf_reference(stacked).double()
+    exact = torch.cat([x[f:f + n].double() @ dense[e].T for e, f, n in groups.tolist()])
+    scale = torch.cat([x[f:f + n].double().abs() @ dense[e].abs().T for e, f, n in groups.tolist()])
+    assert ((y.double().sum(0) - exact).abs() <= 1e-5 * scale).all()
+
+
 def test_parts_in_one_call_match_each_part_alone_bit_for_bit(isa_cap, threads):
     parts = [weight(T.Q4_1), weight(T.Q8_0, rows=20, seed=1), weight(T.MXFP4, rows=13, seed=2)]
     biases = [torch.randn(N, generator=torch.Generator().manual_seed(3)), None,

@@ -21,7 +21,8 @@ gate/up projections stay whole: the grouped kernel computes each column on its o
 
 Only on CPU (on CUDA the ranks' sum is NCCL's all-reduce, whose order is its own). Asked for
 with FREETOKEN_EXACT_TP=1 (models/registry.py); without it, done where it costs about nothing
-(`free_in_parts`: every sliced layer quantized on the kernel).
+(`free_in_parts`: every sliced layer quantized on the kernel, experts included, each
+row-parallel one's parts whole blocks).
 """
 
 from __future__ import annotations
@@ -218,10 +219,10 @@ def _columns(layer: nn.Module, rows: list[list[range]], padded: int = 0) -> nn.M
 
 
 def free_in_parts(model: nn.Module, parts: int = EXACT_PARTS) -> bool:
-    """Does computing `model` in parts cost about nothing: float32 rows, no experts, every sliced
-    layer quantized on the kernel (column-parallel ones then stay whole) and each row-parallel
-    one's parts whole blocks (computed in one call: RowParts.fused)?
-    docs/engine/tensor-parallel.md, "What it costs"."""
+    """Does computing `model` in parts cost about nothing: float32 rows, every sliced layer
+    quantized on the kernel (column-parallel ones then stay whole), each row-parallel one's parts
+    whole blocks (computed in one call: RowParts.fused), and so are experts' down projections
+    (one grouped call: `_whole_blocks`)? docs/engine/tensor-parallel.md, "What it costs"."""
     cfg = model.cfg
     if (cfg.num_kv_heads < parts or model.model.norm.weight.dtype != torch.float32
             or not _on_kernel(model.lm_head)):
@@ -229,11 +230,16 @@ def free_in_parts(model: nn.Module, parts: int = EXACT_PARTS) -> bool:
     q_cols = [scaled(q, cfg.head_dim) for q, _ in _head_splits(cfg, parts)]
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if isinstance(mlp, Experts) or not all(map(_on_kernel, (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                                                mlp.down_proj))):
+        if isinstance(mlp, Experts):  # its router and any shared expert stay whole on every rank
+            if mlp.quantized is None or _whole_blocks(mlp, parts, model.experts_block) is None:
+                return False
+            column, row = [attn.qkv_proj], [(attn.o_proj, q_cols)]
+        else:
+            down_cols = [even_part(mlp.down_proj.in_features, p, parts) for p in range(parts)]
+            column, row = [attn.qkv_proj, mlp.gate_up_proj], [(attn.o_proj, q_cols), (mlp.down_proj, down_cols)]
+        if not all(_on_kernel(m) for m in column + [m for m, _ in row]):
             return False
-        down_cols = [even_part(mlp.down_proj.in_features, p, parts) for p in range(parts)]
-        for row_parallel, cols in ((attn.o_proj, q_cols), (mlp.down_proj, down_cols)):
+        for row_parallel, cols in row:
             if any(quantized_columns(row_parallel.parts[0], c) is None for c in cols):
                 return False
     return True
@@ -277,16 +283,12 @@ def compute_in_parts(model: nn.Module, parts: int = EXACT_PARTS) -> None:
 def _experts_in_parts(experts: Experts, parts: int, block: int) -> None:
     """The experts' down projections in parts of the intermediate size (whole blocks of `block`
     where they can be, as tensor_parallel.RankPart cuts them), each part's weighted sum added in
-    part order (moe.Experts.down_parts); gate/up stays whole. Quantized experts' parts are views
-    of whole blocks; where a part would cut a block they stay whole (the loader dequantizes a
-    GGUF's such experts first: loader.build_gguf)."""
+    part order (moe.Experts.down_parts); gate/up stays whole. Quantized experts' parts are whole
+    blocks, computed in one kernel call (`_whole_blocks`); where a part would cut a block they stay
+    whole (the loader dequantizes a GGUF's such experts first: loader.build_gguf)."""
     if experts.quantized is not None:
-        down = experts.quantized.down
-        cols = [block_part(down.shape[-1], p, parts, block) for p in range(parts)]
-        pieces = [quantized_columns(down, c) for c in cols]
-        if all(piece is not None for piece in pieces):
-            experts.quantized = replace(experts.quantized, down_parts=tuple(pieces))
-            experts.down_parts = tuple(slice(c.start, c.stop) for c in cols)
+        if (cols := _whole_blocks(experts, parts, block)) is not None:
+            experts.quantized = replace(experts.quantized, down_cuts=tuple(cols))
         return
     if experts.stacked:
         gate_up, (down,) = experts.stacked
@@ -301,6 +303,14 @@ def _experts_in_parts(experts: Experts, parts: int, block: int) -> None:
         for expert in experts.experts:
             expert.down_proj = RowParts(expert.down_proj, cols)
     experts.down_parts = tuple(slice(c.start, c.stop) for c in cols)
+
+
+def _whole_blocks(experts: Experts, parts: int, block: int) -> list[range] | None:
+    """The parts of K of quantized `experts`' down projection, as ranks hold them, where each is
+    whole blocks of its format (else None)."""
+    down = experts.quantized.down
+    cols = [block_part(down.shape[-1], p, parts, block) for p in range(parts)]
+    return cols if all(quantized_columns(down, c) is not None for c in cols) else None
 
 
 def scaled(items: range, size: int, offset: int = 0) -> range:

@@ -23,7 +23,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from freetoken.kernels import build
-from freetoken.kernels.quant import QuantizedWeight, QuantParts
+from freetoken.kernels.quant import QuantizedWeight, QuantParts, check_k_parts, row_bytes
 
 FORMATS = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
            GGMLQuantizationType.Q6_K)
@@ -94,18 +94,24 @@ class Int8Parts:
 
 
 def grouped_int8_gemm(x: torch.Tensor, experts: QuantizedWeight, groups: torch.Tensor,
-                      path: int | None = None) -> torch.Tensor:
+                      path: int | None = None, k_parts: list[range] | None = None) -> torch.Tensor:
     """quant.grouped_quant_gemm on the int8 arithmetic: x [R, K], experts [E, N, K], groups [G, 3]
-    int64 (expert, first row, row count) covering every row of x; [R, N] float32. `path` None:
-    the best this CPU runs (layers/moe.py passes the one it kept)."""
+    int64 (expert, first row, row count) covering every row of x; [R, N] float32, or with
+    `k_parts` (whole blocks covering K in order) each part's sums apart [len(k_parts), R, N], as
+    its blocks alone give them. `path` None: the best this CPU runs (layers/moe.py passes the one
+    it kept)."""
     rows, groups = x.float().contiguous(), groups.to(torch.int64).contiguous()
     n, k = experts.shape[-2:]
     if rows.shape[1] != k or k % 32:
         raise ValueError(f"x has {rows.shape[1]} features, the weight {k}")
+    parts = k_parts or [range(k)]
+    check_k_parts(parts, k, experts.qtype)
     data = experts.data if experts.data.stride(-1) == 1 else experts.data.contiguous()
-    y = torch.empty(rows.shape[0], n, dtype=torch.float32)
+    y = torch.empty(len(parts), rows.shape[0], n, dtype=torch.float32)
     path = best_path() if path is None else path
-    _kernel().int8_gemm_grouped(path, int(experts.qtype), rows.data_ptr(), rows.stride(0), data.data_ptr(),
-                                data.stride(0), data.stride(1), y.data_ptr(), y.stride(0), groups.data_ptr(),
-                                groups.shape[0], rows.shape[0], k, n)
-    return y
+    for part, r in zip(y, parts):  # a part's rows and blocks as views: each quantized from its own start
+        blocks = data[..., row_bytes(experts.qtype, r.start):]
+        _kernel().int8_gemm_grouped(path, int(experts.qtype), rows[:, r.start:].data_ptr(), rows.stride(0),
+                                    blocks.data_ptr(), data.stride(0), data.stride(1), part.data_ptr(),
+                                    part.stride(0), groups.data_ptr(), groups.shape[0], rows.shape[0], len(r), n)
+    return y if k_parts else y[0]

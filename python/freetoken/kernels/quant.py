@@ -185,26 +185,41 @@ def quant_linear_parts(x: torch.Tensor, parts: list[QuantizedWeight | torch.Tens
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
-def grouped_quant_gemm(x: torch.Tensor, experts: QuantizedWeight, groups: torch.Tensor) -> torch.Tensor:
+def check_k_parts(parts: list[range], k: int, qtype: GGMLQuantizationType) -> None:
+    """Raises unless `parts` cover K in order, each whole blocks of `qtype`."""
+    block = GGML_QUANT_SIZES[qtype][0]
+    if [r.start for r in parts] + [k] != [0] + [r.stop for r in parts] or any(r.start % block for r in parts):
+        raise ValueError(f"K parts {parts} do not cover {k} in whole blocks of {block}")
+
+
+def grouped_quant_gemm(x: torch.Tensor, experts: QuantizedWeight, groups: torch.Tensor,
+                       k_parts: list[range] | None = None) -> torch.Tensor:
     """As kernels/grouped_gemm.py's grouped_gemm, experts [E, N, K] quantized: groups [G, 3]
-    int64 (expert, first row, row count) covering every row of x; [R, N] in x's dtype."""
+    int64 (expert, first row, row count) covering every row of x; [R, N] in x's dtype. With
+    `k_parts` (ranges of whole blocks covering K in order): [len(k_parts), R, N], part p's sums
+    over its range alone, as a weight holding those blocks alone gives them (a tensor-parallel
+    rank's share of the experts' down projection), in one call."""
     groups = groups.to(torch.int64).contiguous()
+    n, k = experts.shape[-2:]
+    parts = k_parts or [range(k)]
+    if x.shape[1] != k:
+        raise ValueError(f"x has {x.shape[1]} features, the weight {k}")
+    check_k_parts(parts, k, experts.qtype)
+    y = torch.empty(len(parts), x.shape[0], n, dtype=torch.float32)
     if supported(experts.qtype):
         rows = x.float().contiguous()
-        n, k = experts.shape[-2:]
-        if rows.shape[1] != k:
-            raise ValueError(f"x has {rows.shape[1]} features, the weight {k}")
         data = _blocks(experts.data, experts.qtype, k)
-        y = torch.empty(rows.shape[0], n, dtype=torch.float32)
+        cuts = (ctypes.c_int64 * (len(parts) + 1))(*(r.start for r in parts), k)
         _kernel().quant_gemm(isa(), int(experts.qtype), rows.data_ptr(), rows.stride(0), data.data_ptr(),
-                             data.stride(0), data.stride(1), y.data_ptr(), y.stride(0),
-                             groups.data_ptr(), groups.shape[0], k, n)
-        return y.to(x.dtype)
-    y = torch.empty(x.shape[0], experts.shape[1], dtype=torch.float32)
-    full = dequantize(experts)
-    for expert, first, count in groups.tolist():
-        y[first:first + count] = x[first:first + count].float() @ full[expert].T
-    return y.to(x.dtype)
+                             data.stride(0), data.stride(1), y.data_ptr(), y.stride(1),
+                             groups.data_ptr(), groups.shape[0], k, n, len(parts), cuts, y.stride(0))
+    else:
+        full = dequantize(experts)
+        for expert, first, count in groups.tolist():
+            for p, r in enumerate(parts):
+                y[p, first:first + count] = x[first:first + count, r.start:r.stop].float() @ full[expert, :, r.start:r.stop].T
+    y = y.to(x.dtype)
+    return y if k_parts else y[0]
 
 
 def from_mxfp4_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> QuantizedWeight:

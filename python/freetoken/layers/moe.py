@@ -74,15 +74,11 @@ class QuantizedExperts:
     down: QuantizedWeight
     gate_up_bias: torch.Tensor | None
     down_bias: torch.Tensor | None
-    # Set by distributed/parts.py: down's parts of K (views of whole blocks), one per
-    # Experts.down_parts, each run as a tensor-parallel rank runs its own.
-    down_parts: tuple[QuantizedWeight, ...] = ()
+    # Set by distributed/parts.py: down's parts of K (whole blocks), one per Experts.down_parts,
+    # each computed as a tensor-parallel rank computes its own (all in one kernel call).
+    down_cuts: tuple[range, ...] = ()
     # kernels/int8.py's path where they run its arithmetic (`--quantized-arithmetic int8`), else None.
     int8_path: int | None = None
-
-    @property
-    def downs(self) -> tuple[QuantizedWeight, ...]:
-        return self.down_parts or (self.down,)
 
     @property
     def weights(self) -> tuple[QuantizedWeight, ...]:
@@ -106,7 +102,8 @@ class Experts(nn.Module):
     # Set by `use_quantized`.
     quantized: QuantizedExperts | None = None
     # Set by distributed/parts.py where one process computes what tensor-parallel ranks would:
-    # the down projection's input columns per part, each part's weighted sum added in part order.
+    # the down projection's input columns per part, each part's weighted sum added in part order
+    # (quantized experts: QuantizedExperts.down_cuts).
     down_parts: tuple[slice, ...] = (slice(None),)
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, bias: bool,
@@ -219,12 +216,11 @@ class Experts(nn.Module):
         sizes = [part.shape[1] for part in q.gate_up]
         biases = [None] * len(sizes) if q.gate_up_bias is None else q.gate_up_bias.split(sizes, dim=1)
         # Each part's columns are their own sums: the same bits as one weight of all the rows.
-        gate_up = torch.cat([_quantized_projection(rows, part, bias, groups, expert_of_row, q.int8_path)
+        gate_up = torch.cat([_quantized_projection(rows, part, bias, groups, expert_of_row, q.int8_path)[0]
                              for part, bias in zip(q.gate_up, biases)], dim=1)
         hidden = self.activation(gate_up)
-        return [_quantized_projection(hidden[:, cols].contiguous(), down, q.down_bias if part == 0 else None,
-                                      groups, expert_of_row, q.int8_path)
-                for part, (down, cols) in enumerate(zip(q.downs, self.down_parts))]
+        return _quantized_projection(hidden, q.down, q.down_bias, groups, expert_of_row, q.int8_path,
+                                     q.down_cuts).unbind(0)
 
     def _on_linears(self, counts: list[int], rows: torch.Tensor, name: str, part: int = 0) -> torch.Tensor:
         """Each active expert's layer `name` (of a down projection in parts, its part `part`)
@@ -252,13 +248,17 @@ def _groups(counts: list[int]) -> torch.Tensor:
 
 def _quantized_projection(rows: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
                           groups: torch.Tensor, expert_of_row: torch.Tensor,
-                          int8_path: int | None) -> torch.Tensor:
-    """float32 sums (rows widened exactly; on int8's arithmetic at `int8_path`, quantized), plus each row's
-    expert bias, rounded once to the rows' dtype."""
-    y = (grouped_quant_gemm(rows.float(), weight, groups) if int8_path is None
-         else grouped_int8_gemm(rows.float(), weight, groups, int8_path))
+                          int8_path: int | None, k_parts: tuple[range, ...] = ()) -> torch.Tensor:
+    """float32 sums (rows widened exactly; on int8's arithmetic at `int8_path`, quantized), plus
+    each row's expert bias, rounded once to the rows' dtype: [1, R, N], or with `k_parts` each
+    part's sums apart [len(k_parts), R, N], the bias in the first (as tensor-parallel ranks
+    compute them, the bias on rank 0)."""
+    parts = list(k_parts) or None
+    y = (grouped_quant_gemm(rows.float(), weight, groups, parts) if int8_path is None
+         else grouped_int8_gemm(rows.float(), weight, groups, int8_path, parts))
+    y = y if k_parts else y[None]
     if bias is not None:
-        y += bias.index_select(0, expert_of_row)
+        y[0] += bias.index_select(0, expert_of_row)
     return y.to(rows.dtype)
 
 

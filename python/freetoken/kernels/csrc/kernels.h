@@ -55,7 +55,8 @@ void pool_attention_bf16_latent(const float *q, const void *cache, const int64_t
 /* ---------------------------------------------------------------- quant_gemm.c */
 int quant_isa(void);
 void quant_gemm(int isa, int type, const float *x, int64_t ldx, const uint8_t *w, int64_t lde, int64_t ldw, float *y,
-                int64_t ldy, const int64_t *groups, int64_t G, int64_t K, int64_t N);
+                int64_t ldy, const int64_t *groups, int64_t G, int64_t K, int64_t N, int64_t S, const int64_t *cuts,
+                int64_t lds);
 void quant_gemm_parts(int isa, int64_t P, const int *types, const uint8_t *const *w, const int64_t *ldw,
                       const int64_t *n, const float *const *bias, int64_t S, const int64_t *cuts, const float *x,
                       int64_t ldx, float *y, int64_t ldy, int64_t R, int64_t K);
