@@ -7,9 +7,10 @@ own so that a crash of its native code cannot take the table with it; with each 
 weight bytes and the process's resident memory once it has run (VmRSS: a mapped GGUF's pages
 count as they are read; llama.cpp's: the child's peak).
 
---quantized-models picks the files, one table each: `default` (the default model's GGUF), `8b`
-(bench_gguf_load.py's synthetic Qwen3-8B-shaped Q4_K_M, written under the cache on first use),
-or a path. A dequantized run whose weights would exceed --dequantized-max-gib is not made (an
+--quantized-models picks the files, one table each: `default` (the default model's GGUF), `8b`,
+`30b-a3b`, `gpt-oss-20b` (bench_gguf_load.py's synthetic Qwen3-8B and Qwen3-30B-A3B-shaped
+Q4_K_M, gpt-oss-20b-shaped MXFP4 as released; written under the cache on first use), or a path.
+--quantized-arithmetic exact,int8 adds a row of ours on the int8 arithmetic. A dequantized run whose weights would exceed --dequantized-max-gib is not made (an
 8B is 30 GiB in float32, 15 GiB in bfloat16): the table says so, as it does when the loader's
 memory check refuses one.
 """
@@ -34,7 +35,7 @@ from freetoken.models.registry import load_model
 from freetoken.paths import ModelNotFound
 
 # --quantized-models names that bench_gguf_load.py writes (its SHAPES).
-SYNTHETIC = {"8b": "qwen3-8b"}
+SYNTHETIC = {"8b": "qwen3-8b", "30b-a3b": "qwen3-30b-a3b", "gpt-oss-20b": "gpt-oss-20b"}
 # Under --quick, a file over BIG (an 8B's decode step is a quarter of a second or more on two
 # cores) runs these sizes at most: its table then takes a few minutes.
 BIG, QUICK_BIG = 2**30, dict(batch=8, prefill_len=32, new_tokens=8)
@@ -63,9 +64,10 @@ def model_table(ours_class, path: Path, batches: list[int], prefill_len: int, ne
     # The pool the runs need, not --kv-slots: an 8B's float32 KV is 288 KiB a token.
     kv_slots = min(args.kv_slots, max(batches) * (max(prefill_len, args.decode_prompt_len) + new_tokens) + 256)
     rows = []
-    for weights, dtype in [("quantized", "float32")] + [("dequantized", d) for d in
-                                                          args.dequantized_dtypes.split(",") if d]:
-        label = "ours quantized" if weights == "quantized" else f"ours {dtype}"
+    runs = [("quantized", "float32", mode) for mode in args.quantized_arithmetic.split(",")]
+    for weights, dtype, mode in runs + [("dequantized", d, "exact") for d in args.dequantized_dtypes.split(",") if d]:
+        label = (f"ours quantized{'' if mode == 'exact' else ', ' + mode}" if weights == "quantized"
+                 else f"ours {dtype}")
         if weights == "dequantized" and (why := too_big(path, dtype, args.dequantized_max_gib)):
             bc.note(f"{label}: not run: {why}")
             continue
@@ -73,7 +75,8 @@ def model_table(ours_class, path: Path, batches: list[int], prefill_len: int, ne
         before = rss_mb()
         try:
             loaded = load_model(path, dtype=dtype, device="cpu", kv_slots=kv_slots,
-                                weights=WeightsConfig(gguf_weights="quantized" if weights == "quantized" else "float32"))
+                                weights=WeightsConfig(gguf_weights="quantized" if weights == "quantized" else "float32",
+                                                      quantized_arithmetic=mode))
         except ModelNotFound as exc:
             bc.note(f"{label}: not run: the loader refused it ({exc})")
             continue

@@ -230,8 +230,11 @@ def main() -> None:
                    help="extra arguments to llama-batched-bench (e.g. '--no-repack')")
     p.add_argument("--quantized-models", default="default",
                    help="the quantized table's GGUFs, comma-separated: default (the default model's), "
-                        "8b (a synthetic Qwen3-8B-shaped Q4_K_M, 4.1 GiB, written under the cache once) "
+                        "8b, 30b-a3b, gpt-oss-20b (synthetic Q4_K_M / MXFP4 files of those shapes, 4.1, 17.3, "
+                        "11.3 GiB, written under the cache once) "
                         "or a path")
+    p.add_argument("--quantized-arithmetic", default="exact",
+                   help="the quantized table's runs of ours on the blocks: exact, int8 or both (comma-separated)")
     p.add_argument("--dequantized-dtypes", default="float32,bfloat16",
                    help="the quantized table's runs of ours on the blocks dequantized at load")
     p.add_argument("--dequantized-max-gib", type=float, default=8.0,

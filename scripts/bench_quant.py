@@ -7,8 +7,9 @@ model's linear layers (SmolLM2-135M: Q4_1 projections, fused as the engine fuses
 Q8_0 tied head) for one decode step of 1, 8 and 32 rows, as a bound on decode tokens/s. The
 heading gives the CPU, the kernel's path (AVX2 or AVX-512), a plain memory read (torch's sum
 over 512 MiB on the same threads) to show how far the 1-row figures are from the bandwidth bound,
-and the vector units' peaks on the same threads (unit_peaks.c: float32 FMAs, and AVX512-BF16's dot
-product where the CPU has it), the most an exact float32 kernel, or a bfloat16 one, can reach.
+and the vector units' peaks on the same threads (unit_peaks.c: float32 FMAs, AVX512-BF16's dot
+product, and the int8 products of AVX2, AVX-VNNI and AVX512-VNNI where the CPU has them), the
+most an exact float32 kernel, a bfloat16 one, or the int8 arithmetic can reach.
 Each figure is the fastest of its calls over at least --seconds.
 
 Last, which of the two bounds a few-row call meets (--ceilings): per format, the weight bytes a
@@ -44,7 +45,8 @@ ROWS = (1, 8, 32, 512)
 # SmolLM2-135M's linears per layer (qkv, o, gate_up, down; N x K) x 30 layers, and its head.
 MODEL_LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 MODEL_LAYERS, MODEL_HEAD = 30, (49152, 576)
-UNITS = ((0, "float32 FMA"), (1, "AVX512-BF16 dot"))  # unit_peaks.c's kinds
+UNITS = ((0, "float32 FMA"), (1, "AVX512-BF16 dot"), (2, "int8 AVX2 maddubs"), (3, "int8 AVX-VNNI dpbusd"),
+         (4, "int8 AVX512-VNNI dpbusd"))  # unit_peaks.c's kinds
 INT8_SHAPE, INT8_ROWS = (12288, 4096), (1, 4, 8, 256)  # Qwen3-8B's gate/up (N x K)
 
 
@@ -126,6 +128,7 @@ def int8_table(args) -> None:
     print_table(f"int8 arithmetic ({path}) against exact, {INT8_SHAPE[0]}x{INT8_SHAPE[1]} (N x K), "
                 f"{args.threads} thread(s), {cpu_name()}, {time.strftime('%Y-%m-%d')}",
                 ["format", "rows", "exact ms", "int8 ms", "exact / int8"], table)
+    print(f"unit peaks (GFLOP/s, or GOP/s of byte products, {args.threads} threads): {unit_peaks()}")
 
 
 def model_step(args) -> None:

@@ -123,6 +123,28 @@ def greedy_run(scheduler, prompts: dict[int, list[int]], steps: int = 16) -> tup
     return runs, {uid: max(m.cached_tokens for m in ms) for uid, ms in msgs.items()}
 
 
+def teacher_forced_distributions(loaded, ids: list[int]) -> torch.Tensor:
+    """The next-token log-distributions (float64) after each of ids[:-1], teacher-forced through
+    the engine: [len(ids) - 1, vocabulary]."""
+    from freetoken.core import SamplingParams
+    from freetoken.engine import engine
+    from freetoken.scheduler.factory import build_scheduler
+
+    rows = []
+
+    def keep(logits, targets, ks):
+        rows.append(logits.double().log_softmax(-1))
+        return scored(logits, targets, ks)
+
+    scored, engine.prompt_logprobs = engine.prompt_logprobs, keep
+    try:
+        drain(build_scheduler(loaded, kv_slots=len(ids) + 64, prefix_cache=False),
+              {0: (ids, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))})
+    finally:
+        engine.prompt_logprobs = scored
+    return torch.cat(rows)
+
+
 def assert_same_run(a: list, b: list, tol: float = 1e-5) -> None:
     """Two greedy runs of one request: the same tokens, logprobs (top ones too) within `tol`."""
     assert [t for t, _ in a] == [t for t, _ in b]

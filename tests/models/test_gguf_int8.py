@@ -8,12 +8,10 @@ import pytest
 import torch
 
 from freetoken.config import WeightsConfig
-from freetoken.core import SamplingParams
-from freetoken.engine import engine
 from freetoken.models import registry
 from freetoken.scheduler.factory import build_scheduler
 from tests.fixtures import build_models as bm
-from tests.model_fixtures import assert_same_run, drain, greedy_run
+from tests.model_fixtures import assert_same_run, greedy_run, teacher_forced_distributions
 
 # qwen3: every block format in turn, o_proj, gate/up and down in int8's (o_proj and down in the
 # two K parts of tensor-parallel ranks), q/k/v and the head with a Q4_0/Q4_1 part exact. The MoE
@@ -29,24 +27,6 @@ def models(request):
         gguf_weights="quantized", quantized_arithmetic=mode)) for mode in ("exact", "int8")}
 
 
-def _distributions(model, sequences: dict[int, list[int]]) -> torch.Tensor:
-    """Every position's next-token log-distribution (float64) over `sequences`, teacher-forced."""
-    rows = []
-
-    def keep(logits, targets, ks):
-        rows.append(logits.double().log_softmax(-1))
-        return scored(logits, targets, ks)
-
-    scored, engine.prompt_logprobs = engine.prompt_logprobs, keep
-    try:
-        drain(build_scheduler(model, kv_slots=512, prefix_cache=False),
-              {uid: (ids, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
-               for uid, ids in sequences.items()})
-    finally:
-        engine.prompt_logprobs = scored
-    return torch.cat(rows)
-
-
 def test_int8_agrees_with_exact_on_most_greedy_steps_at_a_small_kl(models):
     kinds = models["int8"].model.kernel_plan.kernels
     assert sum(kind.startswith("int8_linear") for kind in kinds.values()) >= 3, kinds
@@ -57,7 +37,8 @@ def test_int8_agrees_with_exact_on_most_greedy_steps_at_a_small_kl(models):
     assert build_scheduler(models["int8"], kv_slots=64).stats()["quantized_arithmetic"] == "int8"
     runs, _ = greedy_run(build_scheduler(models["exact"], kv_slots=512, prefix_cache=False), PROMPTS, steps=16)
     sequences = {uid: ids + [t for t, _ in runs[uid]] for uid, ids in PROMPTS.items()}
-    exact, int8 = (_distributions(models[mode], sequences) for mode in ("exact", "int8"))
+    exact, int8 = (torch.cat([teacher_forced_distributions(models[mode], ids) for ids in sequences.values()])
+                   for mode in ("exact", "int8"))
     kl = (exact.exp() * (exact - int8)).sum(-1)
     agree = (exact.argmax(-1) == int8.argmax(-1)).double().mean().item()
     print(f"int8 vs exact over {len(kl)} positions: top-1 agreement {agree:.3f}, mean KL {kl.mean():.2e}")
