@@ -50,10 +50,15 @@ def llama_cpp_tool(tree: Path) -> Path:
     return out
 
 
-def llama_cpp_distributions(tool: Path, path: Path, sequences: list[list[int]], threads: int) -> list[torch.Tensor]:
-    """llama.cpp's next-token log-distributions after each of every sequence's ids[:-1]."""
+def llama_cpp_distributions(tool: Path, path: Path, sequences: list[list[int]],
+                            threads: int) -> list[torch.Tensor] | str:
+    """llama.cpp's next-token log-distributions after each of every sequence's ids[:-1], or why
+    it gave none."""
     lines = "".join(" ".join(map(str, ids)) + "\n" for ids in sequences)
-    out = subprocess.run([str(tool), str(path), str(threads)], input=lines.encode(), capture_output=True, check=True)
+    out = subprocess.run([str(tool), str(path), str(threads)], input=lines.encode(), capture_output=True)
+    if out.returncode:
+        said = [line for line in out.stderr.decode(errors="replace").splitlines() if ": " in line]
+        return f"failed ({said[0].rsplit(': ', 2)[-2:] if said else out.returncode})"
     flat = np.frombuffer(out.stdout, dtype=np.float32)
     vocab = flat.size // sum(map(len, sequences))
     rows, at = [], 0
@@ -77,6 +82,7 @@ def main() -> None:
     p.add_argument("--files", default=",".join(FILES), help="the tests' tiny GGUFs, comma-separated")
     p.add_argument("--steps", type=int, default=200, help="greedy tokens after each prompt")
     p.add_argument("--prompts", type=int, default=8, help="random prompts of 8-24 tokens")
+    p.add_argument("--seed", type=int, default=0, help="of the random prompts")
     p.add_argument("--llama-cpp", type=Path, default=None, help="a built llama.cpp tree (see above)")
     args = p.parse_args()
     setup(args)
@@ -86,7 +92,7 @@ def main() -> None:
         path = bm.cached_gguf(name) / "model.gguf"
         models = {mode: load_model(path, dtype="float32", device="cpu", weights=WeightsConfig(
             gguf_weights="quantized", quantized_arithmetic=mode)) for mode in ("exact", "int8")}
-        rng = random.Random(0)
+        rng = random.Random(args.seed)
         vocab = models["exact"].model.cfg.vocab_size
         prompts = {i: [rng.randrange(3, vocab) for _ in range(rng.randint(8, 24))]
                    for i in range(args.prompts)}
@@ -98,10 +104,14 @@ def main() -> None:
         if tool:
             sides["llama.cpp"] = llama_cpp_distributions(tool, path, sequences, args.threads or 2)
         for side, dists in sides.items():
+            if isinstance(dists, str):
+                rows.append([name, side, 0, "-", dists])
+                continue
             totals = np.array([compare(e, o) for e, o in zip(exact, dists)]).sum(0)
             rows.append([name, side, int(totals[1]), f"{totals[0] / totals[1]:.3f}", f"{totals[2] / totals[1]:.2e}"])
         del models, exact, sides
-    print_table(f"Against the exact arithmetic: {args.prompts} prompts x {args.steps} greedy steps (exact's), "
+    print_table(f"Against the exact arithmetic: {args.prompts} prompts (seed {args.seed}) x {args.steps} greedy "
+                "steps (exact's), "
                 "teacher-forced", ["file", "side", "positions", "top-1 agreement", "mean KL"], rows)
     if not tool:
         note("llama.cpp: not run (--llama-cpp names a built llama.cpp tree)")
