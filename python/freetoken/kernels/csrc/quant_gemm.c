@@ -97,14 +97,28 @@ int quant_isa(void) {
  * values (each is exact or one FMA rounding); the AVX-512 ones look 4-bit codes up in a table of
  * the block's 16 values (vpermps reads an index's low 4 bits only). */
 
-AVX2 INLINE void put_i8(__m128i q, __m256 scale, float *dst) { /* 16 int8 times scale */
-    _mm256_storeu_ps(dst, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), scale));
-    _mm256_storeu_ps(dst + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))), scale));
+/* 16 int8 times scale, as two registers (values 0-7, 8-15): what put_i8 stores, and what the
+ * AVX2 few-row path (few_avx2) multiplies without storing. */
+AVX2 INLINE void i8_pair(__m128i q, __m256 scale, __m256 *lo, __m256 *hi) {
+    *lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), scale);
+    *hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))), scale);
 }
 
-AVX2 INLINE void put_u8_fma(__m128i q, __m256 d, __m256 m, float *dst) { /* 16 uint8: q*d + m */
-    _mm256_storeu_ps(dst, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), d, m));
-    _mm256_storeu_ps(dst + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8))), d, m));
+AVX2 INLINE void u8_fma_pair(__m128i q, __m256 d, __m256 m, __m256 *lo, __m256 *hi) { /* 16 uint8: q*d + m */
+    *lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), d, m);
+    *hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8))), d, m);
+}
+
+AVX2 INLINE void put_i8(__m128i q, __m256 scale, float *dst) {
+    __m256 lo, hi;
+    i8_pair(q, scale, &lo, &hi);
+    _mm256_storeu_ps(dst, lo), _mm256_storeu_ps(dst + 8, hi);
+}
+
+AVX2 INLINE void put_u8_fma(__m128i q, __m256 d, __m256 m, float *dst) {
+    __m256 lo, hi;
+    u8_fma_pair(q, d, m, &lo, &hi);
+    _mm256_storeu_ps(dst, lo), _mm256_storeu_ps(dst + 8, hi);
 }
 
 AVX512 INLINE __m512 i8_512(__m128i q, __m512 scale) {
@@ -750,6 +764,148 @@ static void few_avx512(int type, const float *x, int64_t ldx, int64_t rows, cons
     }
 }
 
+/* AVX2, one or two rows (a decode step's, and most groups of a MoE's experts): one row by four
+ * columns or two rows by two, over the whole of K, each block's values made in registers as the
+ * dq_* functions make them for the panel and multiplied at once: no panel, no lanes in memory.
+ * Each (row, column) keeps the two registers of tile_avx2 (lanes 0-7, 8-15), one FMA each per
+ * 16-value chunk in chunk order, and ends in finish_scalar: the bits of the panel path. The
+ * columns take turns chunk by chunk, so that their chains of FMAs overlap. (On the Zen 3, one row
+ * through the panel multiplied a Qwen3-30B-A3B expert's Q4_K rows at 4 GMAC/s a core.) */
+#define FEW2 2
+
+/* A block's scales (sc_*: s[0] = d, s[1] = m for the 32-value formats; k_scales, q6_scales for
+ * the super-blocks), then its values 32 at a time (pr_*), made as the dq_* functions make them. */
+AVX2 INLINE void sc_d(const uint8_t *b, float s[16]) { s[0] = half(b), s[1] = 0.0f; }
+AVX2 INLINE void sc_dm(const uint8_t *b, float s[16]) { s[0] = half(b), s[1] = half(b + 2); }
+AVX2 INLINE void sc_e8m0(const uint8_t *b, float s[16]) { s[0] = e8m0_half(b[0]), s[1] = 0.0f; }
+
+/* The 32 values from 32j of a block, as four registers (two chunks of 16: values 0-7, 8-15 of each). */
+AVX2 INLINE void pr_q8_0(const uint8_t *b, const float *s, int j, __m256 w[4]) {
+    (void)j;
+    const __m256 d = _mm256_set1_ps(s[0]);
+    i8_pair(_mm_loadu_si128((const __m128i *)(b + 2)), d, w, w + 1);
+    i8_pair(_mm_loadu_si128((const __m128i *)(b + 18)), d, w + 2, w + 3);
+}
+AVX2 INLINE void pr_q4_0(const uint8_t *b, const float *s, int j, __m256 w[4]) {
+    (void)j;
+    const __m128i q = _mm_loadu_si128((const __m128i *)(b + 2)), eight = _mm_set1_epi8(8);
+    const __m256 d = _mm256_set1_ps(s[0]);
+    i8_pair(_mm_sub_epi8(low_nibbles(q), eight), d, w, w + 1);
+    i8_pair(_mm_sub_epi8(high_nibbles(q), eight), d, w + 2, w + 3);
+}
+AVX2 INLINE void pr_q4_1(const uint8_t *b, const float *s, int j, __m256 w[4]) {
+    (void)j;
+    const __m128i q = _mm_loadu_si128((const __m128i *)(b + 4));
+    const __m256 d = _mm256_set1_ps(s[0]), m = _mm256_set1_ps(s[1]);
+    u8_fma_pair(low_nibbles(q), d, m, w, w + 1);
+    u8_fma_pair(high_nibbles(q), d, m, w + 2, w + 3);
+}
+AVX2 INLINE void pr_mxfp4(const uint8_t *b, const float *s, int j, __m256 w[4]) {
+    (void)j;
+    const __m128i codes = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m128i q = _mm_loadu_si128((const __m128i *)(b + 1));
+    const __m256 d = _mm256_set1_ps(s[0]);
+    i8_pair(_mm_shuffle_epi8(codes, low_nibbles(q)), d, w, w + 1);
+    i8_pair(_mm_shuffle_epi8(codes, high_nibbles(q)), d, w + 2, w + 3);
+}
+AVX2 INLINE void pr_q4_k(const uint8_t *b, const float *s, int j, __m256 w[4]) {
+    const __m256 d = _mm256_set1_ps(s[j]), m = _mm256_set1_ps(s[8 + j]);
+    for (int p = 0; p < 2; p++) {
+        const __m128i q = _mm_loadu_si128((const __m128i *)(b + 16 + 32 * (j / 2) + 16 * p));
+        u8_fma_pair(j & 1 ? high_nibbles(q) : low_nibbles(q), d, m, w + 2 * p, w + 2 * p + 1);
+    }
+}
+AVX2 INLINE void pr_q5_k(const uint8_t *b, const float *s, int j, __m256 w[4]) {
+    const __m256i codes = q5_codes(b, j);
+    const __m256 d = _mm256_set1_ps(s[j]), m = _mm256_set1_ps(s[8 + j]);
+    u8_fma_pair(_mm256_castsi256_si128(codes), d, m, w, w + 1);
+    u8_fma_pair(_mm256_extracti128_si256(codes, 1), d, m, w + 2, w + 3);
+}
+AVX2 INLINE void pr_q6_k(const uint8_t *b, const float *s, int j, __m256 w[4]) {
+    const __m256i codes = q6_codes(b, j / 4, j % 4);
+    i8_pair(_mm256_castsi256_si128(codes), _mm256_set1_ps(s[2 * j]), w, w + 1);
+    i8_pair(_mm256_extracti128_si256(codes, 1), _mm256_set1_ps(s[2 * j + 1]), w + 2, w + 3);
+}
+
+/* ROWS rows by COLS columns of format NAME (its SCALES and PAIR, VALUES a block of SIZE bytes), `cols`
+ * of them real (a partial tile's last column repeats, its sums not written); `add`: y + the sums
+ * (a later K part's, item_parts), else the sums + bias. */
+#define FEW2_TILE(NAME, ROWS, COLS, SCALES, PAIR, SIZE, VALUES)                         \
+    AVX2 static void few2_##NAME##_##ROWS##x##COLS(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, \
+                                                   int cols, int64_t K, float *y, int64_t ldy, const float *bias, \
+                                                   int add) {                                    \
+        const uint8_t *col[COLS];                                                                \
+        for (int n = 0; n < COLS; n++) col[n] = w + (n < cols ? n : cols - 1) * ldw;             \
+        __m256 lo[ROWS][COLS], hi[ROWS][COLS];                                                   \
+        _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; r++)                                   \
+            _Pragma("GCC unroll 4") for (int n = 0; n < COLS; n++) lo[r][n] = hi[r][n] = _mm256_setzero_ps(); \
+        for (int64_t blk = 0; blk < K / (VALUES); blk++) {                                       \
+            float s[COLS][16];                                                                   \
+            const uint8_t *b[COLS];                                                              \
+            _Pragma("GCC unroll 4") for (int n = 0; n < COLS; n++) {                             \
+                b[n] = col[n] + blk * (SIZE);                                                    \
+                prefetch_lines(b[n] + COLS * ldw, SIZE, 0); /* the next tile's block */          \
+                SCALES(b[n], s[n]);                                                              \
+            }                                                                                    \
+            for (int j = 0; j < (VALUES) / 32; j++) {                                            \
+                const float *xc = x + blk * (VALUES) + 32 * j;                                   \
+                _Pragma("GCC unroll 4") for (int n = 0; n < COLS; n++) {                         \
+                    __m256 v[4];                                                                 \
+                    PAIR(b[n], s[n], j, v);                                                      \
+                    _Pragma("GCC unroll 2") for (int c = 0; c < 2; c++)                          \
+                        _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; r++) {                 \
+                            const float *xr = xc + r * ldx + 16 * c;                             \
+                            lo[r][n] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), v[2 * c], lo[r][n]); \
+                            hi[r][n] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), v[2 * c + 1], hi[r][n]); \
+                        }                                                                        \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+        for (int r = 0; r < ROWS; r++)                                                           \
+            for (int n = 0; n < COLS && n < cols; n++) {                                         \
+                float lanes[16], out[4];                                                         \
+                _mm256_storeu_ps(lanes, lo[r][n]), _mm256_storeu_ps(lanes + 8, hi[r][n]);        \
+                finish_scalar(lanes, out);                                                       \
+                float *at = y + r * ldy + n;                                                     \
+                *at = add ? *at + out[0] : bias ? out[0] + bias[n] : out[0];                     \
+            }                                                                                    \
+    }
+#define FEW2_FORMAT(NAME, SCALES, SIZE, VALUES)                                                  \
+    FEW2_TILE(NAME, 1, 4, SCALES, pr_##NAME, SIZE, VALUES)                                       \
+    FEW2_TILE(NAME, 2, 2, SCALES, pr_##NAME, SIZE, VALUES)
+FEW2_FORMAT(q8_0, sc_d, 34, 32)
+FEW2_FORMAT(q4_0, sc_d, 18, 32)
+FEW2_FORMAT(q4_1, sc_dm, 20, 32)
+FEW2_FORMAT(mxfp4, sc_e8m0, 17, 32)
+FEW2_FORMAT(q4_k, k_scales, 144, 256)
+FEW2_FORMAT(q5_k, k_scales, 176, 256)
+FEW2_FORMAT(q6_k, q6_scales, 210, 256)
+
+typedef void (*few2_tile)(const float *, int64_t, const uint8_t *, int64_t, int, int64_t, float *, int64_t,
+                          const float *, int);
+#define FEW2_PAIR(NAME) {few2_##NAME##_1x4, few2_##NAME##_2x2}
+
+/* Rows [0, rows), rows <= FEW2, against output columns [0, cols) of w: with `add`, y + the sums
+ * (a later K part's, item_parts), else the sums + bias. */
+static void few_avx2(int type, const float *x, int64_t ldx, int64_t rows, const uint8_t *w, int64_t ldw, int cols,
+                     int64_t K, float *y, int64_t ldy, const float *bias, int add) {
+    few2_tile tiles[2];
+    switch (type) {
+    case Q8_0: { const few2_tile t[2] = FEW2_PAIR(q8_0); memcpy(tiles, t, sizeof t); } break;
+    case Q4_0: { const few2_tile t[2] = FEW2_PAIR(q4_0); memcpy(tiles, t, sizeof t); } break;
+    case Q4_1: { const few2_tile t[2] = FEW2_PAIR(q4_1); memcpy(tiles, t, sizeof t); } break;
+    case MXFP4: { const few2_tile t[2] = FEW2_PAIR(mxfp4); memcpy(tiles, t, sizeof t); } break;
+    case Q4_K: { const few2_tile t[2] = FEW2_PAIR(q4_k); memcpy(tiles, t, sizeof t); } break;
+    case Q5_K: { const few2_tile t[2] = FEW2_PAIR(q5_k); memcpy(tiles, t, sizeof t); } break;
+    default: { const few2_tile t[2] = FEW2_PAIR(q6_k); memcpy(tiles, t, sizeof t); } break;
+    }
+    const int width = rows == 1 ? 4 : 2;
+    for (int n = 0; n < cols; n += width) {
+        const int left = cols - n < width ? cols - n : width;
+        tiles[rows - 1](x, ldx, w + n * ldw, ldw, left, K, y + n, ldy, bias ? bias + n : 0, add);
+    }
+}
+
 /* ---------------------------------------------------------------- the GEMM */
 
 /* y[:rows, :cols] += later[:rows, :cols] (row stride NT). */
@@ -788,6 +944,10 @@ static void item(int isa, int type, const float *x, int64_t ldx, const uint8_t *
     }
     if (isa == 2 && rows <= FEW) {
         few_avx512(type, x, ldx, rows, w + n0 * ldw, ldw, cols, K, y + n0, ldy, bias ? bias + n0 : 0);
+        return;
+    }
+    if (isa == 1 && rows <= FEW2) {
+        few_avx2(type, x, ldx, rows, w + n0 * ldw, ldw, cols, K, y + n0, ldy, bias ? bias + n0 : 0, add);
         return;
     }
     float panel[NT * LDP] __attribute__((aligned(64)));
