@@ -58,7 +58,7 @@ def llama_cpp_distributions(tool: Path, path: Path, sequences: list[list[int]],
     out = subprocess.run([str(tool), str(path), str(threads)], input=lines.encode(), capture_output=True)
     if out.returncode:
         said = [line for line in out.stderr.decode(errors="replace").splitlines() if ": " in line]
-        return f"failed ({said[0].rsplit(': ', 2)[-2:] if said else out.returncode})"
+        return f"refused ({said[0].split(': ', 1)[-1] if said else f'exit code {out.returncode}'})"
     flat = np.frombuffer(out.stdout, dtype=np.float32)
     vocab = flat.size // sum(map(len, sequences))
     rows, at = [], 0
