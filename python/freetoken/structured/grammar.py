@@ -12,7 +12,6 @@ import weakref
 from functools import lru_cache
 
 import llguidance
-import llguidance.hf
 
 from freetoken.core import StructuredSpec
 
@@ -30,8 +29,18 @@ def ll_tokenizer(hf_tokenizer, vocab_size: int, eos_token_ids: list[int] | None 
     per_size = _tokenizers.setdefault(hf_tokenizer, {})
     key = (vocab_size, tuple(eos_token_ids or ()))
     if key not in per_size:
-        per_size[key] = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
-                                                     eos_token=list(eos_token_ids or []) or None)
+        eos = list(eos_token_ids or []) or None
+        backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+        if backend is not None and backend.padding is None and backend.truncation is None:
+            # llguidance.hf clones the Rust tokenizer to switch these two off before serialising
+            # it: 2 s of a 248k vocabulary's first grammar, in each of the two processes.
+            per_size[key] = llguidance.LLTokenizer(
+                backend.to_str(), n_vocab=vocab_size,
+                eos_token=hf_tokenizer.eos_token_id if eos is None else eos)
+        else:
+            from llguidance.hf import from_tokenizer
+
+            per_size[key] = from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos)
     return per_size[key]
 
 
