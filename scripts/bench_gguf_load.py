@@ -15,7 +15,9 @@ every layer: the file is written at the disk's speed). It is written once under 
 FREETOKEN_GGUF_WEIGHTS=quantized (load seconds, VmRSS / VmHWM after the load and after one
 8-token forward, which reads every weight) and float32 (refused by the memory check where the
 dequantised weights do not fit, both sizes named). --serve: `freetoken serve` on the file
-instead, one chat and one scoring request, the server's start seconds and resident memory.
+instead, one chat and one scoring request, the server's start seconds and resident memory, then
+--clients chats of 16 tokens at once: their aggregate tokens a second and the server's peak
+resident memory (each of its processes' VmHWM, summed: at most what they held together).
 
     python scripts/bench_gguf_load.py               # ~4.6 GB file
     python scripts/bench_gguf_load.py --layers 8 --weights quantized   # a smaller one
@@ -210,9 +212,12 @@ def _random_tensor(rng, dims: tuple[int, ...], kind) -> object:
 SERVE_PROMPT = [{"role": "user", "content": "Name three colours."}]
 
 
-def serve(path: Path, threads: int) -> None:
+def serve(path: Path, threads: int, clients: int) -> None:
     """`freetoken serve` on `path`: seconds to healthy, one chat and one scoring request,
-    the server's resident memory (its process group) against the file's size."""
+    the server's resident memory (its process group) against the file's size; then `clients`
+    chats at once, their tokens a second and the group's peak resident memory."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import httpx
 
     t0 = time.perf_counter()
@@ -230,17 +235,30 @@ def serve(path: Path, threads: int) -> None:
         score_s = time.perf_counter() - t1
         stats = httpx.get(f"{server.url}/v1/stats", timeout=60).json()
         rss_after = _group_rss(server.proc.pid)
+
+        def one_chat(i: int) -> int:
+            reply = httpx.post(f"{server.url}/v1/chat/completions", timeout=1200, json={
+                "messages": [{"role": "user", "content": f"Client {i}: name three colours."}],
+                "max_tokens": 16, "temperature": 0, "ignore_eos": True}).json()
+            return reply["usage"]["completion_tokens"]
+
+        t1 = time.perf_counter()
+        with ThreadPoolExecutor(clients) as pool:
+            tokens = sum(pool.map(one_chat, range(clients)))
+        clients_s = time.perf_counter() - t1
+        peak = _group_rss(server.proc.pid, "VmHWM")
     weights = (stats.get("engine") or {}).get("weight_bytes", {})
     print(json.dumps({"chat": chat.get("choices", chat), "scoring": scored.get("choices", scored)})[:1500])
     bc.print_table(f"Serving {path.name} (GB; seconds)",
                    ["file", "weights held", "start s", "RSS ready", "chat s (8 tokens)", "scoring s",
-                    "RSS after"],
+                    "RSS after", f"{clients} clients tokens/s", "peak RSS"],
                    [[path.stat().st_size / 2**30, sum(weights.values()) / 2**30, ready, rss_ready,
-                     chat_s, score_s, rss_after]])
+                     chat_s, score_s, rss_after, tokens / clients_s, peak]])
 
 
-def _group_rss(pid: int) -> float:
-    """GB resident in the processes of `pid`'s process group (the server and its engine)."""
+def _group_rss(pid: int, field: str = "VmRSS") -> float:
+    """GB resident in the processes of `pid`'s process group (the server and its engine), by
+    /proc's `field` of each (VmHWM: each one's peak)."""
     total = 0
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -249,7 +267,7 @@ def _group_rss(pid: int) -> float:
             if os.getpgid(int(proc.name)) != pid:
                 continue
             fields = dict(line.split(":", 1) for line in (proc / "status").read_text().splitlines())
-            total += int(fields["VmRSS"].split()[0]) * 1024
+            total += int(fields[field].split()[0]) * 1024
         except (OSError, KeyError, ValueError):
             continue
     return total / 2**30
@@ -279,6 +297,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
     p.add_argument("--path", type=Path, default=None, help="where to write the file (default: the cache)")
     p.add_argument("--serve", action="store_true", help="serve the file: one chat, one scoring request")
+    p.add_argument("--clients", type=int, default=4, help="--serve: chats at once for the peak resident memory")
     p.add_argument("--weights", default="quantized,float32", help="FREETOKEN_GGUF_WEIGHTS values to load")
     p.add_argument("--no-forward", action="store_true", help="measure the load only")
     args = p.parse_args()
@@ -286,7 +305,7 @@ def main() -> None:
     layers = 4 if args.quick else args.layers or SHAPES[args.shape]["layers"]
     path = synthetic_model(args.shape, layers, args.path)
     if args.serve:
-        serve(path, args.threads)
+        serve(path, args.threads, args.clients)
         return
     size_gb = path.stat().st_size / 2**30
     rows = []
