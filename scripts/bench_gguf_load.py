@@ -17,7 +17,8 @@ FREETOKEN_GGUF_WEIGHTS=quantized (load seconds, VmRSS / VmHWM after the load and
 dequantised weights do not fit, both sizes named). --serve: `freetoken serve` on the file
 instead, one chat and one scoring request, the server's start seconds and resident memory, then
 --clients chats of 16 tokens at once: their aggregate tokens a second and the server's peak
-resident memory (each of its processes' VmHWM, summed: at most what they held together).
+resident memory (each of its processes' VmHWM, summed: at most what they held together), and the
+same of llama.cpp's llama-server (--llama-server BIN, one slot per client) on the same file.
 
     python scripts/bench_gguf_load.py               # ~4.6 GB file
     python scripts/bench_gguf_load.py --layers 8 --weights quantized   # a smaller one
@@ -212,12 +213,11 @@ def _random_tensor(rng, dims: tuple[int, ...], kind) -> object:
 SERVE_PROMPT = [{"role": "user", "content": "Name three colours."}]
 
 
-def serve(path: Path, threads: int, clients: int) -> None:
+def serve(path: Path, threads: int, clients: int, llama_server: Path | None) -> None:
     """`freetoken serve` on `path`: seconds to healthy, one chat and one scoring request,
     the server's resident memory (its process group) against the file's size; then `clients`
-    chats at once, their tokens a second and the group's peak resident memory."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    chats at once (clients_phase), and the same against `llama_server` (llama.cpp's binary, one
+    slot per client) where given."""
     import httpx
 
     t0 = time.perf_counter()
@@ -235,25 +235,44 @@ def serve(path: Path, threads: int, clients: int) -> None:
         score_s = time.perf_counter() - t1
         stats = httpx.get(f"{server.url}/v1/stats", timeout=60).json()
         rss_after = _group_rss(server.proc.pid)
-
-        def one_chat(i: int) -> int:
-            reply = httpx.post(f"{server.url}/v1/chat/completions", timeout=1200, json={
-                "messages": [{"role": "user", "content": f"Client {i}: name three colours."}],
-                "max_tokens": 16, "temperature": 0, "ignore_eos": True}).json()
-            return reply["usage"]["completion_tokens"]
-
-        t1 = time.perf_counter()
-        with ThreadPoolExecutor(clients) as pool:
-            tokens = sum(pool.map(one_chat, range(clients)))
-        clients_s = time.perf_counter() - t1
-        peak = _group_rss(server.proc.pid, "VmHWM")
+        rows = [["freetoken", *clients_phase(server, clients)]]
     weights = (stats.get("engine") or {}).get("weight_bytes", {})
     print(json.dumps({"chat": chat.get("choices", chat), "scoring": scored.get("choices", scored)})[:1500])
     bc.print_table(f"Serving {path.name} (GB; seconds)",
-                   ["file", "weights held", "start s", "RSS ready", "chat s (8 tokens)", "scoring s",
-                    "RSS after", f"{clients} clients tokens/s", "peak RSS"],
+                   ["file", "weights held", "start s", "RSS ready", "chat s (8 tokens)", "scoring s", "RSS after"],
                    [[path.stat().st_size / 2**30, sum(weights.values()) / 2**30, ready, rss_ready,
-                     chat_s, score_s, rss_after, tokens / clients_s, peak]])
+                     chat_s, score_s, rss_after]])
+    if llama_server is not None:
+        t0 = time.perf_counter()
+        with bc.Server([str(llama_server), "-m", str(path), "-t", str(threads), "-np", str(clients),
+                        "-c", str(4096 * clients), "--host", "127.0.0.1", "--port", "{port}"],
+                       name="llama-server", timeout=600) as server:
+            bc.note(f"llama-server healthy in {time.perf_counter() - t0:.1f} s")
+            rows.append(["llama-server", *clients_phase(server, clients)])
+    bc.print_table(f"{clients} chats at once, 16 tokens each, {path.name}",
+                   ["server", "tokens/s", "peak RSS GB", "peak RSS - file GB"],
+                   [[*row, row[-1] - path.stat().st_size / 2**30] for row in rows])
+
+
+def clients_phase(server: bc.Server, clients: int) -> tuple[float, float]:
+    """`clients` chats of 16 tokens at once (EOS ignored): (their tokens a second, the peak
+    resident memory of the server's processes, each one's VmHWM summed: at most what they held
+    together)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    def one_chat(i: int) -> int:
+        reply = httpx.post(f"{server.url}/v1/chat/completions", timeout=1200, json={
+            "messages": [{"role": "user", "content": f"Client {i}: name three colours."}],
+            "max_tokens": 16, "temperature": 0, "ignore_eos": True}).json()
+        return reply["usage"]["completion_tokens"]
+
+    one_chat(clients)  # warm-up: the first request's one-time costs are not the clients'
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        tokens = sum(pool.map(one_chat, range(clients)))
+    return tokens / (time.perf_counter() - t0), _group_rss(server.proc.pid, "VmHWM")
 
 
 def _group_rss(pid: int, field: str = "VmRSS") -> float:
@@ -298,6 +317,8 @@ def main() -> None:
     p.add_argument("--path", type=Path, default=None, help="where to write the file (default: the cache)")
     p.add_argument("--serve", action="store_true", help="serve the file: one chat, one scoring request")
     p.add_argument("--clients", type=int, default=4, help="--serve: chats at once for the peak resident memory")
+    p.add_argument("--llama-server", type=Path, default=None,
+                   help="--serve: llama.cpp's llama-server binary, run on the file as well (a slot per client)")
     p.add_argument("--weights", default="quantized,float32", help="FREETOKEN_GGUF_WEIGHTS values to load")
     p.add_argument("--no-forward", action="store_true", help="measure the load only")
     args = p.parse_args()
@@ -305,7 +326,7 @@ def main() -> None:
     layers = 4 if args.quick else args.layers or SHAPES[args.shape]["layers"]
     path = synthetic_model(args.shape, layers, args.path)
     if args.serve:
-        serve(path, args.threads, args.clients)
+        serve(path, args.threads, args.clients, args.llama_server)
         return
     size_gb = path.stat().st_size / 2**30
     rows = []
