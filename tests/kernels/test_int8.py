@@ -4,21 +4,25 @@ and scales read through gguf's own dequantizers (the blocks' float16 scales set 
 per-block sums in int64 and the float32 accumulation in the same order. Bit for bit, at every
 batch size, on both paths and thread counts."""
 
+from itertools import pairwise
+
 import numpy as np
 import pytest
 import torch
 from freetoken.kernels import int8
+from freetoken.kernels.quant import QuantizedWeight, random_weight, row_bytes
 from gguf import GGMLQuantizationType as T
 from gguf import quants as gguf_quants
-
-from freetoken.kernels.quant import QuantizedWeight, random_weight
 
 pytestmark = pytest.mark.skipif(not int8.supported(random_weight(T.Q8_0, (1, 32))),
                                 reason="int8_gemm.c is not built here (no C compiler, or FREETOKEN_NO_KERNELS)")
 
-N = 44  # not a multiple of the kernel's 8-column items
+N = 41  # not a multiple of the kernel's 8-column items: the last has one
 K = 1280  # 5 super-blocks: 40 blocks of 32, Q8_0's in units of 8
 HALF = {T.Q8_0: 0, T.Q4_K: 0, T.Q5_K: 0, T.Q6_K: 208}  # each block's float16 d
+# Rows of an item that int8_gemm.c's AVX2 path multiplies as it unpacks them (up to FEW = 4, two
+# at a time), and of one that goes through the tile.
+ROWS = (1, 2, 3, 4, 9)
 ONE, ZERO = (np.array([v], np.float16).view(np.uint8) for v in (1, 0))
 
 
@@ -59,7 +63,7 @@ def reference(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None,
     sums = np.einsum("rjv,njv->rnj", q, codes.reshape(w.shape[0], -1, 32))
     cuts = cuts or (0, k)
     y = None
-    for start, stop in zip(cuts, cuts[1:]):
+    for start, stop in pairwise(cuts):
         acc = np.zeros((rows, w.shape[0]), np.float32)
         for j in range(start // 32, stop // 32):
             term = s[None, :, j] * sums[:, :, j].astype(np.float32) + m[None, :, j] * bsum[:, j, None]
@@ -85,16 +89,22 @@ def path(request):
     return request.param
 
 
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("qtype", int8.FORMATS, ids=lambda t: t.name)
-def test_matches_the_arithmetic_computed_in_numpy_bit_for_bit(qtype, path):
-    k = 1120 if qtype == T.Q8_0 else K  # Q8_0: 35 blocks, the last tile of 3
+def test_matches_the_arithmetic_computed_in_numpy_bit_for_bit(qtype, rows, path):
+    """And the rows alone get the bits they get inside a batch of 70 (through the tile)."""
+    k = 1120 if qtype == T.Q8_0 else K  # Q8_0: 35 blocks, the last unit of 3
     w = random_weight(qtype, (N, k), seed=1)
-    x = torch.randn(9, k, generator=torch.Generator().manual_seed(2))
-    x[3, 64:96] = 0  # a block of zeros: scale 0
+    batch = torch.randn(70, k, generator=torch.Generator().manual_seed(2))
+    batch[3, 64:96] = 0  # a block of zeros: scale 0
+    x = batch[3:3 + rows]
     bias = torch.randn(N, generator=torch.Generator().manual_seed(3))
-    assert torch.equal(int8.Int8Parts([w], [bias], path=path)(x), reference(x, w, bias))
-    cuts = [range(0, 512), range(512, k)]  # a tensor-parallel group's parts of K
-    assert torch.equal(int8.Int8Parts([w], [bias], cuts, path=path)(x), reference(x, w, bias, (0, 512, k)))
+    # Whole, and as a tensor-parallel group's parts of K.
+    for parts, cuts in ((None, None), ([range(512), range(512, k)], (0, 512, k))):
+        linear = int8.Int8Parts([w], [bias], parts, path=path)
+        y = linear(x)
+        assert torch.equal(y, reference(x, w, bias, cuts))
+        assert torch.equal(y, linear(batch)[3:3 + rows])
 
 
 @pytest.mark.parametrize("qtype", int8.FORMATS, ids=lambda t: t.name)
@@ -106,7 +116,7 @@ def test_every_row_gets_the_bits_it_gets_alone(qtype, path):
         torch.set_num_threads(2)
         full = int8.Int8Parts([w], [None], path=path)(x)
         torch.set_num_threads(1)
-        for first, rows in ((0, 1), (150, 1), (7, 8), (3, 64), (100, 65), (0, 300)):
+        for first, rows in ((0, 1), (150, 1), (5, 2), (61, 3), (200, 4), (7, 8), (3, 64), (100, 65), (0, 300)):
             assert torch.equal(int8.Int8Parts([w], [None], path=path)(x[first:first + rows]),
                                full[first:first + rows]), rows
     finally:
@@ -122,24 +132,30 @@ def test_avx2_and_scalar_paths_give_the_same_bits(qtype):
     assert torch.equal(int8.Int8Parts([w], [None], path=0)(x), int8.Int8Parts([w], [None], path=1)(x))
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", int8.FORMATS, ids=lambda t: t.name)
 def test_grouped_experts_get_each_experts_bits_alone(qtype):
-    flat = random_weight(qtype, (4 * N, 512), seed=15)
-    stacked = QuantizedWeight(qtype, flat.data.view(4, N, -1), (4, N, 512))
-    # (expert, first row, rows): a group past one work item, an empty one, an expert twice.
-    groups = torch.tensor([(2, 0, 3), (0, 3, 1), (3, 4, 0), (1, 4, 70), (2, 74, 5)])
-    x = torch.randn(79, 512, generator=torch.Generator().manual_seed(16))
+    flat = random_weight(qtype, (4 * N, 768), seed=15)
+    stacked = QuantizedWeight(qtype, flat.data.view(4, N, -1), (4, N, 768))
+    # (expert, first row, rows): a group past one work item, an empty one, an expert twice, and
+    # groups of a decode step's 1-2 rows, one of them a row of the 70 again.
+    groups = torch.tensor([(2, 0, 3), (0, 3, 1), (3, 4, 0), (1, 4, 70), (2, 74, 5), (1, 79, 1), (3, 80, 2)])
+    x = torch.randn(82, 768, generator=torch.Generator().manual_seed(16))
+    x[79] = x[10]
     y = int8.grouped_int8_gemm(x, stacked, groups)
     for expert, first, count in groups.tolist():
-        one = QuantizedWeight(qtype, stacked.data[expert], (N, 512))
-        assert torch.equal(y[first:first + count], int8.Int8Parts([one], [None])(x[first:first + count]))
+        one = QuantizedWeight(qtype, stacked.data[expert], (N, 768))
+        rows = x[first:first + count]
+        assert torch.equal(y[first:first + count], int8.Int8Parts([one], [None])(rows))
+        assert torch.equal(y[first:first + count], reference(rows, one, None))
+    assert torch.equal(y[79], y[10])
 
 
-def test_grouped_k_parts_are_each_parts_blocks_alone():
+@pytest.mark.parametrize("qtype", int8.FORMATS, ids=lambda t: t.name)
+def test_grouped_k_parts_are_each_parts_blocks_alone(qtype):
     """Experts' down projections as tensor-parallel ranks hold them (distributed/parts.py): each
     part's sums are the int64 reference of that part's blocks alone."""
-    flat = random_weight(T.Q4_K, (3 * N, 768), seed=17)
-    stacked = QuantizedWeight(T.Q4_K, flat.data.view(3, N, -1), (3, N, 768))
+    flat = random_weight(qtype, (3 * N, 768), seed=17)
+    stacked = QuantizedWeight(qtype, flat.data.view(3, N, -1), (3, N, 768))
     k_parts = [range(256), range(256, 768)]  # uneven, as Qwen3-30B-A3B's 768 between two ranks
     groups = torch.tensor([(1, 0, 2), (0, 2, 5), (2, 7, 1)])
     x = torch.randn(8, 768, generator=torch.Generator().manual_seed(18))
@@ -147,17 +163,19 @@ def test_grouped_k_parts_are_each_parts_blocks_alone():
     assert y.shape == (2, 8, N)
     for p, r in enumerate(k_parts):
         for expert, first, count in groups.tolist():
-            blocks = flat.data.view(3, N, -1)[expert, :, r.start // 256 * 144:r.stop // 256 * 144]
-            one = QuantizedWeight(T.Q4_K, blocks.contiguous(), (N, len(r)))
+            blocks = flat.data.view(3, N, -1)[expert, :, row_bytes(qtype, r.start):row_bytes(qtype, r.stop)]
+            one = QuantizedWeight(qtype, blocks.contiguous(), (N, len(r)))
             expected = reference(x[first:first + count, r.start:r.stop].contiguous(), one, None)
             assert torch.equal(y[p, first:first + count], expected)
-    with pytest.raises(ValueError, match="whole blocks"):
-        int8.grouped_int8_gemm(x, stacked, groups, k_parts=[range(128), range(128, 768)])
+    if qtype != T.Q8_0:
+        with pytest.raises(ValueError, match="whole blocks"):
+            int8.grouped_int8_gemm(x, stacked, groups, k_parts=[range(128), range(128, 768)])
 
 
 def test_the_probe_picks_avx2_where_the_cpu_has_it():
     with open("/proc/cpuinfo") as f:
-        avx2 = " avx2" in f.read()
+        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    avx2 = "avx2" in flags and "f16c" in flags  # the path converts scales with F16C too
     assert int8.best_path() == int8.PATHS["avx2" if avx2 else "scalar"]
 
 

@@ -22,18 +22,27 @@
  * order, the bias in the first, as quant_gemm.c's item_parts.
  *
  * THE DOT PRODUCTS (AVX2). Per block and column, maddubs (unsigned codes times signed quants,
- * pairs summed in int16) then madd by [a x8 | b x8] (quads summed in int32); signed codes use the
- * sign trick (|c| times q with c's sign), and no pair sum reaches int16's bound (|c| <= 128,
- * |q| <= 127). Eight columns' eight-lane vectors are summed across lanes by a tree of hadds, which
- * leaves the eight columns' I_j in one vector for the float part.
+ * pairs summed in int16) then madd by ones (quads summed in int32); Q8_0's signed codes use the
+ * sign trick (|c| times q with c's sign), Q6_K's are read plus 32 (unsigned), 32 times the
+ * quants' sums coming off later; no pair sum reaches int16's bound (|c| <= 128, |q| <= 127). Eight
+ * columns' eight-lane vectors are added across lanes by unpacks (a hadd costs four times as much
+ * on Zen 3) down to each column's two half sums, which are multiplied by a and b and added: the
+ * eight columns' I_j in one vector for the float part, the integers the scalar path sums.
  *
  * How it runs: the rows are quantized once a call; work items are (a block of up to 64 rows, of
  * one MoE group in int8_gemm_grouped, and eight output columns), in parallel over torch's OpenMP
- * threads; an item unpacks its columns' weights eight blocks at a time into a tile in L1 (the
- * scalar path in plain C, the AVX2 one in vector registers: the same integers) and runs its rows
- * over the tile, two rows sharing each load (AVX2). No VNNI, AVX512-VNNI or AMX path yet.
+ * threads, which take runs of consecutive items. An item walks K a unit (eight blocks: a K-quant's
+ * super-block) at a time. The scalar path unpacks the unit's codes and scales into a tile in plain
+ * C and runs its rows over it. The AVX2 path reads the unit's scales for its eight columns at once
+ * (their float16s converted together, their scales and mins transposed to a vector a block); then
+ * an item of FEW rows or fewer (a decode step's, most MoE experts' 1-2) makes each block's codes
+ * in registers and multiplies them at once, two rows sharing each code vector, while fetching the
+ * next item's unit: at one row, storing the codes to a tile and loading them back cost as much as
+ * the multiplies. More rows share codes made once a unit into a tile in L1. No VNNI, AVX512-VNNI
+ * or AMX path yet.
  *
- * Built at first use by kernels/build.py for int8.py. Signatures: kernels.h.
+ * Built at first use by kernels/build.py for int8.py; the AVX2 path needs F16C too (which every
+ * AVX2 CPU has). Signatures: kernels.h.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -43,11 +52,12 @@
 enum { Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 #define NT 8      /* output columns per item */
-#define UNIT 8    /* blocks of 32 per unpacked tile (a K-quant's super-block) */
+#define UNIT 8    /* blocks of 32 an item takes at a time (a K-quant's super-block) */
 #define ROWS 64   /* most rows per item */
+#define FEW 4     /* most rows per item that skip the tile (AVX2) */
 #define INLINE static inline __attribute__((always_inline))
 
-/* One tile: UNIT blocks of NT columns. */
+/* The scalar path's tile: a unit of NT columns. */
 typedef struct {
     int8_t c[UNIT][NT][32];
     int16_t ab[UNIT][NT][16]; /* a x8, b x8 */
@@ -70,6 +80,12 @@ static int block_bytes(int type) {
     return type == Q8_0 ? 34 : type == Q4_K ? 144 : type == Q5_K ? 176 : 210;
 }
 
+/* A weight row's UNIT blocks from j0 on (a K-quant's super-block, or Q8_0's blocks one after
+ * another). */
+INLINE const uint8_t *unit_at(int type, const uint8_t *w, int64_t j0) {
+    return w + (type == Q8_0 ? j0 * 34 : j0 / 8 * block_bytes(type));
+}
+
 /* Q4_K's and Q5_K's 6-bit scale and min of sub-block j (gguf's get_scale_min). */
 INLINE void k_scale_min(const uint8_t *q, int j, int *sc, int *mn) {
     if (j < 4) {
@@ -87,16 +103,15 @@ INLINE void set_ab(tile_t *t, int u, int n, int a, int b) {
 /* Blocks [j0, j0 + count) (of 32 values, count <= UNIT, whole super-blocks for K-quants) of the
  * weight row w into column n of the tile. */
 INLINE void unpack(int type, const uint8_t *w, int64_t j0, int count, tile_t *t, int n) {
+    const uint8_t *b = unit_at(type, w, j0);
     if (type == Q8_0) {
         for (int u = 0; u < count; u++) {
-            const uint8_t *b = w + (j0 + u) * 34;
-            memcpy(t->c[u][n], b + 2, 32);
+            memcpy(t->c[u][n], b + 34 * u + 2, 32);
             set_ab(t, u, n, 1, 1);
-            t->s[u][n] = half(b), t->m[u][n] = 0.0f;
+            t->s[u][n] = half(b + 34 * u), t->m[u][n] = 0.0f;
         }
         return;
     }
-    const uint8_t *b = w + j0 / 8 * block_bytes(type);
     if (type == Q6_K) {
         const float d = half(b + 208);
         for (int u = 0; u < 8; u++) {
@@ -171,41 +186,186 @@ static void rows_scalar(const tile_t *t, int count, int64_t j0, const int8_t *q,
 }
 
 #if defined(__x86_64__)
-#define AVX2 __attribute__((target("avx2")))
+#define AVX2 __attribute__((target("avx2,f16c")))
 
-AVX2 INLINE __m256i dot(__m256i c, __m256i x, __m256i ab, int sign) {
-    const __m256i p = sign ? _mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(x, c))
-                           : _mm256_maddubs_epi16(c, x);
-    return _mm256_madd_epi16(p, ab);
+/* The eight columns' float16s at col[n] + at as float32 lanes (F16C: exactly half()'s values). */
+AVX2 INLINE __m256 float16s(const uint8_t *const *col, int at) {
+    uint16_t h[NT];
+    for (int n = 0; n < NT; n++) memcpy(&h[n], col[n] + at, 2);
+    return _mm256_cvtph_ps(_mm_setr_epi16(h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]));
 }
 
-/* Lane n: the sum of column n's eight lanes, from h[i] = hadd(column 2i's, column 2i + 1's). */
-AVX2 INLINE __m256i lane_sums(const __m256i h[NT / 2]) {
-    const __m256i s0 = _mm256_hadd_epi32(h[0], h[1]), s1 = _mm256_hadd_epi32(h[2], h[3]);
+/* k_scale_min's eight scales and mins of two columns at once, one in each 128-bit lane: the 12
+ * bytes q (bytes 4-15 of the super-block) shuffled to [0-3 | 8-11 | 4-7 | 8-11], each group masked
+ * to its part (scale_0-3's 6 bits, scale_4-7's low nibbles, min_0-3's 6 bits, min_4-7's high
+ * nibbles shifted down), bytes 0-3's and 4-7's top two bits shifted under groups 1 and 3:
+ * [scale_0-7 | min_0-7]. */
+AVX2 INLINE __m256i k_scales_mins(__m256i q) {
+#define LANES(...) _mm256_setr_epi8(__VA_ARGS__, __VA_ARGS__)
+    const __m256i low = _mm256_shuffle_epi8(q, LANES(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+    const __m256i top = _mm256_shuffle_epi8(q, LANES(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+    const __m256i six = LANES(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0);
+    const __m256i nibbles = LANES(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15);
+#undef LANES
+    const __m256i parts = _mm256_or_si256(_mm256_and_si256(low, six), _mm256_and_si256(_mm256_srli_epi16(low, 4), nibbles));
+    return _mm256_or_si256(parts, _mm256_and_si256(_mm256_srli_epi16(top, 2), _mm256_set1_epi8(0x30)));
+}
+
+/* Words by column to words by index, in each 128-bit lane: word n of out[k] is word k of y[n]. */
+AVX2 INLINE void transpose_words(const __m256i y[NT], __m256i out[NT]) {
+    __m256i two[NT], four[NT];
+    for (int i = 0; i < 4; i++) { /* words 0-3, 4-7 of y[2i], y[2i + 1] interleaved */
+        two[2 * i] = _mm256_unpacklo_epi16(y[2 * i], y[2 * i + 1]);
+        two[2 * i + 1] = _mm256_unpackhi_epi16(y[2 * i], y[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) /* four[4i + k]: words 2k, 2k + 1 of columns 4i to 4i + 3 */
+        for (int k = 0; k < 2; k++) {
+            four[4 * i + 2 * k] = _mm256_unpacklo_epi32(two[4 * i + k], two[4 * i + 2 + k]);
+            four[4 * i + 2 * k + 1] = _mm256_unpackhi_epi32(two[4 * i + k], two[4 * i + 2 + k]);
+        }
+    for (int k = 0; k < 4; k++) {
+        out[2 * k] = _mm256_unpacklo_epi64(four[k], four[4 + k]);
+        out[2 * k + 1] = _mm256_unpackhi_epi64(four[k], four[4 + k]);
+    }
+}
+
+/* What the AVX2 path reads of a unit of eight columns besides the codes: per block u, the
+ * columns' s and m in lanes, and (K-quants) the integer scales in block_sums's lanes, lo[u]
+ * [a | b] of columns 0-3 and hi[u] of columns 4-7; and, at more than FEW rows, the codes, made
+ * once for every row. */
+typedef struct {
+    __m256 s[UNIT], m[UNIT];
+    __m256i lo[UNIT], hi[UNIT];
+    int8_t c[UNIT][NT][32];
+} unit_t;
+
+/* unit_t's lo and hi from the eight columns' a and b (int16 each). */
+AVX2 INLINE void ab_lanes(__m128i a, __m128i b, __m256i *lo, __m256i *hi) {
+    *lo = _mm256_cvtepi16_epi32(_mm_unpacklo_epi64(a, b)), *hi = _mm256_cvtepi16_epi32(_mm_unpackhi_epi64(a, b));
+}
+
+/* unpack's scales in vector registers, once a unit for its eight columns col[n]: read column
+ * after column (half() each, k_scale_min bit by bit) they cost as much as the multiplies at one
+ * row; here the float16s are converted eight at a time and the scales (and mins) transposed from
+ * per column to per block as int16 words. */
+AVX2 INLINE void head_avx2(int type, const uint8_t *const *col, int count, unit_t *un) {
+    __m256i y[NT], by[NT];
+    if (type == Q8_0) {
+        for (int u = 0; u < count; u++) un->s[u] = float16s(col, 34 * u);
+        return;
+    }
+    if (type == Q6_K) {
+        for (int n = 0; n < NT; n++) /* its 16 int8 scales (a, b of block u: 2u, 2u + 1) widened */
+            y[n] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(col[n] + 192)));
+        transpose_words(y, by); /* by[k]: scale k of the columns | scale 8 + k */
+        const __m256 d = float16s(col, 208);
+        for (int u = 0; u < UNIT; u++) {
+            const __m256i a = by[2 * u % 8], b = by[2 * u % 8 + 1];
+            ab_lanes(u < 4 ? _mm256_castsi256_si128(a) : _mm256_extracti128_si256(a, 1),
+                     u < 4 ? _mm256_castsi256_si128(b) : _mm256_extracti128_si256(b, 1), &un->lo[u], &un->hi[u]);
+            un->s[u] = d;
+        }
+        return;
+    }
+    for (int n = 0; n < NT; n += 2) {
+        const __m256i sm =
+            k_scales_mins(_mm256_loadu2_m128i((const __m128i *)(col[n + 1] + 4), (const __m128i *)(col[n] + 4)));
+        y[n] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(sm));
+        y[n + 1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(sm, 1));
+    }
+    transpose_words(y, by); /* by[u]: scale u of the columns | min u */
+    const __m256 d = float16s(col, 0), dmin = float16s(col, 2);
+    for (int u = 0; u < UNIT; u++) {
+        const __m128i a = _mm256_castsi256_si128(by[u]), mins = _mm256_extracti128_si256(by[u], 1);
+        ab_lanes(a, a, &un->lo[u], &un->hi[u]);
+        un->s[u] = d;
+        const __m256 min = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(mins));
+        un->m[u] = _mm256_xor_ps(_mm256_mul_ps(dmin, min), _mm256_set1_ps(-0.0f)); /* -(dmin * min) */
+    }
+}
+
+/* unpack's codes of block u in a vector register, from the unit's bytes b alone (Q6_K's plus 32:
+ * unsigned, 0-63). */
+AVX2 INLINE __m256i codes_avx2(int type, const uint8_t *b, int u) {
+    const __m256i four = _mm256_set1_epi8(15);
+    if (type == Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 34 * u + 2));
+    if (type == Q6_K) { /* code bits 4-5: bits 2g, 2g + 1 of qh's bytes, shifted in place */
+        const int h = u / 4, g = u % 4; /* half, and 32-value group within it */
+        const __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (g & 1)));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+        const __m256i low = _mm256_and_si256(g >> 1 ? _mm256_srli_epi16(ql, 4) : ql, four);
+        const __m256i high = g < 3 ? _mm256_slli_epi16(qh, 4 - 2 * g) : _mm256_srli_epi16(qh, 2);
+        return _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(0x30)));
+    }
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(b + (type == Q4_K ? 16 : 48) + 32 * (u / 2)));
+    const __m256i c = _mm256_and_si256(u & 1 ? _mm256_srli_epi16(q, 4) : q, four);
+    if (type == Q4_K) return c;
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16)); /* code bit 4: bit u of qh's bytes */
+    const __m256i high = u < 4 ? _mm256_slli_epi16(qh, 4 - u) : _mm256_srli_epi16(qh, u - 4);
+    return _mm256_or_si256(c, _mm256_and_si256(high, _mm256_set1_epi8(0x10)));
+}
+
+/* A column's eight lanes of int32 sums of c_v q_v by four (maddubs: unsigned codes times signed
+ * quants, or Q8_0's signed codes by the sign trick, |c| times q with c's sign; then pairs of pairs
+ * summed by madd): lanes 0-3 of values 0-15, 4-7 of 16-31. */
+AVX2 INLINE __m256i quads(int type, __m256i c, __m256i x) {
+    const __m256i p = type == Q8_0 ? _mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(x, c))
+                                   : _mm256_maddubs_epi16(c, x);
+    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+
+/* Two columns' quads a and b halved: [a0+a2, b0+b2, a1+a3, b1+b3 | the same of lanes 4-7]. (By
+ * unpacks and an add: a hadd costs four times as much on Zen 3.) */
+AVX2 INLINE __m256i octs(__m256i a, __m256i b) {
+    return _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+}
+
+/* [32 sum_(v<16) q_v x4 | 32 sum_(v>=16) q_v x4] of a row's block x. */
+AVX2 INLINE __m256i half_sums_32(__m256i x) {
+    const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(32), x), _mm256_set1_epi16(1));
+    const __m256i t2 = _mm256_add_epi32(t, _mm256_shuffle_epi32(t, 0x4E));
+    return _mm256_add_epi32(t2, _mm256_shuffle_epi32(t2, 0xB1));
+}
+
+/* The eight columns' I_j from h[i] = octs of columns 2i and 2i + 1 (a row's block x): halving
+ * again leaves [sum_(v<16) | sum_(v>=16)] of columns 0-3 in one vector and of 4-7 in another,
+ * multiplied there by a and b (lo, hi: a K-quant's scales), and added across halves. Q6_K's codes
+ * are read plus 32, so 32 times x's sums over each half come off first. */
+AVX2 INLINE __m256i block_sums(int type, const __m256i h[NT / 2], __m256i lo, __m256i hi, __m256i x) {
+    __m256i s0 = _mm256_add_epi32(_mm256_unpacklo_epi64(h[0], h[1]), _mm256_unpackhi_epi64(h[0], h[1]));
+    __m256i s1 = _mm256_add_epi32(_mm256_unpacklo_epi64(h[2], h[3]), _mm256_unpackhi_epi64(h[2], h[3]));
+    if (type == Q6_K) {
+        const __m256i x32 = half_sums_32(x);
+        s0 = _mm256_sub_epi32(s0, x32), s1 = _mm256_sub_epi32(s1, x32);
+    }
+    if (type != Q8_0) s0 = _mm256_mullo_epi32(s0, lo), s1 = _mm256_mullo_epi32(s1, hi);
     return _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20), _mm256_permute2x128_si256(s0, s1, 0x31));
 }
 
-/* Rows r to r + NR - 1 (NR 1 or 2: two rows share each load of the tile) over tile blocks [0, count). */
-AVX2 INLINE void rows_at(const tile_t *t, int count, int64_t j0, const int8_t *q, const float *dx, const float *bs,
-                         int64_t K, int64_t r, int NR, int sign, float (*acc)[NT]) {
+/* Rows r to r + NR - 1 (NR 1 or 2: two rows share each code vector) over the unit's blocks [0,
+ * count), the codes read from un->c, or (few) made by codes_avx2 from the columns' bytes col[n]
+ * just before their multiplies, never stored. */
+AVX2 INLINE void rows_at(int type, int few, const unit_t *un, const uint8_t *const *col, int count, int64_t j0,
+                         const int8_t *q, const float *dx, const float *bs, int64_t K, int64_t r, int NR,
+                         float (*acc)[NT]) {
     __m256 a[2];
     for (int i = 0; i < NR; i++) a[i] = _mm256_loadu_ps(acc[r + i]);
+#pragma GCC unroll 8 /* (a K-quant's count is UNIT: u a constant in codes_avx2) */
     for (int u = 0; u < count; u++) {
         const int64_t j = j0 + u;
         __m256i x[2], h[2][NT / 2];
         for (int i = 0; i < NR; i++) x[i] = _mm256_loadu_si256((const __m256i *)(q + (r + i) * K + 32 * j));
         for (int n = 0; n < NT; n += 2) {
-            const __m256i c0 = _mm256_loadu_si256((const __m256i *)t->c[u][n]);
-            const __m256i c1 = _mm256_loadu_si256((const __m256i *)t->c[u][n + 1]);
-            const __m256i ab0 = _mm256_loadu_si256((const __m256i *)t->ab[u][n]);
-            const __m256i ab1 = _mm256_loadu_si256((const __m256i *)t->ab[u][n + 1]);
-            for (int i = 0; i < NR; i++)
-                h[i][n / 2] = _mm256_hadd_epi32(dot(c0, x[i], ab0, sign), dot(c1, x[i], ab1, sign));
+            __m256i c[2];
+            for (int e = 0; e < 2; e++)
+                c[e] = few ? codes_avx2(type, col[n + e], u) : _mm256_loadu_si256((const __m256i *)un->c[u][n + e]);
+            for (int i = 0; i < NR; i++) h[i][n / 2] = octs(quads(type, c[0], x[i]), quads(type, c[1], x[i]));
         }
-        const __m256 s = _mm256_loadu_ps(t->s[u]), m = _mm256_loadu_ps(t->m[u]);
         for (int i = 0; i < NR; i++) {
             const int64_t at = (r + i) * (K / 32) + j;
-            const __m256 w = _mm256_add_ps(_mm256_mul_ps(s, _mm256_cvtepi32_ps(lane_sums(h[i]))),
+            const __m256i I = block_sums(type, h[i], un->lo[u], un->hi[u], x[i]);
+            const __m256 m = type == Q4_K || type == Q5_K ? un->m[u] : _mm256_setzero_ps();
+            const __m256 w = _mm256_add_ps(_mm256_mul_ps(un->s[u], _mm256_cvtepi32_ps(I)),
                                            _mm256_mul_ps(m, _mm256_set1_ps(bs[at])));
             a[i] = _mm256_add_ps(a[i], _mm256_mul_ps(_mm256_set1_ps(dx[at]), w));
         }
@@ -213,100 +373,66 @@ AVX2 INLINE void rows_at(const tile_t *t, int count, int64_t j0, const int8_t *q
     for (int i = 0; i < NR; i++) _mm256_storeu_ps(acc[r + i], a[i]);
 }
 
-/* The AVX2 path: rows_scalar's sums, eight columns in a vector's lanes. */
-#define ROWS_AVX2(SIGN)                                                                                  \
-    AVX2 static void rows_avx2_##SIGN(const tile_t *t, int count, int64_t j0, const int8_t *q,          \
-                                      const float *dx, const float *bs, int64_t K, int64_t rows,        \
-                                      float (*acc)[NT]) {                                               \
-        int64_t r = 0;                                                                                  \
-        for (; r + 1 < rows; r += 2) rows_at(t, count, j0, q, dx, bs, K, r, 2, SIGN, acc);              \
-        if (r < rows) rows_at(t, count, j0, q, dx, bs, K, r, 1, SIGN, acc);                              \
-    }
-ROWS_AVX2(0)
-ROWS_AVX2(1)
+/* The unit's blocks NT columns on (the next item: guided scheduling hands a thread runs of
+ * consecutive items), fetched into L1 while these are multiplied: at few rows a unit waits on
+ * reading the weight. One row of a 6144 x 2048 layer, one thread: 1.2-2x. */
+AVX2 INLINE void fetch_next(int type, const uint8_t *const *col, int64_t ldw, int count) {
+    for (int n = 0; n < NT; n++)
+        for (int o = 0; o < (type == Q8_0 ? 34 * count : block_bytes(type)); o += 64)
+            _mm_prefetch((const char *)col[n] + NT * ldw + o, _MM_HINT_T0);
+}
 
-/* unpack's super-block formats in vector registers (the same integers; a decode step's rows
- * are too few to amortise the plain loops). */
-AVX2 static void unpack_k_avx2(int type, const uint8_t *b, tile_t *t, int n) {
-    const __m256i four = _mm256_set1_epi8(15);
-    if (type == Q6_K) {
-        const float d = half(b + 208);
-        /* The 16 int8 scales widened, scales 0-7 in both halves of one vector and 8-15 of the
-         * other: block u's [a x8 | b x8] is one byte shuffle of the first (u < 4) or second. */
-        const __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
-        const __m256i first = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc));
-        const __m256i second = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(sc, 8)));
-        for (int u = 0; u < 8; u++) {
-            const int h = u / 4, g = u % 4;
-            const __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (g & 1)));
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
-            const __m256i low = g >> 1 ? _mm256_and_si256(_mm256_srli_epi16(ql, 4), four) : _mm256_and_si256(ql, four);
-            const __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), _mm256_set1_epi8(3)), 4);
-            _mm256_storeu_si256((__m256i *)t->c[u][n], _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32)));
-            const int at = 4 * (u % 4); /* byte offset of int16 2(u % 4) */
-            _mm256_storeu_si256((__m256i *)t->ab[u][n],
-                                _mm256_shuffle_epi8(u < 4 ? first : second,
-                                                    _mm256_setr_m128i(_mm_set1_epi16((short)((at + 1) << 8 | at)),
-                                                                      _mm_set1_epi16((short)((at + 3) << 8 | (at + 2))))));
-            t->s[u][n] = d, t->m[u][n] = 0.0f;
-        }
+/* rows_at over rows [0, rows), two at a time. */
+AVX2 INLINE void rows_avx2(int type, int few, const unit_t *un, const uint8_t *const *col, int count, int64_t j0,
+                           const int8_t *q, const float *dx, const float *bs, int64_t K, int64_t rows,
+                           float (*acc)[NT]) {
+    int64_t r = 0;
+    for (; r + 1 < rows; r += 2) rows_at(type, few, un, col, count, j0, q, dx, bs, K, r, 2, acc);
+    if (r < rows) rows_at(type, few, un, col, count, j0, q, dx, bs, K, r, 1, acc);
+}
+
+/* The AVX2 path, one unit (blocks [j0, j0 + count)) of an item: rows_scalar's sums, eight columns
+ * in a vector's lanes (columns past cols repeat the last: their lanes are dropped). An item of FEW
+ * rows or fewer multiplies each block's codes as they are made, each pair of rows making them
+ * again: at one row, storing them and loading them back cost as much as the multiplies, and at 3-4
+ * rows making them twice still cost no more (measured). More rows share codes made once a unit. */
+AVX2 INLINE void unit_avx2(int type, const uint8_t *w, int64_t ldw, int cols, int64_t j0, int count,
+                           const int8_t *q, const float *dx, const float *bs, int64_t K, int64_t rows,
+                           float (*acc)[NT]) {
+    const uint8_t *col[NT];
+    unit_t un;
+    if (type != Q8_0) count = UNIT; /* (whole super-blocks: a constant for the unrolled loops) */
+    for (int n = 0; n < NT; n++) col[n] = unit_at(type, w + (n < cols ? n : cols - 1) * ldw, j0);
+    head_avx2(type, col, count, &un);
+    if (rows <= FEW) {
+        fetch_next(type, col, ldw, count);
+        rows_avx2(type, 1, &un, col, count, j0, q, dx, bs, K, rows, acc);
         return;
     }
-    const float d = half(b);
-    const uint8_t *qs = b + (type == Q4_K ? 16 : 48);
-    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
-    /* k_scale_min's eight scales and mins at once: the 12 bytes shuffled to [0-3 | 8-11 | 4-7 |
-     * 8-11], each group masked to its part (scale_0-3's 6 bits, scale_4-7's low nibbles, min_0-3's
-     * 6 bits, min_4-7's high nibbles shifted down), bytes 0-3's and 4-7's top two bits shifted
-     * under groups 1 and 3: [scale_0-7 | min_0-7]. */
-    const __m128i q12 = _mm_loadu_si128((const __m128i *)(b + 4)); /* (its last 4 bytes: codes, unused) */
-    const __m128i low = _mm_shuffle_epi8(q12, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
-    const __m128i top = _mm_shuffle_epi8(q12, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
-    const __m128i six = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0);
-    const __m128i bytes = _mm_or_si128(
-        _mm_or_si128(_mm_and_si128(low, six), _mm_and_si128(_mm_srli_epi16(low, 4), _mm_setr_epi32(0, 0, 0, 0x0F0F0F0F))),
-        _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30)));
-    const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(bytes));
-    float m[8];
-    _mm256_storeu_ps(m, _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(half(b + 2)),
-                                                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)))),
-                                      _mm256_set1_ps(-0.0f)));
-    for (int u = 0; u < 8; u++) {
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * (u / 2)));
-        __m256i c = u & 1 ? _mm256_and_si256(_mm256_srli_epi16(q, 4), four) : _mm256_and_si256(q, four);
-        if (type == Q5_K)
-            c = _mm256_or_si256(c, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, u), _mm256_set1_epi8(1)), 4));
-        _mm256_storeu_si256((__m256i *)t->c[u][n], c);
-        _mm256_storeu_si256((__m256i *)t->ab[u][n], _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)((2 * u + 1) << 8 | 2 * u))));
-        t->s[u][n] = d, t->m[u][n] = m[u];
-    }
+    for (int n = 0; n < NT; n++)
+        for (int u = 0; u < count; u++) _mm256_storeu_si256((__m256i *)un.c[u][n], codes_avx2(type, col[n], u));
+    rows_avx2(type, 0, &un, col, count, j0, q, dx, bs, K, rows, acc);
 }
 
-AVX2 static void unpack_tile_avx2(int type, const uint8_t *w, int64_t ldw, int cols, int64_t j0, int count,
-                                  tile_t *t) {
-    if (cols < NT) {
-        unpack_tile(type, w, ldw, cols, j0, count, t);
-    } else if (type == Q8_0) {
-        for (int n = 0; n < NT; n++)
-            for (int u = 0; u < count; u++) {
-                const uint8_t *b = w + n * ldw + (j0 + u) * 34;
-                _mm256_storeu_si256((__m256i *)t->c[u][n], _mm256_loadu_si256((const __m256i *)(b + 2)));
-                _mm256_storeu_si256((__m256i *)t->ab[u][n], _mm256_set1_epi16(1));
-                t->s[u][n] = half(b), t->m[u][n] = 0.0f;
-            }
-    } else {
-        for (int n = 0; n < NT; n++) unpack_k_avx2(type, w + n * ldw + j0 / 8 * block_bytes(type), t, n);
+#define UNIT_AVX2(TYPE)                                                                                     \
+    AVX2 static void unit_avx2_##TYPE(const uint8_t *w, int64_t ldw, int cols, int64_t j0, int count,       \
+                                      const int8_t *q, const float *dx, const float *bs, int64_t K,         \
+                                      int64_t rows, float (*acc)[NT]) {                                     \
+        unit_avx2(TYPE, w, ldw, cols, j0, count, q, dx, bs, K, rows, acc);                                  \
     }
-}
+UNIT_AVX2(Q8_0)
+UNIT_AVX2(Q4_K)
+UNIT_AVX2(Q5_K)
+UNIT_AVX2(Q6_K)
 
 AVX2 static void quantize_avx2(const float *x, int64_t K, int8_t *q, float *dx, float *bs) {
     quantize_row(x, K, q, dx, bs);
 }
 
-/* 1: AVX2, 0: the scalar path only. */
+/* 1: AVX2 (with F16C), 0: the scalar path only. */
 int int8_path(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") ? 1 : 0;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") ? 1 : 0;
 }
 #else
 int int8_path(void) { return 0; }
@@ -330,19 +456,19 @@ static void item(int path, int type, const uint8_t *w, int64_t ldw, int cols, co
                  float *y, int64_t ldy) {
     tile_t t __attribute__((aligned(64)));
     float acc[ROWS][NT];
-    const int sign = type == Q8_0 || type == Q6_K;
     for (int64_t s = 0; s < S; s++) {
-        memset(acc, 0, sizeof acc);
+        memset(acc, 0, rows * sizeof acc[0]);
         for (int64_t j0 = cuts[s] / 32; j0 < cuts[s + 1] / 32; j0 += UNIT) {
             const int count = cuts[s + 1] / 32 - j0 < UNIT ? (int)(cuts[s + 1] / 32 - j0) : UNIT;
 #if defined(__x86_64__)
             if (path) {
-                unpack_tile_avx2(type, w, ldw, cols, j0, count, &t);
-                (sign ? rows_avx2_1 : rows_avx2_0)(&t, count, j0, q, dx, bs, K, rows, acc);
+                (type == Q8_0   ? unit_avx2_Q8_0
+                 : type == Q4_K ? unit_avx2_Q4_K
+                 : type == Q5_K ? unit_avx2_Q5_K
+                                : unit_avx2_Q6_K)(w, ldw, cols, j0, count, q, dx, bs, K, rows, acc);
                 continue;
             }
 #endif
-            (void)sign;
             unpack_tile(type, w, ldw, cols, j0, count, &t);
             rows_scalar(&t, count, j0, q, dx, bs, K, rows, acc);
         }
