@@ -1,8 +1,9 @@
 """The int8-activation kernel (kernels/int8.py, int8_gemm.c) against its arithmetic computed
 independently in numpy: the rows quantized per block of 32 in float32, the weights' integer codes
 and scales read through gguf's own dequantizers (the blocks' float16 scales set to 1 and 0), the
-per-block sums in int64 and the float32 accumulation in the same order. Bit for bit, at every
-batch size, on both paths and thread counts."""
+per-block sums in int64 and the float32 accumulation in the same order; MXFP4's codes likewise
+(its E8M0 scale byte set to 128: a scale of 1), its scales gguf's e8m0_to_fp32_half. Bit for bit, at
+every batch size, on both paths and thread counts."""
 
 from itertools import pairwise
 
@@ -19,19 +20,20 @@ pytestmark = pytest.mark.skipif(not int8.supported(random_weight(T.Q8_0, (1, 32)
 
 N = 41  # not a multiple of the kernel's 8-column items: the last has one
 K = 1280  # 5 super-blocks: 40 blocks of 32, Q8_0's in units of 8
-HALF = {T.Q8_0: 0, T.Q4_K: 0, T.Q5_K: 0, T.Q6_K: 208}  # each block's float16 d
+HALF = {T.Q8_0: 0, T.Q4_K: 0, T.Q5_K: 0, T.Q6_K: 208, T.MXFP4: 0}  # each block's float16 d (MXFP4: E8M0 e)
 # Rows of an item that int8_gemm.c's AVX2 path multiplies as it unpacks them (up to FEW = 4, two
 # at a time), and of one that goes through the tile.
 ROWS = (1, 2, 3, 4, 9)
 ONE, ZERO = (np.array([v], np.float16).view(np.uint8) for v in (1, 0))
+E8M0_ONE = np.array([128], np.uint8)  # e8m0_to_fp32_half(128) = 1
 
 
 def _with_scales(w: QuantizedWeight, d: np.ndarray, dmin: np.ndarray | None) -> np.ndarray:
     """gguf's values of w's blocks with every d (and dmin) set to the given float16 bytes."""
-    size = {T.Q8_0: 34, T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}[w.qtype]
+    size = {T.Q8_0: 34, T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210, T.MXFP4: 17}[w.qtype]
     blocks = w.data.numpy().reshape(w.shape[0], -1, size).copy()
     at = HALF[w.qtype]
-    blocks[..., at:at + 2] = d
+    blocks[..., at:at + len(d)] = d
     if dmin is not None:
         blocks[..., 2:4] = dmin
     return gguf_quants.dequantize(blocks.reshape(w.shape[0], -1), w.qtype).reshape(w.shape)
@@ -51,10 +53,18 @@ def reference(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None,
     size = w.data.shape[-1] // (k // int8_block(w.qtype))
     raw = w.data.numpy().reshape(w.shape[0], -1, size)
     at = HALF[w.qtype]
-    d = raw[..., at:at + 2].copy().view(np.float16).astype(np.float32)[..., 0]  # [N, blocks of the format]
+    if w.qtype == T.MXFP4:
+        d = gguf_quants.MXFP4.e8m0_to_fp32_half(raw[..., at])  # [N, blocks]
+        codes = _with_scales(w, E8M0_ONE, None)
+        # s * c: gguf's own values, bit for bit (e = 0, 1 subnormal, 255 2^127, products past it inf).
+        assert np.array_equal((d[..., None] * codes.reshape(*d.shape, 32)).reshape(w.shape),
+                              gguf_quants.dequantize(w.data.numpy(), w.qtype).reshape(w.shape))
+        codes = codes.astype(np.int64)
+    else:
+        d = raw[..., at:at + 2].copy().view(np.float16).astype(np.float32)[..., 0]  # [N, blocks of the format]
+        codes = _with_scales(w, ONE, ZERO if w.qtype in (T.Q4_K, T.Q5_K) else None).astype(np.int64)
     per = int8_block(w.qtype) // 32
     s = np.repeat(d, per, axis=1)
-    codes = _with_scales(w, ONE, ZERO if w.qtype in (T.Q4_K, T.Q5_K) else None).astype(np.int64)
     m = np.zeros_like(s)
     if w.qtype in (T.Q4_K, T.Q5_K):
         dmin = raw[..., 2:4].copy().view(np.float16).astype(np.float32)[..., 0]
@@ -76,7 +86,7 @@ def reference(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None,
 
 
 def int8_block(qtype: T) -> int:
-    return 32 if qtype == T.Q8_0 else 256
+    return 32 if qtype in (T.Q8_0, T.MXFP4) else 256
 
 
 def paths():
@@ -93,7 +103,7 @@ def path(request):
 @pytest.mark.parametrize("qtype", int8.FORMATS, ids=lambda t: t.name)
 def test_matches_the_arithmetic_computed_in_numpy_bit_for_bit(qtype, rows, path):
     """And the rows alone get the bits they get inside a batch of 70 (through the tile)."""
-    k = 1120 if qtype == T.Q8_0 else K  # Q8_0: 35 blocks, the last unit of 3
+    k = 1120 if int8_block(qtype) == 32 else K  # Q8_0, MXFP4: 35 blocks, the last unit of 3
     w = random_weight(qtype, (N, k), seed=1)
     batch = torch.randn(70, k, generator=torch.Generator().manual_seed(2))
     batch[3, 64:96] = 0  # a block of zeros: scale 0
@@ -167,9 +177,26 @@ def test_grouped_k_parts_are_each_parts_blocks_alone(qtype):
             one = QuantizedWeight(qtype, blocks.contiguous(), (N, len(r)))
             expected = reference(x[first:first + count, r.start:r.stop].contiguous(), one, None)
             assert torch.equal(y[p, first:first + count], expected)
-    if qtype != T.Q8_0:
+    if int8_block(qtype) > 32:
         with pytest.raises(ValueError, match="whole blocks"):
             int8.grouped_int8_gemm(x, stacked, groups, k_parts=[range(128), range(128, 768)])
+
+
+@pytest.mark.parametrize("rows", (1, 2, 9))
+def test_mxfp4_every_scale_byte(rows, path):
+    """Every E8M0 byte, the edges (0 and 1: subnormal scales, 254 and 255: products past float32's
+    range, inf and NaN where they meet) among them, a row's scale bytes all one value; AVX2 and
+    scalar alike."""
+    w = random_weight(T.MXFP4, (256, 96), seed=20)
+    w.data.view(256, 3, 17)[:, :, 0] = torch.arange(256, dtype=torch.uint8)[:, None]
+    w.data.view(256, 3, 17)[255, 0, 0] = 7  # a mix in one row too
+    x = torch.randn(70, 96, generator=torch.Generator().manual_seed(21))
+    y = int8.Int8Parts([w], [None], path=path)(x[:rows])
+    with np.errstate(over="ignore", invalid="ignore"):
+        expected = reference(x[:rows], w, None)
+    torch.testing.assert_close(y, expected, rtol=0, atol=0, equal_nan=True)
+    assert torch.isfinite(y[:, :230]).all() and torch.isinf(y[:, 250:254]).any()  # (2^-127 * 12 * 127)
+    assert torch.equal(y[:, :230], int8.Int8Parts([w], [None], path=path)(x)[:rows, :230])
 
 
 def test_the_probe_picks_avx2_where_the_cpu_has_it():
@@ -180,8 +207,9 @@ def test_the_probe_picks_avx2_where_the_cpu_has_it():
 
 
 def test_parts_in_one_call_are_each_part_alone():
-    parts = [random_weight(T.Q4_K, (N, K), 8), random_weight(T.Q6_K, (20, K), 9), random_weight(T.Q8_0, (13, K), 10)]
-    biases = [None, torch.randn(20, generator=torch.Generator().manual_seed(11)), None]
+    parts = [random_weight(T.Q4_K, (N, K), 8), random_weight(T.Q6_K, (20, K), 9), random_weight(T.Q8_0, (13, K), 10),
+             random_weight(T.MXFP4, (9, K), 19)]
+    biases = [None, torch.randn(20, generator=torch.Generator().manual_seed(11)), None, None]
     x = torch.randn(5, K, generator=torch.Generator().manual_seed(12))
     alone = torch.cat([int8.Int8Parts([p], [b])(x) for p, b in zip(parts, biases)], dim=1)
     assert torch.equal(int8.Int8Parts(parts, biases)(x), alone)

@@ -4,8 +4,8 @@ block of 32 values along K with one float32 scale, multiplied on integer dot pro
 llama.cpp multiplies its Q8_0 / Q8_K rows, in a fixed order per output element, so a row's bits
 depend neither on its batch, its thread nor the path (AVX2 or scalar). Less exact than
 quant.py's float32 products on the dequantized weights (the activations are rounded to 8 bits),
-faster where the multiply-adds bind (a prefill). Formats: Q8_0, Q4_K, Q5_K, Q6_K (Q4_K_M's);
-a layer with a part in another format runs on quant.py's exact kernel.
+faster where the multiply-adds bind (a prefill). Formats: Q8_0, Q4_K, Q5_K, Q6_K (Q4_K_M's)
+and MXFP4 (gpt-oss's experts); a layer with a part in another format runs on quant.py's exact kernel.
 
 The arithmetic is chosen as a model's layers are made, inside `arithmetic()` (the loader's
 `--quantized-arithmetic`): `chosen()` tells layers/quantized.py's linears and layers/moe.py's
@@ -26,7 +26,7 @@ from freetoken.kernels import build
 from freetoken.kernels.quant import QuantizedWeight, QuantParts, check_k_parts, row_bytes
 
 FORMATS = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
-           GGMLQuantizationType.Q6_K)
+           GGMLQuantizationType.Q6_K, GGMLQuantizationType.MXFP4)
 PATHS = {"scalar": 0, "avx2": 1}  # int8_gemm.c's `path` argument
 _ARITHMETIC: ContextVar[str] = ContextVar("quantized_arithmetic", default="exact")
 

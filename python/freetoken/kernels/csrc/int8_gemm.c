@@ -1,6 +1,6 @@
 /* The int8-activation arithmetic (`--quantized-arithmetic int8`): y[R, N] = x[R, K] @ W[N, K]^T
- * (+ bias) on GGUF blocks read in place (Q8_0, Q4_K, Q5_K, Q6_K), x quantized per row to int8 and
- * multiplied on integer dot products, as llama.cpp's vec_dot kernels do, in an order that makes a
+ * (+ bias) on GGUF blocks read in place (Q8_0, Q4_K, Q5_K, Q6_K, MXFP4), x quantized per row to
+ * int8 and multiplied on integer dot products, as llama.cpp's vec_dot kernels do, in an order that makes a
  * row's bits independent of its batch, its thread and the instruction set.
  *
  * THE ARITHMETIC. Each row of x is cut into blocks of 32 values along K; block j gets the scale
@@ -12,6 +12,9 @@
  *   Q4_K  c the 4-bit codes of sub-block j, a = b = its 6-bit scale, s = d, m = -(dmin * its min)
  *   Q5_K  likewise with 5-bit codes
  *   Q6_K  c the 6-bit codes minus 32, a and b its two sub-blocks' int8 scales, s = d, m = 0
+ *   MXFP4 c its e2m1 values doubled (gguf's kvalues: 0, 1, 2, 3, 4, 6, 8, 12 and their
+ *         negatives), a = b = 1, s = half its E8M0 scale's power of two (gguf's
+ *         e8m0_to_fp32_half: a power of two, subnormal at e = 0 and 1), m = 0
  * so that the block's weights are s * a * c (or b) + m, exactly gguf's values. Its int32 sum
  * I_j = a * sum_(v<16) c_v q_v + b * sum_(v>=16) c_v q_v is exact (integer, no overflow), and
  *   acc = 0; for j = 0, 1, ...: acc = acc + dx_j * (s_j * (float)I_j + m_j * B_j); y = acc + bias
@@ -24,8 +27,9 @@
  * THE DOT PRODUCTS (AVX2). Per block and column, maddubs (unsigned codes times signed quants,
  * pairs summed in int16) then madd by ones (quads summed in int32); Q8_0's signed codes use the
  * sign trick (|c| times q with c's sign), Q6_K's are read plus 32 (unsigned), 32 times the
- * quants' sums coming off later; no pair sum reaches int16's bound (|c| <= 128, |q| <= 127). Eight
- * columns' eight-lane vectors are added across lanes by unpacks (a hadd costs four times as much
+ * quants' sums coming off later, and MXFP4's plus 12 likewise (its nibbles looked up in a table of
+ * the values plus 12 by one shuffle); no pair sum reaches int16's bound (|c| <= 128, |q| <= 127).
+ * Eight columns' eight-lane vectors are added across lanes by unpacks (a hadd costs four times as much
  * on Zen 3) down to each column's two half sums, which are multiplied by a and b and added: the
  * eight columns' I_j in one vector for the float part, the integers the scalar path sums.
  *
@@ -34,12 +38,12 @@
  * threads, which take runs of consecutive items. An item walks K a unit (eight blocks: a K-quant's
  * super-block) at a time. The scalar path unpacks the unit's codes and scales into a tile in plain
  * C and runs its rows over it. The AVX2 path reads the unit's scales for its eight columns at once
- * (their float16s converted together, their scales and mins transposed to a vector a block); then
- * an item of FEW rows or fewer (a decode step's, most MoE experts' 1-2) makes each block's codes
- * in registers and multiplies them at once, two rows sharing each code vector, while fetching the
- * next item's unit: at one row, storing the codes to a tile and loading them back cost as much as
- * the multiplies. More rows share codes made once a unit into a tile in L1. No VNNI, AVX512-VNNI
- * or AMX path yet.
+ * (their float16s converted together, their scales and mins transposed to a vector a block,
+ * MXFP4's E8M0 bytes gathered a block at a time); then an item of FEW rows or fewer (a decode
+ * step's, most MoE experts' 1-2) makes each block's codes in registers and multiplies them at
+ * once, two rows sharing each code vector, while fetching the next item's unit: at one row,
+ * storing the codes to a tile and loading them back cost as much as the multiplies. More rows
+ * share codes made once a unit into a tile in L1. No VNNI, AVX512-VNNI or AMX path yet.
  *
  * Built at first use by kernels/build.py for int8.py; the AVX2 path needs F16C too (which every
  * AVX2 CPU has). Signatures: kernels.h.
@@ -49,7 +53,7 @@
 
 #include "kernels.h"
 
-enum { Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum { Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, MXFP4 = 39 };
 
 #define NT 8      /* output columns per item */
 #define UNIT 8    /* blocks of 32 an item takes at a time (a K-quant's super-block) */
@@ -77,13 +81,26 @@ INLINE float half(const uint8_t *p) { /* float16 as float32, exactly */
 }
 
 static int block_bytes(int type) {
-    return type == Q8_0 ? 34 : type == Q4_K ? 144 : type == Q5_K ? 176 : 210;
+    return type == Q8_0 ? 34 : type == MXFP4 ? 17 : type == Q4_K ? 144 : type == Q5_K ? 176 : 210;
 }
 
-/* A weight row's UNIT blocks from j0 on (a K-quant's super-block, or Q8_0's blocks one after
- * another). */
+/* Formats of 32-value blocks (a unit: up to UNIT of them one after another), not super-blocks. */
+#define SMALL(type) ((type) == Q8_0 || (type) == MXFP4)
+
+/* A weight row's UNIT blocks from j0 on (a K-quant's super-block, or Q8_0's or MXFP4's blocks
+ * one after another). */
 INLINE const uint8_t *unit_at(int type, const uint8_t *w, int64_t j0) {
-    return w + (type == Q8_0 ? j0 * 34 : j0 / 8 * block_bytes(type));
+    return w + (SMALL(type) ? j0 * block_bytes(type) : j0 / 8 * block_bytes(type));
+}
+
+/* MXFP4's e2m1 values doubled (gguf's kvalues), and its E8M0 byte as half its power of two
+ * (gguf's e8m0_to_fp32_half; e = 0 and 1 subnormal, 255 2^127): s * c is exactly gguf's value. */
+static const int8_t E2M1[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+INLINE float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
 }
 
 /* Q4_K's and Q5_K's 6-bit scale and min of sub-block j (gguf's get_scale_min). */
@@ -109,6 +126,14 @@ INLINE void unpack(int type, const uint8_t *w, int64_t j0, int count, tile_t *t,
             memcpy(t->c[u][n], b + 34 * u + 2, 32);
             set_ab(t, u, n, 1, 1);
             t->s[u][n] = half(b + 34 * u), t->m[u][n] = 0.0f;
+        }
+        return;
+    }
+    if (type == MXFP4) { /* value v: byte 1 + v % 16's low nibble (v < 16) or high (v >= 16) */
+        for (int u = 0; u < count; u++) {
+            for (int v = 0; v < 32; v++) t->c[u][n][v] = E2M1[(b[17 * u + 1 + v % 16] >> 4 * (v / 16)) & 15];
+            set_ab(t, u, n, 1, 1);
+            t->s[u][n] = e8m0_half(b[17 * u]), t->m[u][n] = 0.0f;
         }
         return;
     }
@@ -254,6 +279,20 @@ AVX2 INLINE void head_avx2(int type, const uint8_t *const *col, int count, unit_
         for (int u = 0; u < count; u++) un->s[u] = float16s(col, 34 * u);
         return;
     }
+    if (type == MXFP4) { /* each block's eight E8M0 bytes gathered (as dwords) and made e8m0_half */
+        int32_t off[NT]; /* (columns at most 7 rows apart: well within int32) */
+        for (int n = 0; n < NT; n++) off[n] = (int32_t)(col[n] - col[0]);
+        const __m256i at = _mm256_loadu_si256((const __m256i *)off);
+        for (int u = 0; u < count; u++) {
+            const __m256i e = _mm256_and_si256(_mm256_i32gather_epi32((const int *)(col[0] + 17 * u), at, 1),
+                                               _mm256_set1_epi32(255));
+            const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+            const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e); /* e < 2 */
+            const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+            un->s[u] = _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, small));
+        }
+        return;
+    }
     if (type == Q6_K) {
         for (int n = 0; n < NT; n++) /* its 16 int8 scales (a, b of block u: 2u, 2u + 1) widened */
             y[n] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(col[n] + 192)));
@@ -285,10 +324,19 @@ AVX2 INLINE void head_avx2(int type, const uint8_t *const *col, int count, unit_
 }
 
 /* unpack's codes of block u in a vector register, from the unit's bytes b alone (Q6_K's plus 32:
- * unsigned, 0-63). */
+ * unsigned, 0-63; MXFP4's plus 12: unsigned, 0-24, one table lookup of the nibbles, the 16 bytes
+ * in both lanes, shifted 4 in the high one). */
 AVX2 INLINE __m256i codes_avx2(int type, const uint8_t *b, int u) {
     const __m256i four = _mm256_set1_epi8(15);
     if (type == Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 34 * u + 2));
+    if (type == MXFP4) {
+        const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b + 17 * u + 1)));
+        const __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+        const __m256i nibbles = _mm256_and_si256(_mm256_srlv_epi32(q, shift), four);
+        const __m256i plus12 = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, /* x2 */
+                                                12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+        return _mm256_shuffle_epi8(plus12, nibbles);
+    }
     if (type == Q6_K) { /* code bits 4-5: bits 2g, 2g + 1 of qh's bytes, shifted in place */
         const int h = u / 4, g = u % 4; /* half, and 32-value group within it */
         const __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (g & 1)));
@@ -320,9 +368,9 @@ AVX2 INLINE __m256i octs(__m256i a, __m256i b) {
     return _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
 }
 
-/* [32 sum_(v<16) q_v x4 | 32 sum_(v>=16) q_v x4] of a row's block x. */
-AVX2 INLINE __m256i half_sums_32(__m256i x) {
-    const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(32), x), _mm256_set1_epi16(1));
+/* [o sum_(v<16) q_v x4 | o sum_(v>=16) q_v x4] of a row's block x (o: the codes' offset). */
+AVX2 INLINE __m256i half_sums(int o, __m256i x) {
+    const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8((char)o), x), _mm256_set1_epi16(1));
     const __m256i t2 = _mm256_add_epi32(t, _mm256_shuffle_epi32(t, 0x4E));
     return _mm256_add_epi32(t2, _mm256_shuffle_epi32(t2, 0xB1));
 }
@@ -330,15 +378,15 @@ AVX2 INLINE __m256i half_sums_32(__m256i x) {
 /* The eight columns' I_j from h[i] = octs of columns 2i and 2i + 1 (a row's block x): halving
  * again leaves [sum_(v<16) | sum_(v>=16)] of columns 0-3 in one vector and of 4-7 in another,
  * multiplied there by a and b (lo, hi: a K-quant's scales), and added across halves. Q6_K's codes
- * are read plus 32, so 32 times x's sums over each half come off first. */
+ * are read plus 32 (MXFP4's plus 12), so 32 (12) times x's sums over each half come off first. */
 AVX2 INLINE __m256i block_sums(int type, const __m256i h[NT / 2], __m256i lo, __m256i hi, __m256i x) {
     __m256i s0 = _mm256_add_epi32(_mm256_unpacklo_epi64(h[0], h[1]), _mm256_unpackhi_epi64(h[0], h[1]));
     __m256i s1 = _mm256_add_epi32(_mm256_unpacklo_epi64(h[2], h[3]), _mm256_unpackhi_epi64(h[2], h[3]));
-    if (type == Q6_K) {
-        const __m256i x32 = half_sums_32(x);
-        s0 = _mm256_sub_epi32(s0, x32), s1 = _mm256_sub_epi32(s1, x32);
+    if (type == Q6_K || type == MXFP4) {
+        const __m256i xo = half_sums(type == Q6_K ? 32 : 12, x);
+        s0 = _mm256_sub_epi32(s0, xo), s1 = _mm256_sub_epi32(s1, xo);
     }
-    if (type != Q8_0) s0 = _mm256_mullo_epi32(s0, lo), s1 = _mm256_mullo_epi32(s1, hi);
+    if (!SMALL(type)) s0 = _mm256_mullo_epi32(s0, lo), s1 = _mm256_mullo_epi32(s1, hi);
     return _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20), _mm256_permute2x128_si256(s0, s1, 0x31));
 }
 
@@ -378,7 +426,7 @@ AVX2 INLINE void rows_at(int type, int few, const unit_t *un, const uint8_t *con
  * reading the weight. One row of a 6144 x 2048 layer, one thread: 1.2-2x. */
 AVX2 INLINE void fetch_next(int type, const uint8_t *const *col, int64_t ldw, int count) {
     for (int n = 0; n < NT; n++)
-        for (int o = 0; o < (type == Q8_0 ? 34 * count : block_bytes(type)); o += 64)
+        for (int o = 0; o < (SMALL(type) ? block_bytes(type) * count : block_bytes(type)); o += 64)
             _mm_prefetch((const char *)col[n] + NT * ldw + o, _MM_HINT_T0);
 }
 
@@ -401,7 +449,7 @@ AVX2 INLINE void unit_avx2(int type, const uint8_t *w, int64_t ldw, int cols, in
                            float (*acc)[NT]) {
     const uint8_t *col[NT];
     unit_t un;
-    if (type != Q8_0) count = UNIT; /* (whole super-blocks: a constant for the unrolled loops) */
+    if (!SMALL(type)) count = UNIT; /* (whole super-blocks: a constant for the unrolled loops) */
     for (int n = 0; n < NT; n++) col[n] = unit_at(type, w + (n < cols ? n : cols - 1) * ldw, j0);
     head_avx2(type, col, count, &un);
     if (rows <= FEW) {
@@ -424,6 +472,7 @@ UNIT_AVX2(Q8_0)
 UNIT_AVX2(Q4_K)
 UNIT_AVX2(Q5_K)
 UNIT_AVX2(Q6_K)
+UNIT_AVX2(MXFP4)
 
 AVX2 static void quantize_avx2(const float *x, int64_t K, int8_t *q, float *dx, float *bs) {
     quantize_row(x, K, q, dx, bs);
@@ -465,7 +514,8 @@ static void item(int path, int type, const uint8_t *w, int64_t ldw, int cols, co
                 (type == Q8_0   ? unit_avx2_Q8_0
                  : type == Q4_K ? unit_avx2_Q4_K
                  : type == Q5_K ? unit_avx2_Q5_K
-                                : unit_avx2_Q6_K)(w, ldw, cols, j0, count, q, dx, bs, K, rows, acc);
+                 : type == Q6_K ? unit_avx2_Q6_K
+                                : unit_avx2_MXFP4)(w, ldw, cols, j0, count, q, dx, bs, K, rows, acc);
                 continue;
             }
 #endif
