@@ -443,6 +443,23 @@ static void finish_scalar(const float *acc, float out[4]) {
     }
 }
 
+/* finish_scalar's additions for four (row, column) pairs at once, each given as its lanes 0-7 and
+ * 8-15 (lo, hi): the AVX2 few-row path's sums, without a round trip through memory and fifteen
+ * scalar additions per pair (a + b is b + a, bit for bit, so only the tree matters). */
+AVX2 INLINE __m128 finish4_avx2(const __m256 lo[4], const __m256 hi[4]) {
+    __m256 t[4]; /* t_j = s_j + s_(j+8) */
+    for (int n = 0; n < 4; n++) t[n] = _mm256_add_ps(lo[n], hi[n]);
+    /* [u(0) | u(1)], [u(2) | u(3)]: u_j = t_j + t_(j+4), j < 4 */
+    const __m256 u01 = _mm256_add_ps(_mm256_permute2f128_ps(t[0], t[1], 0x20), _mm256_permute2f128_ps(t[0], t[1], 0x31));
+    const __m256 u23 = _mm256_add_ps(_mm256_permute2f128_ps(t[2], t[3], 0x20), _mm256_permute2f128_ps(t[2], t[3], 0x31));
+    /* [v(0) v(2) | v(1) v(3)], each v_0 = u_0 + u_2, v_1 = u_1 + u_3 */
+    const __m256 v = _mm256_add_ps(_mm256_shuffle_ps(u01, u23, 0x44), _mm256_shuffle_ps(u01, u23, 0xEE));
+    const __m256 sums = _mm256_add_ps(v, _mm256_permute_ps(v, 0xB1)); /* v_0 + v_1: lanes 0, 2 | 4, 6 */
+    /* lanes 0, 4, 2, 6: columns 0, 1, 2, 3 */
+    const __m128 lo02 = _mm256_castps256_ps128(sums), hi13 = _mm256_extractf128_ps(sums, 1);
+    return _mm_shuffle_ps(_mm_unpacklo_ps(lo02, hi13), _mm_unpackhi_ps(lo02, hi13), 0x44);
+}
+
 /* Four (row, column) pairs' lanes a, b, c, d to their sums, bias added, stored in the first `cols`
  * of y by one 128-bit masked store. (A store loop over so few columns GCC made a memcpy call, one
  * a row per tile: 3 % of a batch-8 decode step's samples, the calls' cost besides; a 512-bit
@@ -861,16 +878,19 @@ AVX2 INLINE void pr_q6_k(const uint8_t *b, const float *s, int j, __m256 w[4]) {
                 }                                                                                \
             }                                                                                    \
         }                                                                                        \
+        /* the tile's ROWS x COLS = 4 (row, column) pairs summed at once, in row-major order */ \
+        __m256 l4[4], h4[4];                                                                     \
+        for (int i = 0; i < 4; i++) l4[i] = lo[i / (COLS)][i % (COLS)], h4[i] = hi[i / (COLS)][i % (COLS)]; \
+        float out[4];                                                                            \
+        _mm_storeu_ps(out, finish4_avx2(l4, h4));                                                \
         for (int r = 0; r < ROWS; r++)                                                           \
             for (int n = 0; n < COLS && n < cols; n++) {                                         \
-                float lanes[16], out[4];                                                         \
-                _mm256_storeu_ps(lanes, lo[r][n]), _mm256_storeu_ps(lanes + 8, hi[r][n]);        \
-                finish_scalar(lanes, out);                                                       \
                 float *at = y + r * ldy + n;                                                     \
-                *at = add ? *at + out[0] : bias ? out[0] + bias[n] : out[0];                     \
+                const float sum = out[r * (COLS) + n];                                           \
+                *at = add ? *at + sum : bias ? sum + bias[n] : sum;                              \
             }                                                                                    \
     }
-#define FEW2_FORMAT(NAME, SCALES, SIZE, VALUES)                                                  \
+#define FEW2_FORMAT(NAME, SCALES, SIZE, VALUES) /* (both tiles: 4 pairs, finish4_avx2's) */  \
     FEW2_TILE(NAME, 1, 4, SCALES, pr_##NAME, SIZE, VALUES)                                       \
     FEW2_TILE(NAME, 2, 2, SCALES, pr_##NAME, SIZE, VALUES)
 FEW2_FORMAT(q8_0, sc_d, 34, 32)
