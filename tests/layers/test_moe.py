@@ -84,6 +84,29 @@ def test_batched_is_alone_bit_for_bit_and_matches_a_per_token_sum(path, bias, mo
     assert (batched.double() - expected).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tokens_experts_are_summed_in_float32_in_ascending_expert_id(dtype):
+    """Each expert's output alone (weight 1), then per token a float32 sum from zero over its
+    experts in ascending id of weight x output (the product in the rows' dtype), rounded once:
+    the layer's result, bit for bit, at 1 token and among 37."""
+    if (kernel := load_kernel()) is None:
+        pytest.skip("the grouped kernel cannot be built or run here")
+    experts = _experts(bias=False)
+    experts.stack(kernel)
+    x = torch.randn(37, H, generator=torch.Generator().manual_seed(4)).to(dtype)
+    weights, ids = _route(x.float())
+    one = torch.ones(1, 1)
+    with torch.inference_mode():
+        for rows in (slice(0, 1), slice(None)):
+            got = experts(x[rows], ids[rows], weights[rows])
+            for t in range(got.shape[0]):
+                acc = torch.zeros(H, dtype=torch.float32)
+                for j in sorted(range(K), key=lambda j: int(ids[rows][t, j])):
+                    alone = experts(x[rows][t : t + 1], ids[rows][t : t + 1, j : j + 1], one)[0]
+                    acc += weights[rows][t, j].to(dtype) * alone
+                assert torch.equal(got[t], acc.to(dtype)), (rows, t)
+
+
 def test_softmax_topk_follows_norm_topk_prob():
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
     weights, ids = softmax_topk(logits, 2, normalize=False)
