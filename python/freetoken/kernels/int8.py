@@ -23,7 +23,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from freetoken.kernels import build
-from freetoken.kernels.quant import QuantizedWeight, QuantParts, check_k_parts, row_bytes
+from freetoken.kernels.quant import QuantizedWeight, QuantParts, check_k_parts
 
 FORMATS = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
            GGMLQuantizationType.Q6_K, GGMLQuantizationType.MXFP4)
@@ -108,10 +108,9 @@ def grouped_int8_gemm(x: torch.Tensor, experts: QuantizedWeight, groups: torch.T
     check_k_parts(parts, k, experts.qtype)
     data = experts.data if experts.data.stride(-1) == 1 else experts.data.contiguous()
     y = torch.empty(len(parts), rows.shape[0], n, dtype=torch.float32)
-    path = best_path() if path is None else path
-    for part, r in zip(y, parts):  # a part's rows and blocks as views: each quantized from its own start
-        blocks = data[..., row_bytes(experts.qtype, r.start):]
-        _kernel().int8_gemm_grouped(path, int(experts.qtype), rows[:, r.start:].data_ptr(), rows.stride(0),
-                                    blocks.data_ptr(), data.stride(0), data.stride(1), part.data_ptr(),
-                                    part.stride(0), groups.data_ptr(), groups.shape[0], rows.shape[0], len(r), n)
+    cuts = (ctypes.c_int64 * (len(parts) + 1))(*(r.start for r in parts), k)
+    _kernel().int8_gemm_grouped(best_path() if path is None else path, int(experts.qtype), rows.data_ptr(),
+                                rows.stride(0), data.data_ptr(), data.stride(0), data.stride(1), y.data_ptr(),
+                                y.stride(1), groups.data_ptr(), groups.shape[0], rows.shape[0], k, n, len(parts),
+                                cuts, y.stride(0))
     return y if k_parts else y[0]

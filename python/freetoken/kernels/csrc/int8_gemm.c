@@ -41,9 +41,11 @@
  * (their float16s converted together, their scales and mins transposed to a vector a block,
  * MXFP4's E8M0 bytes gathered a block at a time); then an item of FEW rows or fewer (a decode
  * step's, most MoE experts' 1-2) makes each block's codes in registers and multiplies them at
- * once, two rows sharing each code vector, while fetching the next item's unit: at one row,
- * storing the codes to a tile and loading them back cost as much as the multiplies. More rows
- * share codes made once a unit into a tile in L1. No VNNI, AVX512-VNNI or AMX path yet.
+ * once, two rows sharing each code vector, while fetching its share of item it + 1's weight (the
+ * thread's own next item but at the end of its run; another part's or expert's after a switch),
+ * whose NT rows its units sweep front to back as one run: at one row, storing the codes to a tile
+ * and loading them back cost as much as the multiplies. More rows share codes made once a unit
+ * into a tile in L1. No VNNI, AVX512-VNNI or AMX path yet.
  *
  * Built at first use by kernels/build.py for int8.py; the AVX2 path needs F16C too (which every
  * AVX2 CPU has). Signatures: kernels.h.
@@ -421,13 +423,17 @@ AVX2 INLINE void rows_at(int type, int few, const unit_t *un, const uint8_t *con
     for (int i = 0; i < NR; i++) _mm256_storeu_ps(acc[r + i], a[i]);
 }
 
-/* The unit's blocks NT columns on (the next item: guided scheduling hands a thread runs of
- * consecutive items), fetched into L1 while these are multiplied: at few rows a unit waits on
- * reading the weight. One row of a 6144 x 2048 layer, one thread: 1.2-2x. */
-AVX2 INLINE void fetch_next(int type, const uint8_t *const *col, int64_t ldw, int count) {
-    for (int n = 0; n < NT; n++)
-        for (int o = 0; o < (SMALL(type) ? block_bytes(type) * count : block_bytes(type)); o += 64)
-            _mm_prefetch((const char *)col[n] + NT * ldw + o, _MM_HINT_T0);
+/* This unit's share, [at, at + bytes), of the next item's weight (its NT rows at stride ldw taken
+ * as one run, which the item's units sweep front to back), fetched while the unit is multiplied:
+ * at few rows an item waits on reading the weight. Fetching instead the next item's same unit of
+ * each row (8 rows' blocks a row apart) streamed experts from DRAM slower: one row each of 8 of
+ * 128 experts, Zen 3, 1 / 2 threads, Q4_K 768 x 2048 8.9 / 14.1 GB/s against 6.9 / 11.1, Q6_K
+ * 2048 x 768 9.5 / 13.5 against 5.9 / 8.7; a 6144 x 2048 Q4_K layer 8.8 / 13.2 against 6.7 / 10.6.
+ * Two items ahead was no faster (Q6_K slower), the next item's unit into L1 as well no faster,
+ * _MM_HINT_T1 the same as T0, and skipping the bytes of other K parts (a row's part at a wider ldw,
+ * int8.py's k_parts) slower by the arithmetic than fetching them. */
+AVX2 INLINE void fetch_next(const uint8_t *at, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)at + o, _MM_HINT_T0);
 }
 
 /* rows_at over rows [0, rows), two at a time. */
@@ -446,14 +452,17 @@ AVX2 INLINE void rows_avx2(int type, int few, const unit_t *un, const uint8_t *c
  * rows making them twice still cost no more (measured). More rows share codes made once a unit. */
 AVX2 INLINE void unit_avx2(int type, const uint8_t *w, int64_t ldw, int cols, int64_t j0, int count,
                            const int8_t *q, const float *dx, const float *bs, int64_t K, int64_t rows,
-                           float (*acc)[NT]) {
+                           float (*acc)[NT], const uint8_t *next) {
     const uint8_t *col[NT];
     unit_t un;
     if (!SMALL(type)) count = UNIT; /* (whole super-blocks: a constant for the unrolled loops) */
     for (int n = 0; n < NT; n++) col[n] = unit_at(type, w + (n < cols ? n : cols - 1) * ldw, j0);
     head_avx2(type, col, count, &un);
     if (rows <= FEW) {
-        fetch_next(type, col, ldw, count);
+        if (next) {
+            const int64_t units = (K / 32 + UNIT - 1) / UNIT, share = (NT * ldw + units - 1) / units;
+            fetch_next(next + j0 / UNIT * share, share);
+        }
         rows_avx2(type, 1, &un, col, count, j0, q, dx, bs, K, rows, acc);
         return;
     }
@@ -465,8 +474,8 @@ AVX2 INLINE void unit_avx2(int type, const uint8_t *w, int64_t ldw, int cols, in
 #define UNIT_AVX2(TYPE)                                                                                     \
     AVX2 static void unit_avx2_##TYPE(const uint8_t *w, int64_t ldw, int cols, int64_t j0, int count,       \
                                       const int8_t *q, const float *dx, const float *bs, int64_t K,         \
-                                      int64_t rows, float (*acc)[NT]) {                                     \
-        unit_avx2(TYPE, w, ldw, cols, j0, count, q, dx, bs, K, rows, acc);                                  \
+                                      int64_t rows, float (*acc)[NT], const uint8_t *next) {                \
+        unit_avx2(TYPE, w, ldw, cols, j0, count, q, dx, bs, K, rows, acc, next);                            \
     }
 UNIT_AVX2(Q8_0)
 UNIT_AVX2(Q4_K)
@@ -499,10 +508,13 @@ static void quantize(int path, const float *x, int64_t K, int8_t *q, float *dx, 
     quantize_row(x, K, q, dx, bs);
 }
 
-/* One item: rows [0, rows) (their q, dx, B) against columns [0, cols) of w, y as item_parts. */
+/* One item: rows [0, rows) (their q, dx, B) against columns [0, cols) of w, y as item_parts, the
+ * S parts of K summed in part order (lds 0) or each part's sums apart, lds floats on (a
+ * tensor-parallel rank's share of experts' down projection); next: where the weight of item it + 1
+ * starts (the thread's next item but at the end of a run), NULL past the last. */
 static void item(int path, int type, const uint8_t *w, int64_t ldw, int cols, const float *bias, const int8_t *q,
                  const float *dx, const float *bs, int64_t K, int64_t rows, int64_t S, const int64_t *cuts,
-                 float *y, int64_t ldy) {
+                 float *y, int64_t ldy, int64_t lds, const uint8_t *next) {
     tile_t t __attribute__((aligned(64)));
     float acc[ROWS][NT];
     for (int64_t s = 0; s < S; s++) {
@@ -515,7 +527,7 @@ static void item(int path, int type, const uint8_t *w, int64_t ldw, int cols, co
                  : type == Q4_K ? unit_avx2_Q4_K
                  : type == Q5_K ? unit_avx2_Q5_K
                  : type == Q6_K ? unit_avx2_Q6_K
-                                : unit_avx2_MXFP4)(w, ldw, cols, j0, count, q, dx, bs, K, rows, acc);
+                                : unit_avx2_MXFP4)(w, ldw, cols, j0, count, q, dx, bs, K, rows, acc, next);
                 continue;
             }
 #endif
@@ -524,10 +536,19 @@ static void item(int path, int type, const uint8_t *w, int64_t ldw, int cols, co
         }
         for (int64_t r = 0; r < rows; r++)
             for (int n = 0; n < cols; n++) {
-                float *at = y + r * ldy + n;
-                *at = s ? *at + acc[r][n] : bias ? acc[r][n] + bias[n] : acc[r][n];
+                float *at = y + s * lds + r * ldy + n;
+                *at = s && !lds ? *at + acc[r][n] : bias && !s ? acc[r][n] + bias[n] : acc[r][n];
             }
     }
+}
+
+/* Where item it of int8_gemm_parts starts in its part's weight (NULL past the last): item()'s
+ * next. */
+static const uint8_t *part_weight(const int64_t *start, int64_t P, const int64_t *n, const uint8_t *const *w,
+                                  const int64_t *ldw, int64_t it) {
+    if (it >= start[P]) return 0;
+    const int64_t p = owner(start, P, it);
+    return w[p] + (it - start[p]) % ((n[p] + NT - 1) / NT) * NT * ldw[p];
 }
 
 /* quant_gemm_parts's arguments (a projection of P parts in formats types[p], bias[p] or NULL,
@@ -550,17 +571,30 @@ void int8_gemm_parts(int path, int64_t P, const int *types, const uint8_t *const
         const int cols = n[p] - c0 < NT ? (int)(n[p] - c0) : NT;
         item(path, types[p], w[p] + c0 * ldw[p], ldw[p], cols, bias[p] ? bias[p] + c0 : 0, q + r0 * K,
              dx + r0 * nb, bs + r0 * nb, K, R - r0 < ROWS ? R - r0 : ROWS, S, cuts, y + r0 * ldy + col[p] + c0,
-             ldy);
+             ldy, 0, part_weight(start, P, n, w, ldw, it + 1));
     }
     free(q), free(dx), free(bs);
 }
 
+/* Where item it of int8_gemm_grouped starts in its expert's weight (NULL past the last): item()'s
+ * next. */
+static const uint8_t *group_weight(const int64_t *start, int64_t G, const int64_t *groups, const uint8_t *w,
+                                   int64_t lde, int64_t ldw, int64_t tiles, int64_t it) {
+    if (it >= start[G]) return 0;
+    const int64_t g = owner(start, G, it);
+    return w + groups[3 * g] * lde + (it - start[g]) % tiles * NT * ldw;
+}
+
 /* Experts' rows (quant_gemm's arguments: x [*, K] float32, w uint8 [E][N][K's blocks] at strides
- * lde and ldw bytes, y [*, N], groups [G][3]: expert, first row, rows, covering rows [0, R)) on
- * the int8 arithmetic, each row as int8_gemm_parts computes it alone. */
+ * lde and ldw bytes, y [*, N], groups [G][3]: expert, first row, rows, covering rows [0, R); K in
+ * S parts at cuts, NULL: whole, each part's sums apart, lds floats on) on the int8 arithmetic,
+ * each row as int8_gemm_parts computes it alone. The parts in one call: each row's weight read
+ * once (the rows quantized per block of 32, a part's from its own start or the row's alike). */
 void int8_gemm_grouped(int path, int type, const float *x, int64_t ldx, const uint8_t *w, int64_t lde, int64_t ldw,
-                       float *y, int64_t ldy, const int64_t *groups, int64_t G, int64_t R, int64_t K, int64_t N) {
+                       float *y, int64_t ldy, const int64_t *groups, int64_t G, int64_t R, int64_t K, int64_t N,
+                       int64_t S, const int64_t *cuts, int64_t lds) {
     const int64_t whole[2] = {0, K}, nb = K / 32, tiles = (N + NT - 1) / NT;
+    if (!cuts) S = 1, cuts = whole;
     int8_t *q = malloc(R * K + 64);
     float *dx = malloc((R * nb + 1) * sizeof(float)), *bs = malloc((R * nb + 1) * sizeof(float));
     int64_t *start = malloc((G + 1) * sizeof(int64_t)); /* each group's first item */
@@ -573,7 +607,8 @@ void int8_gemm_grouped(int path, int type, const float *x, int64_t ldx, const ui
         const int64_t g = owner(start, G, it), local = it - start[g], c0 = local % tiles * NT;
         const int64_t r0 = groups[3 * g + 1] + local / tiles * ROWS, left = groups[3 * g + 1] + groups[3 * g + 2] - r0;
         item(path, type, w + groups[3 * g] * lde + c0 * ldw, ldw, N - c0 < NT ? (int)(N - c0) : NT, 0, q + r0 * K,
-             dx + r0 * nb, bs + r0 * nb, K, left < ROWS ? left : ROWS, 1, whole, y + r0 * ldy + c0, ldy);
+             dx + r0 * nb, bs + r0 * nb, K, left < ROWS ? left : ROWS, S, cuts, y + r0 * ldy + c0, ldy, lds,
+             group_weight(start, G, groups, w, lde, ldw, tiles, it + 1));
     }
     free(q), free(dx), free(bs), free(start);
 }

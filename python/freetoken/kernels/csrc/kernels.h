@@ -70,7 +70,8 @@ void int8_gemm_parts(int path, int64_t P, const int *types, const uint8_t *const
                      const int64_t *n, const float *const *bias, int64_t S, const int64_t *cuts, const float *x,
                      int64_t ldx, float *y, int64_t ldy, int64_t R, int64_t K);
 void int8_gemm_grouped(int path, int type, const float *x, int64_t ldx, const uint8_t *w, int64_t lde, int64_t ldw,
-                       float *y, int64_t ldy, const int64_t *groups, int64_t G, int64_t R, int64_t K, int64_t N);
+                       float *y, int64_t ldy, const int64_t *groups, int64_t G, int64_t R, int64_t K, int64_t N,
+                       int64_t S, const int64_t *cuts, int64_t lds);
 
 /* ---------------------------------------------------------------- bf16_linear.c */
 int bf16_linear_supported(void);
