@@ -22,7 +22,8 @@ N = 41  # not a multiple of the kernel's 8-column items: the last has one
 K = 1280  # 5 super-blocks: 40 blocks of 32, Q8_0's in units of 8
 HALF = {T.Q8_0: 0, T.Q4_K: 0, T.Q5_K: 0, T.Q6_K: 208, T.MXFP4: 0}  # each block's float16 d (MXFP4: E8M0 e)
 # Rows of an item that int8_gemm.c's AVX2 path multiplies as it unpacks them (up to FEW = 4, two
-# at a time), and of one that goes through the tile.
+# at a time), and of one that goes through the tile; on the VNNI paths, 1-2 made in registers, the
+# tile's groups of four rows and every remainder (3, 4, 9 = 4 + 4 + 1).
 ROWS = (1, 2, 3, 4, 9)
 ONE, ZERO = (np.array([v], np.float16).view(np.uint8) for v in (1, 0))
 E8M0_ONE = np.array([128], np.uint8)  # e8m0_to_fp32_half(128) = 1
@@ -91,7 +92,7 @@ def int8_block(qtype: T) -> int:
 
 def paths():
     return [pytest.param(p, marks=pytest.mark.skipif(
-        p > int8.best_path(), reason=f"this CPU lacks {name.upper()}")) for name, p in int8.PATHS.items()]
+        not int8.runs(p), reason=f"this CPU lacks {name.upper()}")) for name, p in int8.PATHS.items()]
 
 
 @pytest.fixture(params=paths(), ids=list(int8.PATHS))
@@ -134,12 +135,15 @@ def test_every_row_gets_the_bits_it_gets_alone(qtype, path):
 
 
 @pytest.mark.parametrize("qtype", int8.FORMATS, ids=lambda t: t.name)
-def test_avx2_and_scalar_paths_give_the_same_bits(qtype):
-    if int8.best_path() < int8.PATHS["avx2"]:
+def test_every_path_the_cpu_runs_gives_the_scalar_paths_bits(qtype):
+    others = [p for p in int8.PATHS.values() if p and int8.runs(p)]
+    if not others:
         pytest.skip("this CPU lacks AVX2: the scalar path only")
     w = random_weight(qtype, (N, K), seed=6)
     x = torch.randn(70, K, generator=torch.Generator().manual_seed(7)) * 3
-    assert torch.equal(int8.Int8Parts([w], [None], path=0)(x), int8.Int8Parts([w], [None], path=1)(x))
+    scalar = int8.Int8Parts([w], [None], path=0)(x)
+    for p in others:  # (70 rows: items of 64 through the tile and of 6 made in registers)
+        assert torch.equal(int8.Int8Parts([w], [None], path=p)(x), scalar), p
 
 
 @pytest.mark.parametrize("qtype", int8.FORMATS, ids=lambda t: t.name)
@@ -199,11 +203,14 @@ def test_mxfp4_every_scale_byte(rows, path):
     assert torch.equal(y[:, :230], int8.Int8Parts([w], [None], path=path)(x)[:rows, :230])
 
 
-def test_the_probe_picks_avx2_where_the_cpu_has_it():
+def test_the_probe_finds_the_paths_the_cpu_has():
     with open("/proc/cpuinfo") as f:
-        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    avx2 = "avx2" in flags and "f16c" in flags  # the path converts scales with F16C too
-    assert int8.best_path() == int8.PATHS["avx2" if avx2 else "scalar"]
+        flags = set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    avx2 = {"avx2", "f16c"} <= flags  # the path converts scales with F16C too
+    has = {"scalar": True, "avx2": avx2, "avx512_vnni": avx2 and {"avx512_vnni", "avx512vl"} <= flags,
+           "avx_vnni": avx2 and "avx_vnni" in flags}
+    assert {name: int8.runs(p) for name, p in int8.PATHS.items()} == has
+    assert int8.best_path() == max(int8.PATHS[name] for name, ok in has.items() if ok)
 
 
 def test_parts_in_one_call_are_each_part_alone():

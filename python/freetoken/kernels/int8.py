@@ -2,7 +2,7 @@
 built at first use by build.py like quant_gemm.c): each row of x quantized to int8 per
 block of 32 values along K with one float32 scale, multiplied on integer dot products, as
 llama.cpp multiplies its Q8_0 / Q8_K rows, in a fixed order per output element, so a row's bits
-depend neither on its batch, its thread nor the path (AVX2 or scalar). Less exact than
+depend neither on its batch, its thread nor the path (VNNI, AVX2 or scalar). Less exact than
 quant.py's float32 products on the dequantized weights (the activations are rounded to 8 bits),
 faster where the multiply-adds bind (a prefill). Formats: Q8_0, Q4_K, Q5_K, Q6_K (Q4_K_M's)
 and MXFP4 (gpt-oss's experts); a layer with a part in another format runs on quant.py's exact kernel.
@@ -27,7 +27,9 @@ from freetoken.kernels.quant import QuantizedWeight, QuantParts, check_k_parts
 
 FORMATS = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
            GGMLQuantizationType.Q6_K, GGMLQuantizationType.MXFP4)
-PATHS = {"scalar": 0, "avx2": 1}  # int8_gemm.c's `path` argument
+# int8_gemm.c's `path` argument; where a CPU runs several, the highest (the VNNI paths differ from
+# AVX2 only in one instruction, and from each other only in its encoding: the same bits on each).
+PATHS = {"scalar": 0, "avx2": 1, "avx512_vnni": 2, "avx_vnni": 3}
 _ARITHMETIC: ContextVar[str] = ContextVar("quantized_arithmetic", default="exact")
 
 
@@ -51,14 +53,19 @@ def _kernel() -> ctypes.CDLL | None:
     lib = build.open_library("int8_gemm", "int8_supported", "nothing",
                              "quantized layers run the exact arithmetic")
     if lib is not None:
-        lib.best_path = lib.int8_path()  # asked once: CPUID is slow under a hypervisor
+        lib.paths = lib.int8_paths()  # asked once: CPUID is slow under a hypervisor
     return lib
 
 
-def best_path() -> int:
-    """The path this CPU runs: 1 AVX2, 0 scalar (PATHS); 0 too where the kernel is not built."""
+def runs(path: int) -> bool:
+    """Does this CPU run `path` (PATHS)? The scalar path only where the kernel is not built."""
     lib = _kernel()
-    return lib.best_path if lib is not None else 0
+    return bool((lib.paths if lib is not None else 1) >> path & 1)
+
+
+def best_path() -> int:
+    """The path layers run here: the highest in PATHS this CPU runs."""
+    return max(p for p in PATHS.values() if runs(p))
 
 
 def kernel_name(path: int) -> str:

@@ -45,7 +45,16 @@
  * thread's own next item but at the end of its run; another part's or expert's after a switch),
  * whose NT rows its units sweep front to back as one run: at one row, storing the codes to a tile
  * and loading them back cost as much as the multiplies. More rows share codes made once a unit
- * into a tile in L1. No VNNI, AVX512-VNNI or AMX path yet.
+ * into a tile in L1.
+ *
+ * THE VNNI PATHS (AVX512-VNNI's 256-bit form, AVX-VNNI; the same instruction, vpdpbusd, in its two
+ * encodings): at FEW_VNNI rows or fewer, the AVX2 path with each maddubs-and-madd pair one
+ * vpdpbusd (dot4). At more, a tile of another layout (pack_by_group): block u's codes by group of four
+ * values, the eight columns' four bytes of group g in one vector, so that one vpdpbusd of a row's
+ * four quants (broadcast, plus 128: unsigned) adds into eight columns' lanes at once and no sum
+ * crosses lanes (each lane starts at -128 times its codes' sum); two chains a row, up to four rows
+ * sharing each code vector. The same integers I_j, so the same bits as every other path. No AMX
+ * path yet.
  *
  * Built at first use by kernels/build.py for int8.py; the AVX2 path needs F16C too (which every
  * AVX2 CPU has). Signatures: kernels.h.
@@ -61,7 +70,9 @@ enum { Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, MXFP4 = 39 };
 #define UNIT 8    /* blocks of 32 an item takes at a time (a K-quant's super-block) */
 #define ROWS 64   /* most rows per item */
 #define FEW 4     /* most rows per item that skip the tile (AVX2) */
+#define FEW_VNNI 2 /* the same on the VNNI paths, whose tile costs less a row */
 #define INLINE static inline __attribute__((always_inline))
+enum { VEX = 1, EVEX = 2 }; /* vpdpbusd's encodings (dot4) */
 
 /* The scalar path's tile: a unit of NT columns. */
 typedef struct {
@@ -88,6 +99,12 @@ static int block_bytes(int type) {
 
 /* Formats of 32-value blocks (a unit: up to UNIT of them one after another), not super-blocks. */
 #define SMALL(type) ((type) == Q8_0 || (type) == MXFP4)
+/* The format whose block's halves have scales of their own (a != b). */
+#define HALVES(type) ((type) == Q6_K)
+/* Does a tile of more than FEW rows take pack_by_group's layout? On VNNI, yes; on AVX2, where each
+ * vpdpbusd is a maddubs, a madd and an add, for every format whose codes are within +-32 (the quants
+ * plus 128, up to 255, times them in pairs stays within int16: not Q8_0's up to 128). */
+#define BY_GROUP(type, vnni) ((vnni) || (type) != Q8_0)
 
 /* A weight row's UNIT blocks from j0 on (a K-quant's super-block, or Q8_0's or MXFP4's blocks
  * one after another). */
@@ -263,7 +280,11 @@ AVX2 INLINE void transpose_words(const __m256i y[NT], __m256i out[NT]) {
 typedef struct {
     __m256 s[UNIT], m[UNIT];
     __m256i lo[UNIT], hi[UNIT];
-    int8_t c[UNIT][NT][32];
+    union {
+        int8_t c[UNIT][NT][32];
+        __m256i by_group[UNIT][8]; /* pack_by_group's */
+    };
+    __m256i a[UNIT], b[UNIT], offset[UNIT][2]; /* pack_by_group's */
 } unit_t;
 
 /* unit_t's lo and hi from the eight columns' a and b (int16 each). */
@@ -355,13 +376,27 @@ AVX2 INLINE __m256i codes_avx2(int type, const uint8_t *b, int u) {
     return _mm256_or_si256(c, _mm256_and_si256(high, _mm256_set1_epi8(0x10)));
 }
 
-/* A column's eight lanes of int32 sums of c_v q_v by four (maddubs: unsigned codes times signed
- * quants, or Q8_0's signed codes by the sign trick, |c| times q with c's sign; then pairs of pairs
- * summed by madd): lanes 0-3 of values 0-15, 4-7 of 16-31. */
-AVX2 INLINE __m256i quads(int type, __m256i c, __m256i x) {
-    const __m256i p = type == Q8_0 ? _mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(x, c))
-                                   : _mm256_maddubs_epi16(c, x);
-    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+/* acc plus, in lane i, the four products u_b s_b of bytes 4i to 4i + 3 (u unsigned, s signed)
+ * summed in int32. Without VNNI, maddubs (pairs, in int16) then madd by ones; with it, one
+ * vpdpbusd in its VEX (AVX-VNNI) or EVEX (AVX512-VNNI with VL) encoding, written as assembly so
+ * that this file builds with the AVX2 target alone and runs each encoding only where the probe
+ * found it. The same integers: no pair sum reaches maddubs's int16 bound (|u| <= 128, |s| <= 127). */
+AVX2 INLINE __m256i dot4_add(int vnni, __m256i acc, __m256i u, __m256i s) {
+    if (!vnni) return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+    if (vnni == VEX)
+        __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
+    else
+        __asm__("%{evex%} vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+    return acc;
+}
+
+AVX2 INLINE __m256i dot4(int vnni, __m256i u, __m256i s) { return dot4_add(vnni, _mm256_setzero_si256(), u, s); }
+
+/* A column's eight lanes of int32 sums of c_v q_v by four (unsigned codes times signed quants, or
+ * Q8_0's signed codes by the sign trick, |c| times q with c's sign): lanes 0-3 of values 0-15,
+ * 4-7 of 16-31. */
+AVX2 INLINE __m256i quads(int type, int vnni, __m256i c, __m256i x) {
+    return type == Q8_0 ? dot4(vnni, _mm256_abs_epi8(c), _mm256_sign_epi8(x, c)) : dot4(vnni, c, x);
 }
 
 /* Two columns' quads a and b halved: [a0+a2, b0+b2, a1+a3, b1+b3 | the same of lanes 4-7]. (By
@@ -371,8 +406,8 @@ AVX2 INLINE __m256i octs(__m256i a, __m256i b) {
 }
 
 /* [o sum_(v<16) q_v x4 | o sum_(v>=16) q_v x4] of a row's block x (o: the codes' offset). */
-AVX2 INLINE __m256i half_sums(int o, __m256i x) {
-    const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8((char)o), x), _mm256_set1_epi16(1));
+AVX2 INLINE __m256i half_sums(int o, int vnni, __m256i x) {
+    const __m256i t = dot4(vnni, _mm256_set1_epi8((char)o), x);
     const __m256i t2 = _mm256_add_epi32(t, _mm256_shuffle_epi32(t, 0x4E));
     return _mm256_add_epi32(t2, _mm256_shuffle_epi32(t2, 0xB1));
 }
@@ -381,11 +416,11 @@ AVX2 INLINE __m256i half_sums(int o, __m256i x) {
  * again leaves [sum_(v<16) | sum_(v>=16)] of columns 0-3 in one vector and of 4-7 in another,
  * multiplied there by a and b (lo, hi: a K-quant's scales), and added across halves. Q6_K's codes
  * are read plus 32 (MXFP4's plus 12), so 32 (12) times x's sums over each half come off first. */
-AVX2 INLINE __m256i block_sums(int type, const __m256i h[NT / 2], __m256i lo, __m256i hi, __m256i x) {
+AVX2 INLINE __m256i block_sums(int type, int vnni, const __m256i h[NT / 2], __m256i lo, __m256i hi, __m256i x) {
     __m256i s0 = _mm256_add_epi32(_mm256_unpacklo_epi64(h[0], h[1]), _mm256_unpackhi_epi64(h[0], h[1]));
     __m256i s1 = _mm256_add_epi32(_mm256_unpacklo_epi64(h[2], h[3]), _mm256_unpackhi_epi64(h[2], h[3]));
     if (type == Q6_K || type == MXFP4) {
-        const __m256i xo = half_sums(type == Q6_K ? 32 : 12, x);
+        const __m256i xo = half_sums(type == Q6_K ? 32 : 12, vnni, x);
         s0 = _mm256_sub_epi32(s0, xo), s1 = _mm256_sub_epi32(s1, xo);
     }
     if (!SMALL(type)) s0 = _mm256_mullo_epi32(s0, lo), s1 = _mm256_mullo_epi32(s1, hi);
@@ -395,7 +430,7 @@ AVX2 INLINE __m256i block_sums(int type, const __m256i h[NT / 2], __m256i lo, __
 /* Rows r to r + NR - 1 (NR 1 or 2: two rows share each code vector) over the unit's blocks [0,
  * count), the codes read from un->c, or (few) made by codes_avx2 from the columns' bytes col[n]
  * just before their multiplies, never stored. */
-AVX2 INLINE void rows_at(int type, int few, const unit_t *un, const uint8_t *const *col, int count, int64_t j0,
+AVX2 INLINE void rows_at(int type, int vnni, int few, const unit_t *un, const uint8_t *const *col, int count, int64_t j0,
                          const int8_t *q, const float *dx, const float *bs, int64_t K, int64_t r, int NR,
                          float (*acc)[NT]) {
     __m256 a[2];
@@ -409,11 +444,86 @@ AVX2 INLINE void rows_at(int type, int few, const unit_t *un, const uint8_t *con
             __m256i c[2];
             for (int e = 0; e < 2; e++)
                 c[e] = few ? codes_avx2(type, col[n + e], u) : _mm256_loadu_si256((const __m256i *)un->c[u][n + e]);
-            for (int i = 0; i < NR; i++) h[i][n / 2] = octs(quads(type, c[0], x[i]), quads(type, c[1], x[i]));
+            for (int i = 0; i < NR; i++) h[i][n / 2] = octs(quads(type, vnni, c[0], x[i]), quads(type, vnni, c[1], x[i]));
         }
         for (int i = 0; i < NR; i++) {
             const int64_t at = (r + i) * (K / 32) + j;
-            const __m256i I = block_sums(type, h[i], un->lo[u], un->hi[u], x[i]);
+            const __m256i I = block_sums(type, vnni, h[i], un->lo[u], un->hi[u], x[i]);
+            const __m256 m = type == Q4_K || type == Q5_K ? un->m[u] : _mm256_setzero_ps();
+            const __m256 w = _mm256_add_ps(_mm256_mul_ps(un->s[u], _mm256_cvtepi32_ps(I)),
+                                           _mm256_mul_ps(m, _mm256_set1_ps(bs[at])));
+            a[i] = _mm256_add_ps(a[i], _mm256_mul_ps(_mm256_set1_ps(dx[at]), w));
+        }
+    }
+    for (int i = 0; i < NR; i++) _mm256_storeu_ps(acc[r + i], a[i]);
+}
+
+/* Dwords by column to dwords by index: dword n of out[g] is dword g of y[n]. */
+AVX2 INLINE void transpose_dwords(const __m256i y[NT], __m256i out[8]) {
+    __m256i two[NT], four[NT];
+    for (int i = 0; i < 4; i++) { /* dwords 0-1, 2-3 (and 4-7's) of y[2i], y[2i + 1] interleaved */
+        two[2 * i] = _mm256_unpacklo_epi32(y[2 * i], y[2 * i + 1]);
+        two[2 * i + 1] = _mm256_unpackhi_epi32(y[2 * i], y[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) /* four[4i + g]: dword g | 4 + g of columns 4i to 4i + 3 */
+        for (int k = 0; k < 2; k++) {
+            four[4 * i + 2 * k] = _mm256_unpacklo_epi64(two[4 * i + k], two[4 * i + 2 + k]);
+            four[4 * i + 2 * k + 1] = _mm256_unpackhi_epi64(two[4 * i + k], two[4 * i + 2 + k]);
+        }
+    for (int g = 0; g < 4; g++) {
+        out[g] = _mm256_permute2x128_si256(four[g], four[4 + g], 0x20);
+        out[4 + g] = _mm256_permute2x128_si256(four[g], four[4 + g], 0x31);
+    }
+}
+
+/* The tile of BY_GROUP's formats, once a unit for every row: block u's signed codes by group of four values
+ * (by_group[u][g]: values 4g to 4g + 3 of the eight columns, column n's in dword n), so that one
+ * vpdpbusd of a row's four quants (broadcast) sums them into eight columns' lanes at once, with no
+ * sums across lanes after. The rows' quants come plus 128 (unsigned: vpdpbusd's first factor), so
+ * each lane starts at -128 times its codes' sum over the half it sums (Q6_K's, whose a and b
+ * differ) or the block: offset[u]. And the scales a and b in the columns' lanes. */
+AVX2 INLINE void pack_by_group(int type, int vnni, const uint8_t *const *col, int count, unit_t *un) {
+    const __m256i plus = _mm256_set1_epi8((char)(type == Q6_K ? 32 : type == MXFP4 ? 12 : 0));
+    for (int u = 0; u < count; u++) {
+        __m256i y[NT];
+        for (int n = 0; n < NT; n++) y[n] = _mm256_sub_epi8(codes_avx2(type, col[n], u), plus);
+        transpose_dwords(y, un->by_group[u]);
+        __m256i sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        for (int g = 0; g < 8; g++)
+            sums[HALVES(type) && g >= 4] = dot4_add(vnni, sums[HALVES(type) && g >= 4], _mm256_set1_epi8(1),
+                                                    un->by_group[u][g]);
+        for (int h = 0; h < 2; h++) un->offset[u][h] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sums[h], 7));
+        un->a[u] = _mm256_permute2x128_si256(un->lo[u], un->hi[u], 0x20);
+        un->b[u] = _mm256_permute2x128_si256(un->lo[u], un->hi[u], 0x31);
+    }
+}
+
+/* Rows r to r + NR - 1 (NR <= 4: they share each code vector) on pack_by_group's tile, their quants plus
+ * 128 in qu: rows_at's sums, each lane's I_j summed in place. */
+AVX2 INLINE void rows_by_group_at(int type, int vnni, const unit_t *un, int count, int64_t j0, const uint8_t *qu,
+                              const float *dx, const float *bs, int64_t K, int64_t r, int NR, float (*acc)[NT]) {
+    __m256 a[4];
+    for (int i = 0; i < NR; i++) a[i] = _mm256_loadu_ps(acc[r + i]);
+    for (int u = 0; u < count; u++) {
+        const int64_t j = j0 + u;
+        __m256i sums[4][2]; /* two chains a row: the halves, or (a == b) even and odd groups */
+        for (int i = 0; i < NR; i++)
+            sums[i][0] = un->offset[u][0], sums[i][1] = HALVES(type) ? un->offset[u][1] : _mm256_setzero_si256();
+        for (int g = 0; g < 8; g++) {
+            const int h = HALVES(type) ? g >= 4 : g & 1;
+            for (int i = 0; i < NR; i++) {
+                int32_t four;
+                memcpy(&four, qu + (r + i) * K + 32 * j + 4 * g, 4);
+                sums[i][h] = dot4_add(vnni, sums[i][h], _mm256_set1_epi32(four), un->by_group[u][g]);
+            }
+        }
+        for (int i = 0; i < NR; i++) {
+            const int64_t at = (r + i) * (K / 32) + j;
+            const __m256i both = _mm256_add_epi32(sums[i][0], sums[i][1]);
+            const __m256i I = SMALL(type)       ? both
+                              : HALVES(type) ? _mm256_add_epi32(_mm256_mullo_epi32(sums[i][0], un->a[u]),
+                                                                 _mm256_mullo_epi32(sums[i][1], un->b[u]))
+                                             : _mm256_mullo_epi32(both, un->a[u]);
             const __m256 m = type == Q4_K || type == Q5_K ? un->m[u] : _mm256_setzero_ps();
             const __m256 w = _mm256_add_ps(_mm256_mul_ps(un->s[u], _mm256_cvtepi32_ps(I)),
                                            _mm256_mul_ps(m, _mm256_set1_ps(bs[at])));
@@ -437,12 +547,12 @@ AVX2 INLINE void fetch_next(const uint8_t *at, int64_t bytes) {
 }
 
 /* rows_at over rows [0, rows), two at a time. */
-AVX2 INLINE void rows_avx2(int type, int few, const unit_t *un, const uint8_t *const *col, int count, int64_t j0,
+AVX2 INLINE void rows_avx2(int type, int vnni, int few, const unit_t *un, const uint8_t *const *col, int count, int64_t j0,
                            const int8_t *q, const float *dx, const float *bs, int64_t K, int64_t rows,
                            float (*acc)[NT]) {
     int64_t r = 0;
-    for (; r + 1 < rows; r += 2) rows_at(type, few, un, col, count, j0, q, dx, bs, K, r, 2, acc);
-    if (r < rows) rows_at(type, few, un, col, count, j0, q, dx, bs, K, r, 1, acc);
+    for (; r + 1 < rows; r += 2) rows_at(type, vnni, few, un, col, count, j0, q, dx, bs, K, r, 2, acc);
+    if (r < rows) rows_at(type, vnni, few, un, col, count, j0, q, dx, bs, K, r, 1, acc);
 }
 
 /* The AVX2 path, one unit (blocks [j0, j0 + count)) of an item: rows_scalar's sums, eight columns
@@ -450,70 +560,113 @@ AVX2 INLINE void rows_avx2(int type, int few, const unit_t *un, const uint8_t *c
  * rows or fewer multiplies each block's codes as they are made, each pair of rows making them
  * again: at one row, storing them and loading them back cost as much as the multiplies, and at 3-4
  * rows making them twice still cost no more (measured). More rows share codes made once a unit. */
-AVX2 INLINE void unit_avx2(int type, const uint8_t *w, int64_t ldw, int cols, int64_t j0, int count,
-                           const int8_t *q, const float *dx, const float *bs, int64_t K, int64_t rows,
+AVX2 INLINE void unit_avx2(int type, int vnni, const uint8_t *w, int64_t ldw, int cols, int64_t j0, int count,
+                           const int8_t *q, const uint8_t *qu, const float *dx, const float *bs, int64_t K, int64_t rows,
                            float (*acc)[NT], const uint8_t *next) {
     const uint8_t *col[NT];
     unit_t un;
     if (!SMALL(type)) count = UNIT; /* (whole super-blocks: a constant for the unrolled loops) */
     for (int n = 0; n < NT; n++) col[n] = unit_at(type, w + (n < cols ? n : cols - 1) * ldw, j0);
     head_avx2(type, col, count, &un);
-    if (rows <= FEW) {
-        if (next) {
-            const int64_t units = (K / 32 + UNIT - 1) / UNIT, share = (NT * ldw + units - 1) / units;
-            fetch_next(next + j0 / UNIT * share, share);
+    if (next) {
+        const int64_t units = (K / 32 + UNIT - 1) / UNIT, share = (NT * ldw + units - 1) / units;
+        fetch_next(next + j0 / UNIT * share, share);
+    }
+    if (rows <= (vnni ? FEW_VNNI : FEW)) {
+        rows_avx2(type, vnni, 1, &un, col, count, j0, q, dx, bs, K, rows, acc);
+        return;
+    }
+    if (BY_GROUP(type, vnni)) {
+        pack_by_group(type, vnni, col, count, &un);
+        int64_t r = 0;
+        for (; r + 3 < rows; r += 4) rows_by_group_at(type, vnni, &un, count, j0, qu, dx, bs, K, r, 4, acc);
+        switch (rows - r) { /* (the count a constant for the unrolled loops) */
+        case 3: rows_by_group_at(type, vnni, &un, count, j0, qu, dx, bs, K, r, 3, acc); break;
+        case 2: rows_by_group_at(type, vnni, &un, count, j0, qu, dx, bs, K, r, 2, acc); break;
+        case 1: rows_by_group_at(type, vnni, &un, count, j0, qu, dx, bs, K, r, 1, acc); break;
         }
-        rows_avx2(type, 1, &un, col, count, j0, q, dx, bs, K, rows, acc);
         return;
     }
     for (int n = 0; n < NT; n++)
         for (int u = 0; u < count; u++) _mm256_storeu_si256((__m256i *)un.c[u][n], codes_avx2(type, col[n], u));
-    rows_avx2(type, 0, &un, col, count, j0, q, dx, bs, K, rows, acc);
+    rows_avx2(type, vnni, 0, &un, col, count, j0, q, dx, bs, K, rows, acc);
 }
 
-#define UNIT_AVX2(TYPE)                                                                                     \
-    AVX2 static void unit_avx2_##TYPE(const uint8_t *w, int64_t ldw, int cols, int64_t j0, int count,       \
-                                      const int8_t *q, const float *dx, const float *bs, int64_t K,         \
-                                      int64_t rows, float (*acc)[NT], const uint8_t *next) {                \
-        unit_avx2(TYPE, w, ldw, cols, j0, count, q, dx, bs, K, rows, acc, next);                            \
+typedef void unit_fn(const uint8_t *w, int64_t ldw, int cols, int64_t j0, int count, const int8_t *q,
+                     const uint8_t *qu, const float *dx, const float *bs, int64_t K, int64_t rows, float (*acc)[NT],
+                     const uint8_t *next);
+#define UNIT_AVX2(TYPE, VNNI)                                                                               \
+    AVX2 static void unit_avx2_##TYPE##_##VNNI(const uint8_t *w, int64_t ldw, int cols, int64_t j0,         \
+                                               int count, const int8_t *q, const uint8_t *qu, const float *dx,\
+                                               const float *bs, int64_t K, int64_t rows, float (*acc)[NT],  \
+                                               const uint8_t *next) {                                       \
+        unit_avx2(TYPE, VNNI, w, ldw, cols, j0, count, q, qu, dx, bs, K, rows, acc, next);                  \
     }
-UNIT_AVX2(Q8_0)
-UNIT_AVX2(Q4_K)
-UNIT_AVX2(Q5_K)
-UNIT_AVX2(Q6_K)
-UNIT_AVX2(MXFP4)
+#define UNITS_AVX2(VNNI) UNIT_AVX2(Q8_0, VNNI) UNIT_AVX2(Q4_K, VNNI) UNIT_AVX2(Q5_K, VNNI) UNIT_AVX2(Q6_K, VNNI) \
+    UNIT_AVX2(MXFP4, VNNI)
+UNITS_AVX2(0)
+UNITS_AVX2(VEX)
+UNITS_AVX2(EVEX)
+#define ROW_OF_UNITS(VNNI) \
+    {unit_avx2_Q8_0_##VNNI, unit_avx2_Q4_K_##VNNI, unit_avx2_Q5_K_##VNNI, unit_avx2_Q6_K_##VNNI, unit_avx2_MXFP4_##VNNI}
+
+/* The unit function of a path (1 AVX2, 2 AVX512-VNNI, 3 AVX-VNNI) and format. */
+static unit_fn *unit_function(int path, int type) {
+    static unit_fn *const units[3][5] = {ROW_OF_UNITS(0), ROW_OF_UNITS(EVEX), ROW_OF_UNITS(VEX)};
+    return units[path - 1][type == Q8_0 ? 0 : type == Q4_K ? 1 : type == Q5_K ? 2 : type == Q6_K ? 3 : 4];
+}
 
 AVX2 static void quantize_avx2(const float *x, int64_t K, int8_t *q, float *dx, float *bs) {
     quantize_row(x, K, q, dx, bs);
 }
 
-/* 1: AVX2 (with F16C), 0: the scalar path only. */
-int int8_path(void) {
+/* The paths this CPU runs, bit p for path p: 0 scalar, 1 AVX2 (with F16C), 2 AVX512-VNNI (with
+ * VL: its 256-bit form), 3 AVX-VNNI. */
+int int8_paths(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") ? 1 : 0;
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("f16c")) return 1;
+    return 3 | (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")) << 2 |
+           !!__builtin_cpu_supports("avxvnni") << 3; /* (it answers a bit of a mask, not 1) */
 }
 #else
-int int8_path(void) { return 0; }
+int int8_paths(void) { return 1; }
 #endif
 
 int int8_supported(void) { return 1; }
 
-static void quantize(int path, const float *x, int64_t K, int8_t *q, float *dx, float *bs) {
+/* A call's rows quantized: q, dx and B (quantize_row) per row, and on the vector paths qu, the
+ * quants plus 128 (pack_by_group's tile's). */
+typedef struct {
+    int8_t *q;
+    uint8_t *qu;
+    float *dx, *bs;
+} quantized_t;
+
+static quantized_t quantize(int path, const float *x, int64_t ldx, int64_t R, int64_t K) {
+    const int64_t nb = K / 32;
+    quantized_t z = {malloc(R * K + 64), path ? malloc(R * K + 64) : 0, malloc((R * nb + 1) * sizeof(float)),
+                     malloc((R * nb + 1) * sizeof(float))};
+    _Pragma("omp parallel for schedule(static) if (R > 1)")
+    for (int64_t r = 0; r < R; r++) {
 #if defined(__x86_64__)
-    if (path) {
-        quantize_avx2(x, K, q, dx, bs);
-        return;
-    }
+        if (path) quantize_avx2(x + r * ldx, K, z.q + r * K, z.dx + r * nb, z.bs + r * nb);
+        else
 #endif
-    quantize_row(x, K, q, dx, bs);
+            quantize_row(x + r * ldx, K, z.q + r * K, z.dx + r * nb, z.bs + r * nb);
+        if (z.qu)
+            for (int64_t i = r * K; i < (r + 1) * K; i++) z.qu[i] = (uint8_t)(z.q[i] ^ 0x80);
+    }
+    return z;
 }
+
+static void release(quantized_t z) { free(z.q), free(z.qu), free(z.dx), free(z.bs); }
 
 /* One item: rows [0, rows) (their q, dx, B) against columns [0, cols) of w, y as item_parts, the
  * S parts of K summed in part order (lds 0) or each part's sums apart, lds floats on (a
  * tensor-parallel rank's share of experts' down projection); next: where the weight of item it + 1
  * starts (the thread's next item but at the end of a run), NULL past the last. */
 static void item(int path, int type, const uint8_t *w, int64_t ldw, int cols, const float *bias, const int8_t *q,
-                 const float *dx, const float *bs, int64_t K, int64_t rows, int64_t S, const int64_t *cuts,
+                 const uint8_t *qu, const float *dx, const float *bs, int64_t K, int64_t rows, int64_t S, const int64_t *cuts,
                  float *y, int64_t ldy, int64_t lds, const uint8_t *next) {
     tile_t t __attribute__((aligned(64)));
     float acc[ROWS][NT];
@@ -523,11 +676,7 @@ static void item(int path, int type, const uint8_t *w, int64_t ldw, int cols, co
             const int count = cuts[s + 1] / 32 - j0 < UNIT ? (int)(cuts[s + 1] / 32 - j0) : UNIT;
 #if defined(__x86_64__)
             if (path) {
-                (type == Q8_0   ? unit_avx2_Q8_0
-                 : type == Q4_K ? unit_avx2_Q4_K
-                 : type == Q5_K ? unit_avx2_Q5_K
-                 : type == Q6_K ? unit_avx2_Q6_K
-                                : unit_avx2_MXFP4)(w, ldw, cols, j0, count, q, dx, bs, K, rows, acc, next);
+                unit_function(path, type)(w, ldw, cols, j0, count, q, qu, dx, bs, K, rows, acc, next);
                 continue;
             }
 #endif
@@ -552,16 +701,13 @@ static const uint8_t *part_weight(const int64_t *start, int64_t P, const int64_t
 }
 
 /* quant_gemm_parts's arguments (a projection of P parts in formats types[p], bias[p] or NULL,
- * K in S parts at cuts, NULL: whole), on the int8 arithmetic. path: 1 AVX2, 0 scalar. */
+ * K in S parts at cuts, NULL: whole), on the int8 arithmetic. path: int8_paths's. */
 void int8_gemm_parts(int path, int64_t P, const int *types, const uint8_t *const *w, const int64_t *ldw,
                      const int64_t *n, const float *const *bias, int64_t S, const int64_t *cuts, const float *x,
                      int64_t ldx, float *y, int64_t ldy, int64_t R, int64_t K) {
     const int64_t whole[2] = {0, K}, nb = K / 32;
     if (!cuts) S = 1, cuts = whole;
-    int8_t *q = malloc(R * K + 64);
-    float *dx = malloc((R * nb + 1) * sizeof(float)), *bs = malloc((R * nb + 1) * sizeof(float));
-    _Pragma("omp parallel for schedule(static) if (R > 1)")
-    for (int64_t r = 0; r < R; r++) quantize(path, x + r * ldx, K, q + r * K, dx + r * nb, bs + r * nb);
+    const quantized_t z = quantize(path, x, ldx, R, K);
     int64_t start[P + 1], col[P + 1]; /* each part's first item and first column */
     part_items(P, n, (R + ROWS - 1) / ROWS, NT, start, col);
     _Pragma("omp parallel for schedule(guided) if (start[P] > 1)")
@@ -569,11 +715,11 @@ void int8_gemm_parts(int path, int64_t P, const int *types, const uint8_t *const
         const int64_t p = owner(start, P, it), tiles = (n[p] + NT - 1) / NT, local = it - start[p];
         const int64_t c0 = local % tiles * NT, r0 = local / tiles * ROWS;
         const int cols = n[p] - c0 < NT ? (int)(n[p] - c0) : NT;
-        item(path, types[p], w[p] + c0 * ldw[p], ldw[p], cols, bias[p] ? bias[p] + c0 : 0, q + r0 * K,
-             dx + r0 * nb, bs + r0 * nb, K, R - r0 < ROWS ? R - r0 : ROWS, S, cuts, y + r0 * ldy + col[p] + c0,
+        item(path, types[p], w[p] + c0 * ldw[p], ldw[p], cols, bias[p] ? bias[p] + c0 : 0, z.q + r0 * K,
+             z.qu ? z.qu + r0 * K : 0, z.dx + r0 * nb, z.bs + r0 * nb, K, R - r0 < ROWS ? R - r0 : ROWS, S, cuts, y + r0 * ldy + col[p] + c0,
              ldy, 0, part_weight(start, P, n, w, ldw, it + 1));
     }
-    free(q), free(dx), free(bs);
+    release(z);
 }
 
 /* Where item it of int8_gemm_grouped starts in its expert's weight (NULL past the last): item()'s
@@ -595,20 +741,17 @@ void int8_gemm_grouped(int path, int type, const float *x, int64_t ldx, const ui
                        int64_t S, const int64_t *cuts, int64_t lds) {
     const int64_t whole[2] = {0, K}, nb = K / 32, tiles = (N + NT - 1) / NT;
     if (!cuts) S = 1, cuts = whole;
-    int8_t *q = malloc(R * K + 64);
-    float *dx = malloc((R * nb + 1) * sizeof(float)), *bs = malloc((R * nb + 1) * sizeof(float));
+    const quantized_t z = quantize(path, x, ldx, R, K);
     int64_t *start = malloc((G + 1) * sizeof(int64_t)); /* each group's first item */
-    _Pragma("omp parallel for schedule(static) if (R > 1)")
-    for (int64_t r = 0; r < R; r++) quantize(path, x + r * ldx, K, q + r * K, dx + r * nb, bs + r * nb);
     start[0] = 0;
     for (int64_t g = 0; g < G; g++) start[g + 1] = start[g] + (groups[3 * g + 2] + ROWS - 1) / ROWS * tiles;
     _Pragma("omp parallel for schedule(guided) if (start[G] > 1)")
     for (int64_t it = 0; it < start[G]; it++) {
         const int64_t g = owner(start, G, it), local = it - start[g], c0 = local % tiles * NT;
         const int64_t r0 = groups[3 * g + 1] + local / tiles * ROWS, left = groups[3 * g + 1] + groups[3 * g + 2] - r0;
-        item(path, type, w + groups[3 * g] * lde + c0 * ldw, ldw, N - c0 < NT ? (int)(N - c0) : NT, 0, q + r0 * K,
-             dx + r0 * nb, bs + r0 * nb, K, left < ROWS ? left : ROWS, S, cuts, y + r0 * ldy + c0, ldy, lds,
+        item(path, type, w + groups[3 * g] * lde + c0 * ldw, ldw, N - c0 < NT ? (int)(N - c0) : NT, 0, z.q + r0 * K,
+             z.qu ? z.qu + r0 * K : 0, z.dx + r0 * nb, z.bs + r0 * nb, K, left < ROWS ? left : ROWS, S, cuts, y + r0 * ldy + c0, ldy, lds,
              group_weight(start, G, groups, w, lde, ldw, tiles, it + 1));
     }
-    free(q), free(dx), free(bs), free(start);
+    release(z), free(start);
 }

@@ -65,7 +65,7 @@ void quant_dequantize_rows(int isa, int type, const uint8_t *w, int64_t ldw, con
 
 /* ---------------------------------------------------------------- int8_gemm.c */
 int int8_supported(void);
-int int8_path(void);
+int int8_paths(void);
 void int8_gemm_parts(int path, int64_t P, const int *types, const uint8_t *const *w, const int64_t *ldw,
                      const int64_t *n, const float *const *bias, int64_t S, const int64_t *cuts, const float *x,
                      int64_t ldx, float *y, int64_t ldy, int64_t R, int64_t K);
