@@ -17,9 +17,10 @@ second one thread gets through with the weight in its L2 (the kernel's own rate,
 threads: what the cores could do), against all threads reading weights from memory (a set of
 them larger than the L3), beside a plain read of the same bytes with torch's threads.
 
-With --int8, only the int8 arithmetic (`--quantized-arithmetic int8`, kernels/int8.py) against
-the exact kernel on Qwen3-8B's gate/up shape in Q4_K_M's formats, at decode and prefill row
-counts, the two calls alternated so that a busy moment slows both.
+With --int8, only the int8 arithmetic (`--quantized-arithmetic int8`, kernels/int8.py) on each
+vector path the CPU runs (AVX2, AVX512-VNNI, AVX-VNNI) against the exact kernel on Qwen3-8B's
+gate/up shape in Q4_K_M's formats and MXFP4, at decode and prefill row counts, the calls
+alternated so that a busy moment slows each.
 
     python scripts/bench_quant.py [--threads 2] [--formats Q4_1,Q8_0] [--quick] [--int8]
 """
@@ -110,24 +111,29 @@ def main() -> None:
 
 
 def int8_table(args) -> None:
-    """The int8 arithmetic's kernel against the exact one, each figure the best of its calls, the
-    two alternated call by call."""
+    """The int8 arithmetic's kernel on each path this CPU runs against the exact one, each figure
+    the best of its calls, the calls alternated call by call."""
+    paths = {name: p for name, p in int8.PATHS.items() if p and int8.runs(p)}
+    best_name = {v: k for k, v in int8.PATHS.items()}[int8.best_path()]  # (scalar: every run's)
+    paths = paths or {"scalar": 0}
     table = []
     for qtype in int8.FORMATS:
         weight = quant.random_weight(qtype, INT8_SHAPE)
-        runs = {"exact": quant.QuantParts([weight], [None]), "int8": int8.Int8Parts([weight], [None])}
+        runs = {"exact": quant.QuantParts([weight], [None]),
+                **{name: int8.Int8Parts([weight], [None], path=p) for name, p in paths.items()}}
         for rows in INT8_ROWS:
             x = torch.randn(rows, INT8_SHAPE[1])
             best = dict.fromkeys(runs, float("inf"))
             for _ in range(max(args.repeats, 3)):
                 for name, run in runs.items():
                     best[name] = min(best[name], best_time(lambda: run(x), 1, args.seconds / 3))
-            table.append([qtype.name, rows, f"{best['exact'] * 1e3:.2f}", f"{best['int8'] * 1e3:.2f}",
-                          ratio(best["exact"], best["int8"])])
-    path = {v: k for k, v in int8.PATHS.items()}[int8.best_path()]
-    print_table(f"int8 arithmetic ({path}) against exact, {INT8_SHAPE[0]}x{INT8_SHAPE[1]} (N x K), "
+            table.append([qtype.name, rows, *(f"{best[name] * 1e3:.2f}" for name in runs),
+                          ratio(best["exact"], best[best_name]),
+                          ratio(best["avx2"], best[best_name]) if "avx2" in best else "-"])
+    print_table(f"int8 arithmetic on each path against exact, {INT8_SHAPE[0]}x{INT8_SHAPE[1]} (N x K), "
                 f"{args.threads} thread(s), {cpu_name()}, {time.strftime('%Y-%m-%d')}",
-                ["format", "rows", "exact ms", "int8 ms", "exact / int8"], table)
+                ["format", "rows", "exact ms", *(f"{name} ms" for name in paths), f"exact / {best_name}",
+                 f"avx2 / {best_name}"], table)
     print(f"unit peaks (GFLOP/s, or GOP/s of byte products, {args.threads} threads): {unit_peaks()}")
 
 

@@ -546,6 +546,12 @@ AVX2 INLINE void fetch_next(const uint8_t *at, int64_t bytes) {
     for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)at + o, _MM_HINT_T0);
 }
 
+/* fetch_next of the unit at block j0. */
+AVX2 INLINE void fetch_unit_share(const uint8_t *next, int64_t ldw, int64_t K, int64_t j0) {
+    const int64_t units = (K / 32 + UNIT - 1) / UNIT, share = (NT * ldw + units - 1) / units;
+    fetch_next(next + j0 / UNIT * share, share);
+}
+
 /* rows_at over rows [0, rows), two at a time. */
 AVX2 INLINE void rows_avx2(int type, int vnni, int few, const unit_t *un, const uint8_t *const *col, int count, int64_t j0,
                            const int8_t *q, const float *dx, const float *bs, int64_t K, int64_t rows,
@@ -568,10 +574,7 @@ AVX2 INLINE void unit_avx2(int type, int vnni, const uint8_t *w, int64_t ldw, in
     if (!SMALL(type)) count = UNIT; /* (whole super-blocks: a constant for the unrolled loops) */
     for (int n = 0; n < NT; n++) col[n] = unit_at(type, w + (n < cols ? n : cols - 1) * ldw, j0);
     head_avx2(type, col, count, &un);
-    if (next) {
-        const int64_t units = (K / 32 + UNIT - 1) / UNIT, share = (NT * ldw + units - 1) / units;
-        fetch_next(next + j0 / UNIT * share, share);
-    }
+    if (next) fetch_unit_share(next, ldw, K, j0);
     if (rows <= (vnni ? FEW_VNNI : FEW)) {
         rows_avx2(type, vnni, 1, &un, col, count, j0, q, dx, bs, K, rows, acc);
         return;
@@ -592,6 +595,117 @@ AVX2 INLINE void unit_avx2(int type, int vnni, const uint8_t *w, int64_t ldw, in
     rows_avx2(type, vnni, 0, &un, col, count, j0, q, dx, bs, K, rows, acc);
 }
 
+/* The AVX512-VNNI path's FEW_VNNI rows or fewer: rows_at's sums on 512-bit vectors, two blocks
+ * (u, u + 1) of a column in one, half the instructions a block. The same integers I_j, and each
+ * column's acc takes block u's term, then u + 1's: the same bits. */
+#define AVX512 __attribute__((target("avx2,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+
+/* Blocks u and u + 1 (u even) of a column's codes as codes_avx2 makes them, u in the low half:
+ * Q4_K's two are the low and high nibbles of the same 32 bytes. */
+AVX512 INLINE __m512i codes_512(int type, const uint8_t *b, int u) {
+    if (type == Q4_K) {
+        const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (u / 2))));
+        const __m512i shift = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
+        return _mm512_and_si512(_mm512_srlv_epi64(q, shift), _mm512_set1_epi8(15));
+    }
+    return _mm512_inserti64x4(_mm512_castsi256_si512(codes_avx2(type, b, u)), codes_avx2(type, b, u + 1), 1);
+}
+
+/* quads on two blocks: Q8_0's signed codes by |c| times q negated where c < 0 (no vpsignb here). */
+AVX512 INLINE __m512i quads_512(int type, __m512i c, __m512i x) {
+    if (type == Q8_0) {
+        const __m512i s = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(c), _mm512_setzero_si512(), x);
+        return _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(c), s);
+    }
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, x);
+}
+
+/* octs in each 128-bit lane. */
+AVX512 INLINE __m512i octs_512(__m512i a, __m512i b) {
+    return _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+}
+
+/* Two ymm vectors as one, a in the low half. */
+AVX512 INLINE __m512i pair_i(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
+AVX512 INLINE __m512 pair_f(__m256 a, __m256 b) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)), _mm256_castps_pd(b), 1));
+}
+/* [v[0] x8 | v[1] x8] */
+AVX512 INLINE __m512 two_floats(const float *v) {
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                 _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)v))));
+}
+
+/* block_sums of blocks u, u + 1 from h[i] = octs_512 of columns 2i, 2i + 1: [I_u of the eight
+ * columns | I_(u+1)]. Each 128-bit lane of s0 (columns 0-3) and s1 (4-7) holds a half's sums: u's
+ * low, u's high, u + 1's low, u + 1's high. */
+AVX512 INLINE __m512i block_sums_512(int type, const __m512i h[NT / 2], const unit_t *un, int u, __m512i x) {
+    __m512i s0 = _mm512_add_epi32(_mm512_unpacklo_epi64(h[0], h[1]), _mm512_unpackhi_epi64(h[0], h[1]));
+    __m512i s1 = _mm512_add_epi32(_mm512_unpacklo_epi64(h[2], h[3]), _mm512_unpackhi_epi64(h[2], h[3]));
+    if (type == Q6_K || type == MXFP4) { /* half_sums in each 128-bit lane */
+        const __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)(type == Q6_K ? 32 : 12)), x);
+        const __m512i t2 = _mm512_add_epi32(t, _mm512_shuffle_epi32(t, 0x4E));
+        const __m512i xo = _mm512_add_epi32(t2, _mm512_shuffle_epi32(t2, 0xB1));
+        s0 = _mm512_sub_epi32(s0, xo), s1 = _mm512_sub_epi32(s1, xo);
+    }
+    if (!SMALL(type))
+        s0 = _mm512_mullo_epi32(s0, pair_i(un->lo[u], un->lo[u + 1])),
+        s1 = _mm512_mullo_epi32(s1, pair_i(un->hi[u], un->hi[u + 1]));
+    const __m512i sum = _mm512_add_epi32(_mm512_shuffle_i64x2(s0, s1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                         _mm512_shuffle_i64x2(s0, s1, _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_shuffle_i64x2(sum, sum, _MM_SHUFFLE(3, 1, 2, 0)); /* [u 0-3, u 4-7, u+1 0-3, u+1 4-7] */
+}
+
+/* rows_at (few) on rows [0, NR), NR <= 2 sharing each code vector, blocks two at a time. */
+AVX512 INLINE void rows_512(int type, const unit_t *un, const uint8_t *const *col, int count, int64_t j0,
+                            const int8_t *q, const float *dx, const float *bs, int64_t K, int NR,
+                            float (*acc)[NT]) {
+    __m256 a[2];
+    for (int i = 0; i < NR; i++) a[i] = _mm256_loadu_ps(acc[i]);
+#pragma GCC unroll 4
+    for (int u = 0; u < count; u += 2) {
+        const int64_t j = j0 + u;
+        __m512i x[2], h[2][NT / 2];
+        for (int i = 0; i < NR; i++) x[i] = _mm512_loadu_si512((const void *)(q + i * K + 32 * j));
+        for (int n = 0; n < NT; n += 2) {
+            const __m512i c0 = codes_512(type, col[n], u), c1 = codes_512(type, col[n + 1], u);
+            for (int i = 0; i < NR; i++) h[i][n / 2] = octs_512(quads_512(type, c0, x[i]), quads_512(type, c1, x[i]));
+        }
+        const __m512 sv = pair_f(un->s[u], un->s[u + 1]);
+        const __m512 mv = type == Q4_K || type == Q5_K ? pair_f(un->m[u], un->m[u + 1]) : _mm512_setzero_ps();
+        for (int i = 0; i < NR; i++) {
+            const int64_t at = i * (K / 32) + j;
+            const __m512i I = block_sums_512(type, h[i], un, u, x[i]);
+            const __m512 w = _mm512_add_ps(_mm512_mul_ps(sv, _mm512_cvtepi32_ps(I)), _mm512_mul_ps(mv, two_floats(bs + at)));
+            const __m512 t = _mm512_mul_ps(two_floats(dx + at), w);
+            a[i] = _mm256_add_ps(a[i], _mm512_castps512_ps256(t));
+            a[i] = _mm256_add_ps(a[i], _mm512_extractf32x8_ps(t, 1));
+        }
+    }
+    for (int i = 0; i < NR; i++) _mm256_storeu_ps(acc[i], a[i]);
+}
+
+/* unit_avx2 at FEW_VNNI rows or fewer on the AVX512-VNNI path (an odd count, a K's last Q8_0 or
+ * MXFP4 blocks, on unit_avx2's own). */
+AVX512 INLINE void unit_few_512(int type, const uint8_t *w, int64_t ldw, int cols, int64_t j0, int count,
+                                const int8_t *q, const float *dx, const float *bs, int64_t K, int64_t rows,
+                                float (*acc)[NT], const uint8_t *next) {
+    const uint8_t *col[NT];
+    unit_t un;
+    if (!SMALL(type)) count = UNIT;
+    for (int n = 0; n < NT; n++) col[n] = unit_at(type, w + (n < cols ? n : cols - 1) * ldw, j0);
+    head_avx2(type, col, count, &un);
+    if (next) fetch_unit_share(next, ldw, K, j0);
+    if (count % 2) {
+        rows_avx2(type, EVEX, 1, &un, col, count, j0, q, dx, bs, K, rows, acc);
+        return;
+    }
+    if (rows == 2) /* (the count a constant for the unrolled loops) */
+        rows_512(type, &un, col, count, j0, q, dx, bs, K, 2, acc);
+    else
+        rows_512(type, &un, col, count, j0, q, dx, bs, K, 1, acc);
+}
+
 typedef void unit_fn(const uint8_t *w, int64_t ldw, int cols, int64_t j0, int count, const int8_t *q,
                      const uint8_t *qu, const float *dx, const float *bs, int64_t K, int64_t rows, float (*acc)[NT],
                      const uint8_t *next);
@@ -606,13 +720,27 @@ typedef void unit_fn(const uint8_t *w, int64_t ldw, int cols, int64_t j0, int co
     UNIT_AVX2(MXFP4, VNNI)
 UNITS_AVX2(0)
 UNITS_AVX2(VEX)
-UNITS_AVX2(EVEX)
+#define UNIT_EVEX(TYPE)                                                                                     \
+    AVX512 static void unit_avx2_##TYPE##_EVEX(const uint8_t *w, int64_t ldw, int cols, int64_t j0, int count,\
+                                               const int8_t *q, const uint8_t *qu, const float *dx,         \
+                                               const float *bs, int64_t K, int64_t rows, float (*acc)[NT],  \
+                                               const uint8_t *next) {                                       \
+        if (rows <= FEW_VNNI)                                                                               \
+            unit_few_512(TYPE, w, ldw, cols, j0, count, q, dx, bs, K, rows, acc, next);                     \
+        else                                                                                                \
+            unit_avx2(TYPE, EVEX, w, ldw, cols, j0, count, q, qu, dx, bs, K, rows, acc, next);              \
+    }
+UNIT_EVEX(Q8_0)
+UNIT_EVEX(Q4_K)
+UNIT_EVEX(Q5_K)
+UNIT_EVEX(Q6_K)
+UNIT_EVEX(MXFP4)
 #define ROW_OF_UNITS(VNNI) \
     {unit_avx2_Q8_0_##VNNI, unit_avx2_Q4_K_##VNNI, unit_avx2_Q5_K_##VNNI, unit_avx2_Q6_K_##VNNI, unit_avx2_MXFP4_##VNNI}
 
-/* The unit function of a path (1 AVX2, 2 AVX512-VNNI, 3 AVX-VNNI) and format. */
+/* The unit function of a path (1 AVX2, 2 AVX-VNNI, 3 AVX512-VNNI) and format. */
 static unit_fn *unit_function(int path, int type) {
-    static unit_fn *const units[3][5] = {ROW_OF_UNITS(0), ROW_OF_UNITS(EVEX), ROW_OF_UNITS(VEX)};
+    static unit_fn *const units[3][5] = {ROW_OF_UNITS(0), ROW_OF_UNITS(VEX), ROW_OF_UNITS(EVEX)};
     return units[path - 1][type == Q8_0 ? 0 : type == Q4_K ? 1 : type == Q5_K ? 2 : type == Q6_K ? 3 : 4];
 }
 
@@ -620,13 +748,15 @@ AVX2 static void quantize_avx2(const float *x, int64_t K, int8_t *q, float *dx, 
     quantize_row(x, K, q, dx, bs);
 }
 
-/* The paths this CPU runs, bit p for path p: 0 scalar, 1 AVX2 (with F16C), 2 AVX512-VNNI (with
- * VL: its 256-bit form), 3 AVX-VNNI. */
+/* The paths this CPU runs, bit p for path p: 0 scalar, 1 AVX2 (with F16C), 2 AVX-VNNI, 3
+ * AVX512-VNNI (with F, BW, DQ and VL: 512-bit vectors at few rows, 256-bit ones in the tile). */
 int int8_paths(void) {
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("f16c")) return 1;
-    return 3 | (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")) << 2 |
-           !!__builtin_cpu_supports("avxvnni") << 3; /* (it answers a bit of a mask, not 1) */
+    const int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                       __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+    return 3 | !!__builtin_cpu_supports("avxvnni") << 2 | /* (it answers a bit of a mask, not 1) */
+           (avx512 && __builtin_cpu_supports("avx512vnni")) << 3;
 }
 #else
 int int8_paths(void) { return 1; }
