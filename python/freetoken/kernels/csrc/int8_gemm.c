@@ -53,8 +53,9 @@
  * values, the eight columns' four bytes of group g in one vector, so that one vpdpbusd of a row's
  * four quants (broadcast, plus 128: unsigned) adds into eight columns' lanes at once and no sum
  * crosses lanes (each lane starts at -128 times its codes' sum); two chains a row, up to four rows
- * sharing each code vector. The same integers I_j, so the same bits as every other path. No AMX
- * path yet.
+ * sharing each code vector. AVX512-VNNI runs both on 512-bit vectors, two blocks of a column (few
+ * rows) or of a group (the tile) in one. The same integers I_j, and each acc takes its blocks'
+ * terms in order: the same bits as every other path. No AMX path yet.
  *
  * Built at first use by kernels/build.py for int8.py; the AVX2 path needs F16C too (which every
  * AVX2 CPU has). Signatures: kernels.h.
@@ -282,7 +283,7 @@ typedef struct {
     __m256i lo[UNIT], hi[UNIT];
     union {
         int8_t c[UNIT][NT][32];
-        __m256i by_group[UNIT][8]; /* pack_by_group's */
+        __m256i by_group[UNIT / 2][8][2]; /* pack_by_group's: [u / 2][g][u % 2] */
     };
     __m256i a[UNIT], b[UNIT], offset[UNIT][2]; /* pack_by_group's */
 } unit_t;
@@ -477,7 +478,8 @@ AVX2 INLINE void transpose_dwords(const __m256i y[NT], __m256i out[8]) {
 }
 
 /* The tile of BY_GROUP's formats, once a unit for every row: block u's signed codes by group of four values
- * (by_group[u][g]: values 4g to 4g + 3 of the eight columns, column n's in dword n), so that one
+ * (by_group[u / 2][g][u % 2]: values 4g to 4g + 3 of the eight columns, column n's in dword n; the
+ * two blocks of a pair side by side, one 512-bit vector), so that one
  * vpdpbusd of a row's four quants (broadcast) sums them into eight columns' lanes at once, with no
  * sums across lanes after. The rows' quants come plus 128 (unsigned: vpdpbusd's first factor), so
  * each lane starts at -128 times its codes' sum over the half it sums (Q6_K's, whose a and b
@@ -487,11 +489,14 @@ AVX2 INLINE void pack_by_group(int type, int vnni, const uint8_t *const *col, in
     for (int u = 0; u < count; u++) {
         __m256i y[NT];
         for (int n = 0; n < NT; n++) y[n] = _mm256_sub_epi8(codes_avx2(type, col[n], u), plus);
-        transpose_dwords(y, un->by_group[u]);
+        __m256i by_group[8];
+        transpose_dwords(y, by_group);
         __m256i sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-        for (int g = 0; g < 8; g++)
+        for (int g = 0; g < 8; g++) {
+            un->by_group[u / 2][g][u % 2] = by_group[g];
             sums[HALVES(type) && g >= 4] = dot4_add(vnni, sums[HALVES(type) && g >= 4], _mm256_set1_epi8(1),
-                                                    un->by_group[u][g]);
+                                                    by_group[g]);
+        }
         for (int h = 0; h < 2; h++) un->offset[u][h] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sums[h], 7));
         un->a[u] = _mm256_permute2x128_si256(un->lo[u], un->hi[u], 0x20);
         un->b[u] = _mm256_permute2x128_si256(un->lo[u], un->hi[u], 0x31);
@@ -514,7 +519,7 @@ AVX2 INLINE void rows_by_group_at(int type, int vnni, const unit_t *un, int coun
             for (int i = 0; i < NR; i++) {
                 int32_t four;
                 memcpy(&four, qu + (r + i) * K + 32 * j + 4 * g, 4);
-                sums[i][h] = dot4_add(vnni, sums[i][h], _mm256_set1_epi32(four), un->by_group[u][g]);
+                sums[i][h] = dot4_add(vnni, sums[i][h], _mm256_set1_epi32(four), un->by_group[u / 2][g][u % 2]);
             }
         }
         for (int i = 0; i < NR; i++) {
@@ -566,28 +571,45 @@ AVX2 INLINE void rows_avx2(int type, int vnni, int few, const unit_t *un, const 
  * rows or fewer multiplies each block's codes as they are made, each pair of rows making them
  * again: at one row, storing them and loading them back cost as much as the multiplies, and at 3-4
  * rows making them twice still cost no more (measured). More rows share codes made once a unit. */
+/* f(r, NR) over rows [0, rows) four at a time, then the rest (NR a constant for the unrolled loops). */
+#define IN_FOURS(rows, f)                                                                                   \
+    do {                                                                                                    \
+        int64_t r_ = 0;                                                                                     \
+        for (; r_ + 3 < (rows); r_ += 4) f(r_, 4);                                                          \
+        switch ((rows) - r_) {                                                                              \
+        case 3: f(r_, 3); break;                                                                            \
+        case 2: f(r_, 2); break;                                                                            \
+        case 1: f(r_, 1); break;                                                                            \
+        }                                                                                                   \
+    } while (0)
+
+/* What every vector path does first a unit: its columns' blocks col[n] (columns past cols repeat
+ * the last), their scales (head_avx2), and its share of the next item's weight fetched; the count
+ * of blocks (a K-quant's whole super-block: a constant for the unrolled loops). */
+AVX2 INLINE int unit_start(int type, const uint8_t *w, int64_t ldw, int cols, int64_t j0, int count, int64_t K,
+                           const uint8_t *next, const uint8_t **col, unit_t *un) {
+    if (!SMALL(type)) count = UNIT;
+    for (int n = 0; n < NT; n++) col[n] = unit_at(type, w + (n < cols ? n : cols - 1) * ldw, j0);
+    head_avx2(type, col, count, un);
+    if (next) fetch_unit_share(next, ldw, K, j0);
+    return count;
+}
+
 AVX2 INLINE void unit_avx2(int type, int vnni, const uint8_t *w, int64_t ldw, int cols, int64_t j0, int count,
                            const int8_t *q, const uint8_t *qu, const float *dx, const float *bs, int64_t K, int64_t rows,
                            float (*acc)[NT], const uint8_t *next) {
     const uint8_t *col[NT];
     unit_t un;
-    if (!SMALL(type)) count = UNIT; /* (whole super-blocks: a constant for the unrolled loops) */
-    for (int n = 0; n < NT; n++) col[n] = unit_at(type, w + (n < cols ? n : cols - 1) * ldw, j0);
-    head_avx2(type, col, count, &un);
-    if (next) fetch_unit_share(next, ldw, K, j0);
+    count = unit_start(type, w, ldw, cols, j0, count, K, next, col, &un);
     if (rows <= (vnni ? FEW_VNNI : FEW)) {
         rows_avx2(type, vnni, 1, &un, col, count, j0, q, dx, bs, K, rows, acc);
         return;
     }
     if (BY_GROUP(type, vnni)) {
         pack_by_group(type, vnni, col, count, &un);
-        int64_t r = 0;
-        for (; r + 3 < rows; r += 4) rows_by_group_at(type, vnni, &un, count, j0, qu, dx, bs, K, r, 4, acc);
-        switch (rows - r) { /* (the count a constant for the unrolled loops) */
-        case 3: rows_by_group_at(type, vnni, &un, count, j0, qu, dx, bs, K, r, 3, acc); break;
-        case 2: rows_by_group_at(type, vnni, &un, count, j0, qu, dx, bs, K, r, 2, acc); break;
-        case 1: rows_by_group_at(type, vnni, &un, count, j0, qu, dx, bs, K, r, 1, acc); break;
-        }
+#define AT(r, NR) rows_by_group_at(type, vnni, &un, count, j0, qu, dx, bs, K, r, NR, acc)
+        IN_FOURS(rows, AT);
+#undef AT
         return;
     }
     for (int n = 0; n < NT; n++)
@@ -692,10 +714,7 @@ AVX512 INLINE void unit_few_512(int type, const uint8_t *w, int64_t ldw, int col
                                 float (*acc)[NT], const uint8_t *next) {
     const uint8_t *col[NT];
     unit_t un;
-    if (!SMALL(type)) count = UNIT;
-    for (int n = 0; n < NT; n++) col[n] = unit_at(type, w + (n < cols ? n : cols - 1) * ldw, j0);
-    head_avx2(type, col, count, &un);
-    if (next) fetch_unit_share(next, ldw, K, j0);
+    count = unit_start(type, w, ldw, cols, j0, count, K, next, col, &un);
     if (count % 2) {
         rows_avx2(type, EVEX, 1, &un, col, count, j0, q, dx, bs, K, rows, acc);
         return;
@@ -704,6 +723,67 @@ AVX512 INLINE void unit_few_512(int type, const uint8_t *w, int64_t ldw, int col
         rows_512(type, &un, col, count, j0, q, dx, bs, K, 2, acc);
     else
         rows_512(type, &un, col, count, j0, q, dx, bs, K, 1, acc);
+}
+
+/* rows_by_group_at on the AVX512-VNNI path, blocks two at a time (count even): group g of blocks
+ * u and u + 1 in one 512-bit vector, each row's four quants of both (one 64-byte load a pair of
+ * blocks, one permute a group) multiplied in one vpdpbusd; each column's acc takes block u's term,
+ * then u + 1's: the same bits. */
+AVX512 INLINE void rows_by_group_512(int type, const unit_t *un, int count, int64_t j0, const uint8_t *qu,
+                                     const float *dx, const float *bs, int64_t K, int64_t r, int NR,
+                                     float (*acc)[NT]) {
+    const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8);
+    __m256 a[4];
+    for (int i = 0; i < NR; i++) a[i] = _mm256_loadu_ps(acc[r + i]);
+    for (int u = 0; u < count; u += 2) {
+        const int64_t j = j0 + u;
+        __m512i x[4], sums[4][2];
+        const __m512i first = pair_i(un->offset[u][0], un->offset[u + 1][0]);
+        const __m512i second = HALVES(type) ? pair_i(un->offset[u][1], un->offset[u + 1][1]) : _mm512_setzero_si512();
+        for (int i = 0; i < NR; i++)
+            x[i] = _mm512_loadu_si512((const void *)(qu + (r + i) * K + 32 * j)), sums[i][0] = first, sums[i][1] = second;
+        for (int g = 0; g < 8; g++) {
+            const int h = HALVES(type) ? g >= 4 : g & 1;
+            const __m512i c = _mm512_loadu_si512((const void *)un->by_group[u / 2][g]);
+            const __m512i at = _mm512_add_epi32(halves, _mm512_set1_epi32(g));
+            for (int i = 0; i < NR; i++) sums[i][h] = _mm512_dpbusd_epi32(sums[i][h], _mm512_permutexvar_epi32(at, x[i]), c);
+        }
+        const __m512 sv = pair_f(un->s[u], un->s[u + 1]);
+        const __m512 mv = type == Q4_K || type == Q5_K ? pair_f(un->m[u], un->m[u + 1]) : _mm512_setzero_ps();
+        const __m512i av = pair_i(un->a[u], un->a[u + 1]), bv = pair_i(un->b[u], un->b[u + 1]);
+        for (int i = 0; i < NR; i++) {
+            const int64_t at = (r + i) * (K / 32) + j;
+            const __m512i both = _mm512_add_epi32(sums[i][0], sums[i][1]);
+            const __m512i I = SMALL(type)       ? both
+                              : HALVES(type) ? _mm512_add_epi32(_mm512_mullo_epi32(sums[i][0], av),
+                                                                 _mm512_mullo_epi32(sums[i][1], bv))
+                                             : _mm512_mullo_epi32(both, av);
+            const __m512 w = _mm512_add_ps(_mm512_mul_ps(sv, _mm512_cvtepi32_ps(I)), _mm512_mul_ps(mv, two_floats(bs + at)));
+            const __m512 t = _mm512_mul_ps(two_floats(dx + at), w);
+            a[i] = _mm256_add_ps(a[i], _mm512_castps512_ps256(t));
+            a[i] = _mm256_add_ps(a[i], _mm512_extractf32x8_ps(t, 1));
+        }
+    }
+    for (int i = 0; i < NR; i++) _mm256_storeu_ps(acc[r + i], a[i]);
+}
+
+/* unit_avx2 past FEW_VNNI rows on the AVX512-VNNI path (an odd count, a K's last Q8_0 or MXFP4
+ * blocks, on the 256-bit tile). */
+AVX512 INLINE void unit_tile_512(int type, const uint8_t *w, int64_t ldw, int cols, int64_t j0, int count,
+                                 const uint8_t *qu, const float *dx, const float *bs, int64_t K, int64_t rows,
+                                 float (*acc)[NT], const uint8_t *next) {
+    const uint8_t *col[NT];
+    unit_t un;
+    count = unit_start(type, w, ldw, cols, j0, count, K, next, col, &un);
+    pack_by_group(type, EVEX, col, count, &un);
+#define AT(r, NR) rows_by_group_at(type, EVEX, &un, count, j0, qu, dx, bs, K, r, NR, acc)
+#define AT_512(r, NR) rows_by_group_512(type, &un, count, j0, qu, dx, bs, K, r, NR, acc)
+    if (count % 2)
+        IN_FOURS(rows, AT);
+    else
+        IN_FOURS(rows, AT_512);
+#undef AT
+#undef AT_512
 }
 
 typedef void unit_fn(const uint8_t *w, int64_t ldw, int cols, int64_t j0, int count, const int8_t *q,
@@ -728,7 +808,7 @@ UNITS_AVX2(VEX)
         if (rows <= FEW_VNNI)                                                                               \
             unit_few_512(TYPE, w, ldw, cols, j0, count, q, dx, bs, K, rows, acc, next);                     \
         else                                                                                                \
-            unit_avx2(TYPE, EVEX, w, ldw, cols, j0, count, q, qu, dx, bs, K, rows, acc, next);              \
+            unit_tile_512(TYPE, w, ldw, cols, j0, count, qu, dx, bs, K, rows, acc, next);                   \
     }
 UNIT_EVEX(Q8_0)
 UNIT_EVEX(Q4_K)
