@@ -45,15 +45,16 @@
  * thread's own next item but at the end of its run; another part's or expert's after a switch),
  * whose NT rows its units sweep front to back as one run: at one row, storing the codes to a tile
  * and loading them back cost as much as the multiplies. More rows share codes made once a unit
- * into a tile in L1.
+ * into a tile in L1: pack_by_group's below, but Q8_0's (whose codes reach 128: times quants plus
+ * 128, maddubs's int16 pairs would overflow), which keeps a tile of each column's 32 codes.
  *
- * THE VNNI PATHS (AVX512-VNNI's 256-bit form, AVX-VNNI; the same instruction, vpdpbusd, in its two
- * encodings): at FEW_VNNI rows or fewer, the AVX2 path with each maddubs-and-madd pair one
- * vpdpbusd (dot4). At more, a tile of another layout (pack_by_group): block u's codes by group of four
- * values, the eight columns' four bytes of group g in one vector, so that one vpdpbusd of a row's
- * four quants (broadcast, plus 128: unsigned) adds into eight columns' lanes at once and no sum
- * crosses lanes (each lane starts at -128 times its codes' sum); two chains a row, up to four rows
- * sharing each code vector. AVX512-VNNI runs both on 512-bit vectors, two blocks of a column (few
+ * THE VNNI PATHS (AVX-VNNI, AVX512-VNNI; the same instruction, vpdpbusd, in its two encodings): at
+ * FEW_VNNI rows or fewer, the AVX2 path with each maddubs-and-madd pair one vpdpbusd (dot4). At
+ * more, and on AVX2 with dot4's three instructions, a tile of another layout (pack_by_group):
+ * block u's codes by group of four values, the eight columns' four bytes of group g in one
+ * vector, so that one vpdpbusd of a row's four quants (broadcast, plus 128: unsigned) adds into
+ * eight columns' lanes at once and no sum crosses lanes (each lane starts at -128 times its codes'
+ * sum); two chains a row, up to four rows sharing each code vector. AVX512-VNNI runs both on 512-bit vectors, two blocks of a column (few
  * rows) or of a group (the tile) in one. The same integers I_j, and each acc takes its blocks'
  * terms in order: the same bits as every other path. No AMX path yet.
  *
