@@ -659,6 +659,14 @@ AVX512 INLINE __m512 two_floats(const float *v) {
                                  _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)v))));
 }
 
+/* A row's eight accs a plus blocks u's and u + 1's terms (I [u | u + 1], their s and m in sv and
+ * mv, the row's dx and B of both at dx[0..1], bs[0..1]), u's first: rows_at's float steps. */
+AVX512 INLINE __m256 add_two_blocks(__m256 a, __m512i I, __m512 sv, __m512 mv, const float *dx, const float *bs) {
+    const __m512 w = _mm512_add_ps(_mm512_mul_ps(sv, _mm512_cvtepi32_ps(I)), _mm512_mul_ps(mv, two_floats(bs)));
+    const __m512 t = _mm512_mul_ps(two_floats(dx), w);
+    return _mm256_add_ps(_mm256_add_ps(a, _mm512_castps512_ps256(t)), _mm512_extractf32x8_ps(t, 1));
+}
+
 /* block_sums of blocks u, u + 1 from h[i] = octs_512 of columns 2i, 2i + 1: [I_u of the eight
  * columns | I_(u+1)]. Each 128-bit lane of s0 (columns 0-3) and s1 (4-7) holds a half's sums: u's
  * low, u's high, u + 1's low, u + 1's high. */
@@ -698,32 +706,10 @@ AVX512 INLINE void rows_512(int type, const unit_t *un, const uint8_t *const *co
         const __m512 mv = type == Q4_K || type == Q5_K ? pair_f(un->m[u], un->m[u + 1]) : _mm512_setzero_ps();
         for (int i = 0; i < NR; i++) {
             const int64_t at = i * (K / 32) + j;
-            const __m512i I = block_sums_512(type, h[i], un, u, x[i]);
-            const __m512 w = _mm512_add_ps(_mm512_mul_ps(sv, _mm512_cvtepi32_ps(I)), _mm512_mul_ps(mv, two_floats(bs + at)));
-            const __m512 t = _mm512_mul_ps(two_floats(dx + at), w);
-            a[i] = _mm256_add_ps(a[i], _mm512_castps512_ps256(t));
-            a[i] = _mm256_add_ps(a[i], _mm512_extractf32x8_ps(t, 1));
+            a[i] = add_two_blocks(a[i], block_sums_512(type, h[i], un, u, x[i]), sv, mv, dx + at, bs + at);
         }
     }
     for (int i = 0; i < NR; i++) _mm256_storeu_ps(acc[i], a[i]);
-}
-
-/* unit_avx2 at FEW_VNNI rows or fewer on the AVX512-VNNI path (an odd count, a K's last Q8_0 or
- * MXFP4 blocks, on unit_avx2's own). */
-AVX512 INLINE void unit_few_512(int type, const uint8_t *w, int64_t ldw, int cols, int64_t j0, int count,
-                                const int8_t *q, const float *dx, const float *bs, int64_t K, int64_t rows,
-                                float (*acc)[NT], const uint8_t *next) {
-    const uint8_t *col[NT];
-    unit_t un;
-    count = unit_start(type, w, ldw, cols, j0, count, K, next, col, &un);
-    if (count % 2) {
-        rows_avx2(type, EVEX, 1, &un, col, count, j0, q, dx, bs, K, rows, acc);
-        return;
-    }
-    if (rows == 2) /* (the count a constant for the unrolled loops) */
-        rows_512(type, &un, col, count, j0, q, dx, bs, K, 2, acc);
-    else
-        rows_512(type, &un, col, count, j0, q, dx, bs, K, 1, acc);
 }
 
 /* rows_by_group_at on the AVX512-VNNI path, blocks two at a time (count even): group g of blocks
@@ -759,23 +745,30 @@ AVX512 INLINE void rows_by_group_512(int type, const unit_t *un, int count, int6
                               : HALVES(type) ? _mm512_add_epi32(_mm512_mullo_epi32(sums[i][0], av),
                                                                  _mm512_mullo_epi32(sums[i][1], bv))
                                              : _mm512_mullo_epi32(both, av);
-            const __m512 w = _mm512_add_ps(_mm512_mul_ps(sv, _mm512_cvtepi32_ps(I)), _mm512_mul_ps(mv, two_floats(bs + at)));
-            const __m512 t = _mm512_mul_ps(two_floats(dx + at), w);
-            a[i] = _mm256_add_ps(a[i], _mm512_castps512_ps256(t));
-            a[i] = _mm256_add_ps(a[i], _mm512_extractf32x8_ps(t, 1));
+            a[i] = add_two_blocks(a[i], I, sv, mv, dx + at, bs + at);
         }
     }
     for (int i = 0; i < NR; i++) _mm256_storeu_ps(acc[r + i], a[i]);
 }
 
-/* unit_avx2 past FEW_VNNI rows on the AVX512-VNNI path (an odd count, a K's last Q8_0 or MXFP4
- * blocks, on the 256-bit tile). */
-AVX512 INLINE void unit_tile_512(int type, const uint8_t *w, int64_t ldw, int cols, int64_t j0, int count,
-                                 const uint8_t *qu, const float *dx, const float *bs, int64_t K, int64_t rows,
-                                 float (*acc)[NT], const uint8_t *next) {
+/* unit_avx2 on the AVX512-VNNI path: FEW_VNNI rows or fewer two blocks of a column a vector
+ * (rows_512), more on the tile two blocks of a group a vector (rows_by_group_512); an odd count (a
+ * K's last Q8_0 or MXFP4 blocks) on the 256-bit code. */
+AVX512 INLINE void unit_512(int type, const uint8_t *w, int64_t ldw, int cols, int64_t j0, int count,
+                            const int8_t *q, const uint8_t *qu, const float *dx, const float *bs, int64_t K,
+                            int64_t rows, float (*acc)[NT], const uint8_t *next) {
     const uint8_t *col[NT];
     unit_t un;
     count = unit_start(type, w, ldw, cols, j0, count, K, next, col, &un);
+    if (rows <= FEW_VNNI) {
+        if (count % 2)
+            rows_avx2(type, EVEX, 1, &un, col, count, j0, q, dx, bs, K, rows, acc);
+        else if (rows == 2) /* (the count a constant for the unrolled loops) */
+            rows_512(type, &un, col, count, j0, q, dx, bs, K, 2, acc);
+        else
+            rows_512(type, &un, col, count, j0, q, dx, bs, K, 1, acc);
+        return;
+    }
     pack_by_group(type, EVEX, col, count, &un);
 #define AT(r, NR) rows_by_group_at(type, EVEX, &un, count, j0, qu, dx, bs, K, r, NR, acc)
 #define AT_512(r, NR) rows_by_group_512(type, &un, count, j0, qu, dx, bs, K, r, NR, acc)
@@ -806,10 +799,7 @@ UNITS_AVX2(VEX)
                                                const int8_t *q, const uint8_t *qu, const float *dx,         \
                                                const float *bs, int64_t K, int64_t rows, float (*acc)[NT],  \
                                                const uint8_t *next) {                                       \
-        if (rows <= FEW_VNNI)                                                                               \
-            unit_few_512(TYPE, w, ldw, cols, j0, count, q, dx, bs, K, rows, acc, next);                     \
-        else                                                                                                \
-            unit_tile_512(TYPE, w, ldw, cols, j0, count, qu, dx, bs, K, rows, acc, next);                   \
+        unit_512(TYPE, w, ldw, cols, j0, count, q, qu, dx, bs, K, rows, acc, next);                         \
     }
 UNIT_EVEX(Q8_0)
 UNIT_EVEX(Q4_K)
