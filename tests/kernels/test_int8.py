@@ -207,7 +207,7 @@ def test_the_probe_finds_the_paths_the_cpu_has():
     with open("/proc/cpuinfo") as f:
         flags = set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
     avx2 = {"avx2", "f16c"} <= flags  # the path converts scales with F16C too
-    has = {"scalar": True, "avx2": avx2, "avx512_vnni": avx2 and {"avx512_vnni", "avx512vl"} <= flags,
+    has = {"scalar": True, "avx2": avx2, "avx512_vnni": avx2 and {"avx512_vnni", "avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags,
            "avx_vnni": avx2 and "avx_vnni" in flags}
     assert {name: int8.runs(p) for name, p in int8.PATHS.items()} == has
     assert int8.best_path() == max(int8.PATHS[name] for name, ok in has.items() if ok)
