@@ -67,3 +67,24 @@ def test_mean_pooling_takes_no_prefix_cache_hit(tiny):
     assert msgs[1][0].cached_tokens == 0
     assert torch.allclose(torch.tensor(msgs[1][0].embedding), _reference(base + [5000], "mean"),
                           atol=TOLERANCE, rtol=0)
+
+
+def test_pooling_requests_take_no_row_of_the_lm_head(tiny, monkeypatch):
+    """A pooling request's one token is never read: it gets no logit row, so a batch of them
+    runs no LM head, and beside a generation request that request's tokens and logprobs are
+    those it gets alone."""
+    head_rows = []
+    head = tiny.model.lm_head
+    monkeypatch.setattr(head, "forward", lambda x, f=head.forward: head_rows.append(len(x)) or f(x))
+    prompts = {uid: random_prompt(9 + uid, 40 + uid) for uid in range(3)}
+    _embed(build_scheduler(tiny, kv_slots=1024), prompts, "last")
+    assert head_rows == []
+    generate = SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True)
+    alone = drain(build_scheduler(tiny, kv_slots=1024), {9: (random_prompt(12, 49), generate)})
+    mixed = drain(build_scheduler(tiny, kv_slots=1024), {
+        **{uid: (ids, SamplingParams(temperature=0, max_tokens=1, pooling="last"))
+           for uid, ids in prompts.items()},
+        9: (random_prompt(12, 49), generate)})
+    assert [(m.token_ids, m.logprobs) for m in mixed[9]] == [(m.token_ids, m.logprobs) for m in alone[9]]
+    assert all(mixed[uid][0].embedding is not None for uid in prompts)
+    assert max(head_rows) == 1  # the generation request's row alone

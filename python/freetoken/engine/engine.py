@@ -94,7 +94,10 @@ class Engine:
         logits, ctx = self.run_model(batch)
         # The head may have computed the allowed ids' columns alone (ForwardContext.logit_columns).
         columns = ctx.logit_columns if logits.shape[1] != self.sampler.vocab_size else None
-        tokens, logprobs = self._sample(logits, batch.logit_reqs, columns)
+        sampling = _sampling(batch.logit_reqs)
+        tokens, logprobs = self._sample(logits, sampling, columns) if sampling else ([], [])
+        if len(sampling) < len(batch.logit_reqs):
+            tokens, logprobs = _with_pooled(batch.logit_reqs, tokens, logprobs)
         if ctx.mtp is not None:
             self.drafter.keep(batch, tokens, ctx.mtp)
         out = StepOutput(tokens, logprobs, self._score_prompts(batch, logits) if batch.prompt_rows else [])
@@ -115,7 +118,7 @@ class Engine:
             first = start[id(req)] + 1
             targets += req.prompt_ids[first : first + rows]
             ks += [req.params.prompt_logprobs] * rows
-        n = sum(1 + len(r.drafts) for r in batch.logit_reqs)
+        n = sum(1 + len(r.drafts) for r in _sampling(batch.logit_reqs))
         return prompt_logprobs(logits[n : n + len(targets)], targets, ks)
 
     def _collect_hidden(self, batch: Batch, ctx: ForwardContext) -> None:
@@ -256,7 +259,7 @@ class Engine:
     def plan(self, batch: Batch) -> StepPlan:
         ids, positions, out_slots, logit_rows, chunks, decoding = [], [], [], [], [], []
         hidden_rows = []
-        logit_set = {id(r) for r in batch.logit_reqs}
+        logit_set = {id(r) for r in _sampling(batch.logit_reqs)}
         first_row = {}
         for req, new in zip(batch.reqs, batch.new_ids):
             total, q = req.num_computed, len(new)  # slots for `new` were appended before the step
@@ -327,15 +330,31 @@ def _allowed_columns(batch: Batch) -> list[int] | None:
     """The ids the LM head need compute (sorted), where every logit row is a request's that
     allows only some (scoring's labels: the rest of each row is -inf once masked); None where
     any row needs the whole vocabulary (prompt logprobs, an unmasked request)."""
-    if batch.prompt_rows or not batch.logit_reqs:
+    sampling = _sampling(batch.logit_reqs)
+    if batch.prompt_rows or not sampling:
         return None
     ids: set[int] = set()
-    for req in batch.logit_reqs:
+    for req in sampling:
         allowed = req.params.allowed_token_ids
         if not allowed:
             return None
         ids.update(allowed)
     return sorted(ids) if len(ids) <= MAX_LOGIT_COLUMNS else None
+
+
+def _sampling(reqs: list[Req]) -> list[Req]:
+    """The requests whose sampled token is read: a pooling request's one token never is, so it
+    gets no logit row (no LM head, no sampler) and `_with_pooled` gives it a placeholder."""
+    return [r for r in reqs if r.params.pooling is None]
+
+
+def _with_pooled(reqs: list[Req], tokens: list[list[int]],
+                 logprobs: list[list]) -> tuple[list[list[int]], list[list]]:
+    """StepOutput's lists per `reqs`: the sampling requests' in order, token 0 with no entry for
+    each pooling request (it finishes on it: max_tokens 1, ignore_eos)."""
+    sampled = iter(zip(tokens, logprobs))
+    merged = [next(sampled) if r.params.pooling is None else ([0], [None]) for r in reqs]
+    return [t for t, _ in merged], [lp for _, lp in merged]
 
 
 def _decodes(req, q: int) -> bool:

@@ -263,6 +263,8 @@ class LlamaForCausalLM(CausalLM):
         x.add_(delta)
         if ctx.hidden_rows is not None:
             ctx.hidden = self.model.norm(x.index_select(0, ctx.hidden_rows))
+            if not len(ctx.logit_rows):  # pooling requests alone: nothing samples
+                return x.new_empty(0, self.vocab_size, dtype=torch.float32)
         # Only rows with logits (sampling or prompt logprobs) need the norm and the LM head.
         x = self.model.norm(x.index_select(0, ctx.logit_rows))
         # [rows, len(logit_columns)] where the head computes those columns alone, else [rows, V].

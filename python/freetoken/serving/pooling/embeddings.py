@@ -69,10 +69,9 @@ async def create_embeddings(req: EmbeddingRequest, raw_request, state: EngineCli
         for item in inputs:
             if isinstance(item, list):
                 limits.check_ids(item, "input")
-        # The one token a pooling request samples is never read: allowing a single id makes its
-        # logit row one column of the LM head, not the vocabulary (engine.MAX_LOGIT_COLUMNS).
+        # The engine computes no logits for a pooling request: it finishes on one placeholder.
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, speculative=False,
-                                pooling=pooling.pooling, allowed_token_ids=[0])
+                                pooling=pooling.pooling)
         msgs = [TokenizeMsg(state.new_user(), item, params) for item in inputs]
         replies = await until_disconnected(
             raw_request, run_all(state, msgs, limits.max_running_requests))
