@@ -66,3 +66,24 @@ def test_a_weights_value_outside_its_choices_is_refused_by_name(monkeypatch):
     monkeypatch.setenv("FREETOKEN_LINEAR_KERNEL", "cublas")
     with pytest.raises(ValueError, match="FREETOKEN_LINEAR_KERNEL=cublas"):
         WeightsConfig().resolved()
+
+
+def test_a_pooling_server_loads_its_head_for_label_columns(tiny):
+    """--runner pooling (a reranker reads two ids of each logit row): the engine's load puts the
+    LM head on a kernel that computes those columns alone, whatever this CPU's timings say."""
+    import torch
+
+    from freetoken.config import PoolingConfig
+    from freetoken.layers.linear import Linear, prepare
+
+    folder, _ = tiny
+    args = parse_args([str(folder)])
+    assert engine_config(args, str(folder)).weights.head_for_columns is False
+    config = engine_config(args, str(folder), PoolingConfig(task="classify"))
+    assert config.weights.head_for_columns is True
+    loaded = load_model(folder, dtype="float32", device="cpu", weights=config.weights)
+    head = loaded.model.lm_head
+    if prepare("grouped", Linear(16, 16).requires_grad_(False)) is None:
+        pytest.skip("our grouped kernel does not run float32 here")
+    x = torch.randn(2, head.in_features)
+    assert torch.equal(head.logits_at(x, [5, 9]), head(x)[:, [5, 9]])

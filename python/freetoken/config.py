@@ -5,7 +5,7 @@ side enforces). The offline `LLM` builds its `EngineConfig` directly."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from freetoken import envs
 
@@ -116,6 +116,9 @@ class WeightsConfig:
     exact_tp: bool | None = None
     huge_pages: bool | None = None  # a GGUF's blocks copied into huge pages; automatic: where given
     quantized_arithmetic: str = "exact"  # one of QUANTIZED_ARITHMETIC
+    # The LM head on a kernel that computes chosen columns alone (layers/linear.py): set for
+    # --runner pooling, whose logit rows read a reranker's two labels or nothing.
+    head_for_columns: bool = False
 
     def __post_init__(self):
         _check("gguf_weights", self.gguf_weights, GGUF_WEIGHTS)
@@ -135,6 +138,7 @@ class WeightsConfig:
             exact_tp=self.exact_tp if self.exact_tp is not None else {"1": True, "0": False}.get(exact or ""),
             huge_pages=self.huge_pages if self.huge_pages is not None else (False if huge == "0" else None),
             quantized_arithmetic=self.quantized_arithmetic,
+            head_for_columns=self.head_for_columns,
         )
 
 
@@ -194,8 +198,8 @@ class FrontendConfig:
     system_fingerprint: str | None = None  # set on an int8-arithmetic server (serving/handling.py)
 
 
-def engine_config(args, model_folder: str) -> EngineConfig:
-    """`args` is a `ServerArgs`."""
+def engine_config(args, model_folder: str, pooling: PoolingConfig | None = None) -> EngineConfig:
+    """`args` is a `ServerArgs`; `pooling` what the model is served as beyond generation."""
     return EngineConfig(
         model_folder=model_folder,
         dtype=args.dtype,
@@ -211,7 +215,7 @@ def engine_config(args, model_folder: str) -> EngineConfig:
             tp_size=args.tensor_parallel_size, nnodes=args.nnodes, node_rank=args.node_rank,
             master_addr=args.master_addr, master_port=args.master_port,
             backend=args.distributed_backend, timeout_s=args.distributed_timeout),
-        weights=args.weights,
+        weights=replace(args.weights, head_for_columns=pooling is not None),
     )
 
 

@@ -176,6 +176,34 @@ def test_choice_takes_the_fastest_invariant_kernel(results, kernel, invariant, m
     assert any(kernel in v for v in plan.kernels.values())
 
 
+@pytest.mark.parametrize("wanted", [False, True])
+def test_a_head_for_columns_goes_to_a_kernel_that_computes_columns_alone(wanted, monkeypatch):
+    """A pooling server's LM head (--runner pooling) on our kernel though oneDNN times faster:
+    `logits_at` then computes a reranker's two columns, not the vocabulary; the other layers and
+    a generation server's head keep the fastest."""
+    if any(prepare(name, _layer(16, 16)) is None for name in FLOAT32_KERNELS):
+        pytest.skip("not every float32 kernel runs here")
+    monkeypatch.setattr(linear, "CANDIDATES", FLOAT32_KERNELS)
+    monkeypatch.setattr(linear, "measure", _fake_measure(
+        {"onednn": (RowRule(1, 32), 1.0), "torch": (RowRule(16), 2.0), "grouped": (RowRule(), 3.0)}))
+    model = nn.Module()
+    model.proj = Linear(16, 16, bias=False)
+    model.lm_head = Linear(16, 100, bias=False)
+    model.requires_grad_(False)
+    x = torch.randn(3, 16)
+    whole = model.lm_head(x)
+    with linear.head_for_columns(wanted):
+        pack_linears(model)
+    assert model.proj.run.func is linear._onednn
+    assert model.lm_head.run.func is (grouped_gemm if wanted else linear._onednn)
+    columns = model.lm_head.logits_at(x, [3, 70])
+    if not wanted:
+        assert columns is None
+        return
+    assert torch.equal(columns, model.lm_head(x)[:, [3, 70]])
+    assert torch.allclose(columns, whole[:, [3, 70]], atol=1e-5, rtol=0)
+
+
 def test_probes_are_kept_per_machine_and_reused(monkeypatch):
     calls = []
 

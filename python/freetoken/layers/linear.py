@@ -143,6 +143,12 @@ def _onednn(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) ->
 _ALLOWED: ContextVar[tuple[str, ...]] = ContextVar("linear_kernels", default=CANDIDATES)
 
 
+# A server whose logit rows read a few chosen ids or none (--runner pooling: a reranker's two
+# labels, an embedder's none) wants its LM head on a kernel that computes those columns alone
+# (Linear.logits_at): one of ours, whatever the vocabulary-wide timings say of oneDNN.
+_HEAD_FOR_COLUMNS: ContextVar[bool] = ContextVar("head_for_columns", default=False)
+
+
 @contextmanager
 def only_kernel(kernel: str | None):
     """Within it, the probes choose `kernel` alone (None: any of CANDIDATES)."""
@@ -153,13 +159,25 @@ def only_kernel(kernel: str | None):
         _ALLOWED.reset(token)
 
 
+@contextmanager
+def head_for_columns(wanted: bool):
+    """Within it, with `wanted`, the LM head is packed on a kernel that computes chosen columns
+    alone, where one runs here and is batch-invariant."""
+    token = _HEAD_FOR_COLUMNS.set(wanted)
+    try:
+        yield
+    finally:
+        _HEAD_FOR_COLUMNS.reset(token)
+
+
 def candidates() -> tuple[str, ...]:
     return _ALLOWED.get()
 
 
-def choose(layer: Linear) -> tuple[Measured, bool, Run] | None:
+def choose(layer: Linear, columns: bool = False) -> tuple[Measured, bool, Run] | None:
     """The kernel for `layer`'s shape among `candidates()`: its measurement, whether it is
-    batch-invariant, and `layer` prepared on it; None where none can run."""
+    batch-invariant, and `layer` prepared on it; None where none can run. `columns`: one whose
+    outputs can be computed apart (INVARIANT_BY_CONSTRUCTION) first, where one holds."""
     weight = layer.weight
     key = (f"{weight.dtype} {weight.device.type} {layer.in_features}x{layer.out_features}"
            f"{' bias' if layer.bias is not None else ''}")
@@ -170,8 +188,10 @@ def choose(layer: Linear) -> tuple[Measured, bool, Run] | None:
         runs = {name: run for name in names if (run := prepare(name, probe_layer())) is not None}
         return measure(runs, layer.in_features, weight.dtype, weight.device) if runs else []
 
-    measured = measured_with_cache(f"{key} {','.join(names)}", probe) if names else []
-    for best in ranked(measured):
+    measured = ranked(measured_with_cache(f"{key} {','.join(names)}", probe) if names else [])
+    if columns:
+        measured.sort(key=lambda m: not (m.rule is not None and m.kernel in INVARIANT_BY_CONSTRUCTION))
+    for best in measured:
         if (run := prepare(best.kernel, layer)) is not None:
             if best.rule is not None and best.kernel in INVARIANT_BY_CONSTRUCTION:
                 best = replace(best, rule=RowRule(1, UNCAPPED))
@@ -205,7 +225,7 @@ def pack_linears(model: nn.Module) -> KernelPlan:
     for members in by_shape.values():
         first = members[0][1]
         kind = f"{LAYER_INDEX.sub('.*.', members[0][0])} {first.in_features}x{first.out_features}"
-        chosen = choose(first)
+        chosen = choose(first, columns=_HEAD_FOR_COLUMNS.get() and any(n == "lm_head" for n, _ in members))
         if chosen is None:  # no candidate runs this dtype here (a forced one, say): unprobed
             invariant, kernels[kind] = False, "F.linear (not probed)"
             continue

@@ -241,6 +241,7 @@ def load_model(model: str | os.PathLike | None = None, dtype: str = "auto", devi
     the weights are held and multiplied (config.WeightsConfig; unset fields from envs.py)."""
     import torch
 
+    from freetoken.layers.linear import head_for_columns
     from freetoken.models.loader import build, build_gguf, eos_ids, gguf_to_folder
 
     folder, name = model_folder(model)
@@ -263,14 +264,15 @@ def load_model(model: str | os.PathLike | None = None, dtype: str = "auto", devi
     # (parts.free_in_parts: a GGUF's quantized layers; docs/engine/tensor-parallel.md).
     splittable = group is None and dev.type == "cpu" and ARCHITECTURES[arch].tensor_parallel is None
     in_parts = weights.exact_tp if splittable else False
-    if gguf is None:
-        module = build(cls, folder, hf_config, tokenizer, weights_dtype, dev, group, in_parts,
-                       weights.linear_kernel)
-    else:
-        stored = weights.gguf_weights or ("quantized" if weights_dtype == torch.float32 else "float32")
-        module = build_gguf(cls, gguf, hf_config, tokenizer, weights_dtype, dev,
-                            stored == "quantized" and dev.type == "cpu", kv_slots, in_parts, group,
-                            weights.linear_kernel, weights.huge_pages, weights.quantized_arithmetic)
+    with head_for_columns(weights.head_for_columns):
+        if gguf is None:
+            module = build(cls, folder, hf_config, tokenizer, weights_dtype, dev, group, in_parts,
+                           weights.linear_kernel)
+        else:
+            stored = weights.gguf_weights or ("quantized" if weights_dtype == torch.float32 else "float32")
+            module = build_gguf(cls, gguf, hf_config, tokenizer, weights_dtype, dev,
+                                stored == "quantized" and dev.type == "cpu", kv_slots, in_parts, group,
+                                weights.linear_kernel, weights.huge_pages, weights.quantized_arithmetic)
     # The mode asked for, as /v1/stats reports it (and the frontend's system_fingerprint):
     # linear_kernels says which layers run it (none where nothing is kept quantized).
     module.quantized_arithmetic = weights.quantized_arithmetic

@@ -105,7 +105,7 @@ def build_frontend(args: ServerArgs, ipc_dir: str, procs: list):
             raise RuntimeError(str(exc)) from None
         # The engine loads (its imports, the weights) while this process imports the server's
         # modules and loads the tokenizer: on a second core, each start ~2 s shorter.
-        loading = spawn_engine(engine_config(args, str(folder)), ipc_dir, procs)
+        loading = spawn_engine(engine_config(args, str(folder), pooling), ipc_dir, procs)
         import freetoken.serving.app  # noqa: F401  (launch_server's create_app, imported meanwhile)
         from freetoken.serving.client import FrontendManager
         from freetoken.tokenizer.load import load_tokenizer
