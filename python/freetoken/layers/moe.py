@@ -178,13 +178,16 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; ids [T, k] expert of each of a token's k slots; weights [T, k]."""
         tokens, k = ids.shape
-        flat = ids.reshape(-1)
-        by_expert = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        rows = x.index_select(0, by_expert // k)
-        scale = weights.reshape(-1, 1).index_select(0, by_expert).to(x.dtype)
-        # Each token's k rows, in ascending expert id (their order in `rows`).
-        slots = torch.argsort(by_expert).view(tokens, k).sort(dim=1).values.reshape(-1)
+        if tokens == 1:
+            counts, rows, scale, slots = self._one_token(x, ids, weights)
+        else:
+            flat = ids.reshape(-1)
+            by_expert = torch.argsort(flat, stable=True)
+            counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+            rows = x.index_select(0, by_expert // k)
+            scale = weights.reshape(-1, 1).index_select(0, by_expert).to(x.dtype)
+            # Each token's k rows, in ascending expert id (their order in `rows`).
+            slots = torch.argsort(by_expert).view(tokens, k).sort(dim=1).values.reshape(-1)
         if self.quantized is not None:
             downs = self._on_quantized(counts, rows)
         else:
@@ -198,13 +201,28 @@ class Experts(nn.Module):
             # fixed order, rounded once to x's dtype: index_add_'s sums, without the parallel
             # region it opens even on a decode step's few rows (waking the threads for it cost
             # a batch-1 step of the 30B-A3B shape ~8 %).
-            weighted = down.mul_(scale).index_select(0, slots).view(tokens, k, -1)
+            weighted = down.mul_(scale)
+            weighted = (weighted if slots is None else weighted.index_select(0, slots)).view(tokens, k, -1)
             summed = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
             for slot in range(k):
                 summed.add_(weighted[:, slot])
             summed = summed.to(x.dtype)
             out = summed if out is None else out.add_(summed)
         return out if self.sum_over_ranks is None else self.sum_over_ranks(out)
+
+    def _one_token(self, x: torch.Tensor, ids: torch.Tensor,
+                   weights: torch.Tensor) -> tuple[list[int], torch.Tensor, torch.Tensor, None]:
+        """forward's (counts, rows, scale, slots) for a decode step's lone token from its k ids
+        in Python: the same rows in the same order, without the sorts and gathers of a batch
+        (~10 torch calls a layer; at batch 1 a 48-layer MoE's step spent milliseconds on them).
+        Its rows are already its slots in ascending expert id: slots None."""
+        flat = ids[0].tolist()
+        order = sorted(range(len(flat)), key=flat.__getitem__)  # stable, as argsort's
+        counts = [0] * self.num_experts
+        for expert in flat:
+            counts[expert] += 1
+        scale = weights.reshape(-1, 1)[order].to(x.dtype)
+        return counts, x.expand(len(flat), -1).contiguous(), scale, None
 
     def _on_kernel(self, counts: list[int], rows: torch.Tensor, name: str, part: int = 0) -> torch.Tensor:
         """Projection `name` (of the down projection, its part `part`) as one kernel call over
