@@ -157,6 +157,9 @@ def _fake_measure(results: dict[str, tuple[RowRule | None, float]]):
     # The fastest kernel whose rows come out alike wins, however fast one that is not.
     ({"onednn": (RowRule(1, 32), 2.0), "torch": (None, 1.0), "grouped": (RowRule(), 3.0)}, "onednn", True),
     ({"onednn": (None, 2.0), "torch": (RowRule(16), 5.0), "grouped": (RowRule(), 3.0)}, "grouped", True),
+    # Ours wins a tie (within RULE_TIE): no row cap, no padding of a decode step's row.
+    ({"onednn": (RowRule(16), 1.0), "torch": (RowRule(16), 2.0), "grouped": (RowRule(2), 1.04)}, "grouped", True),
+    ({"onednn": (RowRule(16), 1.0), "torch": (RowRule(16), 2.0), "grouped": (RowRule(2), 1.06)}, "onednn", True),
     # None is: the fastest runs, and the plan says so.
     ({"onednn": (None, 2.0), "torch": (None, 1.0), "grouped": (None, 3.0)}, "torch", False),
 ])
