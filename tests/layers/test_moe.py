@@ -13,6 +13,7 @@ from gguf import quants as gguf_quants
 from torch import nn
 
 from freetoken.kernels.grouped_gemm import load as load_kernel
+from freetoken.kernels.plan import available
 from freetoken.kernels.quant import QuantizedWeight
 from freetoken.layers.linear import only_kernel, pack_linears
 from freetoken.layers import moe
@@ -85,14 +86,20 @@ def test_batched_is_alone_bit_for_bit_and_matches_a_per_token_sum(path, bias, mo
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_tokens_experts_are_summed_in_float32_in_ascending_expert_id(dtype):
+@pytest.mark.parametrize("sum_on", ["planned", "torch"])
+def test_a_tokens_experts_are_summed_in_float32_in_ascending_expert_id(dtype, sum_on):
     """Each expert's output alone (weight 1), then per token a float32 sum from zero over its
     experts in ascending id of weight x output (the product in the rows' dtype), rounded once:
-    the layer's result, bit for bit, at 1 token and among 37."""
+    the layer's result, bit for bit, at 1 token and among 37; the sum as planned here
+    (grouped_gemm.c's moe_sum_f32 for float32 rows) and on torch's ops."""
     if (kernel := load_kernel()) is None:
         pytest.skip("the grouped kernel cannot be built or run here")
     experts = _experts(bias=False)
     experts.stack(kernel)
+    planned = experts.plan_kernels(available(), dtype, "cpu")
+    assert planned["moe_sum"] == ("grouped_gemm.c moe_sum_f32" if dtype == torch.float32 else "torch")
+    if sum_on == "torch":
+        experts.sum_kernel = None
     x = torch.randn(37, H, generator=torch.Generator().manual_seed(4)).to(dtype)
     weights, ids = _route(x.float())
     one = torch.ones(1, 1)

@@ -141,3 +141,17 @@ def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
     getattr(lib, f"silu_mul_{KERNELS[gate_up.dtype]}")(gate_up.data_ptr(), gate_up.stride(0), y.data_ptr(),
                                                        rows, half)
     return y
+
+
+def moe_sum(lib: ctypes.CDLL, down: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor | None,
+            tokens: int) -> torch.Tensor:
+    """[tokens, H] float32: token t's k rows of down [tokens * k, H] (rows slots[t * k:(t + 1) * k],
+    or t * k onwards where slots is None), each times its scale [tokens * k, 1], summed from zero in
+    slot order, a product rounded before its add (moe_sum_f32: torch's mul_ then add_ a slot)."""
+    rows, hidden = down.shape
+    down, scale = down.contiguous(), scale.contiguous()
+    slots = None if slots is None else slots.to(torch.int64).contiguous()
+    y = torch.empty(tokens, hidden, dtype=torch.float32)
+    lib.moe_sum_f32(down.data_ptr(), hidden, scale.data_ptr(), None if slots is None else slots.data_ptr(),
+                    tokens, rows // tokens, hidden, y.data_ptr())
+    return y

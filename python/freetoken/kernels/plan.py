@@ -33,7 +33,8 @@ from freetoken.kernels import decoder_layer, grouped_gemm, pool_attention, quant
 log = logging.getLogger(__name__)
 
 # The ops every plan names (a model without one says "none").
-OPS = ("linear", "quantized", "norm", "rotary", "swiglu", "attention", "moe_experts", "layer", "sampler")
+OPS = ("linear", "quantized", "norm", "rotary", "swiglu", "attention", "moe_experts", "moe_sum", "layer",
+       "sampler")
 DTYPES = grouped_gemm.KERNELS  # the row dtypes our element-wise and attention kernels run
 
 

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from freetoken.kernels.grouped_gemm import KERNELS, PackedLinears, grouped_gemm, pack
+from freetoken.kernels.grouped_gemm import KERNELS, PackedLinears, grouped_gemm, moe_sum, pack
 from freetoken.kernels import int8
 from freetoken.kernels.int8 import grouped_int8_gemm
 from freetoken.kernels.plan import Available, available
@@ -98,6 +98,9 @@ class Experts(nn.Module):
     # Set by `stack`: the experts' projections in the grouped kernel's layout, and the kernel.
     stacked: tuple[PackedLinears, tuple[PackedLinears, ...]] | None = None  # gate/up, down's parts
     kernel: ctypes.CDLL | None = None
+    # Set by `plan_kernels`: grouped_gemm.c (moe_sum_f32) where float32 rows run on it, else None
+    # (torch's ops); unplanned (a test's module): this process's.
+    sum_kernel: ctypes.CDLL | None = NotImplemented
     # Set by `use_quantized`.
     quantized: QuantizedExperts | None = None
     # Set by distributed/parts.py where one process computes what tensor-parallel ranks would:
@@ -118,11 +121,13 @@ class Experts(nn.Module):
         q = self.quantized
         experts = (("quant_gemm.c" if q.int8_path is None else int8.kernel_name(q.int8_path)) if q is not None
                    else "grouped_gemm.c" if self.stacked else "torch (a Linear per expert)")
-        if getattr(self.activation, "func", self.activation) is not silu_and_mul:
-            return {"moe_experts": experts}
         lib = kernels.elementwise(dtype, device)
-        self.activation = partial(silu_and_mul, lib=lib)
-        return {"moe_experts": experts, "swiglu": swiglu_name(lib, dtype)}
+        self.sum_kernel = lib if dtype == torch.float32 else None
+        plan = {"moe_experts": experts, "moe_sum": "grouped_gemm.c moe_sum_f32" if self.sum_kernel else "torch"}
+        if getattr(self.activation, "func", self.activation) is silu_and_mul:
+            self.activation = partial(silu_and_mul, lib=lib)
+            plan["swiglu"] = swiglu_name(lib, dtype)
+        return plan
 
     def stack(self, kernel: ctypes.CDLL) -> None:
         """Run on the grouped kernel from now on: its packed weights replace the Linears."""
@@ -197,18 +202,28 @@ class Experts(nn.Module):
                      for part, cols in enumerate(self.down_parts))
         out = None
         for down in downs:
-            # A token's weighted outputs added in float32 one at a time in ascending expert id, a
-            # fixed order, rounded once to x's dtype: index_add_'s sums, without the parallel
-            # region it opens even on a decode step's few rows (waking the threads for it cost
-            # a batch-1 step of the 30B-A3B shape ~8 %).
-            weighted = down.mul_(scale)
-            weighted = (weighted if slots is None else weighted.index_select(0, slots)).view(tokens, k, -1)
-            summed = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-            for slot in range(k):
-                summed.add_(weighted[:, slot])
-            summed = summed.to(x.dtype)
+            summed = self._weighted_sum(down, scale, slots, tokens, k).to(x.dtype)
             out = summed if out is None else out.add_(summed)
         return out if self.sum_over_ranks is None else self.sum_over_ranks(out)
+
+    def _weighted_sum(self, down: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor | None,
+                      tokens: int, k: int) -> torch.Tensor:
+        """float32 [tokens, H]: a token's weighted outputs (product in the rows' dtype) added in
+        float32 one at a time in ascending expert id, a fixed order: index_add_'s sums, without
+        the parallel region it opens even on a decode step's few rows (waking the threads cost a
+        batch-1 step of the 30B-A3B shape ~8 %); float32 rows in one call (moe_sum_f32), where
+        torch's ops were a dozen a layer."""
+        lib = self.sum_kernel
+        if lib is NotImplemented:
+            lib = available().elementwise(down.dtype, down.device)
+        if lib is not None and down.dtype == torch.float32 and down.device.type == "cpu":
+            return moe_sum(lib, down, scale, slots, tokens)
+        weighted = down.mul_(scale)
+        weighted = (weighted if slots is None else weighted.index_select(0, slots)).view(tokens, k, -1)
+        summed = torch.zeros(tokens, down.shape[1], dtype=torch.float32, device=down.device)
+        for slot in range(k):
+            summed.add_(weighted[:, slot])
+        return summed
 
     def _one_token(self, x: torch.Tensor, ids: torch.Tensor,
                    weights: torch.Tensor) -> tuple[list[int], torch.Tensor, torch.Tensor, None]:

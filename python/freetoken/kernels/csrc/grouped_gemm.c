@@ -453,6 +453,25 @@ __attribute__((target("avx2,fma"))) void round_to_bf16(const float *x, uint16_t 
     for (int64_t k = 0; k < n; k += 8) pack_bf16(y + k, round_bf16(_mm256_loadu_ps(x + k)));
 }
 
+/* Each token's k weighted expert outputs (layers/moe.py's Experts) summed: out[t] = the float32 sum
+ * from zero, slot by slot in order, of down[r] * scale[r] (r = slots[t * k + s], or t * k + s
+ * where slots is NULL), each product rounded to float32 first (no fused multiply-add): torch's
+ * `down.mul_(scale)` then one `add_` a slot, in one pass over a token's rows. */
+__attribute__((target("avx2,fma"))) void moe_sum_f32(const float *down, int64_t ldd, const float *scale,
+                                                     const int64_t *slots, int64_t T, int64_t k, int64_t H,
+                                                     float *out) {
+#pragma omp parallel for if (T * k * H >= 262144)
+    for (int64_t t = 0; t < T; t++) {
+        float *o = out + t * H;
+        for (int64_t h = 0; h < H; h++) o[h] = 0.0f;
+        for (int64_t s = 0; s < k; s++) {
+            const int64_t r = slots ? slots[t * k + s] : t * k + s;
+            const float w = scale[r], *d = down + r * ldd;
+            for (int64_t h = 0; h < H; h++) o[h] += d[h] * w;
+        }
+    }
+}
+
 #else
 
 int grouped_gemm_supported(void) { return 0; }

@@ -37,6 +37,8 @@ void norm_rotate_bf16(void *x, int64_t ldt, int64_t ldh, int64_t tokens, int64_t
 void silu_mul_f32(const void *x, int64_t ldx, void *y, int64_t M, int64_t half);
 void silu_mul_bf16(const void *x, int64_t ldx, void *y, int64_t M, int64_t half);
 void round_to_bf16(const float *x, uint16_t *y, int64_t n);
+void moe_sum_f32(const float *down, int64_t ldd, const float *scale, const int64_t *slots, int64_t T,
+                 int64_t k, int64_t H, float *out);
 
 /* ---------------------------------------------------------------- pool_attention.c */
 int pool_attention_supported(void);
