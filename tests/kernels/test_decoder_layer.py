@@ -10,11 +10,13 @@ import dataclasses
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 
 from freetoken.config import WeightsConfig
 from freetoken.engine.engine import Engine, StepPlan
 from freetoken.models import registry
-from freetoken.kernels import bf16_linear, decoder_layer
+from freetoken.kernels import bf16_linear, decoder_layer, int8
+from freetoken.kernels.quant import QuantizedWeight
 from freetoken.kernels.plan import available
 from freetoken.models.registry import load_model
 from tests.fixtures import build_models as bm
@@ -75,12 +77,34 @@ def test_a_layer_on_our_dense_kernels_in_one_call_gives_the_python_layers_bits(a
     assert_same_bits(model, dtype, [True, True])
 
 
+@pytest.mark.parametrize("fixture, arithmetic", [("tiny-quantized-moe-Q8_0", "exact"),
+                                                 ("tiny-quantized-moe-Q4_K_M", "exact"),
+                                                 ("tiny-quantized-moe-Q8_0", "int8"),
+                                                 ("tiny-quantized-moe-Q4_K_M", "int8"),
+                                                 ("tiny-qwen3-moe", "exact")])
+def test_a_sparse_layer_in_one_call_gives_the_python_layers_bits(fixture, arithmetic):
+    # Qwen3-MoE: the router, route, experts (quantized, on int8's arithmetic, or float32 on the
+    # grouped kernel) and weighted sum inside the call; a step of 1, 6 and 70 rows.
+    folder = bm.cached_gguf(fixture) / "model.gguf" if "quantized" in fixture else bm.cached(fixture, bm.build_tiny_qwen3_moe)
+    if arithmetic == "int8" and not int8.supported(QuantizedWeight(GGMLQuantizationType.Q8_0,
+                                                                   torch.zeros(1, 34, dtype=torch.uint8), (1, 32))):
+        pytest.skip("int8_gemm.c is not built here")
+    model = load_model(folder, dtype="float32", device="cpu",
+                       weights=WeightsConfig(quantized_arithmetic=arithmetic, linear_kernel="grouped")).model
+    sparse = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "one_call")]
+    assert len(sparse) >= 2 and all(mlp.one_call(None) is None for mlp in sparse)  # no router run: Python
+    assert model.kernel_plan.ops["moe_route"] == "grouped_gemm.c moe_route_f32"
+    assert_same_bits(model, torch.float32, [True] * len(model.model.layers))
+
+
 def assert_same_bits(model, dtype: torch.dtype, one_call: list[bool]) -> None:
     engine = Engine(model, 128, torch.device("cpu"), dtype)
     fast, ctx = steps(model, engine)
     assert ctx.layer_step
     assert [layer.one_call is not None for layer in model.model.layers] == one_call
-    assert (model.model.stack is not None) == all(one_call)  # every layer one call: all in one
+    # Every layer one call, all of one shape (scratch): all in one.
+    layers = model.model.layers
+    assert (model.model.stack is not None) == (all(one_call) and len({layer.one_call.shape for layer in layers}) == 1)
     # Planned as under FREETOKEN_LAYER_KERNEL=0: every layer on the Python path.
     assert model.kernel_plan.ops["layer"].startswith("decoder_layer.c")
     assert model.model.plan_kernels(dataclasses.replace(available(), layer=None), dtype, "cpu") == {"layer": "Python"}

@@ -135,3 +135,27 @@ def test_the_source_ships_as_package_data_and_keys_the_probe_cache(tmp_path, mon
             monkeypatch.undo()
             kernel_choice._our_kernels.cache_clear()
     assert kernel_choice._machine() == key
+
+
+@needs_kernel
+@pytest.mark.parametrize("normalize", [False, True])
+def test_moe_route_is_softmax_topk_and_a_rows_route_its_own(normalize):
+    """moe_route_f32 against a float64 softmax and top-k computed apart: the same experts in
+    descending order, weights within 1e-6 (renormalised or not), at 128 experts (Qwen3-MoE's) and
+    at 60, not a multiple of the exp's 8 lanes; a tie goes to the lower id; each row's route the
+    same alone and among 100 (the kernel splits rows over threads from 64)."""
+    gen = torch.Generator().manual_seed(7)
+    for experts in (128, 60):
+        logits = torch.randn(100, experts, generator=gen) * 3
+        logits[5, 9] = logits[5, 40] = logits[5].max() + 1  # a tie at the top
+        weights, ids = gg.moe_route(KERNEL, logits, 8, normalize)
+        probs = torch.softmax(logits.double(), dim=-1)
+        top, expected = torch.sort(probs, dim=-1, descending=True, stable=True)
+        assert torch.equal(ids, expected[:, :8]) and ids[5, :2].tolist() == [9, 40]
+        top = top[:, :8] / (top[:, :8].sum(-1, keepdim=True) if normalize else 1)
+        assert (weights.double() - top).abs().max().item() < 1e-6
+        for t in (0, 5, 99):
+            alone = gg.moe_route(KERNEL, logits[t : t + 1], 8, normalize)
+            assert torch.equal(alone[0], weights[t : t + 1]) and torch.equal(alone[1], ids[t : t + 1])
+    with pytest.raises(ValueError, match="top 9 of 8"):
+        gg.moe_route(KERNEL, torch.zeros(1, 8), 9, True)

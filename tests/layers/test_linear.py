@@ -207,6 +207,24 @@ def test_a_head_for_columns_goes_to_a_kernel_that_computes_columns_alone(wanted,
     assert torch.allclose(columns, whole[:, [3, 70]], atol=1e-5, rtol=0)
 
 
+def test_a_layer_that_wants_ours_goes_to_ours_though_onednn_is_faster(monkeypatch):
+    """An MoE router (run inside decoder_layer.c's sparse layer, which calls our kernels alone) on
+    ours at three times oneDNN's faked time; a layer beside it without the flag keeps oneDNN."""
+    if any(prepare(name, _layer(16, 16)) is None for name in FLOAT32_KERNELS):
+        pytest.skip("not every float32 kernel runs here")
+    monkeypatch.setattr(linear, "CANDIDATES", FLOAT32_KERNELS)
+    monkeypatch.setattr(linear, "measure", _fake_measure(
+        {"onednn": (RowRule(1, 32), 1.0), "torch": (RowRule(16), 2.0), "grouped": (RowRule(), 3.0)}))
+    model = nn.Module()
+    model.proj = Linear(16, 16, bias=False)
+    model.router = Linear(16, 8, bias=False)
+    model.router.wants_ours = True
+    model.requires_grad_(False)
+    pack_linears(model)
+    assert model.proj.run.func is linear._onednn
+    assert model.router.run.func is grouped_gemm and model.router.rule == RowRule(1, UNCAPPED)
+
+
 def test_probes_are_kept_per_machine_and_reused(monkeypatch):
     calls = []
 

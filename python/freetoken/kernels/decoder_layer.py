@@ -5,8 +5,10 @@ The C file calls the kernels the Python layer calls, in the same order on the sa
 their addresses in the libraries quant.py, grouped_gemm.py and pool_attention.py load (one home
 per kernel): a row gets the same bits either way. It runs a layer whose rows, norms and KV pool
 share one dtype and whose four projections are on our kernels: float32 rows on the quantized
-kernel (QuantParts) or the grouped one, bfloat16 rows on a bfloat16 unit's (bf16_linear.py); the
-rest stays in Python.
+kernel (QuantParts, or Int8Parts on the int8 arithmetic) or the grouped one, bfloat16 rows on a
+bfloat16 unit's (bf16_linear.py); the rest stays in Python. A sparse MLP (layers/moe.py's
+SparseMoeBlock: router, route, experts, weighted sum) runs in the call too, float32 rows, its
+experts on the grouped, quantized or int8 kernel (`moe`).
 
 `prepare` makes a layer's fixed arguments once, `stack` a model's layers' (one call runs them
 all), both at load where the kernel plan allows the call (kernels/plan.py: the library runs here
@@ -23,11 +25,13 @@ from functools import cache
 import torch
 
 from freetoken.kvcache.forward_context import ForwardContext
-from freetoken.kernels import bf16_linear, build, grouped_gemm, pool_attention, quant
+from freetoken.kernels import bf16_linear, build, grouped_gemm, int8, pool_attention, quant
 
 _C = build.declarations()
-Kernels, LinearArgs, LayerArgs, StepArgs = (_C.structs[name] for name in ("kernels", "linear", "layer", "step"))
-QUANT, GROUPED = _C.enums["QUANT"], _C.enums["GROUPED"]  # kinds of linear layer, then the bfloat16 units'
+Kernels, LinearArgs, LayerArgs, StepArgs, ExpertsArgs, MoeArgs = (
+    _C.structs[name] for name in ("kernels", "linear", "layer", "step", "experts_weight", "moe"))
+QUANT, GROUPED, INT8 = _C.enums["QUANT"], _C.enums["GROUPED"], _C.enums["INT8"]  # kinds of linear layer
+
 UNIT_KINDS = {"amx": _C.enums["AMX"], "avx512_bf16": _C.enums["DOT"]}
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -43,14 +47,17 @@ def load() -> ctypes.CDLL | None:
 @cache
 def kernels(dtype: torch.dtype) -> Kernels:
     """The addresses of the kernels a layer of `dtype` calls (None: one this CPU lacks)."""
-    grouped, attention, quantized = grouped_gemm.load(), pool_attention.load(), quant._kernel()
+    grouped, attention, quantized, int8_lib = grouped_gemm.load(), pool_attention.load(), quant._kernel(), int8._kernel()
     suffix, address = SUFFIX[dtype], build.address
     return Kernels(address(quantized, "quant_gemm_parts"), address(grouped, "grouped_gemm_f32"),
                    address(grouped, "grouped_gemm_bf16"),
                    *map(bf16_linear.address, UNIT_KINDS),
                    *(address(grouped, f"{name}_{suffix}") for name in
                      ("rms_norm", "add_rms_norm", "norm_rotate", "silu_mul")),
-                   address(attention, f"pool_attention_{suffix}"), address(grouped, "round_to_bf16"))
+                   address(attention, f"pool_attention_{suffix}"), address(grouped, "round_to_bf16"),
+                   address(int8_lib, "int8_gemm_parts"), address(int8_lib, "int8_gemm_grouped"),
+                   address(quantized, "quant_gemm"), address(grouped, "moe_route_f32"),
+                   address(grouped, "moe_sum_f32"))
 
 
 class Step:
@@ -65,9 +72,10 @@ class Step:
 class LayerCall:
     """A layer's fixed arguments, and the call that runs it on a step."""
 
-    def __init__(self, args: LayerArgs, dtype: torch.dtype, keep: list, lib: ctypes.CDLL):
-        self.args, self.dtype, self.keep = args, dtype, keep  # keep: what the arguments point into
-        self.shape = (dtype, args.hidden, args.qkv.out_features, args.heads * args.head_dim, args.intermediate)
+    def __init__(self, args: LayerArgs, dtype: torch.dtype, keep: list, lib: ctypes.CDLL, sparse: Moe | None):
+        self.args, self.dtype, self.keep, self.sparse = args, dtype, keep, sparse  # keep: what args point into
+        self.shape = (dtype, args.hidden, args.qkv.out_features, args.heads * args.head_dim, args.intermediate,
+                      sparse and sparse.shape)
         self.lib, self.run, self.kernels = lib, lib.decoder_layer, ctypes.addressof(kernels(dtype))
         self.address = ctypes.addressof(args)
 
@@ -107,15 +115,17 @@ def stack(calls: list[LayerCall | None], caches: list[int]) -> Stack | None:
 
 
 def _linear(run, dtype: torch.dtype) -> tuple[LinearArgs, object] | None:
-    """A projection's arguments: `run` a QuantParts (float32 rows), or a Linear's run on the
-    grouped kernel (weights of the rows' dtype) or a bfloat16 unit's (bfloat16); None: another."""
-    if isinstance(run, quant.QuantParts):
+    """A projection's arguments: `run` a QuantParts or Int8Parts (float32 rows), or a Linear's run
+    on the grouped kernel (weights of the rows' dtype) or a bfloat16 unit's (bfloat16); None: another."""
+    if isinstance(run, (quant.QuantParts, int8.Int8Parts)):
+        exact = run if isinstance(run, quant.QuantParts) else run.exact
         if dtype != torch.float32:
             return None
-        count, types, blocks, strides, sizes, biases, k_parts, cuts = run.args
-        return LinearArgs(QUANT, count, *map(ctypes.addressof, (types, blocks, strides, sizes, biases)),
+        count, types, blocks, strides, sizes, biases, k_parts, cuts = exact.args
+        kind, path = (QUANT, 0) if exact is run else (INT8, run.path)
+        return LinearArgs(kind, count, *map(ctypes.addressof, (types, blocks, strides, sizes, biases)),
                           k_parts, None if cuts is None else ctypes.addressof(cuts), None, None,
-                          run.k, run.n), run
+                          run.k, run.n, path), run
     func = getattr(run, "func", None)
     if func is grouped_gemm.grouped_gemm:
         packed = run.keywords["experts"]
@@ -131,9 +141,57 @@ def _linear(run, dtype: torch.dtype) -> tuple[LinearArgs, object] | None:
     return None
 
 
+class Moe:
+    """A sparse MLP's arguments (`moe`), what they point into, and the shape of its step scratch."""
+
+    def __init__(self, args: MoeArgs, keep: list, hidden: int):
+        self.args, self.keep, self.hidden = args, keep, hidden
+        self.shape = (args.experts, args.top_k, args.intermediate, args.down_parts)
+
+
+def moe(router, experts: int, top_k: int, normalize: bool, gate_up: tuple, down, int8_path: int | None,
+        down_cuts: tuple[range, ...] = ()) -> Moe | None:
+    """A sparse MLP's arguments for `prepare`: `router` a run `_linear` takes on float32 rows, a
+    softmax over its `experts` outputs and the `top_k` largest (`normalize`: divided by their sum),
+    the experts' SwiGLU projections: gate_up, one grouped_gemm.PackedLinears of float32 weights
+    without bias, or the quantized parts [E, n, H] of each expert's gate rows then up rows (one or
+    two), and down ([E, H, I]; quantized, K in `down_cuts` parts, each part's weighted sum added in
+    part order), quantized ones on the int8 arithmetic at `int8_path` (None: the exact kernel). None
+    where the call cannot run them."""
+    made = _linear(router, torch.float32)
+    if made is None or made[0].out_features != experts or not 0 < top_k <= experts or len(gate_up) > 2:
+        return None
+    router_args, router_keep = made
+    if isinstance(down, grouped_gemm.PackedLinears):
+        packs = (*gate_up, down)
+        if len(gate_up) != 1 or any(p.bias is not None or p.weight.dtype != torch.float32 for p in packs):
+            return None
+        hidden, intermediate, two_i = down.out_features, down.in_features, gate_up[0].out_features
+        args = MoeArgs(router_args, ExpertsArgs(), ExpertsArgs(), ExpertsArgs(), gate_up[0].weight.data_ptr(),
+                       down.weight.data_ptr(), GROUPED, 0, experts, top_k, normalize, intermediate, 1, None)
+        keep = [router_keep, packs]
+    else:
+        blocks = [quant.blocks(w) for w in (*gate_up, down)]
+        parts = [ExpertsArgs(int(w.qtype), b.data_ptr(), b.stride(0), b.stride(1), w.shape[1])
+                 for w, b in zip((*gate_up, down), blocks)]
+        hidden, intermediate, two_i = down.shape[1], down.shape[2], sum(w.shape[1] for w in gate_up)
+        if any(w.shape[2] != hidden for w in gate_up):
+            return None
+        cuts = (ctypes.c_int64 * (len(down_cuts) + 1))(*(r.start for r in down_cuts), intermediate) if down_cuts else None
+        args = MoeArgs(router_args, parts[0], parts[1] if len(gate_up) == 2 else ExpertsArgs(), parts[-1],
+                       None, None, QUANT if int8_path is None else INT8, int8_path or 0, experts, top_k,
+                       normalize, intermediate, len(down_cuts) or 1, cuts and ctypes.addressof(cuts))
+        keep = [router_keep, blocks, cuts]
+    if two_i != 2 * intermediate or intermediate % 8 or router_args.in_features != hidden:
+        return None
+    return Moe(args, keep, hidden)
+
+
 def prepare(lib: ctypes.CDLL | None, linears: tuple, norms: tuple, heads: int, kv_heads: int, head_dim: int,
-            sliding: bool, rotary: bool, scale: float | None, residual: float) -> LayerCall | None:
-    """A layer with projections `linears` (q/k/v, o, gate/up, down: see `_linear`) and RMSNorms
+            sliding: bool, rotary: bool, scale: float | None, residual: float,
+            sparse: Moe | None = None) -> LayerCall | None:
+    """A layer with projections `linears` (q/k/v, o, then the MLP's gate/up and down, or with a
+    sparse MLP `sparse` (`moe`'s) q/k/v and o alone: see `_linear`) and RMSNorms
     `norms` (input, post-attention, then q's and k's, or not), q and k turned by the rotary
     embedding or not, its attention scores scaled by `scale` (pool_attention.softmax_scale), the
     attention's and MLP's outputs by `residual`, on `lib` (the plan's: `load()`, or None where
@@ -146,21 +204,24 @@ def prepare(lib: ctypes.CDLL | None, linears: tuple, norms: tuple, heads: int, k
             or (len(norms) == 4 and (norms[2].eps != norms[3].eps or not rotary))):
         return None
     made = [_linear(run, dtype) for run in linears]
-    if any(m is None for m in made):
+    if any(m is None for m in made) or (sparse is not None and (dtype != torch.float32 or sparse.hidden
+                                                                 != made[0][0].in_features)):
         return None
-    (qkv, _), (o, _), (gate_up, _), (down, _) = made
+    (qkv, _), (o, _), *mlp = made
+    (gate_up, _), (down, _) = mlp or [(LinearArgs(), None)] * 2
     hidden, intermediate = qkv.in_features, down.in_features
-    if (hidden % 8 or head_dim % 16 or intermediate % 8 or gate_up.out_features != 2 * intermediate
+    if (hidden % 8 or head_dim % 16 or intermediate % 8
             or qkv.out_features != (heads + 2 * kv_heads) * head_dim or o.in_features != heads * head_dim
-            or o.out_features != hidden or gate_up.in_features != hidden or down.out_features != hidden):
+            or o.out_features != hidden or (mlp and (gate_up.out_features != 2 * intermediate
+                                                     or gate_up.in_features != hidden or down.out_features != hidden))):
         return None
     qk = weights[2:] or [None, None]
     args = LayerArgs(qkv, o, gate_up, down, weights[0].data_ptr(), weights[1].data_ptr(),
                      *(None if w is None else w.data_ptr() for w in qk),
                      norms[0].eps, norms[1].eps, norms[2].eps if len(norms) == 4 else 0.0,
                      pool_attention.softmax_scale(head_dim, scale), residual, hidden, heads, kv_heads, head_dim,
-                     intermediate, sliding, rotary)
-    return LayerCall(args, dtype, [made, weights], lib)
+                     intermediate, sliding, rotary, None if sparse is None else ctypes.addressof(sparse.args))
+    return LayerCall(args, dtype, [made, weights, sparse], lib, sparse)
 
 
 def step(ctx: ForwardContext, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -199,5 +260,13 @@ def _make_step(ctx: ForwardContext, x: torch.Tensor, cos: torch.Tensor, sin: tor
                            for n in (2 * args.intermediate, args.intermediate, args.hidden))
     tensors = [cos, sin, out_slots, keys.slots, keys.ranges, keys.window_ranges, groups, x32, y32,
                h, qkv, q, attn32, attn, gate_up, act, delta]
+    if layer.sparse is not None:
+        experts, top_k, intermediate, parts = layer.sparse.shape
+        rows = tokens * top_k
+        tensors += [torch.empty(tokens, experts), torch.empty(tokens, top_k), torch.empty(rows),
+                    *(torch.empty(rows, n) for n in (args.hidden, 2 * intermediate, intermediate)),
+                    torch.empty(parts, rows, args.hidden), torch.empty(tokens, args.hidden),
+                    *(torch.empty(n, dtype=torch.int64) for n in (rows, rows, rows, 3 * experts,
+                                                                   max(experts + 1, tokens)))]
     step_args = StepArgs(quant.isa(), tokens, dtype == torch.bfloat16, *(t.data_ptr() for t in tensors))
     return Step(step_args, tensors, delta, (tokens, layer.shape))

@@ -155,3 +155,17 @@ def moe_sum(lib: ctypes.CDLL, down: torch.Tensor, scale: torch.Tensor, slots: to
     lib.moe_sum_f32(down.data_ptr(), hidden, scale.data_ptr(), None if slots is None else slots.data_ptr(),
                     tokens, rows // tokens, hidden, y.data_ptr())
     return y
+
+
+def moe_route(lib: ctypes.CDLL, logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """layers/moe.py's softmax_topk on logits [T, E] (any float dtype, widened) in one call
+    (moe_route_f32: the softmax over E, the k largest, a tie to the lower id, divided by their
+    sum where `normalize`): weights [T, k] float32, expert ids [T, k] int64."""
+    rows = logits.float().contiguous()
+    tokens, experts = rows.shape
+    if not 0 < k <= experts:
+        raise ValueError(f"top {k} of {experts} experts")
+    weights = torch.empty(tokens, k, dtype=torch.float32)
+    ids = torch.empty(tokens, k, dtype=torch.int64)
+    lib.moe_route_f32(rows.data_ptr(), experts, tokens, experts, k, normalize, weights.data_ptr(), ids.data_ptr())
+    return weights, ids

@@ -23,7 +23,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from freetoken.kernels import build
-from freetoken.kernels.quant import QuantizedWeight, QuantParts, check_k_parts
+from freetoken.kernels.quant import QuantizedWeight, QuantParts, blocks, check_k_parts
 
 FORMATS = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
            GGMLQuantizationType.Q6_K, GGMLQuantizationType.MXFP4)
@@ -113,7 +113,7 @@ def grouped_int8_gemm(x: torch.Tensor, experts: QuantizedWeight, groups: torch.T
         raise ValueError(f"x has {rows.shape[1]} features, the weight {k}")
     parts = k_parts or [range(k)]
     check_k_parts(parts, k, experts.qtype)
-    data = experts.data if experts.data.stride(-1) == 1 else experts.data.contiguous()
+    data = blocks(experts)
     y = torch.empty(len(parts), rows.shape[0], n, dtype=torch.float32)
     cuts = (ctypes.c_int64 * (len(parts) + 1))(*(r.start for r in parts), k)
     _kernel().int8_gemm_grouped(best_path() if path is None else path, int(experts.qtype), rows.data_ptr(),

@@ -33,8 +33,8 @@ from freetoken.kernels import decoder_layer, grouped_gemm, pool_attention, quant
 log = logging.getLogger(__name__)
 
 # The ops every plan names (a model without one says "none").
-OPS = ("linear", "quantized", "norm", "rotary", "swiglu", "attention", "moe_experts", "moe_sum", "layer",
-       "sampler")
+OPS = ("linear", "quantized", "norm", "rotary", "swiglu", "attention", "moe_experts", "moe_route", "moe_sum",
+       "layer", "sampler")
 DTYPES = grouped_gemm.KERNELS  # the row dtypes our element-wise and attention kernels run
 
 
@@ -97,12 +97,13 @@ def plan_model(model: nn.Module, linears: KernelPlan, dtype: torch.dtype, device
     settles on its kernels (`kernels`: what may run, by default this process's) and names them;
     modules of one op that chose differently are listed together."""
     kernels = kernels or available()
+    modules = [module for module in model.modules() if hasattr(module, "plan_kernels")]
+    # A module's descendants settle first: the whole-layer call takes its layers' choices.
+    plans = {id(module): module.plan_kernels(kernels, dtype, device) for module in reversed(modules)}
     chosen: dict[str, dict[str, None]] = {}
-    for module in model.modules():
-        plan = getattr(module, "plan_kernels", None)
-        if plan is not None:
-            for op, kernel in plan(kernels, dtype, device).items():
-                chosen.setdefault(op, {})[kernel] = None
+    for module in modules:
+        for op, kernel in plans[id(module)].items():
+            chosen.setdefault(op, {})[kernel] = None
     chosen["sampler"] = {", ".join(f"{name}: {how}" for name, how in sampler_reductions(device).items()): None}
     # Every op named: "none" where the model has no such module.
     ops = {op: " + ".join(chosen.get(op, {"none": None})) for op in OPS if op != "linear"}

@@ -91,6 +91,11 @@ def _blocks(data: torch.Tensor, qtype: GGMLQuantizationType, k: int) -> torch.Te
     return data if data.stride(-1) == 1 else data.contiguous()
 
 
+def blocks(weight: QuantizedWeight) -> torch.Tensor:
+    """A weight's bytes as the kernels read them (`_blocks`: each row's blocks contiguous)."""
+    return _blocks(weight.data, weight.qtype, weight.shape[-1])
+
+
 def _rows(data: torch.Tensor, ids: torch.Tensor | None, qtype: GGMLQuantizationType, k: int) -> torch.Tensor:
     """Rows `ids` (None: all) of blocks `data` [rows, row_bytes] as float32 [n, k]."""
     lib = _kernel()
@@ -138,10 +143,10 @@ class QuantParts:
         self.biases = [None if b is None else b.float().contiguous() for b in biases]
         count, cuts = len(parts), None
         if k_parts is not None:
-            blocks = {GGML_QUANT_SIZES[p.qtype][0] for p in parts}
+            block_sizes = {GGML_QUANT_SIZES[p.qtype][0] for p in parts}
             if ([r.start for r in k_parts] + [self.k] != [0] + [r.stop for r in k_parts]
-                    or any(r.start % b or len(r) <= 0 for r in k_parts for b in blocks)):
-                raise ValueError(f"K parts {k_parts} do not cover {self.k} in whole blocks of {blocks}")
+                    or any(r.start % b or len(r) <= 0 for r in k_parts for b in block_sizes)):
+                raise ValueError(f"K parts {k_parts} do not cover {self.k} in whole blocks of {block_sizes}")
             cuts = (ctypes.c_int64 * (len(k_parts) + 1))(*(r.start for r in k_parts), self.k)
         self.args = (count, (ctypes.c_int * count)(*(int(p.qtype) for p in parts)),
                      (ctypes.c_void_p * count)(*(b.data_ptr() for b in self.blocks)),
@@ -208,7 +213,7 @@ def grouped_quant_gemm(x: torch.Tensor, experts: QuantizedWeight, groups: torch.
     y = torch.empty(len(parts), x.shape[0], n, dtype=torch.float32)
     if supported(experts.qtype):
         rows = x.float().contiguous()
-        data = _blocks(experts.data, experts.qtype, k)
+        data = blocks(experts)
         cuts = (ctypes.c_int64 * (len(parts) + 1))(*(r.start for r in parts), k)
         _kernel().quant_gemm(isa(), int(experts.qtype), rows.data_ptr(), rows.stride(0), data.data_ptr(),
                              data.stride(0), data.stride(1), y.data_ptr(), y.stride(1),

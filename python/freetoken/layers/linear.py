@@ -47,6 +47,9 @@ class Linear(nn.Linear):
     # Plain attributes, read without nn.Module's parameter lookup.
     run: Run | None = None
     rule: RowRule = RowRule()
+    # Set where the caller runs the layer inside one of our C calls, which take our kernels alone
+    # (the MoE router: kernels/decoder_layer.c's sparse layer): ours wins whatever its time.
+    wants_ours: bool = False
     _subsets: dict[tuple[int, ...], Run] | None = None  # logits_at's kernels, by columns
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -174,13 +177,14 @@ def candidates() -> tuple[str, ...]:
     return _ALLOWED.get()
 
 
-def choose(layer: Linear, columns: bool = False) -> tuple[Measured, bool, Run] | None:
+def choose(layer: Linear, ours: bool = False) -> tuple[Measured, bool, Run] | None:
     """The kernel for `layer`'s shape among `candidates()`: its measurement, whether it is
     batch-invariant, and `layer` prepared on it; None where none can run. One of ours
     (INVARIANT_BY_CONSTRUCTION) whose rule holds wins a tie, timed within RULE_TIE of the fastest:
     it takes a step's rows whole and unpadded where oneDNN's rule may pad a decode step's row to
     16 (the 30B-A3B shape's router: 124.8 against 128.5 us probed, the batch-1 step 5 % faster on
-    ours). With `columns` (outputs computed apart: Linear.logits_at) ours wins whatever its time."""
+    ours). With `ours` (outputs computed apart: Linear.logits_at; a layer run inside one of our C
+    calls: Linear.wants_ours) ours wins whatever its time."""
     weight = layer.weight
     key = (f"{weight.dtype} {weight.device.type} {layer.in_features}x{layer.out_features}"
            f"{' bias' if layer.bias is not None else ''}")
@@ -194,7 +198,7 @@ def choose(layer: Linear, columns: bool = False) -> tuple[Measured, bool, Run] |
     measured = ranked(measured_with_cache(f"{key} {','.join(names)}", probe) if names else [])
     fastest = measured[0].seconds if measured else 0.0
     measured.sort(key=lambda m: not (m.rule is not None and m.kernel in INVARIANT_BY_CONSTRUCTION
-                                     and (columns or m.seconds <= fastest * (1 + RULE_TIE))))
+                                     and (ours or m.seconds <= fastest * (1 + RULE_TIE))))
     for best in measured:
         if (run := prepare(best.kernel, layer)) is not None:
             if best.rule is not None and best.kernel in INVARIANT_BY_CONSTRUCTION:
@@ -229,7 +233,8 @@ def pack_linears(model: nn.Module) -> KernelPlan:
     for members in by_shape.values():
         first = members[0][1]
         kind = f"{LAYER_INDEX.sub('.*.', members[0][0])} {first.in_features}x{first.out_features}"
-        chosen = choose(first, columns=_HEAD_FOR_COLUMNS.get() and any(n == "lm_head" for n, _ in members))
+        chosen = choose(first, ours=any(layer.wants_ours or (_HEAD_FOR_COLUMNS.get() and name == "lm_head")
+                                        for name, layer in members))
         if chosen is None:  # no candidate runs this dtype here (a forced one, say): unprobed
             invariant, kernels[kind] = False, "F.linear (not probed)"
             continue

@@ -28,8 +28,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from freetoken.kernels.grouped_gemm import KERNELS, PackedLinears, grouped_gemm, moe_sum, pack
-from freetoken.kernels import int8
+from freetoken.kernels.grouped_gemm import KERNELS, PackedLinears, grouped_gemm, moe_route, moe_sum, pack
+from freetoken.kernels import decoder_layer, int8
 from freetoken.kernels.int8 import grouped_int8_gemm
 from freetoken.kernels.plan import Available, available
 from freetoken.kernels.quant import QuantizedWeight, dequantize, grouped_quant_gemm, supported
@@ -305,24 +305,63 @@ def _quantized_projection(rows: torch.Tensor, weight: QuantizedWeight, bias: tor
 class SparseMoeBlock(Experts):
     """The router (`gate`) and the experts of one layer, named as transformers names them; with
     `shared_intermediate`, also a shared expert every token goes through, scaled by
-    sigmoid(shared_expert_gate)."""
+    sigmoid(shared_expert_gate). On the CPU the route is grouped_gemm.c's (moe_route_f32), the
+    one kernels/decoder_layer.c's call runs, so a layer gives the same bits on either path."""
+
+    # Set by `plan_kernels`: grouped_gemm.c where logits on the CPU route there, else None
+    # (softmax_topk); unplanned: this process's.
+    route_kernel: ctypes.CDLL | None = NotImplemented
 
     def __init__(self, hidden: int, num_experts: int, intermediate: int, top_k: int,
                  norm_topk_prob: bool, shared_intermediate: int = 0):
         super().__init__(num_experts, hidden, intermediate, bias=False, activation=silu_and_mul)
         self.gate = Linear(hidden, num_experts, bias=False)
+        self.gate.wants_ours = True  # the whole layer runs as one C call only on our kernels
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         if shared_intermediate:
             self.shared_expert = MLP(hidden, shared_intermediate)
             self.shared_expert_gate = Linear(hidden, 1, bias=False)
 
+    def plan_kernels(self, kernels: Available, dtype: torch.dtype, device: torch.device | str) -> dict[str, str]:
+        self.route_kernel = kernels.grouped if torch.device(device).type == "cpu" else None
+        return super().plan_kernels(kernels, dtype, device) | {
+            "moe_route": "grouped_gemm.c moe_route_f32" if self.route_kernel else "torch"}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = softmax_topk(self.gate(x), self.top_k, self.norm_topk_prob)
+        logits, lib = self.gate(x), self.route_kernel
+        if lib is NotImplemented:
+            lib = available().grouped if logits.device.type == "cpu" else None
+        weights, ids = (softmax_topk(logits, self.top_k, self.norm_topk_prob) if lib is None
+                        else moe_route(lib, logits, self.top_k, self.norm_topk_prob))
         routed = super().forward(x, ids, weights)
         if not hasattr(self, "shared_expert"):
             return routed
         # One gate per token ([T, 1]): lanewise, or a token's gate would depend on T.
         return routed + lanewise(torch.sigmoid, self.shared_expert_gate(x)) * self.shared_expert(x)
+
+    def one_call(self, router) -> decoder_layer.Moe | None:
+        """This block's arguments for kernels/decoder_layer.c's call, `router` the run of `gate`
+        (None: not one it can take), or None where it runs in Python: a shared expert, an activation
+        other than plain SwiGLU on grouped_gemm.c, experts other than on the grouped kernel or
+        kept quantized, biases, or a tensor-parallel layout (a rank's sum, float experts' down
+        projection in parts; quantized experts' parts of K run in the call)."""
+        q = self.quantized
+        if (router is None or hasattr(self, "shared_expert") or self.sum_over_ranks is not None
+                or self.down_parts != (slice(None),) or not isinstance(self.activation, partial)
+                or self.activation.func is not silu_and_mul or self.activation.keywords.get("lib") is None
+                or self.route_kernel is None or self.sum_kernel is None):
+            return None
+        if q is not None:
+            if q.gate_up_bias is not None or q.down_bias is not None:
+                return None
+            gate_up, down = q.gate_up, q.down
+        elif self.stacked is not None:
+            packed_gate_up, (down,) = self.stacked
+            gate_up = (packed_gate_up,)
+        else:
+            return None
+        return decoder_layer.moe(router, self.num_experts, self.top_k, self.norm_topk_prob, gate_up, down,
+                                 None if q is None else q.int8_path, () if q is None else q.down_cuts)
 
 
 def stack_experts(model: nn.Module) -> None:

@@ -8,6 +8,7 @@
  *   attn = attention of each row over its keys (the step's merged key ranges)
  *   x += r * (attn @ Wo^T); h = post_norm(x)     (r: Granite's residual multiplier, else 1)
  *   delta = r * (silu_mul(h @ Wgate_up^T) @ Wdown^T)
+ *           or, a sparse layer's (struct moe), r * the weighted sum of its routed experts' SwiGLUs
  *
  * This file holds no kernel of its own: it runs the ones kernels/quant_gemm.c,
  * grouped_gemm.c and pool_attention.c export, through pointers kernels/decoder_layer.py
@@ -47,9 +48,10 @@ static void scale(const struct kernels *k, const struct step *s, void *y, int64_
 
 static void linear(const struct kernels *k, const struct linear *l, const struct step *s, const void *x, void *y) {
     const int64_t in = l->in_features, out = l->out_features;
-    if (l->kind == QUANT) {
-        k->quant_parts((int)s->isa, l->parts, l->types, l->w, l->ldw, l->n, l->bias, l->k_parts, l->k_cuts, x, in, y,
-                       out, s->tokens, in);
+    if (l->kind == QUANT || l->kind == INT8) {
+        (l->kind == QUANT ? k->quant_parts : k->int8_parts)((int)(l->kind == QUANT ? s->isa : l->path), l->parts,
+                                                            l->types, l->w, l->ldw, l->n, l->bias, l->k_parts,
+                                                            l->k_cuts, x, in, y, out, s->tokens, in);
     } else if (l->kind == GROUPED && s->bf16) {
         widen_bf16_row(x, s->x32, s->tokens * in);
         k->grouped_bf16(s->x32, in, l->weight, l->weight_bias, s->y32, out, s->groups, 1, in, out);
@@ -58,6 +60,69 @@ static void linear(const struct kernels *k, const struct linear *l, const struct
         k->grouped_f32(x, in, l->weight, l->weight_bias, y, out, s->groups, 1, in, out);
     } else
         (l->kind == AMX ? k->amx : k->dot)(x, in, l->weight, l->weight_bias, y, out, s->tokens, in, out);
+}
+
+/* One projection of a sparse MLP's experts: x [R, K] grouped by expert (the step's G groups) into
+ * y [R, N] (rows ldy apart), on the experts' kernel; quantized, K in S parts at cuts (NULL: whole),
+ * each part's sums apart, lds floats on. */
+static void experts(const struct kernels *k, const struct moe *m, const struct step *s, const struct experts_weight *w,
+                    const void *packed, const float *x, int64_t K, int64_t N, float *y, int64_t ldy, int64_t G,
+                    int64_t R, int64_t S, const int64_t *cuts, int64_t lds) {
+    if (m->kind == INT8)
+        k->int8_grouped((int)m->path, (int)w->type, x, K, w->w, w->lde, w->ldw, y, ldy, s->groups_by_expert, G, R, K,
+                        w->rows, S, cuts, lds);
+    else if (m->kind == QUANT)
+        k->quant_grouped((int)s->isa, (int)w->type, x, K, w->w, w->lde, w->ldw, y, ldy, s->groups_by_expert, G, K,
+                         w->rows, S, cuts, lds);
+    else
+        k->grouped_f32(x, K, packed, 0, y, ldy, s->groups_by_expert, G, K, N);
+}
+
+/* The sparse MLP of h into delta, as layers/moe.py's SparseMoeBlock.forward runs it (its kernels,
+ * its order): the route; the (token, slot)s ordered by expert, ascending id, a token's slots in
+ * order within one (a stable sort), their rows copied so; each projection one grouped call over
+ * the active experts; SwiGLU; each token's weighted outputs summed in ascending expert id. */
+static void sparse_mlp(const struct kernels *k, const struct layer *l, const struct step *s) {
+    const struct moe *m = l->moe;
+    const int64_t T = s->tokens, top = m->top_k, E = m->experts, H = l->hidden, I = m->intermediate, R = T * top;
+    const float *h = s->h;
+    linear(k, &m->router, s, h, s->logits);
+    k->moe_route(s->logits, E, T, E, top, m->normalize, s->route_weights, s->expert_ids);
+    int64_t *next = s->expert_counts, G = 0;
+    memset(next, 0, (E + 1) * sizeof(int64_t));
+    for (int64_t i = 0; i < R; i++) next[s->expert_ids[i] + 1]++;
+    for (int64_t e = 0; e < E; e++) {
+        if (next[e + 1]) {
+            int64_t *g = s->groups_by_expert + 3 * G++;
+            g[0] = e, g[1] = next[e], g[2] = next[e + 1];
+        }
+        next[e + 1] += next[e]; /* now where expert e + 1's rows start */
+    }
+    for (int64_t i = 0; i < R; i++) {
+        const int64_t j = next[s->expert_ids[i]]++;
+        s->expert_order[j] = i, s->expert_scale[j] = s->route_weights[i];
+        memcpy(s->expert_rows + j * H, h + i / top * H, H * sizeof(float));
+    }
+    int64_t *filled = s->expert_counts; /* each token's slots so far (the counts are spent) */
+    memset(filled, 0, T * sizeof(int64_t));
+    for (int64_t j = 0; j < R; j++) {
+        const int64_t t = s->expert_order[j] / top;
+        s->expert_slots[t * top + filled[t]++] = j;
+    }
+    experts(k, m, s, &m->gate_up, m->packed_gate_up, s->expert_rows, H, 2 * I, s->expert_gate_up, 2 * I, G, R, 1, 0,
+            0);
+    if (m->up.w)
+        experts(k, m, s, &m->up, 0, s->expert_rows, H, 0, s->expert_gate_up + m->gate_up.rows, 2 * I, G, R, 1, 0, 0);
+    k->silu_mul(s->expert_gate_up, 2 * I, s->expert_act, R, I);
+    experts(k, m, s, &m->down, m->packed_down, s->expert_act, I, H, s->expert_down, H, G, R, m->down_parts, m->down_cuts,
+            R * H);
+    float *delta = s->delta;
+    for (int64_t part = 0; part < m->down_parts; part++) {
+        float *sum = part ? s->part_sum : delta;
+        k->moe_sum(s->expert_down + part * R * H, H, s->expert_scale, s->expert_slots, T, top, H, sum);
+        if (part)
+            for (int64_t i = 0; i < T * H; i++) delta[i] += sum[i];
+    }
 }
 
 /* x [T, hidden] (the residual stream, updated in place); delta [T, hidden] (rows ldd apart) or
@@ -95,9 +160,13 @@ void decoder_layer(const struct kernels *k, const struct layer *l, const struct 
     if (l->residual != 1.0f)
         scale(k, s, s->delta, T * hidden, l->residual);
     k->add_rms_norm(x, hidden, s->delta, hidden, l->post_norm, s->h, T, hidden, l->post_eps);
-    linear(k, &l->gate_up, s, s->h, s->gate_up);
-    k->silu_mul(s->gate_up, 2 * l->intermediate, s->act, T, l->intermediate);
-    linear(k, &l->down, s, s->act, s->delta);
+    if (l->moe)
+        sparse_mlp(k, l, s);
+    else {
+        linear(k, &l->gate_up, s, s->h, s->gate_up);
+        k->silu_mul(s->gate_up, 2 * l->intermediate, s->act, T, l->intermediate);
+        linear(k, &l->down, s, s->act, s->delta);
+    }
     if (l->residual != 1.0f)
         scale(k, s, s->delta, T * hidden, l->residual);
 }

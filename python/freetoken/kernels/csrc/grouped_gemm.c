@@ -472,6 +472,39 @@ __attribute__((target("avx2,fma"))) void moe_sum_f32(const float *down, int64_t 
     }
 }
 
+/* Qwen-MoE routing (layers/moe.py's softmax_topk) of T rows of router logits (ldl apart): a
+ * softmax over the E experts (torch's exp, the sum in expert order), the k largest probabilities
+ * in descending order (a tie: the lower id first), divided by their sum (in that order) where
+ * `normalize`; weights [T, k], ids [T, k]. A row's route depends on its logits alone. */
+__attribute__((target("avx2,fma"))) void moe_route_f32(const float *logits, int64_t ldl, int64_t T, int64_t E,
+                                                       int64_t k, int64_t normalize, float *weights,
+                                                       int64_t *ids) {
+#pragma omp parallel for if (T >= 64)
+    for (int64_t t = 0; t < T; t++) {
+        const float *l = logits + t * ldl;
+        float p[E + 8], top = l[0], sum = 0.0f;
+        char taken[E];
+        for (int64_t e = 1; e < E; e++)
+            if (l[e] > top) top = l[e];
+        for (int64_t e = 0; e < E; e += 8) {
+            float lane[8];
+            for (int i = 0; i < 8; i++) lane[i] = e + i < E ? l[e + i] - top : -__builtin_inff();
+            _mm256_storeu_ps(p + e, exp8(_mm256_loadu_ps(lane)));
+        }
+        for (int64_t e = 0; e < E; e++) sum += p[e];
+        for (int64_t e = 0; e < E; e++) p[e] /= sum, taken[e] = 0;
+        float *w = weights + t * k, total = 0.0f;
+        for (int64_t s = 0; s < k; s++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++)
+                if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
+            taken[best] = 1, ids[t * k + s] = best, w[s] = p[best], total += p[best];
+        }
+        if (normalize)
+            for (int64_t s = 0; s < k; s++) w[s] /= total;
+    }
+}
+
 #else
 
 int grouped_gemm_supported(void) { return 0; }

@@ -39,6 +39,8 @@ void silu_mul_bf16(const void *x, int64_t ldx, void *y, int64_t M, int64_t half)
 void round_to_bf16(const float *x, uint16_t *y, int64_t n);
 void moe_sum_f32(const float *down, int64_t ldd, const float *scale, const int64_t *slots, int64_t T,
                  int64_t k, int64_t H, float *out);
+void moe_route_f32(const float *logits, int64_t ldl, int64_t T, int64_t E, int64_t k, int64_t normalize,
+                   float *weights, int64_t *ids);
 
 /* ---------------------------------------------------------------- pool_attention.c */
 int pool_attention_supported(void);
@@ -97,14 +99,20 @@ struct kernels {
     __typeof__(silu_mul_f32) *silu_mul;
     __typeof__(pool_attention_f32) *attention;
     __typeof__(round_to_bf16) *round; /* bfloat16 rows only */
+    __typeof__(int8_gemm_parts) *int8_parts; /* NULL where int8_gemm.c is not built */
+    __typeof__(int8_gemm_grouped) *int8_grouped;
+    __typeof__(quant_gemm) *quant_grouped;
+    __typeof__(moe_route_f32) *moe_route;
+    __typeof__(moe_sum_f32) *moe_sum;
 };
 
 /* A projection's kind: a QuantParts (kernels/quant.py), a weight packed by grouped_gemm.py's
- * `pack` (one expert), or one packed by bf16_linear.py's `pack_pairs` for a bfloat16 unit. */
-enum { QUANT = 0, GROUPED = 1, AMX = 2, DOT = 3 };
+ * `pack` (one expert), one packed by bf16_linear.py's `pack_pairs` for a bfloat16 unit, or an
+ * Int8Parts (kernels/int8.py: a QuantParts' arguments on the int8 arithmetic). */
+enum { QUANT = 0, GROUPED = 1, AMX = 2, DOT = 3, INT8 = 4 };
 
-/* A projection: QUANT, a QuantParts' arguments; GROUPED, the packed weight and its float32 bias;
- * AMX and DOT likewise. */
+/* A projection: QUANT and INT8, a QuantParts' arguments (INT8: on int8_gemm.c's `path`);
+ * GROUPED, the packed weight and its float32 bias; AMX and DOT likewise. */
 struct linear {
     int64_t kind, parts;
     const int *types;
@@ -116,6 +124,30 @@ struct linear {
     const void *weight;
     const float *weight_bias;
     int64_t in_features, out_features;
+    int64_t path;
+};
+
+/* One projection of a layer's experts kept quantized (layers/moe.py's QuantizedExperts): blocks of
+ * GGUF type `type`, expert e's row n at w + e * lde + n * ldw bytes, `rows` rows an expert. */
+struct experts_weight {
+    int64_t type;
+    const uint8_t *w;
+    int64_t lde, ldw, rows;
+};
+
+/* A sparse MLP (layers/moe.py's SparseMoeBlock without a shared expert): the router, a softmax over
+ * `experts`, the top_k largest (divided by their sum where `normalize`), each expert's SwiGLU of
+ * `intermediate`. kind: GROUPED, experts packed by grouped_gemm.py (float32 rows: packed_gate_up
+ * [gate | up], packed_down); QUANT or INT8 (on `path`), quantized: gate_up (each expert's gate rows,
+ * then its up rows) or, where gate and up are two weights, gate_up the gate's and up the up's
+ * (up.w NULL: one weight), down, whose K runs in down_parts parts (bounds down_cuts, NULL: whole),
+ * each part's weighted sum added in part order (distributed/parts.py's tensor-parallel bits). */
+struct moe {
+    struct linear router;
+    struct experts_weight gate_up, up, down;
+    const void *packed_gate_up, *packed_down;
+    int64_t kind, path, experts, top_k, normalize, intermediate, down_parts;
+    const int64_t *down_cuts;
 };
 
 /* A layer's fixed arguments, made once. */
@@ -126,6 +158,7 @@ struct layer {
     float residual; /* Granite's residual multiplier: 1 leaves the outputs as the projections give them */
     int64_t hidden, heads, kv_heads, head_dim, intermediate, sliding;
     int64_t rotary; /* 0: q and k are not turned (SmolLM3's NoPE layers; none has q/k norms) */
+    const struct moe *moe; /* NULL: the dense MLP (gate_up, down, intermediate) */
 };
 
 /* A step's arguments, made once a step. */
@@ -144,6 +177,14 @@ struct step {
     void *h, *qkv;
     float *q, *attn32;
     void *attn, *gate_up, *act, *delta;
+    /* A sparse MLP's (NULL without): the router's logits [T, E], each token's top-k weights and
+     * experts [T, k], its (token, slot)s ordered by expert (`order` [T * k]) and their rows, scale
+     * and outputs in that order (rows, gate/up, SwiGLU's, down's [T * k, *]), each token's rows in
+     * ascending expert id (`expert_slots` [T * k]), the active experts' groups [E, 3], counts
+     * [max(E + 1, T)]; down's output is [parts, T * k, hidden], a part's weighted sum [T, hidden]. */
+    float *logits, *route_weights, *expert_scale, *expert_rows, *expert_gate_up, *expert_act, *expert_down;
+    float *part_sum;
+    int64_t *expert_ids, *expert_order, *expert_slots, *groups_by_expert, *expert_counts;
 };
 
 int decoder_layer_supported(void);
