@@ -81,18 +81,23 @@ def test_a_layer_on_our_dense_kernels_in_one_call_gives_the_python_layers_bits(a
                                                  ("tiny-quantized-moe-Q4_K_M", "exact"),
                                                  ("tiny-quantized-moe-Q8_0", "int8"),
                                                  ("tiny-quantized-moe-Q4_K_M", "int8"),
-                                                 ("tiny-qwen3-moe", "exact")])
+                                                 ("tiny-qwen3-moe", "exact"),
+                                                 ("tiny-gpt-oss-gguf", "exact"),
+                                                 ("tiny-gpt-oss-gguf-released", "int8"),
+                                                 ("tiny-gpt-oss", "exact")])
 def test_a_sparse_layer_in_one_call_gives_the_python_layers_bits(fixture, arithmetic):
-    # Qwen3-MoE: the router, route, experts (quantized, on int8's arithmetic, or float32 on the
-    # grouped kernel) and weighted sum inside the call; a step of 1, 6 and 70 rows.
-    folder = bm.cached_gguf(fixture) / "model.gguf" if "quantized" in fixture else bm.cached(fixture, bm.build_tiny_qwen3_moe)
+    # Qwen3-MoE and gpt-oss (sinks, sliding layers, the router's and experts' biases, its route
+    # and clamped SwiGLU): the router, route, experts (quantized, on int8's arithmetic, or float32
+    # on the grouped kernel) and weighted sum inside the call; a step of 1, 6 and 70 rows.
+    builders = {"tiny-qwen3-moe": bm.build_tiny_qwen3_moe, "tiny-gpt-oss": bm.build_tiny_gpt_oss}
+    folder = bm.cached(fixture, builders[fixture]) if fixture in builders else bm.cached_gguf(fixture) / "model.gguf"
     if arithmetic == "int8" and not int8.supported(QuantizedWeight(GGMLQuantizationType.Q8_0,
                                                                    torch.zeros(1, 34, dtype=torch.uint8), (1, 32))):
         pytest.skip("int8_gemm.c is not built here")
     model = load_model(folder, dtype="float32", device="cpu",
                        weights=WeightsConfig(quantized_arithmetic=arithmetic, linear_kernel="grouped")).model
     sparse = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "one_call")]
-    assert len(sparse) >= 2 and all(mlp.one_call(None) is None for mlp in sparse)  # no router run: Python
+    assert len(sparse) >= 2 and all(mlp.one_call(lambda module: None) is None for mlp in sparse)  # no router run
     assert model.kernel_plan.ops["moe_route"] == "grouped_gemm.c moe_route_f32"
     assert_same_bits(model, torch.float32, [True] * len(model.model.layers))
 

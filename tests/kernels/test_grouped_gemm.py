@@ -138,24 +138,46 @@ def test_the_source_ships_as_package_data_and_keys_the_probe_cache(tmp_path, mon
 
 
 @needs_kernel
-@pytest.mark.parametrize("normalize", [False, True])
-def test_moe_route_is_softmax_topk_and_a_rows_route_its_own(normalize):
-    """moe_route_f32 against a float64 softmax and top-k computed apart: the same experts in
-    descending order, weights within 1e-6 (renormalised or not), at 128 experts (Qwen3-MoE's) and
-    at 60, not a multiple of the exp's 8 lanes; a tie goes to the lower id; each row's route the
-    same alone and among 100 (the kernel splits rows over threads from 64)."""
+@pytest.mark.parametrize("mode", ["ROUTE_SOFTMAX_TOPK", "ROUTE_SOFTMAX_TOPK_NORM", "ROUTE_TOPK_SOFTMAX"])
+def test_moe_route_against_float64_and_a_rows_route_its_own(mode):
+    """moe_route_f32 against a float64 route computed apart (Qwen-MoE's softmax then top k,
+    renormalised or not; gpt-oss's top k then softmax): the same experts in descending order,
+    weights within 1e-6, at 128 experts and at 60 (not a multiple of the exp's 8 lanes); a tie
+    goes to the lower id; each row's route the same alone and among 100 (the kernel splits rows
+    over threads from 64)."""
     gen = torch.Generator().manual_seed(7)
     for experts in (128, 60):
         logits = torch.randn(100, experts, generator=gen) * 3
         logits[5, 9] = logits[5, 40] = logits[5].max() + 1  # a tie at the top
-        weights, ids = gg.moe_route(KERNEL, logits, 8, normalize)
+        weights, ids = gg.moe_route(KERNEL, logits, 8, gg.ROUTES[mode])
         probs = torch.softmax(logits.double(), dim=-1)
         top, expected = torch.sort(probs, dim=-1, descending=True, stable=True)
+        top = top[:, :8]
+        if mode == "ROUTE_TOPK_SOFTMAX":
+            top = torch.softmax(logits.double().gather(1, expected[:, :8]), dim=-1)
+        elif mode == "ROUTE_SOFTMAX_TOPK_NORM":
+            top = top / top.sum(-1, keepdim=True)
         assert torch.equal(ids, expected[:, :8]) and ids[5, :2].tolist() == [9, 40]
-        top = top[:, :8] / (top[:, :8].sum(-1, keepdim=True) if normalize else 1)
         assert (weights.double() - top).abs().max().item() < 1e-6
         for t in (0, 5, 99):
-            alone = gg.moe_route(KERNEL, logits[t : t + 1], 8, normalize)
+            alone = gg.moe_route(KERNEL, logits[t : t + 1], 8, gg.ROUTES[mode])
             assert torch.equal(alone[0], weights[t : t + 1]) and torch.equal(alone[1], ids[t : t + 1])
     with pytest.raises(ValueError, match="top 9 of 8"):
-        gg.moe_route(KERNEL, torch.zeros(1, 8), 9, True)
+        gg.moe_route(KERNEL, torch.zeros(1, 8), 9, gg.ROUTES[mode])
+
+
+@needs_kernel
+def test_clamped_swiglu_against_float64_and_a_rows_bits_its_own():
+    """gpt-oss's activation, clamped_swiglu_f32, against the formula in float64 (values beyond
+    the limit both ways, so both clamps act): within 1e-6 relative; a NaN kept; a row's bits the
+    same alone and among 300 (split over threads)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(300, 2 * 40, generator=gen) * 6
+    x[7, 3] = float("nan")
+    y = gg.clamped_swiglu(KERNEL, x, 1.702, 7.0)
+    gate, up = x[:, :40].double().clamp(max=7.0), x[:, 40:].double().clamp(-7.0, 7.0)
+    expected = (up + 1) * gate * torch.sigmoid(1.702 * gate)
+    assert torch.isnan(y[7, 3]) and torch.allclose(y.double(), expected, rtol=1e-6, atol=1e-6, equal_nan=True)
+    for r in (0, 7, 299):
+        alone = gg.clamped_swiglu(KERNEL, x[r : r + 1], 1.702, 7.0)
+        assert torch.equal(alone.view(torch.int32), y[r : r + 1].view(torch.int32))  # bits, NaN too

@@ -57,7 +57,7 @@ def kernels(dtype: torch.dtype) -> Kernels:
                    address(attention, f"pool_attention_{suffix}"), address(grouped, "round_to_bf16"),
                    address(int8_lib, "int8_gemm_parts"), address(int8_lib, "int8_gemm_grouped"),
                    address(quantized, "quant_gemm"), address(grouped, "moe_route_f32"),
-                   address(grouped, "moe_sum_f32"))
+                   address(grouped, "moe_sum_f32"), address(grouped, "clamped_swiglu_f32"))
 
 
 class Step:
@@ -149,49 +149,58 @@ class Moe:
         self.shape = (args.experts, args.top_k, args.intermediate, args.down_parts)
 
 
-def moe(router, experts: int, top_k: int, normalize: bool, gate_up: tuple, down, int8_path: int | None,
+def moe(router, experts: int, top_k: int, route: int, activation: tuple[float, float] | None, gate_up: tuple,
+        down, biases: tuple[torch.Tensor | None, torch.Tensor | None], int8_path: int | None,
         down_cuts: tuple[range, ...] = ()) -> Moe | None:
-    """A sparse MLP's arguments for `prepare`: `router` a run `_linear` takes on float32 rows, a
-    softmax over its `experts` outputs and the `top_k` largest (`normalize`: divided by their sum),
-    the experts' SwiGLU projections: gate_up, one grouped_gemm.PackedLinears of float32 weights
-    without bias, or the quantized parts [E, n, H] of each expert's gate rows then up rows (one or
-    two), and down ([E, H, I]; quantized, K in `down_cuts` parts, each part's weighted sum added in
-    part order), quantized ones on the int8 arithmetic at `int8_path` (None: the exact kernel). None
-    where the call cannot run them."""
+    """A sparse MLP's arguments for `prepare`: `router` a run `_linear` takes on float32 rows,
+    `route` a mode of grouped_gemm.ROUTES over its `experts` outputs to the `top_k`, the experts'
+    projections: gate_up, one grouped_gemm.PackedLinears of float32 weights, or the quantized parts
+    [E, n, H] of each expert's gate rows then up rows (one or two), and down ([E, H, I]; quantized,
+    K in `down_cuts` parts, each part's weighted sum added in part order), quantized ones on the
+    int8 arithmetic at `int8_path` (None: the exact kernel), with float32 `biases` ([E, 2I], [E, H]
+    or None; packed experts: their own); between them SwiGLU, or with `activation` (alpha, limit)
+    gpt-oss's clamped one. None where the call cannot run them."""
     made = _linear(router, torch.float32)
     if made is None or made[0].out_features != experts or not 0 < top_k <= experts or len(gate_up) > 2:
         return None
     router_args, router_keep = made
     if isinstance(down, grouped_gemm.PackedLinears):
         packs = (*gate_up, down)
-        if len(gate_up) != 1 or any(p.bias is not None or p.weight.dtype != torch.float32 for p in packs):
+        if len(gate_up) != 1 or any(p.weight.dtype != torch.float32 for p in packs):
             return None
         hidden, intermediate, two_i = down.out_features, down.in_features, gate_up[0].out_features
-        args = MoeArgs(router_args, ExpertsArgs(), ExpertsArgs(), ExpertsArgs(), gate_up[0].weight.data_ptr(),
-                       down.weight.data_ptr(), GROUPED, 0, experts, top_k, normalize, intermediate, 1, None)
+        biases = (gate_up[0].bias, down.bias)
+        kind, parts, cuts, weights = GROUPED, [ExpertsArgs()] * 3, None, (gate_up[0].weight, down.weight)
         keep = [router_keep, packs]
     else:
         blocks = [quant.blocks(w) for w in (*gate_up, down)]
         parts = [ExpertsArgs(int(w.qtype), b.data_ptr(), b.stride(0), b.stride(1), w.shape[1])
                  for w, b in zip((*gate_up, down), blocks)]
         hidden, intermediate, two_i = down.shape[1], down.shape[2], sum(w.shape[1] for w in gate_up)
-        if any(w.shape[2] != hidden for w in gate_up):
+        if any(w.shape[2] != hidden for w in gate_up) or any(
+                b is not None and (b.dtype != torch.float32 or not b.is_contiguous()) for b in biases):
             return None
+        if len(gate_up) == 1:
+            parts.insert(1, ExpertsArgs())
+        kind, weights = QUANT if int8_path is None else INT8, (None, None)
         cuts = (ctypes.c_int64 * (len(down_cuts) + 1))(*(r.start for r in down_cuts), intermediate) if down_cuts else None
-        args = MoeArgs(router_args, parts[0], parts[1] if len(gate_up) == 2 else ExpertsArgs(), parts[-1],
-                       None, None, QUANT if int8_path is None else INT8, int8_path or 0, experts, top_k,
-                       normalize, intermediate, len(down_cuts) or 1, cuts and ctypes.addressof(cuts))
-        keep = [router_keep, blocks, cuts]
+        keep = [router_keep, blocks, biases, cuts]
     if two_i != 2 * intermediate or intermediate % 8 or router_args.in_features != hidden:
         return None
+    alpha, limit = activation or (0.0, 0.0)
+    args = MoeArgs(router_args, *parts, *(None if w is None else w.data_ptr() for w in weights),
+                   *(None if b is None else b.data_ptr() for b in biases), kind, int8_path or 0, experts, top_k,
+                   route, activation is not None, intermediate, len(down_cuts) or 1,
+                   cuts and ctypes.addressof(cuts), alpha, limit)
     return Moe(args, keep, hidden)
 
 
 def prepare(lib: ctypes.CDLL | None, linears: tuple, norms: tuple, heads: int, kv_heads: int, head_dim: int,
             sliding: bool, rotary: bool, scale: float | None, residual: float,
-            sparse: Moe | None = None) -> LayerCall | None:
+            sparse: Moe | None = None, sinks: torch.Tensor | None = None) -> LayerCall | None:
     """A layer with projections `linears` (q/k/v, o, then the MLP's gate/up and down, or with a
-    sparse MLP `sparse` (`moe`'s) q/k/v and o alone: see `_linear`) and RMSNorms
+    sparse MLP `sparse` (`moe`'s) q/k/v and o alone: see `_linear`), attention `sinks` (float32
+    [heads], gpt-oss's; None: a plain softmax) and RMSNorms
     `norms` (input, post-attention, then q's and k's, or not), q and k turned by the rotary
     embedding or not, its attention scores scaled by `scale` (pool_attention.softmax_scale), the
     attention's and MLP's outputs by `residual`, on `lib` (the plan's: `load()`, or None where
@@ -207,6 +216,8 @@ def prepare(lib: ctypes.CDLL | None, linears: tuple, norms: tuple, heads: int, k
     if any(m is None for m in made) or (sparse is not None and (dtype != torch.float32 or sparse.hidden
                                                                  != made[0][0].in_features)):
         return None
+    if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (heads,) or not sinks.is_contiguous()):
+        return None
     (qkv, _), (o, _), *mlp = made
     (gate_up, _), (down, _) = mlp or [(LinearArgs(), None)] * 2
     hidden, intermediate = qkv.in_features, down.in_features
@@ -220,8 +231,9 @@ def prepare(lib: ctypes.CDLL | None, linears: tuple, norms: tuple, heads: int, k
                      *(None if w is None else w.data_ptr() for w in qk),
                      norms[0].eps, norms[1].eps, norms[2].eps if len(norms) == 4 else 0.0,
                      pool_attention.softmax_scale(head_dim, scale), residual, hidden, heads, kv_heads, head_dim,
-                     intermediate, sliding, rotary, None if sparse is None else ctypes.addressof(sparse.args))
-    return LayerCall(args, dtype, [made, weights, sparse], lib, sparse)
+                     intermediate, sliding, rotary, None if sparse is None else ctypes.addressof(sparse.args),
+                     None if sinks is None else sinks.data_ptr())
+    return LayerCall(args, dtype, [made, weights, sparse, sinks], lib, sparse)
 
 
 def step(ctx: ForwardContext, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -28,6 +28,9 @@ import torch
 
 from freetoken.kernels import build
 
+# moe_route_f32's modes (kernels.h)
+ROUTES = {name: value for name, value in build.declarations().enums.items() if name.startswith("ROUTE_")}
+
 SOURCE = build.source("grouped_gemm")
 STRIP = 16
 
@@ -157,15 +160,25 @@ def moe_sum(lib: ctypes.CDLL, down: torch.Tensor, scale: torch.Tensor, slots: to
     return y
 
 
-def moe_route(lib: ctypes.CDLL, logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """layers/moe.py's softmax_topk on logits [T, E] (any float dtype, widened) in one call
-    (moe_route_f32: the softmax over E, the k largest, a tie to the lower id, divided by their
-    sum where `normalize`): weights [T, k] float32, expert ids [T, k] int64."""
+def moe_route(lib: ctypes.CDLL, logits: torch.Tensor, k: int, mode: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A MoE route of logits [T, E] (any float dtype, widened) in one call (moe_route_f32, `mode`
+    one of ROUTES: Qwen-MoE's softmax then the k largest, renormalised or not, or gpt-oss's k
+    largest logits then a softmax over them; a tie to the lower id): weights [T, k] float32,
+    expert ids [T, k] int64, in descending order."""
     rows = logits.float().contiguous()
     tokens, experts = rows.shape
     if not 0 < k <= experts:
         raise ValueError(f"top {k} of {experts} experts")
     weights = torch.empty(tokens, k, dtype=torch.float32)
     ids = torch.empty(tokens, k, dtype=torch.int64)
-    lib.moe_route_f32(rows.data_ptr(), experts, tokens, experts, k, normalize, weights.data_ptr(), ids.data_ptr())
+    lib.moe_route_f32(rows.data_ptr(), experts, tokens, experts, k, mode, weights.data_ptr(), ids.data_ptr())
     return weights, ids
+
+
+def clamped_swiglu(lib: ctypes.CDLL, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation of float32 gate_up [M, 2 * half] ([gate | up], half % 8 == 0, the last
+    dim contiguous) in one pass (clamped_swiglu_f32): [M, half]."""
+    rows, half = gate_up.shape[0], gate_up.shape[1] // 2
+    y = torch.empty(rows, half, dtype=torch.float32)
+    lib.clamped_swiglu_f32(gate_up.data_ptr(), gate_up.stride(0), y.data_ptr(), rows, half, alpha, limit)
+    return y

@@ -38,6 +38,9 @@ class Attention(nn.Module):
     sliding = False  # a sliding-window layer (subclasses with their own __init__ have none)
     rotary = True  # q and k turned by the rotary embedding (not in SmolLM3's NoPE layers)
     scale: float | None = None  # of the scores; None: 1 / sqrt(head_dim) (Granite's is its own)
+    # kernels/decoder_layer.c's call computes this attention as it runs (q/k/v, q/k norms, rotation,
+    # the pool kernel with `_sink_logits`, o); a family that changes more says no.
+    in_one_call = True
     # Chosen once by `plan_kernels` (kernels/plan.py; a layer built outside a load: at its first
     # step): grouped_gemm.c's library for the rotation (None: torch's ops), and whether the rows
     # attend on pool_attention.c (else torch's SDPA).

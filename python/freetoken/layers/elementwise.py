@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from freetoken.kernels.grouped_gemm import KERNELS, silu_mul
+from freetoken.kernels.grouped_gemm import clamped_swiglu as grouped_clamped_swiglu
 from freetoken.kernels.plan import available
 
 LANES = 64
@@ -63,6 +64,23 @@ def silu_and_mul(gate_up: torch.Tensor, lib: ctypes.CDLL | None = NotImplemented
         rows = slice(start, start + block)
         torch.mul(F.silu(gate[rows].contiguous()), up[rows], out=out[rows])
     return out
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float,
+                   lib: ctypes.CDLL | None = NotImplemented) -> torch.Tensor:
+    """gpt-oss's activation over [gate | up]: gate clamped above, up both ways, then
+    (up + 1) * gate * sigmoid(alpha * gate); float32 rows in one pass where the caller's kernel
+    plan gives `lib` (grouped_gemm.c's clamped_swiglu_f32, the function kernels/decoder_layer.c's
+    call runs; None: torch's ops, lanewise; unplanned: this process's)."""
+    if lib is NotImplemented:
+        lib = available().elementwise(gate_up.dtype, gate_up.device)
+    half = gate_up.shape[-1] // 2
+    if (lib is not None and gate_up.dim() == 2 and gate_up.dtype == torch.float32 and half % 8 == 0
+            and gate_up.stride(-1) == 1):
+        return grouped_clamped_swiglu(lib, gate_up, alpha, limit)
+    gate = gate_up[:, :half].clamp(max=limit)
+    up = gate_up[:, half:].clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * lanewise(torch.sigmoid, gate * alpha))
 
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

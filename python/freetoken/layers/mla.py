@@ -78,6 +78,8 @@ class LatentAttention(Attention):
     `kv_b_proj`, held as `q_to_latent` and `latent_to_v` (`split_kv_b`), and V2-Lite's `q_proj`
     (no query rank), held as `q_b_proj` over the hidden state (the llama family fuses `q_proj`)."""
 
+    in_one_call = False
+
     def __init__(self, cfg, layer: int):
         nn.Module.__init__(self)
         self.cfg, self.layer, self.scale = cfg, layer, cfg.attention_scale

@@ -28,13 +28,13 @@ from typing import Callable
 import torch
 from torch import nn
 
-from freetoken.kernels.grouped_gemm import KERNELS, PackedLinears, grouped_gemm, moe_route, moe_sum, pack
+from freetoken.kernels.grouped_gemm import KERNELS, ROUTES, PackedLinears, grouped_gemm, moe_route, moe_sum, pack
 from freetoken.kernels import decoder_layer, int8
 from freetoken.kernels.int8 import grouped_int8_gemm
 from freetoken.kernels.plan import Available, available
 from freetoken.kernels.quant import QuantizedWeight, dequantize, grouped_quant_gemm, supported
 from freetoken.layers.kernel_choice import RowRule, probe_weight, rule_holds
-from freetoken.layers.elementwise import lanewise, silu_and_mul
+from freetoken.layers.elementwise import clamped_swiglu, lanewise, silu_and_mul
 from freetoken.layers.linear import Linear
 from freetoken.layers.mlp import MLP, swiglu_name
 from freetoken.layers.skeleton import on_meta
@@ -42,6 +42,8 @@ from freetoken.layers.skeleton import on_meta
 log = logging.getLogger(__name__)
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
+# The activations kernels/decoder_layer.c's sparse MLP computes (struct moe's `activation`).
+GATED_ACTIVATIONS = (silu_and_mul, clamped_swiglu)
 
 
 def softmax_topk(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,6 +105,12 @@ class Experts(nn.Module):
     sum_kernel: ctypes.CDLL | None = NotImplemented
     # Set by `use_quantized`.
     quantized: QuantizedExperts | None = None
+    # A family routed by moe_route_f32 (Qwen-MoE, gpt-oss): its router's attribute name and its
+    # mode (grouped_gemm.ROUTES); the route kernel set by `plan_kernels` (None: off the CPU or
+    # another family; unplanned: this process's).
+    router_name: str | None = None
+    route_mode: int | None = None
+    route_kernel: ctypes.CDLL | None = NotImplemented
     # Set by distributed/parts.py where one process computes what tensor-parallel ranks would:
     # the down projection's input columns per part, each part's weighted sum added in part order
     # (quantized experts: QuantizedExperts.down_cuts).
@@ -124,10 +132,56 @@ class Experts(nn.Module):
         lib = kernels.elementwise(dtype, device)
         self.sum_kernel = lib if dtype == torch.float32 else None
         plan = {"moe_experts": experts, "moe_sum": "grouped_gemm.c moe_sum_f32" if self.sum_kernel else "torch"}
-        if getattr(self.activation, "func", self.activation) is silu_and_mul:
+        activation = getattr(self.activation, "func", self.activation)
+        if activation is silu_and_mul:
             self.activation = partial(silu_and_mul, lib=lib)
             plan["swiglu"] = swiglu_name(lib, dtype)
+        elif activation is clamped_swiglu:
+            lib = lib if dtype == torch.float32 else None
+            self.activation = partial(self.activation, lib=lib)
+            plan["swiglu"] = "grouped_gemm.c clamped_swiglu_f32" if lib else "torch gpt-oss SwiGLU (lanewise)"
+        if self.router_name is not None:
+            self.route_kernel = kernels.grouped if torch.device(device).type == "cpu" else None
+            plan["moe_route"] = "grouped_gemm.c moe_route_f32" if self.route_kernel else "torch"
         return plan
+
+    def routed(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A CPU step's route (weights, ids) on moe_route_f32, the one kernels/decoder_layer.c's
+        call runs, so a layer gives the same bits on either path; its torch formula where the
+        kernel does not run here."""
+        lib = available().grouped if self.route_kernel is NotImplemented else self.route_kernel
+        if lib is None or logits.device.type != "cpu":
+            return self.torch_route(logits)
+        return moe_route(lib, logits, self.top_k, self.route_mode)
+
+    def torch_route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def one_call(self, run_of: Callable[[nn.Module], object]) -> decoder_layer.Moe | None:
+        """This block's arguments for kernels/decoder_layer.c's call (`run_of`: what the call runs
+        for a linear layer, None: none), or None where it runs in Python: a family the route
+        kernel does not route, a shared expert, an activation other than SwiGLU or gpt-oss's on
+        grouped_gemm.c, experts neither packed on the grouped kernel nor kept quantized, or a
+        tensor-parallel layout but quantized experts' K parts (a rank's sum, float experts'
+        down projection in parts)."""
+        activation = getattr(self.activation, "func", None)
+        lib = getattr(self.activation, "keywords", {}).get("lib")
+        if (self.router_name is None or hasattr(self, "shared_expert") or self.sum_over_ranks is not None
+                or self.down_parts != (slice(None),) or lib is None or self.route_kernel is None
+                or self.sum_kernel is None or activation not in GATED_ACTIVATIONS):
+            return None
+        router, q = run_of(getattr(self, self.router_name)), self.quantized
+        if q is not None:
+            gate_up, down, biases = q.gate_up, q.down, (q.gate_up_bias, q.down_bias)
+        elif self.stacked is not None:
+            packed_gate_up, (down,) = self.stacked
+            gate_up, biases = (packed_gate_up,), (None, None)
+        else:
+            return None
+        clamp = self.activation.keywords.get("alpha"), self.activation.keywords.get("limit")
+        return decoder_layer.moe(router, self.num_experts, self.top_k, self.route_mode,
+                                 None if activation is silu_and_mul else clamp, gate_up, down, biases,
+                                 None if q is None else q.int8_path, () if q is None else q.down_cuts)
 
     def stack(self, kernel: ctypes.CDLL) -> None:
         """Run on the grouped kernel from now on: its packed weights replace the Linears."""
@@ -305,12 +359,9 @@ def _quantized_projection(rows: torch.Tensor, weight: QuantizedWeight, bias: tor
 class SparseMoeBlock(Experts):
     """The router (`gate`) and the experts of one layer, named as transformers names them; with
     `shared_intermediate`, also a shared expert every token goes through, scaled by
-    sigmoid(shared_expert_gate). On the CPU the route is grouped_gemm.c's (moe_route_f32), the
-    one kernels/decoder_layer.c's call runs, so a layer gives the same bits on either path."""
+    sigmoid(shared_expert_gate)."""
 
-    # Set by `plan_kernels`: grouped_gemm.c where logits on the CPU route there, else None
-    # (softmax_topk); unplanned: this process's.
-    route_kernel: ctypes.CDLL | None = NotImplemented
+    router_name = "gate"
 
     def __init__(self, hidden: int, num_experts: int, intermediate: int, top_k: int,
                  norm_topk_prob: bool, shared_intermediate: int = 0):
@@ -322,46 +373,20 @@ class SparseMoeBlock(Experts):
             self.shared_expert = MLP(hidden, shared_intermediate)
             self.shared_expert_gate = Linear(hidden, 1, bias=False)
 
-    def plan_kernels(self, kernels: Available, dtype: torch.dtype, device: torch.device | str) -> dict[str, str]:
-        self.route_kernel = kernels.grouped if torch.device(device).type == "cpu" else None
-        return super().plan_kernels(kernels, dtype, device) | {
-            "moe_route": "grouped_gemm.c moe_route_f32" if self.route_kernel else "torch"}
+    @property
+    def route_mode(self) -> int:
+        return ROUTES["ROUTE_SOFTMAX_TOPK_NORM" if self.norm_topk_prob else "ROUTE_SOFTMAX_TOPK"]
+
+    def torch_route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return softmax_topk(logits, self.top_k, self.norm_topk_prob)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits, lib = self.gate(x), self.route_kernel
-        if lib is NotImplemented:
-            lib = available().grouped if logits.device.type == "cpu" else None
-        weights, ids = (softmax_topk(logits, self.top_k, self.norm_topk_prob) if lib is None
-                        else moe_route(lib, logits, self.top_k, self.norm_topk_prob))
+        weights, ids = self.routed(self.gate(x))
         routed = super().forward(x, ids, weights)
         if not hasattr(self, "shared_expert"):
             return routed
         # One gate per token ([T, 1]): lanewise, or a token's gate would depend on T.
         return routed + lanewise(torch.sigmoid, self.shared_expert_gate(x)) * self.shared_expert(x)
-
-    def one_call(self, router) -> decoder_layer.Moe | None:
-        """This block's arguments for kernels/decoder_layer.c's call, `router` the run of `gate`
-        (None: not one it can take), or None where it runs in Python: a shared expert, an activation
-        other than plain SwiGLU on grouped_gemm.c, experts other than on the grouped kernel or
-        kept quantized, biases, or a tensor-parallel layout (a rank's sum, float experts' down
-        projection in parts; quantized experts' parts of K run in the call)."""
-        q = self.quantized
-        if (router is None or hasattr(self, "shared_expert") or self.sum_over_ranks is not None
-                or self.down_parts != (slice(None),) or not isinstance(self.activation, partial)
-                or self.activation.func is not silu_and_mul or self.activation.keywords.get("lib") is None
-                or self.route_kernel is None or self.sum_kernel is None):
-            return None
-        if q is not None:
-            if q.gate_up_bias is not None or q.down_bias is not None:
-                return None
-            gate_up, down = q.gate_up, q.down
-        elif self.stacked is not None:
-            packed_gate_up, (down,) = self.stacked
-            gate_up = (packed_gate_up,)
-        else:
-            return None
-        return decoder_layer.moe(router, self.num_experts, self.top_k, self.norm_topk_prob, gate_up, down,
-                                 None if q is None else q.int8_path, () if q is None else q.down_cuts)
 
 
 def stack_experts(model: nn.Module) -> None:

@@ -22,7 +22,8 @@ from torch import nn
 from freetoken.kernels.mxfp4 import BLOCK
 from freetoken.kernels.quant import QuantizedWeight, from_mxfp4_blocks
 from freetoken.layers.attention import Attention
-from freetoken.layers.elementwise import lanewise
+from freetoken.kernels.grouped_gemm import ROUTES
+from freetoken.layers.elementwise import clamped_swiglu, lanewise
 from freetoken.layers.linear import Linear
 from freetoken.layers.moe import Experts, split_stacked_experts, widen_unsupported_experts
 from freetoken.models.llama import LlamaForCausalLM, ModelConfig, fuse_hf_weights
@@ -44,15 +45,6 @@ class GptOssConfig(ModelConfig):
                                swiglu_alpha=cfg.get("swiglu_alpha", 1.702),
                                swiglu_limit=cfg.get("swiglu_limit", 7.0),
                                mxfp4_experts=quantization == "mxfp4", **extra)
-
-
-def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """gpt-oss's activation over [gate | up]: gate clamped above, up both ways, then
-    (up + 1) * gate * sigmoid(alpha * gate)."""
-    half = gate_up.shape[-1] // 2
-    gate = gate_up[:, :half].clamp(max=limit)
-    up = gate_up[:, half:].clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * lanewise(torch.sigmoid, gate * alpha))
 
 
 class SinkAttention(Attention):
@@ -107,18 +99,27 @@ def _attention_with_lse(q, k, v, float_mask):
 
 
 class GptOssMoe(Experts):
-    """The router (`router`, with bias) and the experts (with biases) of one layer."""
+    """The router (`router`, with bias) and the experts (with biases) of one layer; the top k
+    logits weighted by a softmax over them (on the CPU: grouped_gemm.c's moe_route_f32)."""
+
+    router_name = "router"
 
     def __init__(self, cfg: GptOssConfig):
         activation = partial(clamped_swiglu, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
         super().__init__(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, bias=True,
                          activation=activation)
         self.router = Linear(cfg.hidden_size, cfg.num_experts, bias=True)
+        self.router.wants_ours = True  # the whole layer runs as one C call only on our kernels
         self.top_k = cfg.num_experts_per_tok
+        self.route_mode = ROUTES["ROUTE_TOPK_SOFTMAX"]
+
+    def torch_route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        top, ids = torch.topk(logits, self.top_k, dim=-1)
+        return torch.softmax(top, dim=-1), ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        top, ids = torch.topk(self.router(x), self.top_k, dim=-1)
-        return super().forward(x, ids, torch.softmax(top, dim=-1))
+        weights, ids = self.routed(self.router(x))
+        return super().forward(x, ids, weights)
 
 
 class GptOssForCausalLM(LlamaForCausalLM):

@@ -29,7 +29,7 @@ from freetoken.layers.attention import Attention
 from freetoken.layers.kernel_choice import UNCAPPED
 from freetoken.layers.linear import Linear
 from freetoken.layers.mlp import MLP
-from freetoken.layers.moe import SparseMoeBlock
+from freetoken.layers.moe import Experts
 from freetoken.layers.norm import RMSNorm
 from freetoken.distributed.parts import RowParts
 from freetoken.layers.quantized import QuantizedLinear
@@ -153,23 +153,25 @@ class DecoderLayer(nn.Module):
 
     def prepare_call(self, lib) -> decoder_layer.LayerCall | None:
         """The whole layer as one C call on `lib` (decoder_layer.c's, None: in Python), with the
-        bits of the calls below: a plain attention and MLP (not a family's own; or a Qwen MoE block
-        its `one_call` takes) whose linear layers all run on our kernels, whole calls (a row-parallel layer's K parts in one:
+        bits of the calls below: a plain attention (or gpt-oss's, its sinks on the pool kernel) and
+        MLP (not a family's own; or an MoE block whose `one_call` gives the call's arguments) whose linear layers all run on our kernels, whole calls (a row-parallel layer's K parts in one:
         RowParts.fused), rotary on whole heads (not Phi-4-mini's part of each)."""
         attn, mlp = self.self_attn, self.mlp
-        sparse = type(mlp) is SparseMoeBlock
-        if type(attn) is not Attention or not (sparse or type(mlp) is MLP) or attn.cfg.rotary_dim != attn.cfg.head_dim:
+        sparse = isinstance(mlp, Experts)
+        if (not isinstance(attn, Attention) or not attn.in_one_call or not (sparse or type(mlp) is MLP)
+                or attn.cfg.rotary_dim != attn.cfg.head_dim):
             return None
         modules = (attn.qkv_proj, attn.o_proj) + (() if sparse else (mlp.gate_up_proj, mlp.down_proj))
         runs = tuple(_call_run(module) for module in modules)
-        moe = mlp.one_call(_call_run(mlp.gate)) if sparse else None
+        moe = mlp.one_call(_call_run) if sparse else None
         if any(run is None for run in runs) or (sparse and moe is None):
             return None
         cfg = attn.cfg
         norms = (self.input_layernorm, self.post_attention_layernorm)
         norms += (attn.q_norm, attn.k_norm) if cfg.qk_norm else ()
         return decoder_layer.prepare(lib, runs, norms, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                     attn.sliding, attn.rotary, attn.scale, cfg.residual_multiplier, moe)
+                                     attn.sliding, attn.rotary, attn.scale, cfg.residual_multiplier, moe,
+                                     attn._sink_logits())
 
 
 def _call_run(module: nn.Module) -> Any:

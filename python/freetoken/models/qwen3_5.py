@@ -122,6 +122,8 @@ class GatedAttention(Attention):
     """Full attention with a sigmoid output gate (q_proj gives each head's query and gate),
     per-head q/k RMSNorm and rotary embedding on the first `rotary_dim` dims only."""
 
+    in_one_call = False
+
     def __init__(self, cfg: HybridConfig, kv_layer: int):
         nn.Module.__init__(self)
         self.cfg, self.layer = cfg, kv_layer

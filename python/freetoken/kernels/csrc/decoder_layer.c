@@ -63,11 +63,12 @@ static void linear(const struct kernels *k, const struct linear *l, const struct
 }
 
 /* One projection of a sparse MLP's experts: x [R, K] grouped by expert (the step's G groups) into
- * y [R, N] (rows ldy apart), on the experts' kernel; quantized, K in S parts at cuts (NULL: whole),
- * each part's sums apart, lds floats on. */
+ * y [R, N] (rows ldy apart), on the experts' kernel, plus `bias` (NULL: none; struct moe's, N a
+ * row); quantized, K in S parts at cuts (NULL: whole), each part's sums apart, lds floats on, the
+ * bias in the first. */
 static void experts(const struct kernels *k, const struct moe *m, const struct step *s, const struct experts_weight *w,
-                    const void *packed, const float *x, int64_t K, int64_t N, float *y, int64_t ldy, int64_t G,
-                    int64_t R, int64_t S, const int64_t *cuts, int64_t lds) {
+                    const void *packed, const float *bias, const float *x, int64_t K, int64_t N, float *y, int64_t ldy,
+                    int64_t G, int64_t R, int64_t S, const int64_t *cuts, int64_t lds) {
     if (m->kind == INT8)
         k->int8_grouped((int)m->path, (int)w->type, x, K, w->w, w->lde, w->ldw, y, ldy, s->groups_by_expert, G, R, K,
                         w->rows, S, cuts, lds);
@@ -75,7 +76,14 @@ static void experts(const struct kernels *k, const struct moe *m, const struct s
         k->quant_grouped((int)s->isa, (int)w->type, x, K, w->w, w->lde, w->ldw, y, ldy, s->groups_by_expert, G, K,
                          w->rows, S, cuts, lds);
     else
-        k->grouped_f32(x, K, packed, 0, y, ldy, s->groups_by_expert, G, K, N);
+        k->grouped_f32(x, K, packed, bias, y, ldy, s->groups_by_expert, G, K, N);
+    if (m->kind != GROUPED && bias) /* each row's expert's bias, added to its float32 sums */
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t *group = s->groups_by_expert + 3 * g;
+            const float *b = bias + group[0] * N;
+            for (int64_t r = group[1]; r < group[1] + group[2]; r++)
+                for (int64_t n = 0; n < N; n++) y[r * ldy + n] += b[n];
+        }
 }
 
 /* The sparse MLP of h into delta, as layers/moe.py's SparseMoeBlock.forward runs it (its kernels,
@@ -87,7 +95,7 @@ static void sparse_mlp(const struct kernels *k, const struct layer *l, const str
     const int64_t T = s->tokens, top = m->top_k, E = m->experts, H = l->hidden, I = m->intermediate, R = T * top;
     const float *h = s->h;
     linear(k, &m->router, s, h, s->logits);
-    k->moe_route(s->logits, E, T, E, top, m->normalize, s->route_weights, s->expert_ids);
+    k->moe_route(s->logits, E, T, E, top, m->route, s->route_weights, s->expert_ids);
     int64_t *next = s->expert_counts, G = 0;
     memset(next, 0, (E + 1) * sizeof(int64_t));
     for (int64_t i = 0; i < R; i++) next[s->expert_ids[i] + 1]++;
@@ -109,13 +117,25 @@ static void sparse_mlp(const struct kernels *k, const struct layer *l, const str
         const int64_t t = s->expert_order[j] / top;
         s->expert_slots[t * top + filled[t]++] = j;
     }
-    experts(k, m, s, &m->gate_up, m->packed_gate_up, s->expert_rows, H, 2 * I, s->expert_gate_up, 2 * I, G, R, 1, 0,
-            0);
-    if (m->up.w)
-        experts(k, m, s, &m->up, 0, s->expert_rows, H, 0, s->expert_gate_up + m->gate_up.rows, 2 * I, G, R, 1, 0, 0);
-    k->silu_mul(s->expert_gate_up, 2 * I, s->expert_act, R, I);
-    experts(k, m, s, &m->down, m->packed_down, s->expert_act, I, H, s->expert_down, H, G, R, m->down_parts, m->down_cuts,
-            R * H);
+    if (m->up.w) { /* gate and up apart: each with its half of the bias, as the Python block splits it */
+        experts(k, m, s, &m->gate_up, 0, 0, s->expert_rows, H, I, s->expert_gate_up, 2 * I, G, R, 1, 0, 0);
+        experts(k, m, s, &m->up, 0, 0, s->expert_rows, H, I, s->expert_gate_up + I, 2 * I, G, R, 1, 0, 0);
+        if (m->gate_up_bias)
+            for (int64_t g = 0; g < G; g++) {
+                const int64_t *group = s->groups_by_expert + 3 * g;
+                const float *b = m->gate_up_bias + group[0] * 2 * I;
+                for (int64_t r = group[1]; r < group[1] + group[2]; r++)
+                    for (int64_t n = 0; n < 2 * I; n++) s->expert_gate_up[r * 2 * I + n] += b[n];
+            }
+    } else
+        experts(k, m, s, &m->gate_up, m->packed_gate_up, m->gate_up_bias, s->expert_rows, H, 2 * I, s->expert_gate_up,
+                2 * I, G, R, 1, 0, 0);
+    if (m->activation)
+        k->clamped_swiglu(s->expert_gate_up, 2 * I, s->expert_act, R, I, m->alpha, m->limit);
+    else
+        k->silu_mul(s->expert_gate_up, 2 * I, s->expert_act, R, I);
+    experts(k, m, s, &m->down, m->packed_down, m->down_bias, s->expert_act, I, H, s->expert_down, H, G, R,
+            m->down_parts, m->down_cuts, R * H);
     float *delta = s->delta;
     for (int64_t part = 0; part < m->down_parts; part++) {
         float *sum = part ? s->part_sum : delta;
@@ -152,7 +172,7 @@ void decoder_layer(const struct kernels *k, const struct layer *l, const struct 
         else
             memcpy(s->q + t * H * D, row, sizeof(float) * H * D);
     }
-    k->attention(s->q, cache, s->slots, l->sliding ? s->window_ranges : s->ranges, 0, s->attn32, T, H, KV, D,
+    k->attention(s->q, cache, s->slots, l->sliding ? s->window_ranges : s->ranges, l->sinks, s->attn32, T, H, KV, D,
                  l->scale);
     if (s->bf16)
         k->round(s->attn32, s->attn, T * H * D);

@@ -472,37 +472,82 @@ __attribute__((target("avx2,fma"))) void moe_sum_f32(const float *down, int64_t 
     }
 }
 
-/* Qwen-MoE routing (layers/moe.py's softmax_topk) of T rows of router logits (ldl apart): a
- * softmax over the E experts (torch's exp, the sum in expert order), the k largest probabilities
- * in descending order (a tie: the lower id first), divided by their sum (in that order) where
- * `normalize`; weights [T, k], ids [T, k]. A row's route depends on its logits alone. */
+/* e^x of n values into e (n padded to whole lanes with e^-inf = 0): torch's exp. */
+__attribute__((target("avx2,fma"))) static void exp_row(const float *x, int64_t n, float *e) {
+    for (int64_t i = 0; i < n; i += 8) {
+        float lane[8];
+        for (int j = 0; j < 8; j++) lane[j] = i + j < n ? x[i + j] : -__builtin_inff();
+        _mm256_storeu_ps(e + i, exp8(_mm256_loadu_ps(lane)));
+    }
+}
+
+/* The k largest of v [n] (not taken before), in descending order, a tie to the lower index. */
+static void top_k(const float *v, int64_t n, int64_t k, char *taken, int64_t *ids) {
+    memset(taken, 0, n);
+    for (int64_t s = 0; s < k; s++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < n; e++)
+            if (!taken[e] && (best < 0 || v[e] > v[best])) best = e;
+        taken[best] = 1, ids[s] = best;
+    }
+}
+
+/* A MoE route of T rows of router logits [T, E] (ldl apart) into weights [T, k] and expert ids
+ * [T, k] (descending), each row on its own logits:
+ *   ROUTE_SOFTMAX_TOPK (Qwen-MoE, layers/moe.py's softmax_topk): a softmax over the E experts
+ *     (torch's exp, the sum in expert order), the k largest probabilities;
+ *   ROUTE_SOFTMAX_TOPK_NORM: the same, divided by their sum (in that order), `norm_topk_prob`;
+ *   ROUTE_TOPK_SOFTMAX (gpt-oss): the k largest logits, weighted by a softmax over them.
+ * A tie goes to the lower id. */
 __attribute__((target("avx2,fma"))) void moe_route_f32(const float *logits, int64_t ldl, int64_t T, int64_t E,
-                                                       int64_t k, int64_t normalize, float *weights,
-                                                       int64_t *ids) {
+                                                       int64_t k, int64_t mode, float *weights, int64_t *ids) {
 #pragma omp parallel for if (T >= 64)
     for (int64_t t = 0; t < T; t++) {
         const float *l = logits + t * ldl;
-        float p[E + 8], top = l[0], sum = 0.0f;
+        float p[E + 8], *w = weights + t * k, top = l[0], sum = 0.0f;
+        int64_t *id = ids + t * k;
         char taken[E];
+        if (mode == ROUTE_TOPK_SOFTMAX) {
+            float chosen[k], e[k + 8];
+            top_k(l, E, k, taken, id);
+            for (int64_t s = 0; s < k; s++) chosen[s] = l[id[s]] - l[id[0]];
+            exp_row(chosen, k, e);
+            for (int64_t s = 0; s < k; s++) sum += e[s];
+            for (int64_t s = 0; s < k; s++) w[s] = e[s] / sum;
+            continue;
+        }
         for (int64_t e = 1; e < E; e++)
             if (l[e] > top) top = l[e];
-        for (int64_t e = 0; e < E; e += 8) {
-            float lane[8];
-            for (int i = 0; i < 8; i++) lane[i] = e + i < E ? l[e + i] - top : -__builtin_inff();
-            _mm256_storeu_ps(p + e, exp8(_mm256_loadu_ps(lane)));
-        }
+        float shifted[E];
+        for (int64_t e = 0; e < E; e++) shifted[e] = l[e] - top;
+        exp_row(shifted, E, p);
         for (int64_t e = 0; e < E; e++) sum += p[e];
-        for (int64_t e = 0; e < E; e++) p[e] /= sum, taken[e] = 0;
-        float *w = weights + t * k, total = 0.0f;
-        for (int64_t s = 0; s < k; s++) {
-            int64_t best = -1;
-            for (int64_t e = 0; e < E; e++)
-                if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
-            taken[best] = 1, ids[t * k + s] = best, w[s] = p[best], total += p[best];
-        }
-        if (normalize)
+        for (int64_t e = 0; e < E; e++) p[e] /= sum;
+        top_k(p, E, k, taken, id);
+        float total = 0.0f;
+        for (int64_t s = 0; s < k; s++) w[s] = p[id[s]], total += w[s];
+        if (mode == ROUTE_SOFTMAX_TOPK_NORM)
             for (int64_t s = 0; s < k; s++) w[s] /= total;
     }
+}
+
+/* gpt-oss's SwiGLU of x [M, 2 * half] ([gate | up], rows ldx apart, half % 8 == 0) into y [M, half]
+ * contiguous: the gate clamped above at `limit`, up to [-limit, limit] (a NaN kept, as torch's
+ * clamp keeps it), then (up + 1) * (gate * sigmoid(alpha * gate)), sigmoid(z) = 1 / (1 + e^-z) on
+ * torch's exp: each element on its own. */
+__attribute__((target("avx2,fma"))) void clamped_swiglu_f32(const float *x, int64_t ldx, float *y, int64_t M,
+                                                            int64_t half, float alpha, float limit) {
+    const __m256 hi = _mm256_set1_ps(limit), lo = _mm256_set1_ps(-limit), one = _mm256_set1_ps(1.0f);
+    const __m256 a = _mm256_set1_ps(alpha), sign = _mm256_set1_ps(-0.0f);
+#pragma omp parallel for if (M * half >= 32768)
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t i = 0; i < half; i += 8) {
+            const __m256 gate = _mm256_min_ps(hi, _mm256_loadu_ps(x + r * ldx + i)); /* NaN: the second */
+            const __m256 up = _mm256_max_ps(lo, _mm256_min_ps(hi, _mm256_loadu_ps(x + r * ldx + half + i)));
+            const __m256 e = exp8(_mm256_xor_ps(_mm256_mul_ps(gate, a), sign));
+            const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, e));
+            _mm256_storeu_ps(y + r * half + i, _mm256_mul_ps(_mm256_add_ps(up, one), _mm256_mul_ps(gate, sig)));
+        }
 }
 
 #else

@@ -39,8 +39,12 @@ void silu_mul_bf16(const void *x, int64_t ldx, void *y, int64_t M, int64_t half)
 void round_to_bf16(const float *x, uint16_t *y, int64_t n);
 void moe_sum_f32(const float *down, int64_t ldd, const float *scale, const int64_t *slots, int64_t T,
                  int64_t k, int64_t H, float *out);
-void moe_route_f32(const float *logits, int64_t ldl, int64_t T, int64_t E, int64_t k, int64_t normalize,
+void moe_route_f32(const float *logits, int64_t ldl, int64_t T, int64_t E, int64_t k, int64_t mode,
                    float *weights, int64_t *ids);
+void clamped_swiglu_f32(const float *x, int64_t ldx, float *y, int64_t M, int64_t half, float alpha, float limit);
+/* moe_route_f32's modes: Qwen-MoE's softmax then top k (renormalised or not), gpt-oss's top k
+ * then softmax. */
+enum { ROUTE_SOFTMAX_TOPK = 0, ROUTE_SOFTMAX_TOPK_NORM = 1, ROUTE_TOPK_SOFTMAX = 2 };
 
 /* ---------------------------------------------------------------- pool_attention.c */
 int pool_attention_supported(void);
@@ -104,6 +108,7 @@ struct kernels {
     __typeof__(quant_gemm) *quant_grouped;
     __typeof__(moe_route_f32) *moe_route;
     __typeof__(moe_sum_f32) *moe_sum;
+    __typeof__(clamped_swiglu_f32) *clamped_swiglu;
 };
 
 /* A projection's kind: a QuantParts (kernels/quant.py), a weight packed by grouped_gemm.py's
@@ -135,19 +140,24 @@ struct experts_weight {
     int64_t lde, ldw, rows;
 };
 
-/* A sparse MLP (layers/moe.py's SparseMoeBlock without a shared expert): the router, a softmax over
- * `experts`, the top_k largest (divided by their sum where `normalize`), each expert's SwiGLU of
- * `intermediate`. kind: GROUPED, experts packed by grouped_gemm.py (float32 rows: packed_gate_up
- * [gate | up], packed_down); QUANT or INT8 (on `path`), quantized: gate_up (each expert's gate rows,
- * then its up rows) or, where gate and up are two weights, gate_up the gate's and up the up's
- * (up.w NULL: one weight), down, whose K runs in down_parts parts (bounds down_cuts, NULL: whole),
- * each part's weighted sum added in part order (distributed/parts.py's tensor-parallel bits). */
+/* A sparse MLP (layers/moe.py's SparseMoeBlock without a shared expert, gpt-oss's GptOssMoe): the
+ * router, moe_route_f32's `route` (a mode) to the top_k of `experts`, each expert's SwiGLU of
+ * `intermediate` (`activation`: 0 silu_mul, 1 clamped_swiglu at alpha and limit). kind: GROUPED,
+ * experts packed by grouped_gemm.py (float32 rows: packed_gate_up [gate | up], packed_down, their
+ * packed biases gate_up_bias and down_bias or NULL); QUANT or INT8 (on `path`), quantized: gate_up
+ * (each expert's gate rows, then its up rows) or, where gate and up are two weights, gate_up the
+ * gate's and up the up's (up.w NULL: one weight), down, whose K runs in down_parts parts (bounds
+ * down_cuts, NULL: whole), each part's weighted sum added in part order (distributed/parts.py's
+ * tensor-parallel bits); biases [E, 2I] and [E, H] float32 or NULL, added to a row's float32 sums
+ * (down's to the first part's). */
 struct moe {
     struct linear router;
     struct experts_weight gate_up, up, down;
     const void *packed_gate_up, *packed_down;
-    int64_t kind, path, experts, top_k, normalize, intermediate, down_parts;
+    const float *gate_up_bias, *down_bias;
+    int64_t kind, path, experts, top_k, route, activation, intermediate, down_parts;
     const int64_t *down_cuts;
+    float alpha, limit;
 };
 
 /* A layer's fixed arguments, made once. */
@@ -159,6 +169,7 @@ struct layer {
     int64_t hidden, heads, kv_heads, head_dim, intermediate, sliding;
     int64_t rotary; /* 0: q and k are not turned (SmolLM3's NoPE layers; none has q/k norms) */
     const struct moe *moe; /* NULL: the dense MLP (gate_up, down, intermediate) */
+    const float *sinks;    /* [heads] float32: gpt-oss's attention sinks, or NULL */
 };
 
 /* A step's arguments, made once a step. */
