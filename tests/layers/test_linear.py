@@ -179,11 +179,9 @@ def test_choice_takes_the_fastest_invariant_kernel(results, kernel, invariant, m
     assert any(kernel in v for v in plan.kernels.values())
 
 
-@pytest.mark.parametrize("wanted", [False, True])
-def test_a_head_for_columns_goes_to_a_kernel_that_computes_columns_alone(wanted, monkeypatch):
-    """A pooling server's LM head (--runner pooling) on our kernel though oneDNN times faster:
-    `logits_at` then computes a reranker's two columns, not the vocabulary; the other layers and
-    a generation server's head keep the fastest."""
+def _onednn_fastest(monkeypatch) -> nn.Module:
+    """A module with a 16x16 `proj`, the float32 kernels' probes faked: oneDNN fastest, ours
+    three times slower."""
     if any(prepare(name, _layer(16, 16)) is None for name in FLOAT32_KERNELS):
         pytest.skip("not every float32 kernel runs here")
     monkeypatch.setattr(linear, "CANDIDATES", FLOAT32_KERNELS)
@@ -191,6 +189,15 @@ def test_a_head_for_columns_goes_to_a_kernel_that_computes_columns_alone(wanted,
         {"onednn": (RowRule(1, 32), 1.0), "torch": (RowRule(16), 2.0), "grouped": (RowRule(), 3.0)}))
     model = nn.Module()
     model.proj = Linear(16, 16, bias=False)
+    return model
+
+
+@pytest.mark.parametrize("wanted", [False, True])
+def test_a_head_for_columns_goes_to_a_kernel_that_computes_columns_alone(wanted, monkeypatch):
+    """A pooling server's LM head (--runner pooling) on our kernel though oneDNN times faster:
+    `logits_at` then computes a reranker's two columns, not the vocabulary; the other layers and
+    a generation server's head keep the fastest."""
+    model = _onednn_fastest(monkeypatch)
     model.lm_head = Linear(16, 100, bias=False)
     model.requires_grad_(False)
     x = torch.randn(3, 16)
@@ -210,13 +217,7 @@ def test_a_head_for_columns_goes_to_a_kernel_that_computes_columns_alone(wanted,
 def test_a_layer_that_wants_ours_goes_to_ours_though_onednn_is_faster(monkeypatch):
     """An MoE router (run inside decoder_layer.c's sparse layer, which calls our kernels alone) on
     ours at three times oneDNN's faked time; a layer beside it without the flag keeps oneDNN."""
-    if any(prepare(name, _layer(16, 16)) is None for name in FLOAT32_KERNELS):
-        pytest.skip("not every float32 kernel runs here")
-    monkeypatch.setattr(linear, "CANDIDATES", FLOAT32_KERNELS)
-    monkeypatch.setattr(linear, "measure", _fake_measure(
-        {"onednn": (RowRule(1, 32), 1.0), "torch": (RowRule(16), 2.0), "grouped": (RowRule(), 3.0)}))
-    model = nn.Module()
-    model.proj = Linear(16, 16, bias=False)
+    model = _onednn_fastest(monkeypatch)
     model.router = Linear(16, 8, bias=False)
     model.router.wants_ours = True
     model.requires_grad_(False)
