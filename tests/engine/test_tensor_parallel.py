@@ -230,4 +230,7 @@ def test_default_model_tp2_splits_uneven_heads_and_matches_tp1_then_a_lost_rank_
         t0 = time.monotonic()
         with pytest.raises(GroupLost):
             drain(tp2, _greedy(tok, prompts=PROMPTS[:1]))
-        assert time.monotonic() - t0 < 5
+        # Raised, not hung: on the closed connection at once, or, where the kernel had not yet
+        # closed it when rank 0 sent (a loaded machine: 10.0 s seen in CI), by the group's
+        # 10 s timeout.
+        assert time.monotonic() - t0 < 10 + 5
