@@ -117,6 +117,8 @@ INLINE const uint8_t *unit_at(int type, const uint8_t *w, int64_t j0) {
 /* MXFP4's e2m1 values doubled (gguf's kvalues), and its E8M0 byte as half its power of two
  * (gguf's e8m0_to_fp32_half; e = 0 and 1 subnormal, 255 2^127): s * c is exactly gguf's value. */
 static const int8_t E2M1[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+/* E2M1 plus 12 (unsigned, 0-24): the vector paths' codes, one shuffle of the nibbles */
+static const int8_t E2M1_PLUS12[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 INLINE float e8m0_half(uint8_t e) {
     const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
     float f;
@@ -358,8 +360,7 @@ AVX2 INLINE __m256i codes_avx2(int type, const uint8_t *b, int u) {
         const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b + 17 * u + 1)));
         const __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
         const __m256i nibbles = _mm256_and_si256(_mm256_srlv_epi32(q, shift), four);
-        const __m256i plus12 = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, /* x2 */
-                                                12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+        const __m256i plus12 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)E2M1_PLUS12));
         return _mm256_shuffle_epi8(plus12, nibbles);
     }
     if (type == Q6_K) { /* code bits 4-5: bits 2g, 2g + 1 of qh's bytes, shifted in place */
@@ -626,6 +627,16 @@ AVX2 INLINE void unit_avx2(int type, int vnni, const uint8_t *w, int64_t ldw, in
 /* Blocks u and u + 1 (u even) of a column's codes as codes_avx2 makes them, u in the low half:
  * Q4_K's two are the low and high nibbles of the same 32 bytes. */
 AVX512 INLINE __m512i codes_512(int type, const uint8_t *b, int u) {
+    if (type == MXFP4) { /* codes_avx2's, both blocks' nibbles shifted, masked and looked up at once:
+                          * 6-9 % faster than two of codes_avx2 (alternated calls, four experts of
+                          * one row, Zen 5) */
+        const __m512i q = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b + 17 * u + 1)))),
+            _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b + 17 * u + 18))), 1);
+        const __m512i shift = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4);
+        const __m512i plus12 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)E2M1_PLUS12));
+        return _mm512_shuffle_epi8(plus12, _mm512_and_si512(_mm512_srlv_epi32(q, shift), _mm512_set1_epi8(15)));
+    }
     if (type == Q4_K) {
         const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (u / 2))));
         const __m512i shift = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
