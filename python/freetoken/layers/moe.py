@@ -367,7 +367,8 @@ class SparseMoeBlock(Experts):
                  norm_topk_prob: bool, shared_intermediate: int = 0):
         super().__init__(num_experts, hidden, intermediate, bias=False, activation=silu_and_mul)
         self.gate = Linear(hidden, num_experts, bias=False)
-        self.gate.wants_ours = True  # the whole layer runs as one C call only on our kernels
+        # The whole layer runs as one C call only on our kernels, and never with a shared expert.
+        self.gate.wants_ours = not shared_intermediate
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         if shared_intermediate:
             self.shared_expert = MLP(hidden, shared_intermediate)
