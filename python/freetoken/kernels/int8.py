@@ -29,7 +29,7 @@ FORMATS = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizatio
            GGMLQuantizationType.Q6_K, GGMLQuantizationType.MXFP4)
 # int8_gemm.c's `path` argument; where a CPU runs several, the highest. Every path gives the same
 # bits; AVX512-VNNI's few rows run on 512-bit vectors (1.2-1.4x AVX-VNNI's at 1-2 rows, Zen 5).
-PATHS = {"scalar": 0, "avx2": 1, "avx_vnni": 2, "avx512_vnni": 3}
+PATHS = {"scalar": 0, "avx2": 1, "avx_vnni": 2, "avx512_vnni": 3, "avx512_vbmi": 4}
 _ARITHMETIC: ContextVar[str] = ContextVar("quantized_arithmetic", default="exact")
 
 
